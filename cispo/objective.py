@@ -1,0 +1,373 @@
+"""One policy objective, many algorithms: CISPO and its family as settings of eq. 6.
+
+MiniMax-M1 (arXiv 2506.13585), section 3.1. For a batch of responses o_i sampled from
+pi_old, with advantages A_it and response tokens counted by the response mask:
+
+    r_it    = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)              IS ratio
+    w_it    = clip(r_it, 1 - eps_low_is, 1 + eps_high_is)                     eq. 5
+    M_it    = 0 if A_it > 0 and r_it > 1 + eps_high                           eq. 7
+              0 if A_it < 0 and r_it < 1 - eps_low
+              1 otherwise
+    J       = agg_{i,t}( sg(w_it) * A_it * log pi_theta(o_it | q, o_i<t) * M_it )   eq. 6
+    loss    = -J + kl_coef * agg_{i,t}( KL_it(pi_theta || pi_ref) )
+
+``sg`` is stop-gradient: the weight is a constant coefficient and the gradient flows only
+through ``log pi_theta``, so each token contributes ``sg(w) * A * M * grad log pi``:
+
+    | token                              | PPO / GRPO / DAPO   | CISPO                           |
+    |------------------------------------|---------------------|---------------------------------|
+    | ratio inside the bound             | r * A * grad log pi | r * A * grad log pi             |
+    | A > 0 and r above the upper bound  | 0 (token dropped)   | (1 + eps_high_is) * A * grad lp |
+
+Every algorithm is a setting of five independent axes (fields of ``ObjectiveConfig``):
+
+1. ratio unit — ``token`` (r_it) or ``sequence`` (GSPO, arXiv 2507.18071:
+   s_i = exp(mean_t(log pi_theta - log pi_old)) shared by the tokens of o_i);
+2. the IS-weight bounds ``eps_low_is`` / ``eps_high_is`` (None = unbounded on that side);
+3. the mask rule — ``none`` (M = 1, CISPO, REINFORCE) or ``ppo`` (eq. 7 with ``eps_low`` /
+   ``eps_high``: the trust region of PPO, GRPO, DAPO and, at sequence level, GSPO);
+4. the aggregation — ``token-mean`` (DAPO's token-level loss, eq. 4's 1/sum_i|o_i|),
+   ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum-norm`` (Dr. GRPO, a constant length);
+5. an optional KL penalty to a reference policy (k1 or k3 estimator), off by default.
+
+With a PPO mask and an unclipped weight, the gradient of eq. 6 equals the gradient of
+PPO's ``min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`` exactly (the tests prove it); the
+*value* of the loss is that of eq. 6, not of the surrogate.
+
+Departures from the paper, in plain words:
+
+1. The paper does not publish eps_high_is. The ``cispo`` preset uses eps_high_is = 4.0
+   (IS weight capped at 5), the value of ScaleRL (arXiv 2510.13786); eps_low_is = None.
+2. The log-ratio is clamped to +-``max_log_ratio`` (20 by default) before ``exp`` so that
+   wildly off-policy tokens give finite weights; inside that range nothing changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+
+import torch
+
+RATIO_LEVELS = ("token", "sequence")
+MASK_RULES = ("none", "ppo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k3")
+LOW_PROB = 0.1  # p_old below this counts as a low-probability ("fork") token in the stats
+
+
+def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"ObjectiveConfig.{field} must be one of {choices}, got {value!r}{_suggest(value, choices)}")
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """The axes of the unified objective (eq. 6). The defaults are the ``cispo`` preset."""
+
+    ratio_level: str = "token"
+    """Unit of the IS ratio: ``token`` (r_it) or ``sequence`` (GSPO's length-normalised s_i)."""
+    eps_low_is: float | None = None
+    """IS weight lower bound 1 - eps_low_is (eq. 5). None: no lower bound (the paper's choice)."""
+    eps_high_is: float | None = 4.0
+    """IS weight upper bound 1 + eps_high_is (eq. 5). None: no upper bound. Paper: unpublished."""
+    mask_rule: str = "none"
+    """Token mask M (eq. 7): ``none`` (M = 1) or ``ppo`` (PPO's trust region, eps_low/eps_high)."""
+    eps_low: float = 0.2
+    """PPO trust region lower edge 1 - eps_low: masks A < 0 tokens below it (eq. 7).
+    Also defines ``frac_ppo_dropped`` under every mask rule."""
+    eps_high: float = 0.2
+    """PPO trust region upper edge 1 + eps_high: masks A > 0 tokens above it (eq. 7).
+    Also defines ``frac_ppo_dropped`` under every mask rule."""
+    aggregation: str = "token-mean"
+    """How per-token terms become a scalar: ``token-mean`` (sum / total tokens),
+    ``seq-mean-token-mean`` (mean over sequences of per-sequence means),
+    ``seq-mean-token-sum-norm`` (sum / (num_seqs * token_sum_norm), Dr. GRPO)."""
+    token_sum_norm: float | None = None
+    """Constant length for ``seq-mean-token-sum-norm`` (e.g. max new tokens).
+    None: the padded length T of the batch (then split batches are not exact)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to the reference policy. 0: no KL term (the paper's choice)."""
+    kl_estimator: str = "k3"
+    """KL estimator: ``k1`` (log pi - log pi_ref) or ``k3`` (r - 1 - log r, r = pi_ref / pi)."""
+    max_log_ratio: float | None = 20.0
+    """Clamp of log r (and log s) to +-max_log_ratio before exp, for finite weights. None: off."""
+
+    def __post_init__(self) -> None:
+        _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        _check_choice("mask_rule", self.mask_rule, MASK_RULES)
+        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        for name in ("eps_low_is", "eps_high_is", "eps_low", "eps_high", "kl_coef"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"ObjectiveConfig.{name} must be a finite number >= 0, got {value!r}")
+        if self.eps_low > 1:
+            raise ValueError(f"ObjectiveConfig.eps_low must be <= 1 (bound 1 - eps_low >= 0), got {self.eps_low}")
+        for name in ("token_sum_norm", "max_log_ratio"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"ObjectiveConfig.{name} must be a finite number > 0 or None, got {value!r}")
+
+
+PRESETS: dict[str, ObjectiveConfig] = {
+    # MiniMax-M1: weight capped above and detached, every token keeps its gradient.
+    "cispo": ObjectiveConfig(),
+    # Plain PPO-clip with a token-level loss.
+    "ppo": ObjectiveConfig(eps_high_is=None, mask_rule="ppo", eps_low=0.2, eps_high=0.2),
+    # DeepSeekMath's GRPO: PPO-clip, mean within each sequence then over sequences.
+    "grpo": ObjectiveConfig(
+        eps_high_is=None, mask_rule="ppo", eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-mean"
+    ),
+    # DAPO: clip-higher (0.2 / 0.28) and the token-level loss.
+    "dapo": ObjectiveConfig(eps_high_is=None, mask_rule="ppo", eps_low=0.2, eps_high=0.28),
+    # GSPO: sequence-level ratio and trust region, per-sequence normalisation.
+    "gspo": ObjectiveConfig(
+        ratio_level="sequence",
+        eps_high_is=None,
+        mask_rule="ppo",
+        eps_low=3e-4,
+        eps_high=4e-4,
+        aggregation="seq-mean-token-mean",
+    ),
+    # IS-weighted REINFORCE: no clipping, no mask.
+    "reinforce": ObjectiveConfig(eps_high_is=None),
+}
+
+
+def preset(name: str, **overrides) -> ObjectiveConfig:
+    """The named preset (``cispo``, ``ppo``, ``grpo``, ``dapo``, ``gspo``, ``reinforce``),
+    with any field replaced by ``overrides`` (e.g. ``preset("cispo", eps_high_is=2.0)``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown objective preset {name!r}{_suggest(name, PRESETS)}; known: {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    for key in overrides:
+        if key not in fields:
+            raise ValueError(f"ObjectiveConfig has no field {key!r}{_suggest(key, fields)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+@dataclass(frozen=True)
+class ObjectiveStats:
+    """Detached diagnostics of one ``policy_loss`` call. Fractions and ratio statistics count
+    only tokens with response_mask = 1; ``num_tokens`` / ``num_low_prob_tokens`` are their
+    local counts, to weight averages over micro-batches."""
+
+    loss: float
+    pg_loss: float  # -J (eq. 6) alone
+    kl: float  # aggregated KL to the reference policy (0 when off)
+    frac_capped: float  # IS weight hit one of its bounds (eq. 5)
+    frac_ppo_dropped: float  # a PPO mask with the config's eps_low / eps_high would drop (eq. 7)
+    frac_ppo_dropped_low_prob: float  # the same among tokens with p_old < 0.1
+    ratio_mean: float
+    ratio_min: float
+    ratio_max: float
+    approx_kl: float  # k3 estimate of KL(pi_old || pi_theta): mean of (r - 1) - log r
+    num_tokens: int
+    num_low_prob_tokens: int
+
+    def to_dict(self, prefix: str = "") -> dict[str, float]:
+        return {prefix + k: float(v) for k, v in dataclasses.asdict(self).items()}
+
+
+# ---------------------------------------------------------------------------------------
+# The axes, one function each. Tensors in, tensors out.
+# ---------------------------------------------------------------------------------------
+
+
+def log_ratio(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    response_mask: torch.Tensor,
+    ratio_level: str = "token",
+    max_log_ratio: float | None = 20.0,
+) -> torch.Tensor:
+    """log r_it = log pi_theta - log pi_old (token), or log s_i = mean_t log r_it (sequence,
+    GSPO eq. 7) broadcast over the tokens of o_i. Detached; 0 at padding.  -> [B, T]"""
+    mask = response_mask.bool()  # [B, T]
+    log_r = torch.where(mask, logp_new.detach() - logp_old, 0.0)  # log r_it    [B, T]
+    if ratio_level == "sequence":
+        lengths = mask.sum(-1, keepdim=True).clamp(min=1)  # |o_i|       [B, 1]
+        log_s = log_r.sum(-1, keepdim=True) / lengths  # log s_i     [B, 1]
+        log_r = torch.where(mask, log_s.expand_as(log_r), 0.0)  # log s_i     [B, T]
+    if max_log_ratio is not None:
+        log_r = log_r.clamp(-max_log_ratio, max_log_ratio)
+    return log_r
+
+
+def is_weight(ratio: torch.Tensor, eps_low_is: float | None, eps_high_is: float | None) -> torch.Tensor:
+    """sg(w_it), w = clip(r, 1 - eps_low_is, 1 + eps_high_is)   (eq. 5); None = unbounded."""
+    low = None if eps_low_is is None else 1.0 - eps_low_is
+    high = None if eps_high_is is None else 1.0 + eps_high_is
+    if low is None and high is None:
+        return ratio.detach()  # sg(r_it)    [B, T]
+    return ratio.clamp(min=low, max=high).detach()  # sg(w_it)    [B, T]
+
+
+def ppo_token_mask(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+    """M_it of eq. 7: 0 where A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low; else 1.
+    These are exactly the tokens whose gradient PPO's min(r*A, clip(r)*A) sets to zero."""
+    dropped = ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
+    return (~dropped).to(ratio.dtype)  # M_it        [B, T]
+
+
+def aggregate(
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    aggregation: str,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    token_sum_norm: float | None = None,
+) -> torch.Tensor:
+    """Reduce per-token values [B, T] to a scalar, counting only response tokens.
+
+    token-mean:               sum_{i,t} x_it / num_tokens              (num_tokens = sum_i |o_i|)
+    seq-mean-token-mean:      sum_i (sum_t x_it / |o_i|) / num_seqs
+    seq-mean-token-sum-norm:  sum_{i,t} x_it / (num_seqs * token_sum_norm)
+
+    Pass the *global* ``num_tokens`` / ``num_seqs`` of the whole batch (all micro-batches, all
+    ranks) and the sum of the parts' results equals the full batch's. Defaults: the local
+    counts (sequences with at least one response token).
+    """
+    mask = response_mask.bool()  # [B, T]
+    x = torch.where(mask, values, 0.0)  # [B, T]
+    if aggregation == "token-mean":
+        if num_tokens is None:
+            num_tokens = mask.sum().clamp(min=1)
+        return x.sum() / num_tokens
+    lengths = mask.sum(-1)  # |o_i|       [B]
+    if num_seqs is None:
+        num_seqs = (lengths > 0).sum().clamp(min=1)
+    if aggregation == "seq-mean-token-mean":
+        return (x.sum(-1) / lengths.clamp(min=1)).sum() / num_seqs
+    if aggregation == "seq-mean-token-sum-norm":
+        norm = token_sum_norm if token_sum_norm is not None else values.shape[-1]
+        return x.sum() / (num_seqs * norm)
+    raise ValueError(f"unknown aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
+
+
+def kl_penalty(logp_new: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) on samples of pi_theta (Schulman 2020):
+    k1 = log pi - log pi_ref;  k3 = r - 1 - log r with r = pi_ref / pi.  -> [B, T]"""
+    log_r = logp_ref - logp_new  # log (pi_ref / pi)   [B, T]
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k3":
+        return torch.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")
+
+
+def policy_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cfg: ObjectiveConfig,
+    num_tokens: float | torch.Tensor | None = None,
+    logp_ref: torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ObjectiveStats]:
+    """loss = -agg( sg(w_it) * A_it * log pi_theta(o_it) * M_it ) + kl_coef * agg(KL_it)   (eq. 6)
+
+    Args:
+        logp_new: [B, T] log pi_theta of the sampled tokens; carries the gradient.
+        logp_old: [B, T] log pi_old of the same tokens (the policy that sampled them).
+        advantages: [B] (one per response, broadcast over its tokens) or [B, T].
+        response_mask: [B, T], 1 = a response token that counts, 0 = prompt/padding.
+        cfg: the objective's settings, e.g. ``preset("cispo")``.
+        num_tokens: global sum_i |o_i| for token-mean aggregation (default: local count).
+        logp_ref: [B, T] log pi_ref, needed when cfg.kl_coef > 0.
+        num_seqs: global number of sequences for the seq-mean aggregations (default: local).
+    Returns:
+        (loss, stats): the scalar loss to minimise and detached ``ObjectiveStats``.
+    """
+    _check_shapes(logp_new, logp_old, advantages, response_mask, logp_ref)
+    if cfg.kl_coef > 0 and logp_ref is None:
+        raise ValueError("policy_loss: cfg.kl_coef > 0 needs logp_ref (the reference policy's log-probs)")
+    mask = response_mask.bool()  # [B, T]
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logp_new)  # A_it        [B, T]
+    advantages = advantages.to(logp_new.dtype)
+
+    log_r = log_ratio(logp_new, logp_old, mask, cfg.ratio_level, cfg.max_log_ratio)  # [B, T]
+    ratio = torch.exp(log_r)  # r_it (or s_i)    [B, T]
+    weight = is_weight(ratio, cfg.eps_low_is, cfg.eps_high_is)  # sg(w_it)         [B, T]
+    ppo_mask = ppo_token_mask(ratio, advantages, cfg.eps_low, cfg.eps_high)  # [B, T]
+    token_mask = ppo_mask if cfg.mask_rule == "ppo" else torch.ones_like(ratio)  # M_it  [B, T]
+
+    logp = torch.where(mask, logp_new, 0.0)  # padding never reaches the graph   [B, T]
+    per_token = weight * advantages * logp * token_mask  # eq. 6 term    [B, T]
+    pg_loss = -aggregate(per_token, mask, cfg.aggregation, num_tokens, num_seqs, cfg.token_sum_norm)
+
+    kl = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
+    if logp_ref is not None and cfg.kl_coef > 0:
+        kl_tokens = kl_penalty(logp, torch.where(mask, logp_ref, 0.0), cfg.kl_estimator)  # [B, T]
+        kl = aggregate(kl_tokens, mask, cfg.aggregation, num_tokens, num_seqs, cfg.token_sum_norm)
+    loss = pg_loss + cfg.kl_coef * kl
+
+    stats = _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, logp_old, mask, cfg)
+    return loss, stats
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, logp_old, mask, cfg) -> ObjectiveStats:
+    """All diagnostics in one host transfer (one device sync)."""
+    with torch.no_grad():
+        n = mask.sum()
+        n_safe = n.clamp(min=1)
+        capped = torch.zeros_like(mask)
+        if cfg.eps_high_is is not None:
+            capped |= ratio > 1.0 + cfg.eps_high_is
+        if cfg.eps_low_is is not None:
+            capped |= ratio < 1.0 - cfg.eps_low_is
+        dropped = (ppo_mask == 0) & mask  # [B, T]
+        low_prob = (logp_old < math.log(LOW_PROB)) & mask  # [B, T]
+        n_low = low_prob.sum()
+        big, small = torch.finfo(ratio.dtype).max, torch.finfo(ratio.dtype).min
+        k3 = torch.where(mask, ratio - 1.0 - log_r, 0.0)  # [B, T]
+        values = torch.stack(
+            [
+                loss.detach().float(),
+                pg_loss.detach().float(),
+                kl.detach().float(),
+                ((capped & mask).sum() / n_safe).float(),
+                (dropped.sum() / n_safe).float(),
+                ((dropped & low_prob).sum() / n_low.clamp(min=1)).float(),
+                (torch.where(mask, ratio, 0.0).sum() / n_safe).float(),
+                torch.where(n > 0, torch.where(mask, ratio, big).min(), 1.0).float(),
+                torch.where(n > 0, torch.where(mask, ratio, small).max(), 1.0).float(),
+                (k3.sum() / n_safe).float(),
+                n.float(),
+                n_low.float(),
+            ]
+        ).tolist()
+    names = [f.name for f in dataclasses.fields(ObjectiveStats)]
+    kwargs = dict(zip(names, values))
+    kwargs["num_tokens"] = int(kwargs["num_tokens"])
+    kwargs["num_low_prob_tokens"] = int(kwargs["num_low_prob_tokens"])
+    return ObjectiveStats(**kwargs)
+
+
+def _check_shapes(logp_new, logp_old, advantages, response_mask, logp_ref) -> None:
+    if logp_new.dim() != 2:
+        raise ValueError(f"policy_loss: logp_new must be [B, T], got shape {tuple(logp_new.shape)}")
+    shape = logp_new.shape
+    for name, t in (("logp_old", logp_old), ("response_mask", response_mask), ("logp_ref", logp_ref)):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"policy_loss: {name} must have logp_new's shape {tuple(shape)}, got {tuple(t.shape)}")
+    if advantages.shape not in (shape, shape[:1]):
+        raise ValueError(
+            f"policy_loss: advantages must be [B] = {tuple(shape[:1])} or [B, T] = {tuple(shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
