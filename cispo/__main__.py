@@ -1,0 +1,4 @@
+import sys
+from cispo.cli import main
+
+sys.exit(main())

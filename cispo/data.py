@@ -1,0 +1,102 @@
+"""Prompt data: an endless, seeded, checkpointable stream of samples, and dynamic sampling.
+
+A *sample* is a dict with at least ``prompt`` (str); every other field (``answer``, …) is
+passed on to the reward as keyword arguments.
+
+Dynamic sampling (DAPO, arXiv 2503.14476, section 3.2): a group whose G rewards are all
+equal has zero advantage everywhere and contributes no gradient; drop it and sample new
+prompts until the batch holds the configured number of informative groups, within a cap
+on the number of generation rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import torch
+
+Group = TypeVar("Group")
+
+
+class PromptStream:
+    """Shuffled epochs over ``samples``, forever. Epoch e's order is a permutation drawn from
+    ``seed`` and e alone, so the stream's position (epoch, index) is its whole state."""
+
+    def __init__(self, samples: Sequence[dict], seed: int) -> None:
+        if len(samples) == 0:
+            raise ValueError("PromptStream needs at least one sample")
+        self.samples = list(samples)
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.samples), generator=g).tolist()
+
+    def take(self, n: int) -> list[dict]:
+        """The next ``n`` samples (crossing epoch boundaries as needed)."""
+        out = []
+        while len(out) < n:
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.samples[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_samples": len(self.samples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_samples"] != len(self.samples) or state["seed"] != self.seed:
+            raise ValueError(
+                f"prompt stream state is for {state['num_samples']} samples / seed {state['seed']}, "
+                f"this stream has {len(self.samples)} / seed {self.seed}"
+            )
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._permutation(self.epoch)
+
+
+@dataclass
+class FillReport:
+    """What dynamic sampling did for one batch."""
+
+    rounds: int  # generation rounds used
+    groups_sampled: int  # groups generated in all rounds
+    groups_kept: int  # informative groups kept (<= target)
+
+
+def fill_groups(
+    take_prompts: Callable[[int], list[dict]],
+    generate: Callable[[list[dict]], list[Group]],
+    is_informative: Callable[[Group], bool],
+    num_groups: int,
+    max_rounds: int = 1,
+    filter_groups: bool = True,
+) -> tuple[list[Group], FillReport]:
+    """Collect ``num_groups`` groups, dropping uninformative ones when ``filter_groups``.
+
+    Round 1 generates ``num_groups`` groups; each refill round generates enough to cover the
+    deficit at the informative rate seen so far (at most ``num_groups``). After
+    ``max_rounds`` rounds the batch may hold fewer groups (possibly none).
+    """
+    if num_groups < 1 or max_rounds < 1:
+        raise ValueError(f"fill_groups needs num_groups >= 1 and max_rounds >= 1, got {num_groups}, {max_rounds}")
+    kept: list[Group] = []
+    sampled = rounds = 0
+    while len(kept) < num_groups and rounds < max_rounds:
+        need = num_groups - len(kept)
+        rate = len(kept) / sampled if sampled else 1.0
+        n = need if rounds == 0 else min(num_groups, math.ceil(need / max(rate, 0.25)))
+        groups = generate(take_prompts(n))
+        rounds += 1
+        sampled += len(groups)
+        kept.extend(g for g in groups if not filter_groups or is_informative(g))
+        if not filter_groups:
+            break
+    kept = kept[:num_groups]
+    return kept, FillReport(rounds=rounds, groups_sampled=sampled, groups_kept=len(kept))

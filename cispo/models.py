@@ -1,0 +1,198 @@
+"""Build, save and load policies: the tiny built-in model, or any local Hugging Face causal LM.
+
+* `build_tokenizer` / `build_model`: a character-level tokenizer and a small
+  `LlamaForCausalLM` for the built-in tasks (`cispo.tasks`).
+* `save_policy` / `load_policy`: the standard Hugging Face folder layout
+  (``config.json``, ``model.safetensors``, ``tokenizer.json``), so the built-in model and
+  real checkpoints load the same way.
+* `builtin_model_path` / `ensure_builtin_model`: the pretrained built-in base model,
+  cached per task and pretraining config in ``$CISPO_CACHE`` (or
+  ``$XDG_CACHE_HOME/cispo``, or ``~/.cache/cispo``), pretrained on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, EOS, UNK)
+"""Special tokens, in id order: ``<pad>`` = 0, ``<eos>`` = 1, ``<unk>`` = 2."""
+
+MODEL_SIZES = {
+    # name: (hidden, layers, heads, intermediate)
+    "default": (128, 4, 4, 384),
+    "small": (96, 3, 4, 256),
+    "tiny": (32, 2, 2, 64),
+}
+"""Built-in Llama shapes; ``default`` has ~0.79M parameters."""
+
+MAX_POSITIONS = 128
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(chars: str):
+    """A character-level `PreTrainedTokenizerFast` over `chars` plus the special tokens.
+
+    Ids: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then `chars` in order. Every character
+    encodes to exactly one id; no special token is added on encode; decode joins the
+    characters back without spaces.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "".join(dict.fromkeys(chars))  # de-duplicate, keep order
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in chars:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
+        model_max_length=MAX_POSITIONS, padding_side="left",
+    )
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_model(tokenizer, size: str = "default", seed: int = 0):
+    """A small seeded `LlamaForCausalLM` for `tokenizer` (see `MODEL_SIZES`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, inter = MODEL_SIZES[size]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        intermediate_size=inter,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def num_parameters(model) -> int:
+    """Number of parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def save_policy(model, tokenizer, path) -> Path:
+    """Save `model` (safetensors) and `tokenizer` (``tokenizer.json``) into folder `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_policy(path, dtype=None, device=None):
+    """``(model, tokenizer)`` from a local causal-LM folder (built-in or any HF checkpoint).
+
+    `dtype` is a `torch.dtype` or a name ("float32", "bfloat16"); None keeps the saved one.
+    The model is returned in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def cache_root(cache_dir=None) -> Path:
+    """``cache_dir`` or ``$CISPO_CACHE`` or ``$XDG_CACHE_HOME/cispo`` or ``~/.cache/cispo``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get("CISPO_CACHE"):
+        return Path(os.environ["CISPO_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "cispo"
+
+
+def config_hash(cfg) -> str:
+    """A short stable hash of a (dataclass) pretraining config."""
+    blob = json.dumps(asdict(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def builtin_model_path(task: str = "addition", cache_dir=None, cfg=None) -> Path:
+    """Where the pretrained base model for `task` and `cfg` lives (it may not exist yet).
+
+    ``<cache>/models/<task>-<hash of the PretrainConfig>``; `cfg` defaults to
+    ``PretrainConfig(task=task)``.
+    """
+    from cispo.pretrain import PretrainConfig
+
+    cfg = PretrainConfig(task=task) if cfg is None else cfg
+    if cfg.task != task:
+        raise ValueError(f"cfg.task={cfg.task!r} but task={task!r}")
+    return cache_root(cache_dir) / "models" / f"{task}-{config_hash(cfg)}"
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "tokenizer.json").is_file() and any(
+        path.glob("*.safetensors"))
+
+
+def ensure_builtin_model(task: str = "addition", cache_dir=None, cfg=None, progress: bool = True) -> Path:
+    """Path to the cached base model for `task`, pretraining it first if it is missing.
+
+    Pretraining writes into a temporary folder next to the target and renames it into
+    place, so an interrupted run never leaves a half-written model in the cache; when two
+    processes race, the first rename wins and the other's copy is discarded.
+    """
+    from cispo.pretrain import PretrainConfig, pretrain
+
+    cfg = PretrainConfig(task=task) if cfg is None else cfg
+    path = builtin_model_path(task, cache_dir, cfg)
+    if _is_complete(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"cispo: pretraining the built-in {task!r} base model once (a few minutes on a CPU); "
+          f"it will be cached in {path}", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        pretrain(cfg, tmp, progress=progress)
+        if path.exists() and not _is_complete(path):  # debris not written by us: replace it
+            shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not _is_complete(path):  # not a lost race: a genuine failure
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,349 @@
+"""Pretrain the tiny built-in base model on a task's corpus, and measure what it does.
+
+The base model must show the behaviour CISPO is about (MiniMax-M1, arXiv 2506.13585,
+section 3): a reflective fork token that it samples *rarely* (~1–5% of completions at
+temperature 1) but that, when sampled, makes the answer far more often correct.
+`measure_base_model` checks exactly that.
+
+Departures from a plain LM pretraining, in plain words:
+
+1. Loss only on completion tokens (the prompt is given, never predicted), and not on
+   the corrupted pre-fork guesses nor on most fork tokens (see
+   `cispo.tasks.arithmetic.corpus`): the model practises many derivations, yet learns
+   to *choose* the fork with frequency `fork_fraction` only.
+2. Every step draws a fixed share of direct and of forked examples and runs them as two
+   micro-batches (their lengths differ ~4x), one loss normalised by their total number
+   of loss tokens.
+
+Deterministic: the same config and seed give bit-identical weights on the same machine
+and thread count (`torch.manual_seed`, a `torch.Generator` for batches, CPU ops only).
+
+    python -m cispo.pretrain --seed 0 --out /tmp/base0 --measure 4000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Pretraining of the built-in base model. Its hash keys the model cache."""
+
+    task: str = "addition"
+    """Built-in task name (`cispo.tasks.get_task`)."""
+    seed: int = 0
+    """Seeds the corpus, the initial weights and the batch order."""
+    model_size: str = "default"
+    """Key of `cispo.models.MODEL_SIZES` (``default``: hidden 128, 4 layers, ~0.79M params)."""
+    steps: int = 900
+    """Optimizer steps."""
+    batch_size: int = 192
+    """Examples per step (direct and forked together)."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    warmup_steps: int = 50
+    """Linear warm-up steps, then cosine decay to `min_lr_ratio * lr`."""
+    min_lr_ratio: float = 0.05
+    """Final learning rate as a fraction of `lr`."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (on matrices only)."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW betas."""
+    corpus_size: int = 200_000
+    """Examples generated once; batches are drawn from them with replacement."""
+    fork_fraction: float = 0.03
+    """Trained frequency of the fork token at the "fork or stop" decision after the guess."""
+    derivation_fraction: float = 0.3
+    """Fraction of examples that contain a derivation (practice; see `fork_fraction`)."""
+    wrong_guess_fraction: float = 0.5
+    """Fraction of forked examples whose pre-fork guess has a corrupted digit."""
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _encode(examples, vocab: dict[str, int], eos_id: int, pad_id: int):
+    """Right-padded ``(input_ids, labels)`` [N, T]; labels -100 where no loss."""
+    seqs, labs = [], []
+    for ex in examples:
+        ids = [vocab[c] for c in ex.prompt + ex.completion] + [eos_id]
+        # label of position t is token t+1; the prompt's last position predicts completion[0]
+        lab = [-100] * (len(ex.prompt) - 1)
+        lab += [ids[len(ex.prompt) + i] if m else -100 for i, m in enumerate(ex.loss_mask)]
+        seqs.append(ids[:-1])
+        labs.append(lab)
+    T = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
+    for i, (s, l) in enumerate(zip(seqs, labs)):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        labels[i, : len(l)] = torch.tensor(l)
+    return input_ids, labels
+
+
+def build_dataset(cfg: PretrainConfig, tokenizer):
+    """``{"direct": (ids, labels), "forked": (ids, labels)}`` from the task's corpus."""
+    from cispo.tasks import get_task
+
+    task = get_task(cfg.task)
+    examples = task.corpus(cfg.seed, cfg.corpus_size, fork_fraction=cfg.fork_fraction,
+                           derivation_fraction=cfg.derivation_fraction,
+                           wrong_guess_fraction=cfg.wrong_guess_fraction)
+    vocab = tokenizer.get_vocab()
+    out = {}
+    for kind in ("direct", "forked"):
+        part = [ex for ex in examples if ex.forked == (kind == "forked")]
+        if part:
+            out[kind] = _encode(part, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return out
+
+
+def _lr_at(step: int, cfg: PretrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# --------------------------------------------------------------------------- pretrain
+
+
+def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True):
+    """Pretrain the base model for `cfg` and save it (`cispo.models.save_policy`) to `out_dir`.
+
+    Returns ``(model, tokenizer)``. Also writes ``pretrain_config.json`` and
+    ``pretrain_log.json`` (loss curve, wall time) into `out_dir`.
+    """
+    from tqdm.auto import tqdm
+
+    from cispo.models import build_model, build_tokenizer, num_parameters, save_policy
+    from cispo.tasks import get_task
+
+    t0 = time.perf_counter()
+    task = get_task(cfg.task)
+    tokenizer = build_tokenizer(task.alphabet)
+    data = build_dataset(cfg, tokenizer)
+    model = build_model(tokenizer, cfg.model_size, seed=cfg.seed)
+    model.train()
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=cfg.betas, eps=1e-8)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n_forked = round(cfg.batch_size * cfg.derivation_fraction) if "forked" in data else 0
+    share = {"direct": cfg.batch_size - n_forked, "forked": n_forked}
+
+    log = []
+    bar = tqdm(range(cfg.steps), desc=f"pretrain {cfg.task} seed {cfg.seed}", disable=not progress,
+               dynamic_ncols=True)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        batches = []
+        for kind, (ids, labels) in data.items():
+            if share[kind] == 0:
+                continue
+            idx = torch.randint(len(ids), (share[kind],), generator=gen)
+            batches.append((ids[idx], labels[idx]))
+        n_tokens = sum(int((lab != -100).sum()) for _, lab in batches)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids, labels in batches:
+            logits = model(input_ids=ids).logits.float()                       # [B, T, V]
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                   reduction="sum") / n_tokens
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        log.append(total)
+        if step % 10 == 0 or step == cfg.steps - 1:
+            bar.set_postfix(loss=f"{total:.4f}")
+    model.eval()
+    wall = time.perf_counter() - t0
+
+    out_dir = Path(out_dir)
+    save_policy(model, tokenizer, out_dir)
+    with open(out_dir / "pretrain_config.json", "w") as f:
+        json.dump(asdict(cfg), f, indent=2, sort_keys=True)
+    with open(out_dir / "pretrain_log.json", "w") as f:
+        json.dump({"loss": log, "wall_s": wall, "num_parameters": num_parameters(model),
+                   "threads": torch.get_num_threads()}, f)
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------- measure
+
+
+@torch.no_grad()
+def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int,
+                       temperature: float = 1.0, seed: int = 0, batch_size: int = 512) -> list[str]:
+    """Sample one completion per prompt (KV cache); ``temperature == 0`` is greedy.
+
+    Completions are decoded up to, not including, EOS. Prompts are grouped by token
+    length so no padding is needed. Seeded by its own `torch.Generator`.
+    """
+    from transformers import DynamicCache
+
+    import inspect
+
+    # transformers >= 5.x names the KV cache argument `cache`; older versions `past_key_values`
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    eos = tokenizer.eos_token_id
+    enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: (len(enc[i]), i))
+    out = [""] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start: start + batch_size]
+        # split the chunk further so every sub-batch has one prompt length
+        by_len: dict[int, list[int]] = {}
+        for i in chunk:
+            by_len.setdefault(len(enc[i]), []).append(i)
+        for rows in by_len.values():
+            ids = torch.tensor([enc[i] for i in rows], device=device)         # [B, P]
+            cache = DynamicCache()
+            logits = model(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[:, -1]
+            done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+            new = []
+            for _ in range(max_new_tokens):
+                logits = logits.float()
+                if temperature == 0:
+                    tok = logits.argmax(-1)
+                else:
+                    probs = torch.softmax(logits / temperature, dim=-1)
+                    tok = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(1).to(device)
+                tok = torch.where(done, torch.full_like(tok, eos), tok)
+                new.append(tok)
+                done |= tok == eos
+                if bool(done.all()):
+                    break
+                logits = model(input_ids=tok[:, None], use_cache=True, **{cache_kw: cache}).logits[:, -1]
+            new = torch.stack(new, 1).tolist()                                  # [B, T]
+            for i, toks in zip(rows, new):
+                toks = toks[: toks.index(eos)] if eos in toks else toks
+                out[i] = tokenizer.decode(toks, skip_special_tokens=False)
+    return out
+
+
+@dataclass
+class BaseModelReport:
+    """What the base model does on held-out prompts (rates in [0, 1])."""
+
+    n: int
+    temperature: float
+    accuracy: float
+    """Sampled accuracy, all completions."""
+    fork_rate: float
+    """Fraction of sampled completions that contain the fork token."""
+    accuracy_fork: float
+    """Sampled accuracy among completions that used the fork (nan if none)."""
+    accuracy_no_fork: float
+    """Sampled accuracy among completions that did not."""
+    n_fork: int
+    greedy_accuracy: float
+    greedy_fork_rate: float
+    mean_length: float
+    """Mean sampled completion length in characters (= tokens, EOS excluded)."""
+
+    @property
+    def fork_gain(self) -> float:
+        """accuracy_fork - accuracy_no_fork."""
+        return self.accuracy_fork - self.accuracy_no_fork
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "fork_gain": self.fork_gain}
+
+
+def measure_base_model(model, tokenizer=None, task="addition", n: int = 2000, temperature: float = 1.0,
+                       seed: int = 0, batch_size: int = 512) -> BaseModelReport:
+    """Sample `n` held-out prompts once each at `temperature` (and greedily) and report.
+
+    `model` is a model (then pass `tokenizer`) or a folder for `cispo.models.load_policy`.
+    `task` is a name or a `cispo.tasks.Task`.
+    """
+    from cispo.models import load_policy
+    from cispo.tasks import get_task
+
+    if isinstance(model, (str, Path)):
+        model, tokenizer = load_policy(model)
+    task = get_task(task) if isinstance(task, str) else task
+    was_training = model.training
+    model.eval()
+    samples = task.eval_samples(seed, n)
+    prompts = [s["prompt"] for s in samples]
+
+    def score(completions):
+        rewards = [task.reward(s["prompt"], c, answer=s["answer"]) for s, c in zip(samples, completions)]
+        forks = [task.used_fork(c) for c in completions]
+        return rewards, forks
+
+    comps = sample_completions(model, tokenizer, prompts, task.max_new_tokens, temperature, seed, batch_size)
+    rewards, forks = score(comps)
+    greedy = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 0.0, seed, batch_size)
+    g_rewards, g_forks = score(greedy)
+    model.train(was_training)
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    with_fork = [r for r, f in zip(rewards, forks) if f]
+    without = [r for r, f in zip(rewards, forks) if not f]
+    return BaseModelReport(
+        n=n, temperature=temperature, accuracy=mean(rewards), fork_rate=mean(forks),
+        accuracy_fork=mean(with_fork), accuracy_no_fork=mean(without), n_fork=len(with_fork),
+        greedy_accuracy=mean(g_rewards), greedy_fork_rate=mean(g_forks),
+        mean_length=mean([len(c) for c in comps]),
+    )
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv=None):
+    """``python -m cispo.pretrain [--seed S] [--out DIR] [--measure N] [--FIELD VALUE ...]``."""
+    p = argparse.ArgumentParser(description="Pretrain (and measure) the built-in base model.")
+    for f in fields(PretrainConfig):
+        if f.name == "betas":
+            continue
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.add_argument("--out", default=None, help="output folder (default: the model cache)")
+    p.add_argument("--measure", type=int, default=0, help="held-out prompts to measure on (0: skip)")
+    p.add_argument("--measure-seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = PretrainConfig(**{f.name: getattr(args, f.name) for f in fields(PretrainConfig) if f.name != "betas"})
+    if args.out is None:
+        from cispo.models import ensure_builtin_model
+
+        out = ensure_builtin_model(cfg.task, cfg=cfg)
+    else:
+        out = Path(args.out)
+        pretrain(cfg, out)
+    print(f"model: {out}")
+    log = json.loads((Path(out) / "pretrain_log.json").read_text())
+    print(f"pretraining wall time: {log['wall_s']:.1f} s, {log['num_parameters']} parameters, "
+          f"final loss {log['loss'][-1]:.4f}")
+    if args.measure:
+        t = time.perf_counter()
+        report = measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed)
+        print(json.dumps(report.to_dict(), indent=2))
+        print(f"measured in {time.perf_counter() - t:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

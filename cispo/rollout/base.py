@@ -1,0 +1,122 @@
+"""Sampling configuration, the rollout batch, and the sampler protocol.
+
+A sampler turns a list of tokenised prompts into a :class:`RolloutBatch`: the sampled responses plus the
+sampler's own log-probabilities of them (``logp_rollout``, the "old" policy of CISPO's importance ratio).
+Any backend (the reference :class:`~cispo.rollout.torch_sampler.TorchSampler`, a future vLLM sampler)
+implements the :class:`Sampler` protocol.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+FINISH_REASONS = ("eos", "length", "repetition")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample responses. Invalid values raise ``ValueError`` at construction."""
+
+    max_new_tokens: int = 64
+    """Maximum number of generated tokens per response (the EOS token included); >= 1."""
+
+    temperature: float = 1.0
+    """Softmax temperature, >= 0. Tokens are drawn from softmax(logits / temperature). 0 means greedy
+    (argmax); ``logp_rollout`` is then the log-prob under the untempered softmax(logits)."""
+
+    top_p: float = 1.0
+    """Nucleus sampling, in (0, 1]: sample from the smallest set of most likely tokens whose total
+    probability is >= top_p (the most likely token is always kept). 1.0 disables it. It only restricts
+    what is sampled: ``logp_rollout`` is computed before this truncation."""
+
+    repetition_stop_tokens: int | None = None
+    """N for the repetition early stop of MiniMax-M1 (which used N=3000): a row stops (finish reason
+    "repetition") once N consecutive sampled tokens each had probability > ``repetition_stop_prob``
+    (under the same distribution as ``logp_rollout``). The token that reaches N is kept. None = off."""
+
+    repetition_stop_prob: float = 0.99
+    """Probability threshold of the repetition early stop, in (0, 1) (MiniMax-M1: 0.99)."""
+
+    use_cache: bool = True
+    """Decode with the model's KV cache. False recomputes the whole sequence at every step: a slow
+    reference, used to test the cached path."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        n = self.repetition_stop_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"repetition_stop_tokens must be None or an int >= 1, got {n!r}")
+        if not (0.0 < self.repetition_stop_prob < 1.0):
+            raise ValueError(f"repetition_stop_prob must be in (0, 1), got {self.repetition_stop_prob}")
+
+
+@dataclass
+class RolloutBatch:
+    """B sampled responses with their prompts. T is the longest response of the batch.
+
+    All tensors are ordinary tensors (not inference-mode tensors), on the sampler's device, so a trainer
+    can use them in autograd computations.
+    """
+
+    prompt_ids: torch.Tensor
+    """LongTensor [B, P]: the prompts, left-padded with the pad id."""
+
+    prompt_mask: torch.Tensor
+    """LongTensor [B, P]: 1 at real prompt tokens, 0 at padding."""
+
+    response_ids: torch.Tensor
+    """LongTensor [B, T]: the sampled tokens, right-padded with the pad id."""
+
+    response_mask: torch.Tensor
+    """float32 [B, T]: 1 at generated tokens (the EOS token included, when one was emitted), 0 at padding."""
+
+    logp_rollout: torch.Tensor
+    """float32 [B, T]: log-prob of each sampled token under the sampler's softmax(logits / temperature),
+    before top-p truncation (untempered when temperature == 0); 0 at padding."""
+
+    finish_reason: list[str]
+    """Per row, why it stopped: "eos" (emitted EOS), "length" (hit max_new_tokens) or "repetition"
+    (repetition early stop)."""
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """LongTensor [B]: number of generated tokens per row."""
+        return self.response_mask.sum(-1).long()
+
+    @property
+    def num_repetition_stops(self) -> int:
+        """How many rows were cut by the repetition early stop."""
+        return self.finish_reason.count("repetition")
+
+    @property
+    def num_truncated(self) -> int:
+        """How many rows hit max_new_tokens without emitting EOS."""
+        return self.finish_reason.count("length")
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Anything that samples responses for a batch of tokenised prompts."""
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        cfg: SamplingConfig,
+        generator: torch.Generator | None = None,
+    ) -> RolloutBatch:
+        """Sample one response per prompt (prompts are lists of token ids, non-empty, of any lengths)."""
+        ...

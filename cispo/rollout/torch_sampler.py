@@ -1,0 +1,160 @@
+"""A batched sampler with a KV cache for any Hugging Face causal LM, in plain PyTorch.
+
+Prompts are left-padded so every row's next token sits in the last column; positions count only real
+tokens (``cumsum(attention_mask) - 1``), so a row's result does not depend on how much padding the
+other rows forced on it. The prompt is run once (prefill), then one token per step is decoded against
+the model's KV cache, with the attention mask grown by one column per step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from cispo.rollout.base import FINISH_REASONS, RolloutBatch, SamplingConfig
+
+_LENGTH, _EOS, _REPETITION = (FINISH_REASONS.index(r) for r in ("length", "eos", "repetition"))
+
+
+class TorchSampler:
+    """Samples from a ``transformers`` causal LM (anything whose ``forward`` takes ``input_ids``,
+    ``attention_mask``, ``position_ids``, ``use_cache`` and a KV cache, and returns ``.logits``).
+
+    Args:
+        model: the policy. It is put in eval mode while sampling; every submodule's train/eval mode is
+            restored afterwards.
+        eos_token_id: the token that ends a response (it is kept in the response, with mask 1).
+        pad_token_id: fills the left of short prompts and the right of short responses. It may equal
+            ``eos_token_id``.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int) -> None:
+        self.model = model
+        self.eos_token_id = int(eos_token_id)
+        self.pad_token_id = int(pad_token_id)
+        params = inspect.signature(model.forward).parameters
+        # transformers >= 5.x names the KV cache `cache` (in and out); older versions `past_key_values`.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # Only the last position's logits are needed: skip the LM head elsewhere when the model allows.
+        self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        cfg: SamplingConfig,
+        generator: torch.Generator | None = None,
+    ) -> RolloutBatch:
+        """Sample one response per prompt; see :class:`RolloutBatch` for the result's layout.
+
+        Rows stop at EOS ("eos"), at ``cfg.max_new_tokens`` ("length") or at the repetition early stop
+        ("repetition"); a stopped row gets pad tokens with mask 0, and the loop ends when every row has
+        stopped. ``generator`` (on the model's device) makes sampling reproducible; greedy decoding
+        (temperature 0) draws no random numbers.
+        """
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty: need at least one prompt")
+        for i, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                *tensors, reasons = self._sample(prompt_ids, cfg, generator)
+        finally:
+            for m, training in modes:
+                m.training = training
+        # Clone outside inference mode: inference tensors cannot be saved for backward by the trainer.
+        prompt, prompt_mask, response, response_mask, logp = (t.clone() for t in tensors)
+        return RolloutBatch(
+            prompt_ids=prompt,
+            prompt_mask=prompt_mask,
+            response_ids=response,
+            response_mask=response_mask,
+            logp_rollout=logp,
+            finish_reason=[FINISH_REASONS[r] for r in reasons.tolist()],
+        )
+
+    def _forward(self, ids, mask, pos, cache, use_cache: bool):
+        """One model call; returns the float32 logits of the last position [B, V] and the new cache."""
+        kwargs = {self._keep_kw: 1} if self._keep_kw else {}
+        if use_cache:
+            kwargs[self._cache_kw] = cache
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=use_cache, **kwargs)
+        return out.logits[:, -1].float(), (getattr(out, self._cache_kw) if use_cache else None)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None):
+        """Choose one token per row from logits [B, V]; returns (tokens [B], their log-probs [B])."""
+        if cfg.temperature == 0:  # greedy; log-probs under the untempered distribution
+            logp = F.log_softmax(logits, dim=-1)  # [B, V]
+            tok = logp.argmax(-1)  # [B]
+        else:
+            logp = F.log_softmax(logits / cfg.temperature, dim=-1)  # [B, V]
+            probs = logp.exp()  # [B, V]
+            if cfg.top_p < 1.0:
+                sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
+                # Drop a token when the more likely ones already reach top_p (the first is always kept).
+                sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= cfg.top_p, 0.0)
+                choice = torch.multinomial(sorted_p, 1, generator=generator)  # [B, 1]
+                tok = order.gather(-1, choice).squeeze(-1)  # [B]
+            else:
+                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+    def _sample(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, generator):
+        dev, pad, n_new = self.device, self.pad_token_id, cfg.max_new_tokens
+        B, P = len(prompts), max(len(p) for p in prompts)
+        rows = [[pad] * (P - len(p)) + list(p) for p in prompts]
+        prompt = torch.tensor(rows, dtype=torch.long, device=dev)  # [B, P]
+        lens = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
+        prompt_mask = (torch.arange(P, device=dev) >= P - lens[:, None]).long()  # [B, P]
+        # Every generated column is attended: a stopped row's trailing pads come after all its real tokens.
+        attn = torch.cat([prompt_mask, prompt_mask.new_ones(B, n_new)], dim=1)  # [B, P + n_new]
+
+        response = torch.full((B, n_new), pad, dtype=torch.long, device=dev)  # [B, n_new]
+        response_mask = torch.zeros(B, n_new, device=dev)  # [B, n_new]
+        logp_out = torch.zeros(B, n_new, device=dev)  # [B, n_new]
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
+        reason = torch.full((B,), _LENGTH, dtype=torch.long, device=dev)  # [B]
+        confident_run = torch.zeros(B, dtype=torch.long, device=dev)  # [B] consecutive tokens with p > thr
+
+        pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        logits, cache = self._forward(prompt, prompt_mask, pos, None, cfg.use_cache)  # [B, V]
+        next_pos = pos[:, -1:] + 1  # [B, 1]
+        T = n_new
+        for t in range(n_new):
+            tok, tok_logp = self._pick(logits, cfg, generator)  # [B], [B]
+            alive = ~finished  # [B]
+            response[:, t] = tok.masked_fill(finished, pad)
+            logp_out[:, t] = tok_logp.masked_fill(finished, 0.0)
+            response_mask[:, t] = alive.float()
+            stop_eos = alive & (tok == self.eos_token_id)  # [B]
+            stop = stop_eos
+            if cfg.repetition_stop_tokens is not None:
+                confident = tok_logp.exp() > cfg.repetition_stop_prob  # [B]
+                confident_run = torch.where(confident, confident_run + 1, 0)  # [B]
+                stop_rep = alive & ~stop_eos & (confident_run >= cfg.repetition_stop_tokens)  # [B]
+                reason = reason.masked_fill(stop_rep, _REPETITION)
+                stop = stop | stop_rep
+            reason = reason.masked_fill(stop_eos, _EOS)
+            finished = finished | stop
+            if t == n_new - 1 or bool(finished.all()):
+                T = t + 1
+                break
+            seen = P + t + 1  # tokens so far, incl. the one just sampled
+            if cfg.use_cache:
+                logits, cache = self._forward(response[:, t : t + 1], attn[:, :seen], next_pos, cache, True)
+            else:  # reference: recompute the whole sequence
+                mask = attn[:, :seen]  # [B, seen]
+                ids = torch.cat([prompt, response[:, : t + 1]], dim=1)  # [B, seen]
+                logits, _ = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), None, False)
+            next_pos = next_pos + 1
+        return prompt, prompt_mask, response[:, :T], response_mask[:, :T], logp_out[:, :T], reason

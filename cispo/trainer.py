@@ -1,0 +1,370 @@
+"""The RL loop: sample groups, score, filter, compute advantages, update K times.
+
+One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penalty):
+
+    1. sample P prompts x G responses with the policy (``cispo.rollout``), score them;
+       drop groups whose rewards are all equal and sample more (dynamic sampling);
+    2. group-relative advantages (``cispo.advantages``);
+    3. log pi_old of every response token, recomputed once in train mode (``logp_old``);
+       the sampler's own log-probs are kept to measure the train / rollout mismatch;
+    4. split the batch into K mini-batches; for each, one optimizer step on the unified
+       objective (``cispo.objective``), normalised by the mini-batch's global token count;
+    5. metrics, periodic held-out evaluation, checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cispo.advantages import group_advantages
+from cispo.data import FillReport, PromptStream, fill_groups
+from cispo.experience import Completion, Experience, collate, is_informative, pearson, policy_logprobs
+from cispo.objective import ObjectiveConfig, log_ratio, policy_loss, ppo_token_mask, preset
+from cispo.rewards import overlong_penalty
+from cispo.rollout import SamplingConfig, TorchSampler
+
+
+@dataclass
+class Policy:
+    """The model being trained, its tokenizer and its sampler."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    sampler: TorchSampler
+    device: torch.device
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+
+# ---------------------------------------------------------------------------------------
+# 1. Rollout and rewards
+# ---------------------------------------------------------------------------------------
+
+
+def sample_groups(
+    policy: Policy,
+    samples: list[dict],
+    group_size: int,
+    sampling: SamplingConfig,
+    reward_fn,
+    generator: torch.Generator,
+    overlong_buffer: int | None = None,
+) -> list[list[Completion]]:
+    """G responses to each sample's prompt, decoded and scored."""
+    prompt_ids = [policy.tokenizer.encode(s["prompt"], add_special_tokens=False) for s in samples]
+    rows = [ids for ids in prompt_ids for _ in range(group_size)]
+    batch = policy.sampler.generate(rows, sampling, generator=generator)
+    lengths = batch.response_lengths.tolist()
+    groups: list[list[Completion]] = []
+    for g, sample in enumerate(samples):
+        group = []
+        for i in range(g * group_size, (g + 1) * group_size):
+            ids = batch.response_ids[i, : lengths[i]].cpu()
+            text = policy.tokenizer.decode(ids, skip_special_tokens=True)
+            fields = {k: v for k, v in sample.items() if k != "prompt"}
+            task_reward = float(reward_fn(sample["prompt"], text, **fields))
+            reward = task_reward
+            if overlong_buffer:
+                reward += overlong_penalty(lengths[i], sampling.max_new_tokens, overlong_buffer)
+            group.append(
+                Completion(sample, prompt_ids[g], ids, batch.logp_rollout[i, : lengths[i]].cpu(),
+                           batch.finish_reason[i], text, task_reward, reward)
+            )
+        groups.append(group)
+    return groups
+
+
+def build_experience(groups: list[list[Completion]], cfg, policy: Policy) -> Experience:
+    """Group-relative advantages, then padded tensors on the policy's device."""
+    flat = [c for group in groups for c in group]
+    rewards = torch.tensor([c.reward for c in flat])  # R_i   [B]
+    advantages = group_advantages(rewards, cfg.rollout.group_size, cfg.algo.advantage_estimator)  # A_i   [B]
+    return collate(flat, advantages, policy.pad_id).to(policy.device)
+
+
+# ---------------------------------------------------------------------------------------
+# 3. logp_old, 4. the K updates
+# ---------------------------------------------------------------------------------------
+
+
+def micro_batches(rows: torch.Tensor, size: int | None) -> list[torch.Tensor]:
+    return [rows] if not size else list(rows.split(size))
+
+
+@torch.no_grad()
+def compute_logp_old(policy: Policy, exp: Experience, cfg) -> torch.Tensor:
+    """log pi_old of every response token, in train mode, once per generation batch. Also
+    stores the per-token entropy in ``exp.extras["entropy"]``.  -> [B, T]"""
+    policy.model.train()
+    T = exp.response_mask.shape[1]
+    logp_old = torch.zeros_like(exp.logp_rollout)
+    entropy = torch.zeros_like(exp.logp_rollout)
+    for rows in micro_batches(torch.arange(len(exp), device=exp.input_ids.device), cfg.algo.micro_batch_size):
+        sub = exp.select(rows)
+        lp, ent = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head, True)
+        t = lp.shape[1]
+        logp_old[rows, :t] = lp.float()
+        entropy[rows, :t] = ent.float()
+    exp.extras["entropy"] = entropy * exp.response_mask
+    return logp_old[:, :T] * exp.response_mask
+
+
+def lr_at(update: int, cfg) -> float:
+    """Linear warm-up to ``optim.lr`` over ``optim.warmup_updates`` optimizer steps, then flat."""
+    warm = cfg.optim.warmup_updates
+    return cfg.optim.lr * min(1.0, (update + 1) / warm) if warm > 0 else cfg.optim.lr
+
+
+def update_policy(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    exp: Experience,
+    obj: ObjectiveConfig,
+    cfg,
+    generator: torch.Generator,
+    update_count: int,
+    fork_id: int | None,
+) -> tuple[list[dict], int]:
+    """K optimizer steps (per epoch) on random mini-batches of ``exp``. Returns the per-step
+    stats and the new optimizer-step count."""
+    policy.model.train()
+    device = exp.input_ids.device
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    stats = []
+    for _ in range(cfg.algo.epochs):
+        order = torch.randperm(len(exp), generator=generator).to(device)
+        for rows in order.tensor_split(cfg.algo.updates_per_batch):
+            if len(rows) == 0:
+                continue
+            mask = exp.response_mask[rows]  # [b, T]
+            num_tokens = mask.sum()  # sum_i |o_i| of the mini-batch
+            num_seqs = (mask.sum(-1) > 0).sum()
+            optimizer.zero_grad(set_to_none=True)
+            parts = []
+            for micro in micro_batches(rows, cfg.algo.micro_batch_size):
+                sub = exp.select(micro)
+                logp_new = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+                loss, s = policy_loss(logp_new, sub.logp_old, sub.advantages, sub.response_mask, obj,
+                                      num_tokens=num_tokens, num_seqs=num_seqs)
+                loss.backward()
+                parts.append((s, fork_drop_counts(logp_new, sub, obj, fork_id)))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
+            finite = bool(torch.isfinite(grad_norm))
+            if finite:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(update_count, cfg)
+                optimizer.step()
+                update_count += 1
+            optimizer.zero_grad(set_to_none=True)
+            stats.append(merge_stats(parts, float(grad_norm), finite))
+    return stats, update_count
+
+
+@torch.no_grad()
+def fork_drop_counts(logp_new, exp: Experience, obj: ObjectiveConfig, fork_id: int | None) -> tuple[int, int]:
+    """(# fork tokens, # of them a PPO mask with obj's eps_low/eps_high would drop)."""
+    if fork_id is None:
+        return 0, 0
+    is_fork = (exp.response_ids == fork_id) & exp.response_mask.bool()  # [b, T]
+    ratio = torch.exp(log_ratio(logp_new, exp.logp_old, exp.response_mask, obj.ratio_level, obj.max_log_ratio))
+    A = exp.advantages[:, None].expand_as(ratio)
+    dropped = (ppo_token_mask(ratio, A, obj.eps_low, obj.eps_high) == 0) & is_fork
+    return int(is_fork.sum()), int(dropped.sum())
+
+
+def merge_stats(parts, grad_norm: float, finite: bool) -> dict:
+    """Token-weighted means of the micro-batches' ObjectiveStats for one optimizer step."""
+    n = sum(s.num_tokens for s, _ in parts)
+    n_low = sum(s.num_low_prob_tokens for s, _ in parts)
+    w = lambda name: sum(getattr(s, name) * s.num_tokens for s, _ in parts) / max(n, 1)  # noqa: E731
+    n_fork = sum(f[0] for _, f in parts)
+    return {
+        "loss": sum(s.loss for s, _ in parts),
+        "pg_loss": sum(s.pg_loss for s, _ in parts),
+        "frac_capped": w("frac_capped"),
+        "frac_ppo_dropped": w("frac_ppo_dropped"),
+        "frac_ppo_dropped_low_prob": sum(s.frac_ppo_dropped_low_prob * s.num_low_prob_tokens for s, _ in parts)
+        / max(n_low, 1),
+        "frac_ppo_dropped_fork": sum(f[1] for _, f in parts) / n_fork if n_fork else float("nan"),
+        "ratio_mean": w("ratio_mean"),
+        "ratio_min": min(s.ratio_min for s, _ in parts),
+        "ratio_max": max(s.ratio_max for s, _ in parts),
+        "approx_kl": w("approx_kl"),
+        "grad_norm": grad_norm,
+        "skipped": 0.0 if finite else 1.0,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Metrics of a step and the held-out evaluation
+# ---------------------------------------------------------------------------------------
+
+
+def rollout_metrics(groups, exp: Experience, report: FillReport, used_fork) -> dict:
+    flat = [c for group in groups for c in group]
+    mask = exp.response_mask.bool()
+    lengths = torch.tensor([c.length for c in flat], dtype=torch.float)
+    forked = [used_fork(c.text) for c in flat] if used_fork else []
+    return {
+        "rollout/reward_mean": sum(c.reward for c in flat) / len(flat),
+        "rollout/accuracy": sum(c.task_reward for c in flat) / len(flat),
+        "rollout/response_length": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/fork_rate": sum(forked) / len(flat) if forked else float("nan"),
+        "rollout/truncated": sum(c.finish_reason == "length" for c in flat) / len(flat),
+        "rollout/repetition_stops": float(sum(c.finish_reason == "repetition" for c in flat)),
+        "rollout/logp_corr": pearson(exp.logp_rollout[mask], exp.logp_old[mask]),
+        "rollout/logp_abs_diff": float((exp.logp_rollout - exp.logp_old)[mask].abs().mean()),
+        "rollout/rounds": float(report.rounds),
+        "rollout/groups_sampled": float(report.groups_sampled),
+        "rollout/groups_kept": float(report.groups_kept),
+        "objective/entropy": float(exp.extras["entropy"][mask].mean()),
+    }
+
+
+def update_metrics(stats: list[dict]) -> dict:
+    """Means over the step's optimizer steps (min / max for the ratio extremes)."""
+    out = {}
+    for key in stats[0]:
+        values = [s[key] for s in stats if not (isinstance(s[key], float) and math.isnan(s[key]))]
+        if key == "ratio_min":
+            agg = min(values)
+        elif key == "ratio_max":
+            agg = max(values)
+        elif key == "skipped":
+            agg = sum(values)
+        else:
+            agg = sum(values) / len(values) if values else float("nan")
+        out[f"objective/{key}" if key not in ("grad_norm", "skipped") else f"optim/{key}"] = agg
+    return out
+
+
+@torch.no_grad()
+def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max_new_tokens: int, seed: int) -> dict:
+    """Held-out accuracy: greedy, and the mean over k samples per prompt (avg@k)."""
+    if not samples:
+        return {}
+    generator = torch.Generator(device=policy.device).manual_seed(seed)
+    greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=cfg.eval.temperature)
+    out = {}
+    for name, sampling, k in (("greedy", greedy, 1), ("sampled", sampled, cfg.eval.num_samples)):
+        groups = []
+        for start in range(0, len(samples), 256):
+            groups += sample_groups(policy, samples[start : start + 256], k, sampling, reward_fn, generator)
+        flat = [c for g in groups for c in g]
+        acc = sum(c.task_reward for c in flat) / len(flat)
+        if name == "greedy":
+            out["eval/accuracy_greedy"] = acc
+            continue
+        out[f"eval/accuracy_mean_at_{k}"] = acc
+        out["eval/accuracy"] = acc
+        if used_fork:
+            fork = [c for c in flat if used_fork(c.text)]
+            rest = [c for c in flat if not used_fork(c.text)]
+            out["eval/fork_rate"] = len(fork) / len(flat)
+            out["eval/accuracy_with_fork"] = sum(c.task_reward for c in fork) / len(fork) if fork else float("nan")
+            out["eval/accuracy_without_fork"] = sum(c.task_reward for c in rest) / len(rest) if rest else float("nan")
+        out["eval/response_length"] = sum(c.length for c in flat) / len(flat)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# One RL step
+# ---------------------------------------------------------------------------------------
+
+
+def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, fork_id):
+    """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count)."""
+    t0 = time.perf_counter()
+    groups, report = fill_groups(
+        stream.take,
+        lambda samples: sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward,
+                                      generators["sample"], cfg.rollout.overlong_buffer),
+        is_informative,
+        cfg.rollout.prompts_per_step,
+        cfg.rollout.max_sampling_rounds,
+        filter_groups=cfg.rollout.dynamic_sampling,
+    )
+    t1 = time.perf_counter()
+    if not groups:  # every group was uninformative, every round: nothing to learn from
+        return {"rollout/groups_kept": 0.0, "rollout/rounds": float(report.rounds), "perf/step_s": t1 - t0}, update_count
+    exp = build_experience(groups, cfg, policy)
+    exp.logp_old = compute_logp_old(policy, exp, cfg)
+    t2 = time.perf_counter()
+    stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, fork_id)
+    t3 = time.perf_counter()
+    tokens = float(exp.response_mask.sum())
+    metrics = rollout_metrics(groups, exp, report, getattr(task, "used_fork", None))
+    metrics.update(update_metrics(stats))
+    metrics.update({
+        "optim/lr": lr_at(update_count - 1, cfg),
+        "optim/updates": float(update_count),
+        "perf/sample_s": t1 - t0,
+        "perf/logp_old_s": t2 - t1,
+        "perf/update_s": t3 - t2,
+        "perf/step_s": t3 - t0,
+        "perf/tokens_per_s": tokens * (1 + cfg.algo.epochs) / max(t3 - t1, 1e-9),
+    })
+    return metrics, update_count
+
+
+def make_objective(cfg) -> ObjectiveConfig:
+    obj = preset(cfg.algo.objective, **cfg.algo.objective_overrides)
+    if obj.aggregation == "seq-mean-token-sum-norm" and obj.token_sum_norm is None:
+        # a constant normaliser keeps micro-batching exact: the longest possible response
+        from dataclasses import replace
+
+        obj = replace(obj, token_sum_norm=float(cfg.rollout.max_new_tokens))
+    return obj
+
+
+def make_optimizer(model, cfg) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr_at(0, cfg),
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+    )
+
+
+def fork_token_id(tokenizer, task) -> int | None:
+    token = getattr(task, "fork_token", None)
+    if not token:
+        return None
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+def sampling_config(cfg, default_max_new_tokens: int) -> SamplingConfig:
+    max_new = cfg.rollout.max_new_tokens or default_max_new_tokens
+    rep = cfg.rollout.repetition_stop_tokens
+    if rep is None:
+        rep = max(1, (3 * max_new) // 4)
+    return SamplingConfig(
+        max_new_tokens=max_new,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        repetition_stop_tokens=rep or None,
+        repetition_stop_prob=cfg.rollout.repetition_stop_prob,
+    )
+
+
+def default_max_new_tokens(task) -> int:
+    return math.ceil(1.25 * task.max_new_tokens)
+
+
+def as_path(p) -> Path:
+    return Path(p).expanduser()
