@@ -1,0 +1,12 @@
+"""Use the unified objective (``cispo.objective.policy_loss``) inside other RL frameworks.
+
+* ``cispo.integrations.verl``: registers ``cispo_unified`` (and ``cispo_unified_<preset>``)
+  in verl's policy-loss registry; the preset and overrides come from verl's actor config.
+* ``cispo.integrations.trl``: ``CISPOGRPOTrainer``, a ``trl.GRPOTrainer`` whose loss is
+  ``policy_loss`` with an ``ObjectiveConfig`` given at construction, and
+  ``objective_config_from_trl`` (TRL's ``loss_type`` / ``epsilon*`` as an ``ObjectiveConfig``).
+
+Neither module needs its framework to be importable: the framework is imported when the
+integration is used, and a missing one raises an ``ImportError`` that names the pip command.
+See ``docs/integrations.md``.
+"""
