@@ -52,7 +52,7 @@ def cmd_pretrain(args) -> int:
 
 def cmd_eval(args) -> int:
     from cispo.runner import load_policy_for, resolve_device
-    from cispo.tasks import get_task
+    from cispo.data import load_source
     from cispo.trainer import default_max_new_tokens, evaluate
 
     cfg = _build_config(TrainConfig, args.config, args.overrides)
@@ -60,7 +60,7 @@ def cmd_eval(args) -> int:
         from dataclasses import replace
 
         cfg = replace(cfg, model=replace(cfg.model, path=args.model))
-    task = get_task(cfg.data.task)
+    task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
     samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
     max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)

@@ -979,6 +979,12 @@ class ModelConfig:
     rollout probability mismatch."""
     device: str = "auto"
     """``cpu``, ``cuda``, ``cuda:1``, … or ``auto`` (CUDA when available)."""
+    dtype: str | None = None
+    """Parameter dtype: ``float32``, ``bfloat16``, ``float16``. None: as saved."""
+    chat_template: bool = False
+    """Wrap each prompt (or its ``messages``) in the tokenizer's chat template."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
 
 
 @dataclass
@@ -993,6 +999,24 @@ class DataConfig:
     """Size of the training prompt set drawn from the task's train split."""
     num_eval_prompts: int = 200
     """Held-out prompts used by the periodic evaluation."""
+    path: str | None = None
+    """Prompt file instead of the built-in task: JSONL, Parquet or a ``datasets`` folder."""
+    eval_path: str | None = None
+    """Held-out prompt file. None: a seeded slice of ``path`` (at most 1/5 of it)."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt (text or chat messages); dotted paths allowed."""
+    answer_field: str | None = "answer"
+    """Field holding the reference answer, passed to the reward as ``answer``."""
+    extra_fields: list[str] | None = None
+    """More fields passed to the reward as keyword arguments."""
+    split: str | None = None
+    """Split of a ``datasets`` DatasetDict folder."""
+    on_error: str = "raise"
+    """Malformed rows: ``raise`` (the first one, naming file, line and field) or ``skip``."""
+    reward: str | None = None
+    """Reward for ``path`` data: ``math``, ``exact_match``, ``code`` or ``module:function``."""
+    fork_token: str | None = None
+    """For ``path`` data: a string whose use is tracked as the fork rate (e.g. ``Wait``)."""
 
 
 @dataclass

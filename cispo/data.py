@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 import torch
@@ -100,3 +101,64 @@ def fill_groups(
             break
     kept = kept[:num_groups]
     return kept, FillReport(rounds=rounds, groups_sampled=sampled, groups_kept=len(kept))
+
+
+# ---------------------------------------------------------------------------------------
+# Prompt sources: a built-in task, or prompt files with a reward given by name
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """Prompts from files (``cispo.datasets.load_prompts``) with the Task interface the
+    trainer uses: ``train_samples(seed, n)``, ``eval_samples(seed, n)``, ``reward``,
+    ``used_fork``, ``fork_token``, ``max_new_tokens``, ``name``."""
+
+    name: str
+    train: tuple
+    eval: tuple
+    reward: Callable[..., float]
+    fork_token: str | None
+    max_new_tokens: int
+
+    def train_samples(self, seed: int, n: int) -> list[dict]:
+        return list(self.train[:n])
+
+    def eval_samples(self, seed: int, n: int) -> list[dict]:
+        return list(self.eval[:n])
+
+    def used_fork(self, completion: str) -> bool:
+        return self.fork_token is not None and self.fork_token in completion
+
+
+def load_source(data_cfg, max_new_tokens: int | None):
+    """The built-in task ``data_cfg.task``, or the prompt files of ``data_cfg.path``."""
+    if data_cfg.path is None:
+        from cispo.tasks import get_task
+
+        return get_task(data_cfg.task)
+    from cispo.datasets import load_prompts
+    from cispo.rewards.loading import load_reward
+
+    if data_cfg.reward is None:
+        raise ValueError("data.reward is required with data.path (e.g. math, exact_match, code, module:function)")
+    if max_new_tokens is None:
+        raise ValueError("rollout.max_new_tokens is required with data.path")
+    kwargs = dict(prompt_field=data_cfg.prompt_field, answer_field=data_cfg.answer_field,
+                  extra_fields=data_cfg.extra_fields, split=data_cfg.split)
+    train = load_prompts(data_cfg.path, on_error=data_cfg.on_error, **kwargs)
+    if data_cfg.eval_path:
+        held_out = load_prompts(data_cfg.eval_path, on_error=data_cfg.on_error, **kwargs)
+    else:  # hold out a seeded slice of the training file
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(data_cfg.seed)).tolist()
+        n_eval = min(data_cfg.num_eval_prompts, len(train) // 5)
+        held_out = [train[i] for i in order[:n_eval]]
+        train = [train[i] for i in order[n_eval:]]
+    return FileSource(
+        name=Path(data_cfg.path).stem,
+        train=tuple(train),
+        eval=tuple(held_out),
+        reward=load_reward(data_cfg.reward),
+        fork_token=data_cfg.fork_token,
+        max_new_tokens=max_new_tokens,
+    )

@@ -52,17 +52,24 @@ def resolve_device(name: str) -> torch.device:
 
 
 def run_name(cfg: TrainConfig) -> str:
-    return cfg.run_name or f"{cfg.algo.objective}__{cfg.data.task}__seed{cfg.seed}"
+    data = Path(cfg.data.path).stem if cfg.data.path else cfg.data.task
+    return cfg.run_name or f"{cfg.algo.objective}__{data}__seed{cfg.seed}"
 
 
 def load_policy_for(cfg: TrainConfig, task, device: torch.device) -> Policy:
     from cispo.models import ensure_builtin_model, load_policy
 
     path = cfg.model.path or ensure_builtin_model(task.name, progress=cfg.progress)
-    model, tokenizer = load_policy(path, device=device)
-    if tokenizer.pad_token_id is None:
-        raise ValueError(f"tokenizer of {path} has no pad token; set one (e.g. the EOS token) before training")
-    return Policy(model, tokenizer, TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id), device)
+    model, tokenizer = load_policy(path, dtype=cfg.model.dtype, device=device)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer of {path} has no EOS token: responses could never end")
+    if tokenizer.pad_token_id is None:  # common for base models: pad with EOS (masked out anyway)
+        print(f"cispo: tokenizer of {path} has no pad token; using its EOS token for padding", file=sys.stderr)
+        tokenizer.pad_token = tokenizer.eos_token
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template)
 
 
 def git_commit() -> str | None:
@@ -109,14 +116,14 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     """Run (or resume) the training run described by ``cfg``."""
     from transformers.utils import logging as hf_logging
 
-    from cispo.tasks import get_task
+    from cispo.data import load_source
 
     hf_logging.disable_progress_bar()  # our own bar is the one to watch
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
-    task = get_task(cfg.data.task)
+    task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     sampling = sampling_config(cfg, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
     obj = make_objective(cfg)

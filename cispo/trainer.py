@@ -37,6 +37,15 @@ class Policy:
     tokenizer: object
     sampler: TorchSampler
     device: torch.device
+    chat_template: bool = False
+
+    def encode(self, sample: dict) -> list[int]:
+        """Prompt token ids: the raw prompt, or its chat messages in the chat template."""
+        if self.chat_template:
+            messages = sample.get("messages") or [{"role": "user", "content": sample["prompt"]}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tokenizer.encode(sample["prompt"], add_special_tokens=True)
 
     @property
     def pad_id(self) -> int:
@@ -62,7 +71,7 @@ def sample_groups(
     overlong_buffer: int | None = None,
 ) -> list[list[Completion]]:
     """G responses to each sample's prompt, decoded and scored."""
-    prompt_ids = [policy.tokenizer.encode(s["prompt"], add_special_tokens=False) for s in samples]
+    prompt_ids = [policy.encode(s) for s in samples]
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
     batch = policy.sampler.generate(rows, sampling, generator=generator)
     lengths = batch.response_lengths.tolist()
