@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileExistsError) as e:
         print(f"cispo {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:
+        print(f"cispo {args.command}: stopped: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        print(f"cispo {args.command}: {e or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1117,6 +1117,9 @@ class TrainConfig:
     """torch CPU threads (None: torch's default)."""
     progress: bool = True
     """Show a progress bar."""
+    max_bad_steps: int = 3
+    """Stop (with a checkpoint of the last good weights) after this many consecutive steps
+    whose every update had a non-finite gradient."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -1127,6 +1130,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         checks = [
             ("steps", self.steps >= 1, "must be >= 1"),
+            ("max_bad_steps", self.max_bad_steps >= 1, "must be >= 1"),
             ("rollout.prompts_per_step", self.rollout.prompts_per_step >= 1, "must be >= 1"),
             ("rollout.group_size", self.rollout.group_size >= 2, "must be >= 2 (group-relative advantages)"),
             ("rollout.max_sampling_rounds", self.rollout.max_sampling_rounds >= 1, "must be >= 1"),

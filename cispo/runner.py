@@ -3,12 +3,15 @@ checkpoints, progress bar, summary and plot. The algorithm itself is in ``traine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,6 +21,7 @@ import torch
 from cispo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cispo.config import TrainConfig, save_yaml
 from cispo.data import PromptStream
+from cispo.distributed import barrier, broadcast_parameters, gather_objects, init_distributed
 from cispo.rollout import TorchSampler
 from cispo.tracking import JsonlSink, read_metrics
 from cispo.trainer import (
@@ -113,7 +117,7 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
 
 
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> RunResult:
-    """Run (or resume) the training run described by ``cfg``."""
+    """Run (or resume) the training run described by ``cfg`` (under ``torchrun``: one rank)."""
     from transformers.utils import logging as hf_logging
 
     from cispo.data import load_source
@@ -123,63 +127,162 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
+    dist_info = init_distributed(device.type)
+    if dist_info.enabled and device.type == "cuda":
+        device = torch.device("cuda", dist_info.local_rank)
+        torch.cuda.set_device(device)
+    if cfg.rollout.prompts_per_step % dist_info.world_size:
+        raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
+                         f"number of processes ({dist_info.world_size})")
+    main = dist_info.is_main
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     sampling = sampling_config(cfg, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
     obj = make_objective(cfg)
-    run_dir = prepare_run_dir(cfg, resume, overwrite)
+    run_dir = prepare_run_dir(cfg, resume, overwrite) if main else Path(cfg.out_dir).expanduser() / run_name(cfg)
+    if main and cfg.model.path is None:
+        from cispo.models import ensure_builtin_model
+
+        ensure_builtin_model(task.name, progress=cfg.progress)  # once, before the other ranks load it
+    barrier(dist_info)
     policy = load_policy_for(cfg, task, device)
+    broadcast_parameters(policy.model, dist_info)
     optimizer = make_optimizer(policy.model, cfg)
-    stream = PromptStream(task.train_samples(cfg.data.seed, cfg.data.num_train_prompts), seed=cfg.seed)
+    # each rank samples whole groups from its own shard of the prompts, with its own seeds
+    shard = task.train_samples(cfg.data.seed, cfg.data.num_train_prompts)[dist_info.rank :: dist_info.world_size]
+    stream = PromptStream(shard, seed=cfg.seed)
     eval_samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
+    rank_seed = cfg.seed + 1000 * dist_info.rank
     generators = {
-        "sample": torch.Generator(device=device).manual_seed(cfg.seed),
-        "shuffle": torch.Generator().manual_seed(cfg.seed + 1),
+        "sample": torch.Generator(device=device).manual_seed(rank_seed),
+        "shuffle": torch.Generator().manual_seed(rank_seed + 1),
     }
     fork_id = fork_token_id(policy.tokenizer, task)
-    sink = JsonlSink(run_dir / "metrics.jsonl")
+    sink = JsonlSink(run_dir / "metrics.jsonl") if main else None
+
+    def evaluate_now(step: int) -> dict:
+        out = evaluate(policy, eval_samples, task.reward, task.used_fork, cfg, sampling.max_new_tokens,
+                       seed=cfg.seed + step) if main else {}
+        barrier(dist_info)
+        return out
 
     start, update_count = 0, 0
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:
         state, tensors = load_checkpoint(ckpt, policy.model, optimizer)
+        if state.get("world_size", 1) != dist_info.world_size:
+            raise ValueError(f"checkpoint {ckpt} was written by {state.get('world_size', 1)} processes; "
+                             f"resume it with the same number (now {dist_info.world_size})")
         start, update_count = state["step"], state["update_count"]
-        stream.load_state_dict(state["stream"])
+        stream.load_state_dict(state["streams"][dist_info.rank])
         for name, gen in generators.items():
-            gen.set_state(tensors[f"generator/{name}"])
-        sink.truncate_after(start)
-        print(f"cispo: resumed {run_dir} from {ckpt.name}", file=sys.stderr)
+            gen.set_state(tensors[f"generator/{name}/{dist_info.rank}"])
+        if main:
+            sink.truncate_after(start)
+            print(f"cispo: resumed {run_dir} from {ckpt.name}", file=sys.stderr)
     else:
-        if resume:
+        if resume and main:
             print(f"cispo: no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
-        sink.truncate_after(-1)
-        write_run_info(run_dir, cfg, sampling, obj)
-        sink.log(0, evaluate(policy, eval_samples, task.reward, task.used_fork, cfg, sampling.max_new_tokens,
-                             seed=cfg.seed))
+        if main:
+            sink.truncate_after(-1)
+            write_run_info(run_dir, cfg, sampling, obj)
+        row = evaluate_now(0)
+        if main:
+            sink.log(0, row)
 
     def checkpoint(step: int) -> None:
-        state = {"step": step, "update_count": update_count, "stream": stream.state_dict()}
-        tensors = {f"generator/{n}": g.get_state() for n, g in generators.items()}
-        save_checkpoint(run_dir, step, policy.model, policy.tokenizer, optimizer, state, tensors,
-                        keep=cfg.keep_checkpoints)
+        streams = gather_objects(stream.state_dict(), dist_info)
+        gens = gather_objects({n: g.get_state().cpu() for n, g in generators.items()}, dist_info)
+        if main:
+            state = {"step": step, "update_count": update_count, "streams": streams,
+                     "world_size": dist_info.world_size}
+            tensors = {f"generator/{n}/{r}": t for r, g in enumerate(gens) for n, t in g.items()}
+            save_checkpoint(run_dir, step, policy.model, policy.tokenizer, optimizer, state, tensors,
+                            keep=cfg.keep_checkpoints)
+        barrier(dist_info)
 
-    bar = _progress(cfg, start)
-    for step in range(start + 1, cfg.steps + 1):
-        metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
-                                        update_count, fork_id)
-        if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-            metrics.update(evaluate(policy, eval_samples, task.reward, task.used_fork, cfg,
-                                    sampling.max_new_tokens, seed=cfg.seed + step))
-        sink.log(step, metrics)
-        if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-            checkpoint(step)
-        _advance(bar, metrics)
+    stop = StopRequest()
+    bar = _progress(cfg, start) if main else None
+    bad_steps = 0
+    with stop.installed():
+        for step in range(start + 1, cfg.steps + 1):
+            metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
+                                            update_count, fork_id, dist_info)
+            metrics = mean_over_ranks(metrics, dist_info)
+            bad_steps = bad_steps + 1 if metrics.get("optim/skipped", 0) >= cfg.algo.updates_per_batch else 0
+            if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
+                metrics.update(evaluate_now(step))
+            if main:
+                sink.log(step, metrics)
+            if bad_steps >= cfg.max_bad_steps:
+                checkpoint(step)  # every update of these steps was skipped: the weights are the last good ones
+                raise FloatingPointError(
+                    f"{bad_steps} consecutive steps had only non-finite gradients (step {step}); "
+                    f"the last good weights are checkpointed in {run_dir / 'checkpoints'}. Lower optim.lr or "
+                    f"check the reward / data.")
+            if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
+                checkpoint(step)
+            _advance(bar, metrics)
+            if stop.requested:
+                if bar is not None:
+                    bar.close()
+                raise KeyboardInterrupt(f"stopped by {stop.signal_name} after step {step}; checkpoint saved, "
+                                        f"continue with --resume")
     if bar is not None:
         bar.close()
-    summary = summarize(read_metrics(run_dir / "metrics.jsonl"))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    _plot(run_dir, cfg)
+    summary = {}
+    if main:
+        summary = summarize(read_metrics(run_dir / "metrics.jsonl"))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        _plot(run_dir, cfg)
+    barrier(dist_info)
     return RunResult(run_dir, summary)
+
+
+def mean_over_ranks(metrics: dict, info) -> dict:
+    """Each metric averaged over the ranks that report it (ranks hold different groups)."""
+    if not info.enabled:
+        return metrics
+    everyone = gather_objects(metrics, info)
+    keys = sorted({k for m in everyone for k in m})
+    out = {}
+    for k in keys:
+        values = [m[k] for m in everyone if m.get(k) is not None and not _isnan(m[k])]
+        out[k] = sum(values) / len(values) if values else float("nan")
+    return out
+
+
+def _isnan(x) -> bool:
+    return isinstance(x, float) and x != x
+
+
+class StopRequest:
+    """SIGINT / SIGTERM ask the loop to checkpoint after the current step and exit;
+    a second signal exits at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name = ""
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+        print(f"\ncispo: {self.signal_name} received; saving a checkpoint after this step "
+              f"(send it again to exit at once)", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -23,6 +23,7 @@ import torch
 
 from cispo.advantages import group_advantages
 from cispo.data import FillReport, PromptStream, fill_groups
+from cispo.distributed import DistInfo, all_reduce_sum, sum_gradients
 from cispo.experience import Completion, Experience, collate, is_informative, pearson, policy_logprobs
 from cispo.objective import ObjectiveConfig, log_ratio, policy_loss, ppo_token_mask, preset
 from cispo.rewards import overlong_penalty
@@ -108,6 +109,9 @@ def build_experience(groups: list[list[Completion]], cfg, policy: Policy) -> Exp
 
 
 def micro_batches(rows: torch.Tensor, size: int | None) -> list[torch.Tensor]:
+    """Consecutive chunks of ``size`` rows (all of them when None); none when ``rows`` is empty."""
+    if len(rows) == 0:
+        return []
     return [rows] if not size else list(rows.split(size))
 
 
@@ -144,9 +148,14 @@ def update_policy(
     generator: torch.Generator,
     update_count: int,
     fork_id: int | None,
+    dist_info: DistInfo = DistInfo(),
 ) -> tuple[list[dict], int]:
     """K optimizer steps (per epoch) on random mini-batches of ``exp``. Returns the per-step
-    stats and the new optimizer-step count."""
+    stats and the new optimizer-step count.
+
+    Under data parallelism each rank splits its own rows into K parts; the objective is
+    normalised by the mini-batch's global counts and gradients are summed over ranks, so
+    the update equals the single-process update on the union of the ranks' rows."""
     policy.model.train()
     device = exp.input_ids.device
     params = [p for p in policy.model.parameters() if p.requires_grad]
@@ -154,11 +163,11 @@ def update_policy(
     for _ in range(cfg.algo.epochs):
         order = torch.randperm(len(exp), generator=generator).to(device)
         for rows in order.tensor_split(cfg.algo.updates_per_batch):
-            if len(rows) == 0:
-                continue
             mask = exp.response_mask[rows]  # [b, T]
-            num_tokens = mask.sum()  # sum_i |o_i| of the mini-batch
-            num_seqs = (mask.sum(-1) > 0).sum()
+            num_tokens = all_reduce_sum(mask.sum(), dist_info)  # sum_i |o_i|, whole mini-batch
+            num_seqs = all_reduce_sum((mask.sum(-1) > 0).sum(), dist_info)
+            if num_tokens == 0:  # an empty mini-batch on every rank
+                continue
             optimizer.zero_grad(set_to_none=True)
             parts = []
             for micro in micro_batches(rows, cfg.algo.micro_batch_size):
@@ -168,6 +177,7 @@ def update_policy(
                                       num_tokens=num_tokens, num_seqs=num_seqs)
                 loss.backward()
                 parts.append((s, fork_drop_counts(logp_new, sub, obj, fork_id)))
+            sum_gradients(params, dist_info)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
             finite = bool(torch.isfinite(grad_norm))
             if finite:
@@ -176,7 +186,8 @@ def update_policy(
                 optimizer.step()
                 update_count += 1
             optimizer.zero_grad(set_to_none=True)
-            stats.append(merge_stats(parts, float(grad_norm), finite))
+            if parts:
+                stats.append(merge_stats(parts, float(grad_norm), finite))
     return stats, update_count
 
 
@@ -294,29 +305,36 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max
 # ---------------------------------------------------------------------------------------
 
 
-def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, fork_id):
-    """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count)."""
+def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, fork_id,
+            dist_info: DistInfo = DistInfo()):
+    """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count).
+    Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups."""
     t0 = time.perf_counter()
     groups, report = fill_groups(
         stream.take,
         lambda samples: sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward,
                                       generators["sample"], cfg.rollout.overlong_buffer),
         is_informative,
-        cfg.rollout.prompts_per_step,
+        cfg.rollout.prompts_per_step // dist_info.world_size,
         cfg.rollout.max_sampling_rounds,
         filter_groups=cfg.rollout.dynamic_sampling,
     )
     t1 = time.perf_counter()
-    if not groups:  # every group was uninformative, every round: nothing to learn from
+    if not groups and not dist_info.enabled:  # every group uninformative, every round: nothing to learn
         return {"rollout/groups_kept": 0.0, "rollout/rounds": float(report.rounds), "perf/step_s": t1 - t0}, update_count
-    exp = build_experience(groups, cfg, policy)
+    if not groups:  # this rank has nothing, but it must join the other ranks' updates
+        exp = empty_experience(policy)
+    else:
+        exp = build_experience(groups, cfg, policy)
     exp.logp_old = compute_logp_old(policy, exp, cfg)
     t2 = time.perf_counter()
-    stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, fork_id)
+    stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, fork_id,
+                                        dist_info)
     t3 = time.perf_counter()
     tokens = float(exp.response_mask.sum())
-    metrics = rollout_metrics(groups, exp, report, getattr(task, "used_fork", None))
-    metrics.update(update_metrics(stats))
+    metrics = rollout_metrics(groups, exp, report, getattr(task, "used_fork", None)) if groups else {}
+    if stats:
+        metrics.update(update_metrics(stats))
     metrics.update({
         "optim/lr": lr_at(update_count - 1, cfg),
         "optim/updates": float(update_count),
@@ -327,6 +345,12 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         "perf/tokens_per_s": tokens * (1 + cfg.algo.epochs) / max(t3 - t1, 1e-9),
     })
     return metrics, update_count
+
+
+def empty_experience(policy: Policy) -> Experience:
+    """A batch of zero rows (a data-parallel rank whose groups were all dropped)."""
+    z = torch.zeros(0, 1, device=policy.device)
+    return Experience(z.long(), z.long(), z, z, torch.zeros(0, device=policy.device), logp_old=z)
 
 
 def make_objective(cfg) -> ObjectiveConfig:
