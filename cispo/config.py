@@ -1017,6 +1017,9 @@ class DataConfig:
     """Reward for ``path`` data: ``math``, ``exact_match``, ``code`` or ``module:function``."""
     fork_token: str | None = None
     """For ``path`` data: a string whose use is tracked as the fork rate (e.g. ``Wait``)."""
+    reward_timeout_s: float | None = 60.0
+    """Per-call reward timeout; a reward that hangs, raises or returns a non-number scores 0
+    and is counted in ``rollout/reward_errors``. None: no timeout (called in the main thread)."""
 
 
 @dataclass

@@ -26,6 +26,7 @@ class Completion:
     text: str  # decoded response, special tokens removed
     task_reward: float = 0.0  # the verifier's score (accuracy when 0/1)
     reward: float = 0.0  # task_reward + shaping
+    reward_error: str | None = None  # why the reward failed (then task_reward = 0)
 
     @property
     def length(self) -> int:

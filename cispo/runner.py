@@ -28,6 +28,7 @@ from cispo.trainer import (
     Policy,
     default_max_new_tokens,
     evaluate,
+    fit_prompts,
     fork_token_id,
     make_objective,
     make_optimizer,
@@ -149,9 +150,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     broadcast_parameters(policy.model, dist_info)
     optimizer = make_optimizer(policy.model, cfg)
     # each rank samples whole groups from its own shard of the prompts, with its own seeds
-    shard = task.train_samples(cfg.data.seed, cfg.data.num_train_prompts)[dist_info.rank :: dist_info.world_size]
-    stream = PromptStream(shard, seed=cfg.seed)
-    eval_samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
+    train_samples = fit_prompts(policy, task.train_samples(cfg.data.seed, cfg.data.num_train_prompts),
+                                sampling.max_new_tokens, "training")
+    stream = PromptStream(train_samples[dist_info.rank :: dist_info.world_size], seed=cfg.seed)
+    eval_samples = fit_prompts(policy, task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts),
+                               sampling.max_new_tokens, "held-out")
     rank_seed = cfg.seed + 1000 * dist_info.rank
     generators = {
         "sample": torch.Generator(device=device).manual_seed(rank_seed),

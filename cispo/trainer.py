@@ -15,6 +15,7 @@ One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penal
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from cispo.data import FillReport, PromptStream, fill_groups
 from cispo.distributed import DistInfo, all_reduce_sum, sum_gradients
 from cispo.experience import Completion, Experience, collate, is_informative, pearson, policy_logprobs
 from cispo.objective import ObjectiveConfig, log_ratio, policy_loss, ppo_token_mask, preset
-from cispo.rewards import overlong_penalty
+from cispo.rewards import overlong_penalty, safe_reward
 from cispo.rollout import SamplingConfig, TorchSampler
 
 
@@ -70,8 +71,10 @@ def sample_groups(
     reward_fn,
     generator: torch.Generator,
     overlong_buffer: int | None = None,
+    reward_timeout_s: float | None = None,
 ) -> list[list[Completion]]:
-    """G responses to each sample's prompt, decoded and scored."""
+    """G responses to each sample's prompt, decoded and scored. A reward that fails scores 0
+    and the failure is recorded on the completion (``reward_error``)."""
     prompt_ids = [policy.encode(s) for s in samples]
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
     batch = policy.sampler.generate(rows, sampling, generator=generator)
@@ -83,13 +86,13 @@ def sample_groups(
             ids = batch.response_ids[i, : lengths[i]].cpu()
             text = policy.tokenizer.decode(ids, skip_special_tokens=True)
             fields = {k: v for k, v in sample.items() if k != "prompt"}
-            task_reward = float(reward_fn(sample["prompt"], text, **fields))
+            task_reward, error = safe_reward(reward_fn, sample["prompt"], text, fields, reward_timeout_s)
             reward = task_reward
             if overlong_buffer:
                 reward += overlong_penalty(lengths[i], sampling.max_new_tokens, overlong_buffer)
             group.append(
                 Completion(sample, prompt_ids[g], ids, batch.logp_rollout[i, : lengths[i]].cpu(),
-                           batch.finish_reason[i], text, task_reward, reward)
+                           batch.finish_reason[i], text, task_reward, reward, error)
             )
         groups.append(group)
     return groups
@@ -282,7 +285,8 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max
     for name, sampling, k in (("greedy", greedy, 1), ("sampled", sampled, cfg.eval.num_samples)):
         groups = []
         for start in range(0, len(samples), 256):
-            groups += sample_groups(policy, samples[start : start + 256], k, sampling, reward_fn, generator)
+            groups += sample_groups(policy, samples[start : start + 256], k, sampling, reward_fn, generator,
+                                    reward_timeout_s=cfg.data.reward_timeout_s)
         flat = [c for g in groups for c in g]
         acc = sum(c.task_reward for c in flat) / len(flat)
         if name == "greedy":
@@ -310,15 +314,24 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count).
     Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups."""
     t0 = time.perf_counter()
+    errors: list[str] = []
+
+    def generate(samples):
+        groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
+                               cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s)
+        errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
+        return groups
+
     groups, report = fill_groups(
         stream.take,
-        lambda samples: sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward,
-                                      generators["sample"], cfg.rollout.overlong_buffer),
+        generate,
         is_informative,
         cfg.rollout.prompts_per_step // dist_info.world_size,
         cfg.rollout.max_sampling_rounds,
         filter_groups=cfg.rollout.dynamic_sampling,
     )
+    if errors:
+        print(f"cispo: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})", file=sys.stderr)
     t1 = time.perf_counter()
     if not groups and not dist_info.enabled:  # every group uninformative, every round: nothing to learn
         return {"rollout/groups_kept": 0.0, "rollout/rounds": float(report.rounds), "perf/step_s": t1 - t0}, update_count
@@ -333,6 +346,7 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     t3 = time.perf_counter()
     tokens = float(exp.response_mask.sum())
     metrics = rollout_metrics(groups, exp, report, getattr(task, "used_fork", None)) if groups else {}
+    metrics["rollout/reward_errors"] = float(len(errors))
     if stats:
         metrics.update(update_metrics(stats))
     metrics.update({
@@ -351,6 +365,24 @@ def empty_experience(policy: Policy) -> Experience:
     """A batch of zero rows (a data-parallel rank whose groups were all dropped)."""
     z = torch.zeros(0, 1, device=policy.device)
     return Experience(z.long(), z.long(), z, z, torch.zeros(0, device=policy.device), logp_old=z)
+
+
+def fit_prompts(policy: Policy, samples: list[dict], max_new_tokens: int, what: str) -> list[dict]:
+    """The samples whose prompt plus ``max_new_tokens`` fits the model's context; the others
+    are dropped with a note (an error when none is left)."""
+    context = getattr(policy.model.config, "max_position_embeddings", None)
+    if not context or not samples:
+        return samples
+    fits = [len(policy.encode(s)) + max_new_tokens <= context for s in samples]
+    kept = [s for s, ok in zip(samples, fits) if ok]
+    if len(kept) < len(samples):
+        first = fits.index(False)
+        msg = (f"{len(samples) - len(kept)} of {len(samples)} {what} prompts are longer than the context "
+               f"({context} tokens) minus max_new_tokens={max_new_tokens} (first: #{first})")
+        if not kept:
+            raise ValueError(msg + "; nothing left to train on")
+        print(f"cispo: skipping {msg}", file=sys.stderr)
+    return kept
 
 
 def make_objective(cfg) -> ObjectiveConfig:

@@ -1,54 +1,19 @@
 """The RL loop end to end on a tiny random Llama: reproducibility, resume, every preset,
 and the pieces (dynamic sampling, overlong penalty, batching, log-probs)."""
 
-import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import cispo.tasks
-from cispo.config import TrainConfig, apply_overrides
 from cispo.data import PromptStream, fill_groups
 from cispo.experience import Completion, collate, policy_logprobs
-from cispo.models import build_model, build_tokenizer, save_policy
 from cispo.objective import PRESETS
 from cispo.rewards import overlong_penalty
 from cispo.runner import train
-from cispo.tasks import arithmetic
+from conftest import small_config
 from cispo.tracking import read_metrics
-
-
-def digit_reward(prompt, completion, **sample):
-    """A dense reward so that a random model's groups are informative."""
-    return completion.count("1") / max(len(completion), 1)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    tok = build_tokenizer(arithmetic.ALPHABET)
-    path = tmp_path_factory.mktemp("tiny_model")
-    save_policy(build_model(tok, size="tiny", seed=0), tok, path)
-    return path
-
-
-@pytest.fixture
-def dense_task(monkeypatch):
-    base = cispo.tasks.get_task("addition")
-    monkeypatch.setattr(cispo.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
-
-
-def small_config(model_path, out_dir, *extra):
-    return apply_overrides(
-        TrainConfig(),
-        [
-            f"model.path={model_path}", f"out_dir={out_dir}", "model.device=cpu", "progress=false",
-            "steps=3", "prompts_per_step=4", "group_size=4", "updates_per_batch=4", "max_new_tokens=10",
-            "num_train_prompts=64", "num_eval_prompts=8", "eval.num_samples=2", "eval.every=2",
-            "checkpoint_every=2", "lr=1e-3", "warmup_updates=2", *extra,
-        ],
-    )
 
 
 def final_weights(run_dir):

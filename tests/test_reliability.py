@@ -1,0 +1,245 @@
+"""Faults and bad input: each is a clear message or a counted, logged skip — never a
+traceback from deep inside torch, never a NaN loss, never lost work."""
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import cispo.tasks
+import cispo.trainer
+from cispo.cli import main
+from cispo.config import ConfigError, TrainConfig, apply_overrides
+from cispo.rewards import safe_reward
+from cispo.runner import train
+from cispo.tracking import read_metrics
+from conftest import digit_reward, small_config
+
+# ---------------------------------------------------------------------------------------
+# Rewards that misbehave
+# ---------------------------------------------------------------------------------------
+
+
+def raises(prompt, completion, **s):
+    raise RuntimeError("verifier crashed")
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (raises, "RuntimeError: verifier crashed"),
+        (lambda p, c, **s: None, "NoneType"),
+        (lambda p, c, **s: float("nan"), "nan"),
+        (lambda p, c, **s: float("inf"), "inf"),
+        (lambda p, c, **s: "1.0", "returned str"),
+        (lambda p, c, **s: [1.0], "list"),
+    ],
+)
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_bad_reward_values_score_zero_with_a_reason(fn, message, timeout):
+    value, error = safe_reward(fn, "1+1=", "2", {}, timeout)
+    assert value == 0.0 and message in error
+
+
+def test_good_reward_values_pass_through():
+    import numpy as np
+
+    assert safe_reward(lambda p, c, **s: True, "", "", {}) == (1.0, None)
+    assert safe_reward(lambda p, c, **s: np.float32(0.5), "", "", {}, 1.0) == (0.5, None)
+    assert safe_reward(lambda p, c, answer: float(c == answer), "", "7", {"answer": "7"}) == (1.0, None)
+
+
+def test_hanging_reward_times_out():
+    started = time.perf_counter()
+    value, error = safe_reward(lambda p, c, **s: time.sleep(3) or 1.0, "", "", {}, timeout_s=0.2)
+    assert (value, error) == (0.0, "timed out after 0.2 s")
+    assert time.perf_counter() - started < 1.0
+
+
+def test_run_survives_a_flaky_reward(tiny_model, monkeypatch, tmp_path, capsys):
+    calls = {"n": 0}
+
+    def flaky(prompt, completion, **sample):
+        calls["n"] += 1
+        if calls["n"] % 5 == 0:
+            raise ValueError("boom")
+        return None if calls["n"] % 7 == 0 else digit_reward(prompt, completion)
+
+    base = cispo.tasks.get_task("addition")
+    monkeypatch.setattr(cispo.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=flaky))
+    result = train(small_config(tiny_model, tmp_path, "steps=2", "eval.every=0"))
+    rows = read_metrics(result.run_dir / "metrics.jsonl")
+    assert sum(r.get("rollout/reward_errors", 0) for r in rows) > 0
+    assert all(math.isfinite(r["objective/loss"]) for r in rows[1:])
+    assert "reward call(s) failed and scored 0 (first: ValueError: boom)" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# Numerical faults
+# ---------------------------------------------------------------------------------------
+
+
+def poison_losses(monkeypatch, every):
+    """Make every ``every``-th loss NaN (1 = all of them)."""
+    real = cispo.trainer.policy_loss
+    count = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        count["n"] += 1
+        return (loss * float("nan") if count["n"] % every == 0 else loss), stats
+
+    monkeypatch.setattr(cispo.trainer, "policy_loss", poisoned)
+
+
+def test_non_finite_update_is_skipped_and_changes_nothing(tiny_model, dense_task, monkeypatch, tmp_path):
+    from cispo.models import load_policy
+
+    poison_losses(monkeypatch, every=2)  # half the optimizer steps see a NaN gradient
+    result = train(small_config(tiny_model, tmp_path, "steps=1", "eval.every=0", "warmup_updates=0"))
+    row = read_metrics(result.run_dir / "metrics.jsonl")[-1]
+    assert row["optim/skipped"] == 2 and row["optim/updates"] == 2
+    weights = load_file(next((result.run_dir / "checkpoints").iterdir()) / "model" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    opt = torch.load(next((result.run_dir / "checkpoints").iterdir()) / "optimizer.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for s in opt["state"].values() for v in s.values() if torch.is_tensor(v))
+    assert all(s["step"] == 2 for s in opt["state"].values())  # skipped steps left Adam's count alone
+    model, _ = load_policy(tiny_model)
+    assert any(not torch.equal(weights[k], v) for k, v in model.state_dict().items() if k in weights)
+
+
+def test_repeated_faults_stop_with_a_checkpoint(tiny_model, dense_task, monkeypatch, tmp_path):
+    from cispo.models import load_policy
+
+    poison_losses(monkeypatch, every=1)
+    cfg = small_config(tiny_model, tmp_path, "steps=10", "eval.every=0", "max_bad_steps=2", "checkpoint_every=0")
+    with pytest.raises(FloatingPointError, match="2 consecutive steps"):
+        train(cfg)
+    ckpt = tmp_path / "cispo__addition__seed0" / "checkpoints" / "step_000002"
+    weights = load_file(ckpt / "model" / "model.safetensors")
+    model, _ = load_policy(tiny_model)  # nothing was ever applied: the starting weights
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items() if k in weights)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad configuration
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algo.updates_per_batch=0", "algo.updates_per_batch must be >= 1"),
+        ("group_size=1", "rollout.group_size must be >= 2"),
+        ("objective_overrides.eps_high_is=-1", "eps_high_is must be a finite number >= 0"),
+        ("objective=dapoo", "did you mean 'dapo'"),
+        ("learning_rate=1e-3", "unknown key"),
+        ("optim.lrr=1e-3", "did you mean 'optim.lr'"),
+        ("lr=abc", "expected float"),
+        ("steps", "expected key=value"),
+    ],
+)
+def test_bad_config_values_are_clear_errors(override, message, capsys):
+    assert main(["train", override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_yaml_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "run.yaml"
+    bad.write_text("steps: 10\noptim:\n  lr: fast\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert f"{bad}:3: optim.lr: expected float" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts longer than the context
+# ---------------------------------------------------------------------------------------
+
+
+def test_overlong_prompts_are_skipped_and_counted(tiny_model, tmp_path, capsys):
+    data = tmp_path / "p.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 30 + [{"prompt": "1" * 200, "answer": "1"}] * 3
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = small_config(tiny_model, tmp_path, f"data.path={data}", "data.reward=exact_match", "steps=1",
+                       "eval.every=0", "num_eval_prompts=2", "dynamic_sampling=false")
+    train(cfg)
+    assert "prompts are longer than the context (128 tokens)" in capsys.readouterr().err
+    only_long = tmp_path / "long.jsonl"
+    only_long.write_text("".join(json.dumps({"prompt": "9" * 200, "answer": "1"}) + "\n" for _ in range(10)))
+    cfg = small_config(tiny_model, tmp_path / "b", f"data.path={only_long}", "data.reward=exact_match")
+    with pytest.raises(ValueError, match="nothing left to train on"):
+        train(cfg)
+
+
+# ---------------------------------------------------------------------------------------
+# Signals and kills
+# ---------------------------------------------------------------------------------------
+
+
+def _train_cmd(model, out, *extra):
+    return [sys.executable, "-m", "cispo", "train", f"model.path={model}", "model.device=cpu", f"out_dir={out}",
+            "run_name=r", "prompts_per_step=4", "group_size=4", "updates_per_batch=4", "max_new_tokens=10",
+            "num_train_prompts=64", "num_eval_prompts=8", "eval.num_samples=2", "eval.every=0", "lr=1e-3",
+            "warmup_updates=2", "progress=false", "threads=1", *extra]
+
+
+def _wait_for_step(metrics, step, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.exists() and any(r["step"] >= step for r in read_metrics(metrics)):
+            return
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    raise TimeoutError
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_resume_continues(tiny_model, tmp_path, sig):
+    out = tmp_path / "runs"
+    proc = subprocess.Popen(_train_cmd(tiny_model, out, "steps=1000", "checkpoint_every=0"),
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _wait_for_step(out / "r" / "metrics.jsonl", 1, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "checkpoint saved, continue with --resume" in err
+    last = max(r["step"] for r in read_metrics(out / "r" / "metrics.jsonl"))
+    assert (out / "r" / "checkpoints" / f"step_{last:06d}").is_dir()
+    rc = subprocess.run(_train_cmd(tiny_model, out, f"steps={last + 1}", "--resume"), capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stderr
+    assert [r["step"] for r in read_metrics(out / "r" / "metrics.jsonl")] == list(range(last + 2))
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(tiny_model, tmp_path):
+    """Kill -9 at several moments; each resume ends with exactly the metrics and weights of
+    an uninterrupted run (CPU, same seed)."""
+    steps = "steps=8"
+    ref = subprocess.run(_train_cmd(tiny_model, tmp_path / "ref", steps, "checkpoint_every=2"), capture_output=True,
+                         text=True)
+    assert ref.returncode == 0, ref.stderr
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # noqa: E731
+    expected = strip(read_metrics(tmp_path / "ref" / "r" / "metrics.jsonl"))
+    for i, kill_after in enumerate((2, 3, 5)):
+        out = tmp_path / f"kill{i}"
+        proc = subprocess.Popen(_train_cmd(tiny_model, out, steps, "checkpoint_every=2"), stderr=subprocess.PIPE,
+                                text=True)
+        _wait_for_step(out / "r" / "metrics.jsonl", kill_after, proc)
+        proc.kill()
+        proc.wait()
+        res = subprocess.run(_train_cmd(tiny_model, out, steps, "checkpoint_every=2", "--resume"),
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        assert strip(read_metrics(out / "r" / "metrics.jsonl")) == expected
+        a = load_file(tmp_path / "ref" / "r" / "checkpoints" / "step_000008" / "model" / "model.safetensors")
+        b = load_file(out / "r" / "checkpoints" / "step_000008" / "model" / "model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a)
