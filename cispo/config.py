@@ -1123,6 +1123,10 @@ class TrainConfig:
     max_bad_steps: int = 3
     """Stop (with a checkpoint of the last good weights) after this many consecutive steps
     whose every update had a non-finite gradient."""
+    trackers: list[str] = field(default_factory=list)
+    """Metric sinks besides metrics.jsonl: ``tensorboard``, ``wandb``, ``mlflow``
+    (``pip install 'cispo[wandb]'`` etc.). W&B and MLflow read their usual environment
+    variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...); see docs/api.md."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -1148,5 +1152,7 @@ class TrainConfig:
             if not ok:
                 raise ValueError(f"{name} {why}")
         from cispo.objective import preset
+        from cispo.tracking import check_sink_kinds
 
+        check_sink_kinds(self.trackers)  # unknown name -> ValueError with a suggestion
         preset(self.algo.objective, **self.algo.objective_overrides)  # unknown name / field / bad value

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from cispo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from cispo.config import TrainConfig, save_yaml
+from cispo.config import TrainConfig, save_yaml, to_dict
 from cispo.data import PromptStream
 from cispo.distributed import barrier, broadcast_parameters, gather_objects, init_distributed
 from cispo.rollout import TorchSampler
-from cispo.tracking import JsonlSink, read_metrics
+from cispo.tracking import make_sinks, read_metrics
 from cispo.trainer import (
     Policy,
     default_max_new_tokens,
@@ -161,7 +161,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         "shuffle": torch.Generator().manual_seed(rank_seed + 1),
     }
     fork_id = fork_token_id(policy.tokenizer, task)
-    sink = JsonlSink(run_dir / "metrics.jsonl") if main else None
+    sink = make_sinks(cfg.trackers, run_dir, run_name(cfg), to_dict(cfg)) if main else None
 
     def evaluate_now(step: int) -> dict:
         out = evaluate(policy, eval_samples, task.reward, task.used_fork, cfg, sampling.max_new_tokens,
@@ -207,7 +207,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     stop = StopRequest()
     bar = _progress(cfg, start) if main else None
     bad_steps = 0
-    with stop.installed():
+    with stop.installed(), (sink if sink is not None else contextlib.nullcontext()):
         for step in range(start + 1, cfg.steps + 1):
             metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
                                             update_count, fork_id, dist_info)

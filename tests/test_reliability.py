@@ -243,3 +243,13 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(tiny_model, tmp
         a = load_file(tmp_path / "ref" / "r" / "checkpoints" / "step_000008" / "model" / "model.safetensors")
         b = load_file(out / "r" / "checkpoints" / "step_000008" / "model" / "model.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_soak_memory_stays_flat(tmp_path):
+    """120 steps of a tiny run: resident memory grows by less than 40 MiB after warm-up."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
+    from soak import soak
+
+    r = soak(steps=120, warmup=10, workdir=tmp_path)
+    assert r["growth_mib"] < 40, r
