@@ -985,6 +985,15 @@ class ModelConfig:
     """Wrap each prompt (or its ``messages``) in the tokenizer's chat template."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    lora_rank: int = 0
+    """LoRA rank (``pip install "cispo[lora]"``): train rank-r adapters on every linear layer
+    but lm_head. 0: full fine-tuning."""
+    lora_alpha: float = 16.0
+    """LoRA scale: the adapters' output is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    lora_target_modules: list[str] | None = None
+    """Module names to adapt. None: all linear layers but lm_head."""
 
 
 @dataclass
@@ -1049,6 +1058,13 @@ class RolloutConfig:
     overlong_buffer: int | None = None
     """DAPO's soft overlong penalty: the last ``overlong_buffer`` tokens before
     max_new_tokens are penalised linearly down to -1. None: off."""
+    engine: str = "torch"
+    """Sampler: ``torch`` (the built-in KV-cache sampler) or ``vllm`` (needs a CUDA GPU and
+    ``pip install "cispo[vllm]"``; weights are pushed to it after every step)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
+    vllm_sleep: bool = False
+    """Put the vLLM engine to sleep during the updates (frees its memory; slower)."""
 
 
 @dataclass
@@ -1068,6 +1084,9 @@ class AlgoConfig:
     """Passes over the generation batch (K optimizer steps each)."""
     micro_batch_size: int | None = None
     """Rows per forward/backward (gradient accumulation within a mini-batch). None: whole."""
+    tis_cap: float | None = None
+    """Truncated importance sampling for the rollout/trainer mismatch: each token's advantage
+    is multiplied by min(pi_old / pi_rollout, tis_cap) (Yao et al. 2025 use 2). None: off."""
 
 
 @dataclass
@@ -1144,6 +1163,9 @@ class TrainConfig:
             ("algo.updates_per_batch", self.algo.updates_per_batch >= 1, "must be >= 1"),
             ("algo.epochs", self.algo.epochs >= 1, "must be >= 1"),
             ("optim.lr", self.optim.lr > 0, "must be > 0"),
+            ("rollout.engine", self.rollout.engine in ("torch", "vllm"), "must be 'torch' or 'vllm'"),
+            ("algo.tis_cap", self.algo.tis_cap is None or self.algo.tis_cap > 0, "must be > 0 or None"),
+            ("model.lora_rank", self.model.lora_rank >= 0, "must be >= 0"),
             ("optim.grad_clip", self.optim.grad_clip >= 0, "must be >= 0"),
             ("eval.num_samples", self.eval.num_samples >= 1, "must be >= 1"),
             ("data.num_eval_prompts", self.data.num_eval_prompts >= 0, "must be >= 0"),

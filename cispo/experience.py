@@ -102,8 +102,8 @@ def collate(completions: list[Completion], advantages: torch.Tensor, pad_id: int
     T = max(max(c.length for c in completions), 1)
     input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
     attention_mask = torch.zeros(B, P + T, dtype=torch.long)
-    response_mask = torch.zeros(B, T)
-    logp_rollout = torch.zeros(B, T)
+    response_mask = torch.zeros(B, T, dtype=torch.float32)
+    logp_rollout = torch.zeros(B, T, dtype=torch.float32)
     for i, c in enumerate(completions):
         n_p, n_r = len(c.prompt_ids), c.length
         input_ids[i, P - n_p : P] = torch.tensor(c.prompt_ids, dtype=torch.long)

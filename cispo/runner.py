@@ -73,7 +73,19 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device) -> Policy:
         tokenizer.pad_token = tokenizer.eos_token
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    if cfg.model.lora_rank:
+        from cispo.lora import apply_lora
+
+        model = apply_lora(model, rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha,
+                           dropout=cfg.model.lora_dropout, target_modules=cfg.model.lora_target_modules)
+    if cfg.rollout.engine == "vllm":
+        from cispo.rollout import VLLMSampler
+
+        sampler = VLLMSampler(str(path), tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                              gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+                              enable_sleep_mode=cfg.rollout.vllm_sleep, seed=cfg.seed)
+    else:
+        sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
     return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template)
 
 
@@ -177,6 +189,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
             raise ValueError(f"checkpoint {ckpt} was written by {state.get('world_size', 1)} processes; "
                              f"resume it with the same number (now {dist_info.world_size})")
         start, update_count = state["step"], state["update_count"]
+        sync_sampler(policy)
         stream.load_state_dict(state["streams"][dist_info.rank])
         for name, gen in generators.items():
             gen.set_state(tensors[f"generator/{name}/{dist_info.rank}"])
@@ -240,6 +253,12 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         _plot(run_dir, cfg)
     barrier(dist_info)
     return RunResult(run_dir, summary)
+
+
+def sync_sampler(policy) -> None:
+    """Push the trainer's weights to a separate inference engine (vLLM); no-op for torch."""
+    if hasattr(policy.sampler, "update_weights"):
+        policy.sampler.update_weights(policy.model)
 
 
 def mean_over_ranks(metrics: dict, info) -> dict:

@@ -28,7 +28,7 @@ from cispo.distributed import DistInfo, all_reduce_sum, sum_gradients
 from cispo.experience import Completion, Experience, collate, is_informative, pearson, policy_logprobs
 from cispo.objective import ObjectiveConfig, log_ratio, policy_loss, ppo_token_mask, preset
 from cispo.rewards import overlong_penalty, safe_reward
-from cispo.rollout import SamplingConfig, TorchSampler
+from cispo.rollout import Sampler, SamplingConfig, truncated_is_weights
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Policy:
 
     model: torch.nn.Module
     tokenizer: object
-    sampler: TorchSampler
+    sampler: Sampler
     device: torch.device
     chat_template: bool = False
 
@@ -176,7 +176,10 @@ def update_policy(
             for micro in micro_batches(rows, cfg.algo.micro_batch_size):
                 sub = exp.select(micro)
                 logp_new = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head)
-                loss, s = policy_loss(logp_new, sub.logp_old, sub.advantages, sub.response_mask, obj,
+                advantages = sub.advantages  # [b]
+                if "tis" in sub.extras:  # per-token truncated IS weight   [b, T]
+                    advantages = advantages[:, None] * sub.extras["tis"][:, : sub.response_mask.shape[1]]
+                loss, s = policy_loss(logp_new, sub.logp_old, advantages, sub.response_mask, obj,
                                       num_tokens=num_tokens, num_seqs=num_seqs)
                 loss.backward()
                 parts.append((s, fork_drop_counts(logp_new, sub, obj, fork_id)))
@@ -339,10 +342,16 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         exp = empty_experience(policy)
     else:
         exp = build_experience(groups, cfg, policy)
+    if cfg.rollout.vllm_sleep and hasattr(policy.sampler, "sleep"):
+        policy.sampler.sleep()
     exp.logp_old = compute_logp_old(policy, exp, cfg)
+    if cfg.algo.tis_cap:  # truncated IS: the trainer's pi_old vs the sampler's own probabilities
+        exp.extras["tis"] = truncated_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, cfg.algo.tis_cap)
     t2 = time.perf_counter()
     stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, fork_id,
                                         dist_info)
+    if hasattr(policy.sampler, "update_weights"):  # a separate inference engine samples the next batch
+        policy.sampler.update_weights(policy.model)
     t3 = time.perf_counter()
     tokens = float(exp.response_mask.sum())
     metrics = rollout_metrics(groups, exp, report, getattr(task, "used_fork", None)) if groups else {}

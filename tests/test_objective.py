@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 from cispo.advantages import group_advantages
 from cispo.objective import PRESETS, ObjectiveConfig, aggregate, kl_penalty, policy_loss, preset
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def float64_default():
+    """The oracles are float64; restore the default so other test modules see float32."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 # ---------------------------------------------------------------------------------------

@@ -142,3 +142,18 @@ def test_policy_logprobs_match_full_forward_with_ragged_padding(tiny_model):
         with torch.no_grad():
             alone = policy_logprobs(model, exp.select(torch.tensor([1])), temperature=temperature)
         assert torch.allclose(alone[0, :2], lp[1, :2], atol=1e-5)
+
+
+def test_truncated_is_and_lora_options_train(tiny_model, dense_task, tmp_path):
+    pytest.importorskip("peft")
+    result = train(small_config(tiny_model, tmp_path, "steps=1", "eval.every=0", "algo.tis_cap=2.0",
+                                "model.lora_rank=4"))
+    row = read_metrics(result.run_dir / "metrics.jsonl")[-1]
+    assert row["optim/updates"] == 4 and row["optim/skipped"] == 0
+    weights = final_weights(result.run_dir)
+    base = load_file(tiny_model / "model.safetensors")
+    lora = [k for k in weights if "lora_" in k]
+    assert lora, "adapters are saved with the checkpoint"
+    # the base weights did not move; the adapters did
+    assert all(torch.equal(weights[k], base[k]) for k in base if k in weights)
+    assert any(weights[k].abs().sum() > 0 for k in lora if "lora_B" in k)

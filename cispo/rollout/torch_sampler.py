@@ -120,8 +120,8 @@ class TorchSampler:
         attn = torch.cat([prompt_mask, prompt_mask.new_ones(B, n_new)], dim=1)  # [B, P + n_new]
 
         response = torch.full((B, n_new), pad, dtype=torch.long, device=dev)  # [B, n_new]
-        response_mask = torch.zeros(B, n_new, device=dev)  # [B, n_new]
-        logp_out = torch.zeros(B, n_new, device=dev)  # [B, n_new]
+        response_mask = torch.zeros(B, n_new, dtype=torch.float32, device=dev)  # [B, n_new]
+        logp_out = torch.zeros(B, n_new, dtype=torch.float32, device=dev)  # [B, n_new]
         finished = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         reason = torch.full((B,), _LENGTH, dtype=torch.long, device=dev)  # [B]
         confident_run = torch.zeros(B, dtype=torch.long, device=dev)  # [B] consecutive tokens with p > thr

@@ -1,0 +1,190 @@
+"""LoRA fine-tuning of the policy, with ``peft`` (``pip install "cispo[lora]"``).
+
+:func:`apply_lora` injects LoRA layers *into the Hugging Face model itself*
+(``peft.inject_adapter_in_model``) and returns that same object, rather than wrapping it in a
+``peft.PeftModel``. The rest of the library relies on the Hugging Face interface:
+``cispo.experience.decoder`` takes ``getattr(model, model.base_model_prefix)`` and ``lm_head`` takes
+``model.get_output_embeddings()``. On a ``PeftModel`` the first resolves to the wrong module:
+``base_model_prefix`` is forwarded to the wrapped model ("model" for Llama), but ``peft_model.model`` is the
+wrapped ``LlamaForCausalLM`` (through ``LoraModel.model``), not its ``LlamaModel`` body, so the decoder
+would return logits instead of hidden states. With the adapters injected in place, the model class,
+``base_model_prefix``, ``get_output_embeddings``, ``save_pretrained``, the samplers and the checkpoints all
+keep working; only the LoRA parameters require grad (the optimizer already takes the trainable ones).
+
+The output projection is never adapted (``"all-linear"`` excludes it, and an explicit target on it is
+refused): ``cispo.logprobs`` multiplies the hidden states by ``lm_head.weight`` directly, which would skip
+the adapter.
+
+:func:`merged_named_weights` gives the merged weights under the base model's names (for pushing to a
+rollout engine, e.g. ``VLLMSampler.update_weights``); :func:`merge_and_save` writes a plain Hugging Face
+folder that ``cispo.models.load_policy`` loads.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+INSTALL_HINT = 'LoRA needs peft: pip install "cispo[lora]"'
+
+DEFAULT_TARGET_MODULES = "all-linear"
+"""Every linear layer but the output projection (for Llama-like models: q/k/v/o_proj, gate/up/down_proj)."""
+
+_LORA_PARAM_KEYS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+
+
+def _peft():
+    try:
+        import peft
+        from peft.tuners.lora import LoraLayer  # noqa: F401
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return peft
+
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return False
+    return isinstance(module, LoraLayer)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside a ``peft.PeftModel`` (or the model itself)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return model
+    return model.base_model.model if isinstance(model, PeftModel) else model
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds LoRA layers (injected by :func:`apply_lora` or in a ``PeftModel``)."""
+    return any(_is_lora_layer(m) for m in model.modules())
+
+
+def lora_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of the LoRA adapters."""
+    return [(n, p) for n, p in model.named_parameters() if any(f".{k}." in f".{n}" for k in _LORA_PARAM_KEYS)]
+
+
+def apply_lora(
+    model: torch.nn.Module,
+    rank: int = 8,
+    alpha: float = 16,
+    dropout: float = 0.0,
+    target_modules: str | list[str] | None = None,
+    adapter_name: str = "default",
+    **lora_kwargs,
+) -> torch.nn.Module:
+    """Inject LoRA adapters into ``model`` (in place) and freeze everything else; returns ``model``.
+
+    Args:
+        model: a Hugging Face causal LM (e.g. from ``cispo.models.load_policy``).
+        rank: r, the rank of each adapter (>= 1).
+        alpha: the scaling numerator: the adapter's output is multiplied by ``alpha / rank``.
+        dropout: dropout on the adapter's input, in [0, 1).
+        target_modules: module names (or suffixes, or a regex) to adapt, as ``peft.LoraConfig`` takes them;
+            None: ``"all-linear"`` (every linear layer but the output projection).
+        adapter_name: the adapter's name in peft.
+        **lora_kwargs: more ``peft.LoraConfig`` fields (``use_rslora``, ``init_lora_weights``, ...).
+
+    The adapters' B matrices start at zero, so the returned model computes exactly what ``model`` did.
+    """
+    peft = _peft()
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA rank must be an int >= 1, got {rank!r}")
+    if not alpha > 0:
+        raise ValueError(f"LoRA alpha must be > 0, got {alpha!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    if has_lora(model):
+        raise ValueError("model already has LoRA layers")
+    if lora_kwargs.get("use_dora"):
+        raise ValueError("DoRA is not supported (merged_named_weights merges plain LoRA deltas only)")
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=DEFAULT_TARGET_MODULES if target_modules is None else target_modules,
+        bias="none",
+        **lora_kwargs,
+    )
+    model = peft.inject_adapter_in_model(config, model, adapter_name=adapter_name)
+    if _is_lora_layer(model.get_output_embeddings()):
+        raise ValueError("LoRA on the output projection (lm_head) is not supported: cispo.logprobs uses "
+                         "lm_head.weight directly; leave it out of target_modules")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    lora = {n for n, _ in lora_parameters(model)}
+    if not lora:
+        raise ValueError(f"target_modules={config.target_modules!r} matched no layer of {type(model).__name__}")
+    if trainable != lora:  # peft marks only the adapters trainable; make sure
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in lora)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing and hasattr(model, "enable_input_require_grads"):
+        # reentrant checkpointing needs an input that requires grad, and the embeddings are frozen now
+        model.enable_input_require_grads()
+    return model
+
+
+@torch.no_grad()
+def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's ``state_dict`` with every LoRA layer merged: ``W + (alpha / r) B A`` under the base
+    layer's name (``...q_proj.weight``), adapter tensors left out. Yields one tensor at a time (merged ones
+    are new tensors; the others are the model's own, detached). Does not modify the model."""
+    model = _unwrap(model)
+    lora_layers = {name: m for name, m in model.named_modules() if _is_lora_layer(m)}
+    for key, tensor in model.state_dict().items():
+        owner, sep, rest = key.partition(".base_layer.")
+        if sep and owner in lora_layers:
+            layer = lora_layers[owner]
+            if rest == "weight" and not layer.merged:
+                delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters
+                            if a in layer.lora_A or a in getattr(layer, "lora_embedding_A", {}))
+                if isinstance(delta, torch.Tensor):
+                    tensor = tensor + delta.to(tensor.dtype)
+            yield f"{owner}.{rest}", tensor.detach()
+            continue
+        if any(f".{k}." in key for k in _LORA_PARAM_KEYS) or key.endswith(tuple(f".{k}" for k in _LORA_PARAM_KEYS)):
+            continue
+        yield key, tensor.detach()
+
+
+def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with the adapters merged into the base layers and the LoRA layers removed:
+    a plain Hugging Face model (all parameters trainable). ``model`` is left unchanged."""
+    _peft()
+    plain = copy.deepcopy(_unwrap(model))
+    for name, module in list(plain.named_modules()):
+        if not _is_lora_layer(module):
+            continue
+        module.merge(safe_merge=True)
+        parent_name, _, child = name.rpartition(".")
+        parent = plain.get_submodule(parent_name) if parent_name else plain
+        setattr(parent, child, module.get_base_layer())
+    if hasattr(plain, "peft_config"):
+        del plain.peft_config
+    for p in plain.parameters():
+        p.requires_grad_(True)
+    return plain
+
+
+def merge_and_save(model: torch.nn.Module, tokenizer, path) -> Path:
+    """Merge the adapters into a copy of ``model`` and save it (safetensors) with ``tokenizer`` into ``path``,
+    a plain Hugging Face folder for ``cispo.models.load_policy`` (or vLLM). Returns the path."""
+    from cispo.models import save_policy
+
+    plain = merge_lora(model)
+    path = Path(path)
+    if tokenizer is None:
+        path.mkdir(parents=True, exist_ok=True)
+        plain.save_pretrained(path, safe_serialization=True)
+        return path
+    return save_policy(plain, tokenizer, path)

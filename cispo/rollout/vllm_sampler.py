@@ -1,0 +1,490 @@
+"""A :class:`~cispo.rollout.base.Sampler` backed by vLLM's offline engine (``vllm.LLM``), colocated with the
+trainer on the same GPU. Needs ``pip install "cispo[vllm]"`` and a CUDA GPU; vLLM is imported only when a
+:class:`VLLMSampler` is constructed.
+
+Targeted API: vLLM >= 0.10.2 with the V1 engine (the default engine; V0 was later removed); it degrades to older
+versions (>= 0.8) with the differences stated below. What each piece relies on:
+
+* **Sampling.** ``LLM.generate([TokensPrompt(prompt_token_ids=...)], [SamplingParams(...)], use_tqdm=False)``
+  with ``SamplingParams(temperature, top_p, max_tokens=max_new_tokens, logprobs=0, seed,
+  stop_token_ids=[eos], ignore_eos=True, detokenize=False)``. ``logprobs=0`` returns the log-prob of the
+  sampled token only (vLLM always adds the sampled token to the top-k it returns); ``ignore_eos=True``
+  plus ``stop_token_ids=[eos]`` makes *our* EOS the only stop token (the model's own EOS and the
+  ``eos_token_id`` list of its generation config then do not stop the row, as in ``TorchSampler``); the
+  stop token is kept in ``CompletionOutput.token_ids``. vLLM's ``finish_reason`` "stop" maps to "eos",
+  "length" to "length". The engine is built with ``generation_config="vllm"`` so the checkpoint's
+  generation config does not change the sampling defaults.
+
+* **Log-probs** (``logp_rollout``). The engine is built with ``logprobs_mode="processed_logprobs"``
+  (an ``LLM``/engine argument, not a per-request one; vLLM PR #21398 added the option in 0.10.0 and PR
+  #22387 made "processed" mean the final sampling distribution). vLLM's V1 sampler then returns
+  ``log_softmax`` of the logits *after* penalties (none here), temperature and top-k/top-p, i.e. of the
+  distribution it actually sampled from (``vllm/v1/sample/sampler.py`` and
+  ``vllm/v1/sample/ops/topk_topp_sampler.py``; the model runner V2 sampler in
+  ``vllm/v1/worker/gpu/sample/sampler.py`` does the same). Compared with the
+  :class:`~cispo.rollout.base.RolloutBatch` contract (``log_softmax(logits / T)`` *before* top-p):
+
+  - ``top_p == 1`` (the usual RL setting): identical semantics, up to the engine's numerics (bf16
+    weights, its own kernels; see :func:`~cispo.rollout.correction.truncated_is_weights`).
+  - ``top_p < 1``: vLLM renormalises over the nucleus, so it reports ``log p_T(tok) - log S`` where S is
+    the tempered probability mass of the nucleus at that step: >= the contract's value, by ``-log S``.
+    This cannot be undone from the returned numbers. (It is the exact log-prob of the behaviour policy,
+    the better choice for an importance weight, but not comparable with the trainer's full-vocabulary
+    log-probs; see vLLM issue #42259.)
+  - ``temperature == 0`` (greedy, vLLM uses argmax for T < 1e-5): the untempered ``log_softmax(logits)``,
+    as in the contract. vLLM raises temperatures in (0, 0.01) to 0.01 (with a warning).
+  - vLLM < 0.10 (no ``logprobs_mode``): V1 returns *raw* log-probs, ``log_softmax(logits)`` before
+    temperature and top-p, so ``logp_rollout`` is only right at temperature 1 (or 0) with top_p = 1; a
+    warning says so at each such call. (The V0 engine of those versions returned processed log-probs.)
+
+* **Repetition early stop.** vLLM has no probability-based stop (recent versions have an n-gram
+  ``RepetitionDetectionParams``, a different criterion). :func:`finalize_response` applies it after
+  the fact on the returned per-token probabilities (the same distribution as ``logp_rollout``): the
+  response is cut at the token where the N-th consecutive token with p > threshold occurs and marked
+  "repetition". vLLM kept generating that row until EOS or ``max_tokens``: those tokens were computed and
+  thrown away, so the stop saves no rollout compute here (it still shapes the training data exactly as
+  ``TorchSampler``'s stop does).
+
+* **Weight sync** (:meth:`VLLMSampler.update_weights`, after every optimizer step). The engine runs in
+  this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set unless the caller set it; the V1
+  ``LLMEngine`` then exposes ``llm_engine.model_executor`` "for v0 compatibility", see
+  ``vllm/v1/engine/llm_engine.py``), so the trainer's tensors are handed to the vLLM model's own
+  ``load_weights(Iterable[(hf_name, tensor)])`` through
+  ``llm.llm_engine.model_executor.driver_worker.model_runner`` (``get_model()`` when present, else
+  ``.model``): the same call TRL's colocate mode makes (``trl/generation/vllm_generation.py``,
+  ``sync_weights``). It takes Hugging Face parameter names, fuses q/k/v and gate/up itself, casts to the
+  engine's dtype and copies in place (CUDA graphs stay valid), with no copy through the host when the
+  trainer is on the same GPU. LoRA adapters (``cispo.lora``) are merged on the fly. The prefix cache is
+  reset afterwards (its KV blocks were computed with the old weights). If the engine runs in another
+  process, the weights go in CPU chunks through ``LLM.collective_rpc`` with a function (which vLLM >= 0.9
+  only accepts with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Tensor parallelism > 1 and quantised
+  engines are not supported by this path. (Recent vLLM, e.g. the 0.26+ docs, also has a native
+  weight-transfer API, ``WeightTransferConfig(backend="ipc"|"nccl")``; not used here, to keep one code
+  path for 0.8+.)
+
+* **Colocation.** ``gpu_memory_utilization`` (0.3 by default) is the share of the GPU vLLM takes for its
+  weights and KV cache; the trainer gets the rest. With ``enable_sleep_mode=True``, :meth:`sleep`
+  (``LLM.sleep(level)``: level 1 moves the weights to CPU memory and drops the KV cache, level 2 drops
+  both) frees that memory during the update, and :meth:`wake_up` (``LLM.wake_up(tags)``) brings it back.
+  Under ``torchrun`` (one engine per rank, each on its rank's GPU, tensor parallel size 1), pass
+  ``distributed_executor_backend="external_launcher"`` and a per-rank ``seed``, as TRL's colocate mode does,
+  so that vLLM joins the already initialised process group instead of creating its own (not tested here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from cispo.rollout.base import RolloutBatch, SamplingConfig
+
+INSTALL_HINT = 'VLLMSampler needs vLLM: pip install "cispo[vllm]" (needs a CUDA GPU)'
+
+_FINISH = {"stop": "eos", "length": "length"}  # vLLM's finish_reason -> ours
+
+
+# --------------------------------------------------------------------------- pure helpers (no vLLM)
+
+
+def repetition_stop_length(token_probs: Sequence[float], n: int, threshold: float) -> int | None:
+    """Length of a response cut by the repetition early stop: index + 1 of the first token at which the run
+    of consecutive tokens with probability > ``threshold`` reaches ``n``; None when it never does."""
+    run = 0
+    for i, p in enumerate(token_probs):
+        run = run + 1 if p > threshold else 0
+        if run >= n:
+            return i + 1
+    return None
+
+
+def finalize_response(
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    engine_reason: str | None,
+    eos_token_id: int,
+    cfg: SamplingConfig,
+) -> tuple[list[int], list[float], str]:
+    """One engine response -> (token ids, their log-probs, finish reason) under the ``RolloutBatch`` contract.
+
+    Maps vLLM's finish reason ("stop" -> "eos", "length" -> "length"), checks it against the tokens, then
+    applies the repetition early stop post hoc (see the module docstring): the response is cut where the
+    run of confident tokens reaches ``cfg.repetition_stop_tokens``; the cut row is "repetition", unless the
+    token that reaches N is the EOS ("eos", as in ``TorchSampler``). A "length" row whose last token
+    reaches N becomes "repetition", as in ``TorchSampler``.
+    """
+    ids, lps = [int(t) for t in token_ids], [float(x) for x in logprobs]
+    if len(ids) != len(lps):
+        raise RuntimeError(f"engine returned {len(ids)} tokens but {len(lps)} log-probs")
+    if not ids:
+        raise RuntimeError(f"engine returned an empty response (finish_reason={engine_reason!r})")
+    if eos_token_id in ids[:-1]:  # never expected (EOS is a stop token), but keep the contract
+        ids, lps, reason = ids[: ids.index(eos_token_id) + 1], lps[: ids.index(eos_token_id) + 1], "eos"
+    elif engine_reason == "stop":
+        if ids[-1] != eos_token_id:
+            raise RuntimeError(f"engine stopped on token {ids[-1]}, not on EOS {eos_token_id}")
+        reason = "eos"
+    elif engine_reason == "length":
+        if ids[-1] == eos_token_id:  # EOS sampled as the last allowed token
+            reason = "eos"
+        elif len(ids) != cfg.max_new_tokens:
+            raise RuntimeError(
+                f"engine stopped after {len(ids)} < max_new_tokens={cfg.max_new_tokens} tokens for length "
+                "(prompt + max_new_tokens exceeds the engine's max_model_len?)"
+            )
+        else:
+            reason = "length"
+    else:
+        raise RuntimeError(f"unexpected finish_reason {engine_reason!r} from the engine")
+    if cfg.repetition_stop_tokens is not None:
+        cut = repetition_stop_length([math.exp(x) for x in lps], cfg.repetition_stop_tokens,
+                                     cfg.repetition_stop_prob)
+        if cut is not None:
+            ids, lps = ids[:cut], lps[:cut]
+            reason = "eos" if ids[-1] == eos_token_id else "repetition"
+    return ids, lps, reason
+
+
+def pad_rollout(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[tuple[list[int], list[float], str]],
+    pad_token_id: int,
+    device: torch.device | str = "cpu",
+) -> RolloutBatch:
+    """Left-pad the prompts, right-pad the responses (as ``TorchSampler`` does) into a ``RolloutBatch``."""
+    B, P = len(prompts), max(len(p) for p in prompts)
+    T = max(len(ids) for ids, _, _ in responses)
+    prompt = torch.full((B, P), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros(B, P, dtype=torch.long)
+    response = torch.full((B, T), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros(B, T, dtype=torch.float32)
+    logp = torch.zeros(B, T, dtype=torch.float32)
+    for i, (p, (ids, lps, _)) in enumerate(zip(prompts, responses)):
+        prompt[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        prompt_mask[i, P - len(p):] = 1
+        response[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[i, : len(ids)] = 1.0
+        logp[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt.to(device),
+        prompt_mask=prompt_mask.to(device),
+        response_ids=response.to(device),
+        response_mask=response_mask.to(device),
+        logp_rollout=logp.to(device),
+        finish_reason=[r for _, _, r in responses],
+    )
+
+
+def named_weights(model_or_weights) -> Iterable[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) pairs to push to the engine.
+
+    A module: its ``state_dict`` (LoRA adapters injected by ``cispo.lora`` or a ``PeftModel`` are merged into
+    the base weights, under the base names); a dict: its items; anything else: used as given.
+    """
+    if isinstance(model_or_weights, torch.nn.Module):
+        from cispo.lora import has_lora, merged_named_weights
+
+        if has_lora(model_or_weights):
+            return merged_named_weights(model_or_weights)
+        return ((k, v.detach()) for k, v in model_or_weights.state_dict().items())
+    if isinstance(model_or_weights, dict):
+        return iter(model_or_weights.items())
+    return model_or_weights
+
+
+def _chunks(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int):
+    """CPU copies of the weights, in lists of at most ``max_bytes`` (one tensor may exceed it alone)."""
+    chunk, size = [], 0
+    for name, t in weights:
+        t = t.detach().to("cpu")
+        if chunk and size + t.numel() * t.element_size() > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, t))
+        size += t.numel() * t.element_size()
+    if chunk:
+        yield chunk
+
+
+def _worker_model(worker):
+    """The vLLM ``nn.Module`` (with ``load_weights``) of a worker or worker wrapper."""
+    worker = getattr(worker, "worker", None) or worker  # WorkerWrapperBase -> Worker
+    runner = worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def _load_weights_on_worker(worker, weights) -> int:
+    """Run by ``LLM.collective_rpc`` inside a vLLM worker (the out-of-process path)."""
+    with torch.no_grad():
+        _worker_model(worker).load_weights(weights)
+    return len(weights)
+
+
+# --------------------------------------------------------------------------- the sampler
+
+
+class VLLMSampler:
+    """Samples with a colocated ``vllm.LLM``; implements the :class:`~cispo.rollout.base.Sampler` protocol.
+
+    See the module docstring for the exact semantics of ``logp_rollout``, of the repetition stop and of
+    the weight sync. Call :meth:`update_weights` with the policy after every optimizer step (the engine
+    otherwise keeps sampling from the weights it loaded from ``model_path``).
+
+    Args:
+        model_path: the Hugging Face folder of the policy (what ``cispo.models.load_policy`` loads).
+        tokenizer: its tokenizer (an object with ``name_or_path``, or a path); None: ``model_path``.
+        eos_token_id: the token that ends a response (kept in the response, mask 1).
+        pad_token_id: fills the left of short prompts and the right of short responses.
+        gpu_memory_utilization: share of the GPU memory vLLM may take (weights + KV cache).
+        dtype: the engine's parameter dtype.
+        enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up` (vLLM's ``enable_sleep_mode``).
+        seed: the engine's global seed (used for requests without their own seed).
+        in_process: run vLLM's engine core in this process (sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+            unless already set), needed for the zero-copy weight sync.
+        output_device: where the ``RolloutBatch`` tensors go (the trainer moves them to the CPU anyway).
+        **llm_kwargs: more ``vllm.LLM`` arguments (``max_model_len``, ``enforce_eager``, ...).
+    """
+
+    def __init__(
+        self,
+        model_path,
+        tokenizer=None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        dtype: str = "bfloat16",
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        *,
+        in_process: bool = True,
+        output_device: torch.device | str = "cpu",
+        **llm_kwargs,
+    ) -> None:
+        try:
+            import vllm
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+        except ImportError as e:
+            raise ImportError(INSTALL_HINT) from e
+        if eos_token_id is None:
+            eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = getattr(tokenizer, "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = eos_token_id
+        if eos_token_id is None:
+            raise ValueError("VLLMSampler needs eos_token_id (or a tokenizer that has one)")
+        self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
+        self.output_device = torch.device(output_device)
+        self.enable_sleep_mode = bool(enable_sleep_mode)
+        self._SamplingParams, self._TokensPrompt = SamplingParams, TokensPrompt
+        self.vllm_version = getattr(vllm, "__version__", "unknown")
+        if in_process:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer_path = str(tokenizer or model_path)
+        else:
+            tokenizer_path = str(getattr(tokenizer, "name_or_path", "") or model_path)
+        kwargs = dict(
+            model=str(model_path),
+            tokenizer=tokenizer_path,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.enable_sleep_mode,
+            seed=seed,
+            generation_config="vllm",
+        )
+        self.logprobs_mode = "processed_logprobs" if _engine_accepts("logprobs_mode") else None
+        if self.logprobs_mode:
+            kwargs["logprobs_mode"] = self.logprobs_mode
+        else:
+            warnings.warn(
+                f"vLLM {self.vllm_version} has no logprobs_mode: its V1 engine returns raw log-probs "
+                "(before temperature and top-p), so logp_rollout is only right at temperature 1 with top_p=1. "
+                "Use vLLM >= 0.10.2.",
+                stacklevel=2,
+            )
+        kwargs.update(llm_kwargs)
+        self.llm = vllm.LLM(**kwargs)
+        self._asleep: set[str] = set()  # parts put to sleep: "weights", "kv_cache"
+        self._sleep_level = 0
+        self._needs_weights = False  # after waking from level 2: the weights must be pushed again
+
+    # ------------------------------------------------------------------ sampling
+
+    @property
+    def logprob_semantics(self) -> str:
+        """What ``logp_rollout`` is, for this engine (see the module docstring)."""
+        if self.logprobs_mode == "processed_logprobs":
+            return "processed: log_softmax(logits / T) of the distribution sampled from (after top-p)"
+        return "raw: log_softmax(logits), before temperature and top-p (vLLM < 0.10, V1 engine)"
+
+    def sampling_params(self, cfg: SamplingConfig, seed: int | None = None):
+        """The ``vllm.SamplingParams`` for ``cfg``."""
+        return self._SamplingParams(
+            n=1,
+            temperature=float(cfg.temperature),
+            top_p=float(cfg.top_p),
+            max_tokens=cfg.max_new_tokens,
+            logprobs=0,
+            seed=seed,
+            stop_token_ids=[self.eos_token_id],
+            ignore_eos=True,
+            detokenize=False,
+        )
+
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        cfg: SamplingConfig,
+        generator: torch.Generator | None = None,
+    ) -> RolloutBatch:
+        """Sample one response per prompt; see :class:`~cispo.rollout.base.RolloutBatch` for the layout.
+
+        With a ``generator``, each request gets a seed drawn from it (reproducible for the same batch; vLLM's
+        numerics are not batch-invariant, so the same prompt in another batch may still differ). Without,
+        the engine's own seeded stream is used.
+        """
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty: need at least one prompt")
+        for i, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if self._asleep:
+            self.wake_up()
+        if self._needs_weights:
+            raise RuntimeError("the engine woke from sleep level 2 without weights: call update_weights(model) first")
+        self._check_lengths(prompt_ids, cfg)
+        if self.logprobs_mode is None and (cfg.temperature not in (0.0, 1.0) or cfg.top_p < 1.0):
+            warnings.warn(f"vLLM {self.vllm_version} returns raw log-probs: logp_rollout ignores "
+                          f"temperature={cfg.temperature} and top_p={cfg.top_p}", stacklevel=2)
+        if 0 < cfg.temperature < 0.01:
+            warnings.warn(f"vLLM raises temperature {cfg.temperature} to 0.01", stacklevel=2)
+
+        B = len(prompt_ids)
+        if generator is not None:
+            seeds = torch.randint(0, 2**31 - 1, (B,), generator=generator, device=generator.device).tolist()
+        else:
+            seeds = [None] * B
+        params = [self.sampling_params(cfg, s) for s in seeds]
+        prompts = [self._TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompt_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if len(outputs) != B:
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {B} prompts")
+        responses = []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            if completion.logprobs is None:
+                raise RuntimeError("vLLM returned no logprobs (SamplingParams.logprobs was 0)")
+            lps = [completion.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
+            responses.append(finalize_response(ids, lps, completion.finish_reason, self.eos_token_id, cfg))
+        return pad_rollout(prompt_ids, responses, self.pad_token_id, self.output_device)
+
+    def _check_lengths(self, prompt_ids, cfg: SamplingConfig) -> None:
+        max_len = getattr(getattr(self.llm.llm_engine, "model_config", None), "max_model_len", None)
+        if max_len is None:
+            return
+        longest = max(len(p) for p in prompt_ids)
+        if longest + cfg.max_new_tokens > max_len:
+            raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({cfg.max_new_tokens}) exceeds the "
+                             f"engine's max_model_len={max_len}")
+
+    # ------------------------------------------------------------------ weights
+
+    def _engine_model(self):
+        """The vLLM model object when the engine runs in this process, else None."""
+        executor = getattr(self.llm.llm_engine, "model_executor", None)
+        worker = getattr(executor, "driver_worker", None)
+        if worker is None:
+            return None
+        try:
+            return _worker_model(worker)
+        except AttributeError:
+            return None
+
+    def update_weights(self, model, chunk_bytes: int = 1 << 28) -> int:
+        """Push the trainer's current weights to the engine; returns the number of tensors pushed.
+
+        ``model``: the policy module (its ``state_dict``, with LoRA adapters merged), a ``{name: tensor}``
+        dict or an iterable of (name, tensor), with Hugging Face names. ``chunk_bytes`` sizes the CPU
+        chunks of the out-of-process path only.
+        """
+        if "weights" in self._asleep:
+            self.wake_up(tags=["weights"])
+        weights = named_weights(model)
+        target = self._engine_model()
+        n = 0
+        if target is not None:  # in process: straight into the engine's parameters
+            def counted(ws):
+                nonlocal n
+                for item in ws:
+                    n += 1
+                    yield item
+
+            with torch.no_grad():
+                target.load_weights(counted(weights))
+        else:  # the engine core runs in another process
+            for chunk in _chunks(weights, chunk_bytes):
+                self.llm.collective_rpc(_load_weights_on_worker, args=(chunk,))
+                n += len(chunk)
+        self.llm.reset_prefix_cache()
+        self._needs_weights = False
+        return n
+
+    # ------------------------------------------------------------------ colocation
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory (``LLM.sleep``): level 1 offloads the weights to CPU memory and drops
+        the KV cache; level 2 drops both (then :meth:`update_weights` must run before the next
+        :meth:`generate`). Needs ``enable_sleep_mode=True``."""
+        if not self.enable_sleep_mode:
+            raise RuntimeError("VLLMSampler.sleep needs enable_sleep_mode=True at construction")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._asleep:
+            return
+        self.llm.sleep(level=level)
+        self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Reallocate what :meth:`sleep` freed (``LLM.wake_up``); ``tags`` ("weights", "kv_cache") wakes
+        only those parts (where vLLM's ``wake_up`` takes tags; else all wake), e.g. the weights before
+        :meth:`update_weights`."""
+        parts = set(self._asleep) if tags is None else set(tags) & self._asleep
+        if not parts:
+            return
+        if parts == {"weights", "kv_cache"}:
+            self.llm.wake_up()
+        else:
+            try:
+                self.llm.wake_up(tags=sorted(parts))
+            except TypeError:  # an older vLLM without tags: everything wakes
+                self.llm.wake_up()
+                parts = set(self._asleep)
+        if "weights" in parts and self._sleep_level == 2:
+            # Level 2 discarded the weights and the buffers that are not in a state dict (e.g. rotary
+            # caches): reload them from disk (vLLM issue #29341, TRL's workaround), then require a push.
+            try:
+                self.llm.collective_rpc("reload_weights")
+            except (AttributeError, NotImplementedError):
+                pass
+            self._needs_weights = True
+        self._asleep -= parts
+
+
+def _engine_accepts(name: str) -> bool:
+    """Whether the installed vLLM's engine arguments have field ``name``."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return False
+    try:
+        return name in {f.name for f in dataclasses.fields(EngineArgs)}
+    except TypeError:  # not a dataclass
+        return name in getattr(EngineArgs, "__annotations__", {})

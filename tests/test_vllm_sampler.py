@@ -1,0 +1,574 @@
+"""The Sampler protocol contract, run against every backend, plus VLLMSampler's pure parts.
+
+Backends of the contract test:
+
+* ``torch``: ``TorchSampler`` (always);
+* ``fake-vllm``: ``VLLMSampler`` on a stand-in ``vllm`` module (below) that runs the Hugging Face model with
+  vLLM's documented semantics (processed log-probs, per-request seeds, stop tokens, finish reasons,
+  ``load_weights`` by Hugging Face name). It exercises all of VLLMSampler's own code on a CPU; it proves
+  nothing about vLLM itself;
+* ``vllm``: ``VLLMSampler`` on the real engine, only where vLLM is importable and a CUDA GPU is present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from cispo.models import build_tokenizer, save_policy  # noqa: E402
+from cispo.rollout import RolloutBatch, Sampler, SamplingConfig, TorchSampler, truncated_is_weights  # noqa: E402
+from cispo.rollout.vllm_sampler import (  # noqa: E402
+    VLLMSampler,
+    finalize_response,
+    repetition_stop_length,
+)
+
+PAD, EOS = 0, 1  # cispo.models.build_tokenizer's ids
+CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz"
+PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14, 15], [16, 17], [18, 19, 20, 21], [22, 5, 6, 7, 8]]
+
+
+def real_vllm_skip_reason() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed (pip install 'cispo[vllm]' on a CUDA machine)"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return None
+
+
+REAL_VLLM_SKIP = real_vllm_skip_reason()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama + character tokenizer, saved like a real checkpoint. head_dim 64: a size every
+    vLLM attention backend supports."""
+    tok = build_tokenizer(CHARS)
+    assert (tok.pad_token_id, tok.eos_token_id) == (PAD, EOS)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
+    return save_policy(model, tok, tmp_path_factory.mktemp("tiny"))
+
+
+def load_hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def force_token(model, tok: int, logit: float = 30.0):
+    """Make ``model`` predict ``tok`` with probability ~1 everywhere: every token gets the same embedding, so
+    every position ends with the same hidden state h (attention mixes identical values), and the output
+    row of ``tok`` is set so that its logit is ``logit`` (the others stay ~0.1)."""
+    emb = model.get_input_embeddings().weight
+    emb.copy_(emb[5].expand_as(emb).clone())
+    h = model.model(input_ids=torch.tensor([[5, 6]], device=emb.device)).last_hidden_state[0, -1]
+    model.lm_head.weight[tok] = h * (logit / h.dot(h))
+    return model
+
+
+# --------------------------------------------------------------------------- a stand-in for vllm
+
+
+@dataclasses.dataclass
+class _Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class _Completion:
+    index: int
+    token_ids: list
+    logprobs: list
+    finish_reason: str
+    stop_reason: int | None = None
+    text: str = ""
+
+
+@dataclasses.dataclass
+class _RequestOutput:
+    prompt_token_ids: list
+    outputs: list
+
+
+class _SamplingParams:
+    def __init__(self, n=1, temperature=1.0, top_p=1.0, max_tokens=16, logprobs=None, seed=None,
+                 stop_token_ids=None, ignore_eos=False, detokenize=True):
+        self.__dict__.update(locals())
+        del self.__dict__["self"]
+
+
+class _EngineModel(torch.nn.Module):
+    """Like a vLLM model: ``load_weights`` takes (Hugging Face name, tensor) and fails on unknown names."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+        self.loaded: list[str] = []
+
+    def load_weights(self, weights):
+        params = self.hf.state_dict()
+        for name, t in weights:
+            params[name].copy_(t)  # KeyError on a name the engine does not have
+            self.loaded.append(name)
+        return set(self.loaded)
+
+
+class _Worker:
+    def __init__(self, llm):
+        self.llm = llm
+        self.model_runner = types.SimpleNamespace(model=llm.engine_model, get_model=lambda: llm.engine_model)
+
+    def reload_weights(self):
+        self.llm.engine_model.hf.load_state_dict(load_hf(self.llm.kwargs["model"]).state_dict())
+
+
+class _FakeLLM:
+    def __init__(self, model, multiprocess=False, **kwargs):
+        self.kwargs = dict(model=model, **kwargs)
+        self.engine_model = _EngineModel(load_hf(model))
+        self.worker = _Worker(self)
+        cfg = self.engine_model.hf.config
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
+            max_model_len=cfg.max_position_embeddings))
+        if not multiprocess:  # the V1 LLMEngine exposes model_executor only when in process
+            self.llm_engine.model_executor = types.SimpleNamespace(
+                driver_worker=types.SimpleNamespace(worker=self.worker))
+        self.global_gen = torch.Generator().manual_seed(kwargs.get("seed", 0))
+        self.calls: list = []
+
+    # vLLM's V1 sampler: temperature, then top-p (ascending sort, drop cumsum <= 1 - p), sample;
+    # processed logprobs = log_softmax of the final (truncated) logits; greedy for T < 1e-5, untempered.
+    @torch.no_grad()
+    def _step(self, ids, sp, gen):
+        logits = self.engine_model.hf(torch.tensor([ids])).logits[0, -1].float()
+        raw = F.log_softmax(logits, -1)
+        if sp.temperature < 1e-5:
+            tok = int(logits.argmax())
+            return tok, float(raw[tok])
+        x = logits / sp.temperature
+        if sp.top_p < 1.0:
+            s, idx = x.sort(descending=False)
+            drop = s.softmax(-1).cumsum(-1) <= 1 - sp.top_p
+            drop[-1] = False
+            x = x.scatter(0, idx, s.masked_fill(drop, -math.inf))
+        processed = F.log_softmax(x, -1)
+        tok = int(torch.multinomial(processed.exp(), 1, generator=gen))
+        lp = processed if self.kwargs.get("logprobs_mode") == "processed_logprobs" else raw
+        return tok, float(lp[tok])
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.calls.append(sampling_params)
+        outs = []
+        for prompt, sp in zip(prompts, sampling_params):
+            gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self.global_gen
+            ids, toks, lps, reason = list(prompt["prompt_token_ids"]), [], [], None
+            eos = self.engine_model.hf.config.eos_token_id
+            while reason is None:
+                tok, lp = self._step(ids + toks, sp, gen)
+                toks.append(tok)
+                lps.append({tok: _Logprob(lp, rank=1)})
+                if len(toks) >= sp.max_tokens:  # vLLM checks the length first
+                    reason = "length"
+                elif (not sp.ignore_eos and tok == eos) or tok in (sp.stop_token_ids or []):
+                    reason = "stop"
+            outs.append(_RequestOutput(ids, [_Completion(0, toks, lps, reason)]))
+        return outs
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        fn = getattr(self.worker, method) if isinstance(method, str) else (lambda *a, **k: method(self.worker, *a, **k))
+        return [fn(*args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+
+def fake_vllm_modules(logprobs_mode=True, multiprocess=False) -> dict:
+    vllm = types.ModuleType("vllm")
+    vllm.__version__ = "0.0.fake"
+    vllm.LLM = lambda **kw: _FakeLLM(multiprocess=multiprocess, **kw)
+    vllm.SamplingParams = _SamplingParams
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda **kw: dict(kw)
+    engine = types.ModuleType("vllm.engine")
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    fields = [("model", str, ""), ("seed", int, 0)]
+    if logprobs_mode:
+        fields.append(("logprobs_mode", str, "raw_logprobs"))
+    arg_utils.EngineArgs = dataclasses.make_dataclass("EngineArgs", fields)
+    vllm.inputs, vllm.engine, engine.arg_utils = inputs, engine, arg_utils
+    return {"vllm": vllm, "vllm.inputs": inputs, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils}
+
+
+def make_fake_sampler(model_dir, logprobs_mode=True, multiprocess=False, **kw) -> VLLMSampler:
+    with pytest.MonkeyPatch.context() as mp:
+        for name, mod in fake_vllm_modules(logprobs_mode, multiprocess).items():
+            mp.setitem(sys.modules, name, mod)
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the real env untouched
+        return VLLMSampler(model_dir, eos_token_id=EOS, pad_token_id=PAD, **kw)
+
+
+# --------------------------------------------------------------------------- the backends
+
+
+@pytest.fixture(scope="module")
+def real_vllm_sampler(model_dir):
+    if REAL_VLLM_SKIP:
+        pytest.skip(REAL_VLLM_SKIP)
+    return VLLMSampler(model_dir, eos_token_id=EOS, pad_token_id=PAD, gpu_memory_utilization=0.3,
+                       enable_sleep_mode=True, enforce_eager=True, max_model_len=128)
+
+
+@pytest.fixture(scope="module", params=["torch", "fake-vllm", "vllm"])
+def backend(request, model_dir):
+    """(name, sampler, reference HF model on the CPU holding the sampler's weights)."""
+    if request.param == "torch":
+        model = load_hf(model_dir)
+        return "torch", TorchSampler(model, EOS, PAD), model
+    if request.param == "fake-vllm":
+        return "fake-vllm", make_fake_sampler(model_dir), load_hf(model_dir)
+    return "vllm", request.getfixturevalue("real_vllm_sampler"), load_hf(model_dir)
+
+
+def gen(sampler, prompts=PROMPTS, seed=0, **cfg) -> RolloutBatch:
+    return sampler.generate(prompts, SamplingConfig(**cfg), torch.Generator().manual_seed(seed))
+
+
+def full_forward_logp(model, b: RolloutBatch, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of the sampled tokens from one forward of [prompt + response] (T=0: untempered)."""
+    P, T = b.prompt_ids.shape[1], b.response_ids.shape[1]
+    ids = torch.cat([b.prompt_ids, b.response_ids], 1).cpu()
+    mask = torch.cat([b.prompt_mask, b.response_mask.long()], 1).cpu()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, P - 1 : P + T - 1].float()
+    logp = F.log_softmax(logits / (temperature or 1.0), -1).gather(-1, b.response_ids.cpu()[..., None]).squeeze(-1)
+    return logp * b.response_mask.cpu()
+
+
+def check_contract(b: RolloutBatch, prompts, max_new_tokens: int):
+    """Shapes, dtypes, padding, masks, finish reasons: what every backend must return."""
+    assert isinstance(b, RolloutBatch)
+    B, T = b.response_ids.shape
+    assert B == len(prompts) == len(b) == len(b.finish_reason)
+    assert b.prompt_ids.dtype == b.response_ids.dtype == b.prompt_mask.dtype == torch.long
+    assert b.response_mask.dtype == b.logp_rollout.dtype == torch.float32
+    assert b.response_mask.shape == b.logp_rollout.shape == (B, T)
+    assert b.prompt_ids.shape == b.prompt_mask.shape == (B, max(map(len, prompts)))
+    for ids, mask, p in zip(b.prompt_ids.cpu(), b.prompt_mask.cpu(), prompts):  # left-padded prompts
+        assert mask.tolist() == [0] * (len(mask) - len(p)) + [1] * len(p)
+        assert ids[mask == 1].tolist() == list(p) and (ids[mask == 0] == PAD).all()
+    lengths = b.response_lengths.cpu()
+    assert T == int(lengths.max()) <= max_new_tokens and int(lengths.min()) >= 1
+    mask, resp, logp = b.response_mask.cpu(), b.response_ids.cpu(), b.logp_rollout.cpu()
+    assert torch.equal(mask, (torch.arange(T) < lengths[:, None]).float())  # 1...1 0...0
+    assert (resp[mask == 0] == PAD).all() and (logp[mask == 0] == 0).all()
+    assert torch.isfinite(logp).all() and (logp[mask == 1] <= 1e-6).all()
+    for row, reason, n in zip(resp, b.finish_reason, lengths.tolist()):
+        assert reason in ("eos", "length", "repetition")
+        assert (row[: n - 1] != EOS).all()  # nothing after an EOS
+        assert (row[n - 1] == EOS) == (reason == "eos")
+        if reason == "length":
+            assert n == max_new_tokens
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+def test_is_a_sampler(backend):
+    assert isinstance(backend[1], Sampler)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (0.0, 1.0), (0.8, 0.9)])
+def test_contract_and_logp_matches_full_forward(backend, temperature, top_p):
+    name, sampler, model = backend
+    prompts = PROMPTS * 3
+    b = gen(sampler, prompts, seed=3, max_new_tokens=24, temperature=temperature, top_p=top_p)
+    check_contract(b, prompts, 24)
+    ref = full_forward_logp(model, b, temperature)
+    mask = b.response_mask.cpu().bool()
+    got = b.logp_rollout.cpu()
+    if name == "torch":
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+        return
+    tol_max, tol_mean = (1e-4, 1e-5) if name == "fake-vllm" else (0.5, 0.05)  # real vLLM: bf16, own kernels
+    if top_p == 1.0:
+        diff = (got - ref)[mask].abs()
+        assert diff.mean() < tol_mean and diff.max() < tol_max, (diff.mean(), diff.max())
+    else:
+        # vLLM's processed log-probs are renormalised over the nucleus: log p - log S >= log p
+        below = (ref - got)[mask].clamp(min=0)
+        assert below.mean() < tol_mean and below.max() < tol_max
+        assert (got - ref)[mask].max() > 1e-3  # and the renormalisation is visible (documented difference)
+
+
+def test_both_finish_reasons_occur(backend):
+    b = gen(backend[1], PROMPTS * 6, seed=1, max_new_tokens=40)
+    check_contract(b, PROMPTS * 6, 40)
+    assert {"eos", "length"} <= set(b.finish_reason)  # ~1/42 chance of EOS per step
+
+
+def test_same_seed_reproduces(backend):
+    name, sampler, _ = backend
+    if name == "vllm":
+        pytest.skip("determinism is only required of TorchSampler (vLLM is not batch-invariant)")
+    a, b, c = (gen(sampler, seed=s, max_new_tokens=10) for s in (5, 5, 6))
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logp_rollout, b.logp_rollout)
+    assert not torch.equal(a.response_ids, c.response_ids)
+
+
+def test_bad_inputs_raise(backend):
+    sampler = backend[1]
+    cfg = SamplingConfig(max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        sampler.generate([], cfg)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        sampler.generate([[2], []], cfg)
+
+
+# --------------------------------------------------------------------------- post-hoc repetition stop
+
+
+@pytest.mark.parametrize(
+    "probs,n,expected",
+    [
+        ([0.999, 0.999, 0.999, 0.5], 3, 3),
+        ([0.999, 0.5, 0.999, 0.999, 0.999, 0.999], 3, 5),  # the run resets at 0.5
+        ([0.999, 0.99, 0.999, 0.999], 2, 4),  # 0.99 is not > 0.99
+        ([0.999] * 4, 5, None),
+        ([0.2, 0.999], 1, 2),
+        ([], 1, None),
+    ],
+)
+def test_repetition_stop_length(probs, n, expected):
+    assert repetition_stop_length(probs, n, 0.99) == expected
+
+
+LP_HI, LP_LO = math.log(0.999), math.log(0.5)
+
+
+@pytest.mark.parametrize(
+    "ids,lps,engine,n,expected",
+    [
+        # no repetition stop: finish reasons mapped
+        ([5, 6, EOS], [LP_LO] * 3, "stop", None, ([5, 6, EOS], "eos")),
+        ([5, 6, 7, 8], [LP_LO] * 4, "length", None, ([5, 6, 7, 8], "length")),
+        ([5, 6, 7, EOS], [LP_LO] * 4, "length", None, ([5, 6, 7, EOS], "eos")),  # EOS as the last allowed token
+        # cut at the N-th confident token; the tokens after it are discarded
+        ([5, 6, 7, 8], [LP_LO, LP_HI, LP_HI, LP_LO], "length", 2, ([5, 6, 7], "repetition")),
+        ([5, 6, 7, EOS], [LP_HI, LP_HI, LP_HI, LP_HI], "stop", 2, ([5, 6], "repetition")),
+        # the token that reaches N is the EOS: "eos" wins; at the last allowed token "repetition" beats "length"
+        ([5, 6, EOS], [LP_LO, LP_HI, LP_HI], "stop", 2, ([5, 6, EOS], "eos")),
+        ([5, 6, 7, 8], [LP_LO, LP_LO, LP_HI, LP_HI], "length", 2, ([5, 6, 7, 8], "repetition")),
+        ([5, 6, 7, 8], [LP_HI, LP_LO, LP_HI, LP_LO], "length", 2, ([5, 6, 7, 8], "length")),
+    ],
+)
+def test_finalize_response(ids, lps, engine, n, expected):
+    cfg = SamplingConfig(max_new_tokens=4, repetition_stop_tokens=n)
+    out_ids, out_lps, reason = finalize_response(ids, lps, engine, EOS, cfg)
+    assert (out_ids, reason) == expected and out_lps == lps[: len(out_ids)]
+
+
+def test_finalize_response_rejects_inconsistent_engine_output():
+    cfg = SamplingConfig(max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="not on EOS"):
+        finalize_response([5, 6], [0.0, 0.0], "stop", EOS, cfg)
+    with pytest.raises(RuntimeError, match="max_model_len"):
+        finalize_response([5, 6], [0.0, 0.0], "length", EOS, cfg)
+    with pytest.raises(RuntimeError, match="finish_reason"):
+        finalize_response([5, 6], [0.0, 0.0], "abort", EOS, cfg)
+
+
+def test_repetition_stop_through_the_sampler(model_dir):
+    """A model that always predicts token 7 with p ~ 1: every row is cut at N and marked "repetition"."""
+    sampler = make_fake_sampler(model_dir)
+    sampler.update_weights(force_token(load_hf(model_dir), 7))
+    b = gen(sampler, max_new_tokens=12, repetition_stop_tokens=4)
+    check_contract(b, PROMPTS, 12)
+    assert b.finish_reason == ["repetition"] * len(PROMPTS) and b.response_lengths.tolist() == [4] * len(PROMPTS)
+    assert (b.response_ids == 7).all()
+    # the engine generated all 12 tokens per row; only the first 4 are kept
+    assert all(sp.max_tokens == 12 for sp in sampler.llm.calls[-1])
+
+
+# --------------------------------------------------------------------------- VLLMSampler with the stand-in
+
+
+def test_sampling_params_and_engine_arguments(model_dir):
+    sampler = make_fake_sampler(model_dir, gpu_memory_utilization=0.25, max_model_len=96)
+    kw = sampler.llm.kwargs
+    assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
+    assert kw["gpu_memory_utilization"] == 0.25 and kw["dtype"] == "bfloat16" and kw["max_model_len"] == 96
+    assert kw["tokenizer"] == str(model_dir)
+    gen(sampler, [[5, 6]] * 3, seed=0, max_new_tokens=7, temperature=0.6, top_p=0.95)
+    params = sampler.llm.calls[-1]
+    assert len(params) == 3 and len({p.seed for p in params}) == 3  # one seed per request, from the generator
+    p = params[0]
+    assert (p.temperature, p.top_p, p.max_tokens, p.logprobs) == (0.6, 0.95, 7, 0)
+    assert p.stop_token_ids == [EOS] and p.ignore_eos and not p.detokenize and p.n == 1
+    sampler.generate([[5]], SamplingConfig(max_new_tokens=2))
+    assert sampler.llm.calls[-1][0].seed is None  # no generator: the engine's seeded stream
+
+
+def test_raw_logprobs_fallback_warns(model_dir):
+    with pytest.warns(UserWarning, match="no logprobs_mode"):
+        sampler = make_fake_sampler(model_dir, logprobs_mode=False)
+    assert "logprobs_mode" not in sampler.llm.kwargs and sampler.logprob_semantics.startswith("raw")
+    with pytest.warns(UserWarning, match="raw log-probs"):
+        b = gen(sampler, max_new_tokens=5, temperature=0.5)
+    # raw = untempered: equal to the temperature-1 recomputation
+    ref = full_forward_logp(load_hf(model_dir), b, 1.0)
+    torch.testing.assert_close(b.logp_rollout, ref, atol=1e-4, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen(sampler, max_new_tokens=5, temperature=1.0)  # exact there: no warning
+
+
+def test_prompt_too_long_for_the_engine(model_dir):
+    sampler = make_fake_sampler(model_dir)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sampler.generate([[5] * 100], SamplingConfig(max_new_tokens=30))
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_update_weights_changes_what_is_sampled(model_dir, multiprocess):
+    sampler = make_fake_sampler(model_dir, multiprocess=multiprocess)
+    trainer = load_hf(model_dir)
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    before = sampler.generate(PROMPTS, greedy)
+    force_token(trainer, 9)
+    n = sampler.update_weights(trainer)
+    assert n == len(trainer.state_dict())
+    after = sampler.generate(PROMPTS, greedy)
+    assert (after.response_ids == 9).all() and not (before.response_ids == 9).all()
+    assert "reset_prefix_cache" in sampler.llm.calls
+    torch.testing.assert_close(after.logp_rollout, full_forward_logp(trainer, after, 0.0), atol=1e-4, rtol=0)
+
+
+def test_update_weights_merges_lora(model_dir):
+    pytest.importorskip("peft")
+    from cispo.lora import apply_lora, lora_parameters
+
+    sampler = make_fake_sampler(model_dir)
+    trainer = apply_lora(load_hf(model_dir), rank=4, alpha=8)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for _, p in lora_parameters(trainer):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    sampler.update_weights(trainer)  # the engine knows only plain names: a LoRA name would raise KeyError
+    loaded = sampler.llm.engine_model.loaded
+    assert loaded and not any("lora" in n or "base_layer" in n for n in loaded)
+    b = gen(sampler, max_new_tokens=8, temperature=0.9)
+    # W + s*B*A (engine) vs W x + s*B*(A x) (trainer): equal up to float32 rounding
+    torch.testing.assert_close(b.logp_rollout, full_forward_logp(trainer, b, 0.9), atol=1e-3, rtol=0)
+    base = full_forward_logp(load_hf(model_dir), b, 0.9)
+    assert (b.logp_rollout - base).abs().max() > 1e-2  # the adapters matter
+
+
+def test_sleep_and_wake_up(model_dir):
+    with pytest.raises(RuntimeError, match="enable_sleep_mode"):
+        make_fake_sampler(model_dir).sleep()
+    sampler = make_fake_sampler(model_dir, enable_sleep_mode=True)
+    assert sampler.llm.kwargs["enable_sleep_mode"] is True
+    sampler.sleep(level=1)
+    assert sampler.llm.calls[-1] == ("sleep", 1)
+    gen(sampler, max_new_tokens=3)  # wakes up first
+    assert ("wake_up", None) in sampler.llm.calls
+    sampler.sleep(level=2)
+    sampler.update_weights(load_hf(model_dir))  # wakes the weights only, then pushes them
+    assert ("wake_up", ["weights"]) in sampler.llm.calls
+    gen(sampler, max_new_tokens=3)
+    assert ("wake_up", ["kv_cache"]) in sampler.llm.calls
+    sampler.sleep(level=2)
+    sampler.wake_up()
+    with pytest.raises(RuntimeError, match="update_weights"):  # level 2 lost the weights
+        gen(sampler, max_new_tokens=3)
+
+
+# --------------------------------------------------------------------------- the real engine (GPU only)
+
+
+def test_real_vllm_update_weights_and_sleep(real_vllm_sampler, model_dir):
+    sampler = real_vllm_sampler
+    assert sampler.logprobs_mode == "processed_logprobs", f"vLLM {sampler.vllm_version} lacks logprobs_mode"
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    original = load_hf(model_dir)
+    trainer = force_token(load_hf(model_dir).to("cuda"), 9)
+    try:
+        sampler.update_weights(trainer)
+        b = sampler.generate(PROMPTS, greedy)
+        assert (b.response_ids == 9).all()
+        sampler.sleep(level=1)
+        assert torch.equal(sampler.generate(PROMPTS, greedy).response_ids, b.response_ids)  # woken, same weights
+    finally:
+        sampler.update_weights(original)  # the module's other tests expect the saved weights
+    b = sampler.generate(PROMPTS, greedy)
+    ref = full_forward_logp(original, b, 0.0)
+    assert (b.logp_rollout.cpu() - ref)[b.response_mask.cpu().bool()].abs().mean() < 0.05
+
+
+# --------------------------------------------------------------------------- TIS and the import error
+
+
+def test_truncated_is_weights_hand_computed():
+    f32 = dict(dtype=torch.float32)
+    logp_old = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -1.0, 0.0]], **f32)
+    logp_rollout = torch.tensor([[-1.0, -2.5, -2.0], [-2.0, -1.2, 0.0]], **f32)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], **f32)
+    w = truncated_is_weights(logp_old, logp_rollout, mask, cap=2.0)
+    want = torch.tensor([[1.0, math.exp(0.5), 2.0], [math.exp(-1.0), math.exp(0.2), 0.0]], **f32)
+    torch.testing.assert_close(w, want, atol=1e-6, rtol=0)
+    assert w.dtype == torch.float32 and not w.requires_grad
+    # detached even when the inputs carry a gradient; huge ratios are capped without overflow
+    lo = torch.tensor([[0.0, 500.0]], requires_grad=True, **f32)
+    w = truncated_is_weights(lo, torch.tensor([[-1000.0, 0.0]], **f32), torch.ones(1, 2), cap=3.0)
+    assert not w.requires_grad and torch.equal(w, torch.tensor([[3.0, 3.0]], **f32))
+    with pytest.raises(ValueError, match="cap"):
+        truncated_is_weights(logp_old, logp_rollout, mask, cap=0.0)
+    with pytest.raises(ValueError, match="shape"):
+        truncated_is_weights(logp_old, logp_rollout[:, :2], mask)
+
+
+def test_missing_vllm_gives_install_hint(monkeypatch, model_dir):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import fails even where vLLM is installed
+    with pytest.raises(ImportError, match=r'pip install "cispo\[vllm\]" \(needs a CUDA GPU\)'):
+        VLLMSampler(model_dir, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def test_lazy_export():
+    import cispo.rollout
+
+    assert cispo.rollout.VLLMSampler is VLLMSampler
+    with pytest.raises(AttributeError):
+        cispo.rollout.NoSuchThing  # noqa: B018
