@@ -6,6 +6,8 @@
     cispo train --resume run_name=cispo__addition__seed0
     cispo pretrain seed=1 --measure 2000
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model
+    cispo compare --quick                         # GRPO vs DAPO vs CISPO, 3 seeds
+    cispo sweep ks=[1,4,16]                       # the gap vs the number of off-policy updates K
 """
 
 from __future__ import annotations
@@ -69,6 +71,34 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _split_overrides(cls, overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides of ``cls``'s own fields, the rest: TrainConfig overrides for every run)."""
+    import dataclasses
+
+    own = {f.name for f in dataclasses.fields(cls)}
+    mine = [o for o in overrides if o.split("=", 1)[0].split(".")[0] in own]
+    return mine, [o for o in overrides if o not in mine]
+
+
+def cmd_compare(args) -> int:
+    from cispo.experiments.compare import CompareConfig, SweepConfig, compare, format_sweep, format_table, sweep
+
+    cls = SweepConfig if args.command == "sweep" else CompareConfig
+    mine, rest = _split_overrides(cls, args.overrides)
+    cfg = _build_config(cls, args.config, mine)
+    from dataclasses import replace
+
+    cfg = replace(cfg, train=list(cfg.train) + rest, quick=cfg.quick or args.quick)
+    apply_overrides(TrainConfig(), cfg.train)  # fail fast on a bad run override
+    if args.command == "sweep":
+        print(format_sweep(sweep(cfg)))
+    else:
+        table = compare(cfg)
+        print(format_table(table))
+        print(f"wall time: {table['wall_s']:.0f} s; folder: {cfg.out_dir} (table.md, comparison.png)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cispo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("eval", "held-out accuracy and fork rate of a model (default: the built-in base model)",
             TrainConfig, cmd_eval)
     p.add_argument("--model", help="model folder (a checkpoint's model/ or any HF causal LM)")
+    from cispo.experiments.compare import CompareConfig, SweepConfig
+
+    p = add("compare", "GRPO vs DAPO vs CISPO from the same base model over seeds; table and plots (resumable); "
+            "key=value that are not comparison fields apply to every run", CompareConfig, cmd_compare)
+    p.add_argument("--quick", action="store_true", help="a small size that finishes in about 10 minutes on 2 cores")
+    p = add("sweep", "the comparison for each K (off-policy updates per batch): CISPO - DAPO / GRPO gaps",
+            SweepConfig, cmd_compare)
+    p.add_argument("--quick", action="store_true", help="the quick size for every K")
     return parser
 
 
