@@ -29,11 +29,11 @@ SPECIAL_TOKENS = (PAD, EOS, UNK)
 
 MODEL_SIZES = {
     # name: (hidden, layers, heads, intermediate)
-    "default": (128, 4, 4, 384),
-    "small": (96, 3, 4, 256),
-    "tiny": (32, 2, 2, 64),
+    "default": (96, 3, 4, 256),   # 0.34M parameters: the built-in base model
+    "large": (128, 4, 4, 384),    # 0.86M parameters
+    "tiny": (32, 2, 2, 64),       # for tests
 }
-"""Built-in Llama shapes; ``default`` has ~0.79M parameters."""
+"""Built-in Llama shapes (hidden size, layers, heads, MLP size)."""
 
 MAX_POSITIONS = 128
 

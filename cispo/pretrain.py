@@ -43,10 +43,10 @@ class PretrainConfig:
     seed: int = 0
     """Seeds the corpus, the initial weights and the batch order."""
     model_size: str = "default"
-    """Key of `cispo.models.MODEL_SIZES` (``default``: hidden 128, 4 layers, ~0.79M params)."""
-    steps: int = 900
+    """Key of `cispo.models.MODEL_SIZES` (``default``: hidden 96, 3 layers, 0.34M params)."""
+    steps: int = 1000
     """Optimizer steps."""
-    batch_size: int = 192
+    batch_size: int = 96
     """Examples per step (direct and forked together)."""
     lr: float = 3e-3
     """Peak AdamW learning rate."""
@@ -62,8 +62,10 @@ class PretrainConfig:
     """Examples generated once; batches are drawn from them with replacement."""
     fork_fraction: float = 0.03
     """Trained frequency of the fork token at the "fork or stop" decision after the guess."""
-    derivation_fraction: float = 0.3
-    """Fraction of examples that contain a derivation (practice; see `fork_fraction`)."""
+    derivation_fraction: float = 0.8
+    """Fraction of examples that contain a derivation; the rest are direct answers. High, so
+    the model learns the derivation well but the direct answer hardly at all (see
+    docs/builtin-task.md); it does not change how often the fork is chosen."""
     wrong_guess_fraction: float = 0.5
     """Fraction of forked examples whose pre-fork guess has a corrupted digit."""
 
@@ -72,21 +74,32 @@ class PretrainConfig:
 
 
 def _encode(examples, vocab: dict[str, int], eos_id: int, pad_id: int):
-    """Right-padded ``(input_ids, labels)`` [N, T]; labels -100 where no loss."""
-    seqs, labs = [], []
-    for ex in examples:
-        ids = [vocab[c] for c in ex.prompt + ex.completion] + [eos_id]
-        # label of position t is token t+1; the prompt's last position predicts completion[0]
-        lab = [-100] * (len(ex.prompt) - 1)
-        lab += [ids[len(ex.prompt) + i] if m else -100 for i, m in enumerate(ex.loss_mask)]
-        seqs.append(ids[:-1])
-        labs.append(lab)
-    T = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
-    for i, (s, l) in enumerate(zip(seqs, labs)):
-        input_ids[i, : len(s)] = torch.tensor(s)
-        labels[i, : len(l)] = torch.tensor(l)
+    """Right-padded ``(input_ids, labels)`` [N, T]; labels -100 where no loss.
+
+    Vectorised over the whole corpus: the tokenizer is character-level, so each text is
+    mapped through a byte -> id lookup table (``\x01`` stands for EOS, ``\x00`` for pad).
+    """
+    import numpy as np
+
+    lut = np.full(256, -1, dtype=np.int64)
+    for ch, i in vocab.items():
+        if len(ch) == 1:
+            lut[ord(ch)] = i
+    lut[0], lut[1] = pad_id, eos_id
+    seqs = [ex.prompt + ex.completion + "\x01" for ex in examples]              # + EOS
+    # the label of position t is token t+1; the prompt's last position predicts completion[0]
+    masks = ["0" * (len(ex.prompt) - 1) + "".join("1" if m else "0" for m in ex.loss_mask)
+             for ex in examples]
+    T = max(len(q) for q in seqs)
+    chars = np.frombuffer("".join(q.ljust(T, "\x00") for q in seqs).encode("latin-1"),
+                          dtype=np.uint8).reshape(len(seqs), T)
+    tokens = lut[chars]                                                          # [N, T]
+    if (tokens < 0).any():
+        raise ValueError("corpus has characters outside the tokenizer's vocabulary")
+    keep = np.frombuffer("".join(m.ljust(T - 1, "0") for m in masks).encode("latin-1"),
+                         dtype=np.uint8).reshape(len(seqs), T - 1) == ord("1")   # [N, T-1]
+    input_ids = torch.from_numpy(tokens[:, :-1].copy())
+    labels = torch.from_numpy(np.where(keep, tokens[:, 1:], -100))
     return input_ids, labels
 
 
@@ -117,11 +130,12 @@ def _lr_at(step: int, cfg: PretrainConfig) -> float:
 # --------------------------------------------------------------------------- pretrain
 
 
-def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True):
+def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None, callback_every: int = 100):
     """Pretrain the base model for `cfg` and save it (`cispo.models.save_policy`) to `out_dir`.
 
     Returns ``(model, tokenizer)``. Also writes ``pretrain_config.json`` and
-    ``pretrain_log.json`` (loss curve, wall time) into `out_dir`.
+    ``pretrain_log.json`` (loss curve, wall time) into `out_dir`. `callback(step, model,
+    tokenizer)`, if given, runs every `callback_every` steps (e.g. to measure the model).
     """
     from tqdm.auto import tqdm
 
@@ -168,6 +182,9 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         log.append(total)
+        if callback is not None and (step + 1) % callback_every == 0:
+            callback(step + 1, model, tokenizer)
+            model.train()
         if step % 10 == 0 or step == cfg.steps - 1:
             bar.set_postfix(loss=f"{total:.4f}")
     model.eval()
@@ -257,6 +274,8 @@ class BaseModelReport:
     greedy_fork_rate: float
     mean_length: float
     """Mean sampled completion length in characters (= tokens, EOS excluded)."""
+    forced_fork_accuracy: float
+    """Sampled accuracy when the fork token is forced right after the greedy direct guess."""
 
     @property
     def fork_gain(self) -> float:
@@ -294,6 +313,10 @@ def measure_base_model(model, tokenizer=None, task="addition", n: int = 2000, te
     rewards, forks = score(comps)
     greedy = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 0.0, seed, batch_size)
     g_rewards, g_forks = score(greedy)
+    guesses = [g.split(task.fork_token)[0] + task.fork_token for g in greedy]
+    forced = sample_completions(model, tokenizer, [p + g for p, g in zip(prompts, guesses)],
+                                task.max_new_tokens, temperature, seed + 1, batch_size)
+    f_rewards, _ = score([g + c for g, c in zip(guesses, forced)])
     model.train(was_training)
 
     def mean(xs):
@@ -305,7 +328,7 @@ def measure_base_model(model, tokenizer=None, task="addition", n: int = 2000, te
         n=n, temperature=temperature, accuracy=mean(rewards), fork_rate=mean(forks),
         accuracy_fork=mean(with_fork), accuracy_no_fork=mean(without), n_fork=len(with_fork),
         greedy_accuracy=mean(g_rewards), greedy_fork_rate=mean(g_forks),
-        mean_length=mean([len(c) for c in comps]),
+        mean_length=mean([len(c) for c in comps]), forced_fork_accuracy=mean(f_rewards),
     )
 
 
@@ -333,7 +356,11 @@ def main(argv=None):
         out = ensure_builtin_model(cfg.task, cfg=cfg)
     else:
         out = Path(args.out)
-        pretrain(cfg, out)
+        saved = out / "pretrain_config.json"
+        if saved.is_file() and json.loads(saved.read_text()) == json.loads(json.dumps(asdict(cfg))):
+            print(f"{out} already holds this config's model; not retraining")
+        else:
+            pretrain(cfg, out)
     print(f"model: {out}")
     log = json.loads((Path(out) / "pretrain_log.json").read_text())
     print(f"pretraining wall time: {log['wall_s']:.1f} s, {log['num_parameters']} parameters, "

@@ -12,12 +12,21 @@ from cispo.models import (build_model, build_tokenizer, builtin_model_path, ensu
 from cispo.pretrain import PretrainConfig, measure_base_model, pretrain, sample_completions
 from cispo.tasks import get_task
 
-TINY = dict(model_size="tiny", steps=20, batch_size=16, corpus_size=400, warmup_steps=5)
+TINY = dict(model_size="tiny", steps=10, batch_size=16, corpus_size=200, warmup_steps=3)
 
 
 @pytest.fixture(scope="module")
 def tok():
     return build_tokenizer(get_task("addition").alphabet)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread (and the CI machine is shared)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -51,9 +60,9 @@ def test_build_model_is_seeded(tok):
     assert any(not torch.equal(p, r) for p, r in zip(a.parameters(), c.parameters()))
 
 
-def test_default_size_is_under_a_million_parameters(tok):
-    n = models.num_parameters(build_model(tok))
-    assert 500_000 < n < 1_000_000
+def test_model_sizes(tok):
+    assert 300_000 < models.num_parameters(build_model(tok)) < 400_000             # default
+    assert 800_000 < models.num_parameters(build_model(tok, "large")) < 1_000_000
 
 
 # --------------------------------------------------------------------------- save / load
@@ -78,11 +87,27 @@ def test_save_load_round_trip_gives_identical_logits(tok, tmp_path):
 # --------------------------------------------------------------------------- pretraining
 
 
+def test_corpus_encoding_matches_the_tokenizer(tok):
+    from cispo.pretrain import _encode
+
+    corpus = get_task("addition").corpus(0, 300, derivation_fraction=0.5)
+    ids, labels = _encode(corpus, tok.get_vocab(), tok.eos_token_id, tok.pad_token_id)   # [N, T]
+    for i, ex in enumerate(corpus):
+        full = tok(ex.prompt + ex.completion)["input_ids"] + [tok.eos_token_id]
+        n = len(full) - 1
+        assert ids[i, :n].tolist() == full[:-1]
+        # position t predicts token t+1, only where the corpus puts loss
+        want = [-100] * (len(ex.prompt) - 1)
+        want += [full[len(ex.prompt) + j] if m else -100 for j, m in enumerate(ex.loss_mask)]
+        assert labels[i, :n].tolist() == want
+        assert (labels[i, n:] == -100).all()
+
+
 def _state(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_pretraining_is_bit_identical_for_the_same_seed(tmp_path):
+def test_pretraining_is_bit_identical_for_the_same_seed(tmp_path, one_thread):
     cfg = PretrainConfig(seed=5, **TINY)
     m1, _ = pretrain(cfg, tmp_path / "a", progress=False)
     m2, _ = pretrain(cfg, tmp_path / "b", progress=False)
@@ -95,7 +120,7 @@ def test_pretraining_is_bit_identical_for_the_same_seed(tmp_path):
     assert json.loads((tmp_path / "a" / "pretrain_config.json").read_text())["seed"] == 5
 
 
-def test_sampler_and_measure_on_a_tiny_model(tok):
+def test_sampler_and_measure_on_a_tiny_model(tok, one_thread):
     task = get_task("addition")
     model = build_model(tok, "tiny", seed=0).eval()
     prompts = [s["prompt"] for s in task.eval_samples(0, 8)]
@@ -133,7 +158,7 @@ def test_cache_path_follows_env_and_config(tmp_path, monkeypatch):
     assert builtin_model_path("addition").parent == tmp_path / "xdg" / "cispo" / "models"
 
 
-def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch):
+def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch, one_thread):
     import cispo.pretrain
 
     monkeypatch.setenv("CISPO_CACHE", str(tmp_path))

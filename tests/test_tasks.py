@@ -49,14 +49,20 @@ def test_splits_are_seeded_reproducible_and_disjoint(task):
     assert not any(ar.is_heldout(*ar.parse_prompt(s["prompt"])) for s in a)
 
 
-def test_samples_are_distinct_well_formed_and_answered(task):
-    s = task.train_samples(3, 300)
-    assert len(_pairs(s)) == 300
+def test_samples_are_well_formed_and_answered(task):
+    s = task.train_samples(3, 3000)
+    counts = {2: 0, 3: 0, 4: 0}
     for x in s:
         a, b = ar.parse_prompt(x["prompt"])
-        assert 1000 <= a <= 9999 and 1000 <= b <= 9999
+        n = len(str(a))
+        assert len(str(b)) == n and n in counts                  # both operands n digits
+        counts[n] += 1
         assert x["answer"] == str(a + b)
-        assert len(x["prompt"]) == 10
+        assert len(x["prompt"]) == 2 * n + 2
+    assert all(800 < c < 1200 for c in counts.values())         # uniform over (2, 3, 4)
+    assert len(_pairs(s)) > 2000                                 # mostly distinct
+    four = get_task("addition4").train_samples(0, 100)
+    assert all(len(x["prompt"]) == 10 for x in four)
 
 
 def test_heldout_is_symmetric_and_about_ten_percent():
@@ -146,11 +152,8 @@ def test_corpus_is_seeded_and_verifies(task):
         assert ex.forked == task.used_fork(ex.completion)
         if ex.forked:
             guess = ex.completion.split(task.fork_token)[0]
-            if guess != ex.answer:                                   # an intended wrong guess:
-                n_wrong_guess += 1                                   # never trained on
-                assert not any(ex.loss_mask[: len(guess)])
-            else:
-                assert all(ex.loss_mask[: len(guess)])
+            n_wrong_guess += guess != ex.answer                      # an intended wrong guess,
+            assert not any(ex.loss_mask[: len(guess)])               # never trained on
             assert all(ex.loss_mask[len(guess) + 1:])                 # derivation + answer + EOS
         else:
             assert all(ex.loss_mask)
@@ -173,6 +176,7 @@ def test_corpus_fork_decision_frequency(task):
 
 def test_plain_corpus_when_fractions_are_equal(task):
     c = task.corpus(0, 2000, fork_fraction=0.05, derivation_fraction=0.05, wrong_guess_fraction=0.0)
-    assert all(all(ex.loss_mask) for ex in c)
+    for ex in c:
+        assert all(ex.loss_mask[ex.completion.find(task.fork_token):])  # fork, derivation, answer
     with pytest.raises(ValueError):
         task.corpus(0, 10, fork_fraction=0.3, derivation_fraction=0.1)

@@ -32,7 +32,7 @@ class Task:
     max_new_tokens: int
     """Longest well-formed completion, in tokens, counting the EOS."""
     train_samples: Callable[[int, int], list[dict]]
-    """``(seed, n) -> [{"prompt", "answer"}, ...]``, distinct prompts of the train split."""
+    """``(seed, n) -> [{"prompt", "answer"}, ...]`` from the train split (seeded; may repeat)."""
     eval_samples: Callable[[int, int], list[dict]]
     """``(seed, n) -> [...]`` from the held-out split, disjoint from train and corpus."""
     reward: Callable[..., float]
@@ -43,26 +43,27 @@ class Task:
     """``corpus(seed, n, **options) -> [CorpusExample, ...]`` for pretraining the base model."""
 
 
-def _addition(n_digits: int, name: str) -> Task:
+def _addition(digits: tuple[int, ...], name: str) -> Task:
+    n = max(digits)
     # guess (n+1) + fork + n steps of 8 chars + (n-1) commas + "=" + answer (n+1) + EOS
-    longest = (n_digits + 1) + 1 + 8 * n_digits + (n_digits - 1) + 1 + (n_digits + 1) + 1
+    longest = (n + 1) + 1 + 8 * n + (n - 1) + 1 + (n + 1) + 1
     return Task(
         name=name,
         fork_token=arithmetic.FORK_TOKEN,
         alphabet=arithmetic.ALPHABET,
         max_new_tokens=longest,
-        train_samples=partial(arithmetic.samples, split="train", n_digits=n_digits),
-        eval_samples=partial(arithmetic.samples, split="eval", n_digits=n_digits),
+        train_samples=partial(arithmetic.samples, split="train", digits=digits),
+        eval_samples=partial(arithmetic.samples, split="eval", digits=digits),
         reward=arithmetic.reward,
         used_fork=arithmetic.used_fork,
         extract_answer=arithmetic.extract_answer,
-        corpus=partial(arithmetic.corpus, n_digits=n_digits),
+        corpus=partial(arithmetic.corpus, digits=digits),
     )
 
 
 _REGISTRY: dict[str, Callable[[], Task]] = {
-    "addition": partial(_addition, arithmetic.N_DIGITS, "addition"),
-    "addition3": partial(_addition, 3, "addition3"),
+    "addition": partial(_addition, arithmetic.DIGITS, "addition"),
+    "addition4": partial(_addition, (4,), "addition4"),
 }
 
 

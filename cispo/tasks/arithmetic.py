@@ -6,7 +6,7 @@ the model re-derives its answer and is far more often right. Such tokens start w
 low probability under the base model, so their IS ratio is the first to leave a PPO
 trust region; CISPO keeps their gradient.
 
-Formats (`n_digits = 4`, both operands have exactly 4 digits)::
+Formats (both operands have the same number of digits, 2, 3 or 4)::
 
     prompt                     4821+1396=
     direct completion          6217                       (then <eos>)
@@ -35,7 +35,8 @@ FORK_TOKEN = "W"
 ALPHABET = "0123456789+=," + FORK_TOKEN
 """Every character the task's prompts and completions use."""
 
-N_DIGITS = 4
+DIGITS = (2, 3, 4)
+"""Operand lengths of the default task, drawn uniformly per prompt."""
 HELDOUT_PERCENT = 10
 
 _NUMBER = re.compile(r"(0|[1-9][0-9]*)")
@@ -63,36 +64,31 @@ def _operand_range(n_digits: int) -> tuple[int, int]:
     return 10 ** (n_digits - 1), 10**n_digits - 1
 
 
-def sample_pairs(seed: int, n: int, split: str = "train", n_digits: int = N_DIGITS,
-                 unique: bool = True, stream: str = "prompts") -> list[tuple[int, int]]:
+def sample_pairs(seed: int, n: int, split: str = "train", digits: tuple[int, ...] = DIGITS,
+                 stream: str = "prompts") -> list[tuple[int, int]]:
     """`n` operand pairs from `split` ("train" or "eval"), seeded and reproducible.
 
-    With `unique` no pair (in either order) repeats within the call. `stream` names an
-    independent random stream (the corpus draws from its own).
+    Each pair first draws its number of digits uniformly from `digits`; both operands
+    then have exactly that many. Pairs may repeat (mostly the few 2-digit ones). `stream`
+    names an independent random stream (the corpus draws from its own).
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    lo, hi = _operand_range(n_digits)
-    rng = random.Random(f"addition/{stream}/{split}/{n_digits}/{seed}")
+    rng = random.Random(f"addition/{stream}/{split}/{','.join(map(str, digits))}/{seed}")
     want_heldout = split == "eval"
-    pairs, seen = [], set()
+    pairs = []
     while len(pairs) < n:
+        lo, hi = _operand_range(rng.choice(digits))
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        if is_heldout(a, b) != want_heldout:
-            continue
-        if unique:
-            key = (min(a, b), max(a, b))
-            if key in seen:
-                continue
-            seen.add(key)
-        pairs.append((a, b))
+        if is_heldout(a, b) == want_heldout:
+            pairs.append((a, b))
     return pairs
 
 
-def samples(seed: int, n: int, split: str = "train", n_digits: int = N_DIGITS) -> list[dict]:
-    """`n` distinct prompt dicts ``{"prompt": "4821+1396=", "answer": "6217"}`` of `split`."""
+def samples(seed: int, n: int, split: str = "train", digits: tuple[int, ...] = DIGITS) -> list[dict]:
+    """`n` prompt dicts ``{"prompt": "4821+1396=", "answer": "6217"}`` from `split`."""
     return [{"prompt": make_prompt(a, b), "answer": str(a + b)}
-            for a, b in sample_pairs(seed, n, split, n_digits)]
+            for a, b in sample_pairs(seed, n, split, digits)]
 
 
 # --------------------------------------------------------------------------- formats
@@ -223,25 +219,26 @@ def decision_keep_prob(fork_fraction: float, derivation_fraction: float) -> floa
 
 
 def corpus(seed: int, n: int, *, fork_fraction: float = 0.03, derivation_fraction: float = 0.03,
-           wrong_guess_fraction: float = 0.5, n_digits: int = N_DIGITS) -> list[CorpusExample]:
+           wrong_guess_fraction: float = 0.5, digits: tuple[int, ...] = DIGITS) -> list[CorpusExample]:
     """`n` seeded pretraining examples on train-split pairs.
 
     * A fraction `derivation_fraction` of the examples are forked (guess, ``W``,
       derivation, corrected answer); the rest are direct (the answer alone).
     * In a fraction `wrong_guess_fraction` of forked examples the pre-fork guess has one
-      corrupted digit, so the fork reads as a correction. Wrong guesses never carry loss
-      (the model is not taught wrong sums); correct ones do.
+      corrupted digit, so the fork reads as a correction. The guess before a fork never
+      carries loss (the model is not taught wrong sums), so the direct answer is practised
+      only in the ``1 - derivation_fraction`` direct examples.
     * The token that decides "fork or stop" right after the guess carries loss in every
       direct example and in just enough forked ones that the trained frequency of the fork
       there is `fork_fraction` (`decision_keep_prob`). With ``derivation_fraction ==
-      fork_fraction`` every token of every example carries loss (a plain corpus); a larger
-      `derivation_fraction` gives the model more derivations to learn from without making
-      the fork any less rare.
+      fork_fraction`` every fork token carries loss (a plain corpus); a larger
+      `derivation_fraction` gives the model more derivations and fewer direct answers to
+      learn from without making the fork any less rare.
     """
     q = decision_keep_prob(fork_fraction, derivation_fraction)
-    rng = random.Random(f"addition/corpus/{n_digits}/{seed}")
+    rng = random.Random(f"addition/corpus/{','.join(map(str, digits))}/{seed}")
     out = []
-    for a, b in sample_pairs(seed, n, "train", n_digits, unique=False, stream="corpus"):
+    for a, b in sample_pairs(seed, n, "train", digits, stream="corpus"):
         prompt, ans = make_prompt(a, b), str(a + b)
         if rng.random() >= derivation_fraction:
             completion = ans
@@ -250,7 +247,7 @@ def corpus(seed: int, n: int, *, fork_fraction: float = 0.03, derivation_fractio
         wrong = rng.random() < wrong_guess_fraction
         guess = corrupt(ans, rng) if wrong else ans
         completion = forked_completion(a, b, guess)
-        mask = [0 if wrong else 1] * len(guess)            # the guess
+        mask = [0] * len(guess)                            # the guess
         mask.append(1 if rng.random() < q else 0)          # the fork token (the decision)
         mask += [1] * (len(completion) - len(guess) - 1)   # derivation and final answer
         mask.append(1)                                     # EOS
