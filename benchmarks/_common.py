@@ -1,0 +1,234 @@
+"""Helpers shared by the benchmarks: interleaved timing, medians, tables, machine notes, and a
+driver for our RL step with a sample / score / logp_old / update / overhead breakdown.
+
+Every benchmark compares a baseline and a candidate measured in the same process (or in
+alternating subprocesses), interleaved repeat by repeat, and reports medians and ratios: the
+development machine has 2 CPU cores shared with other jobs, so absolute times drift by tens of
+percent between minutes, while a ratio of interleaved medians is far more stable.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+
+def set_threads(n: int | None) -> int:
+    """Set torch's intra-op threads (None: leave torch's default); returns the count in use."""
+    import torch
+
+    if n:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def median(xs) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs) -> str:
+    """``min-max`` of a list of seconds, for the noise column."""
+    xs = list(xs)
+    return f"{min(xs):.3g}-{max(xs):.3g}" if xs else "-"
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall seconds of each callable, ``repeats`` times, interleaved (ABAB..., the order reversed
+    every other repeat so neither side always runs first); ``warmup`` untimed calls each first."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            t0 = time.perf_counter()
+            fns[n]()
+            times[n].append(time.perf_counter() - t0)
+    return times
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A plain-text table (also valid Markdown)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
+
+
+def _fmt(c) -> str:
+    if isinstance(c, float):
+        return f"{c:.3g}" if abs(c) < 1e4 else f"{c:.4g}"
+    return str(c)
+
+
+def machine_note(threads: int) -> str:
+    """One line: CPU, cores, torch, threads, and the load average (other jobs on the machine)."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    cores = os.cpu_count()
+    busy = "UNDER LOAD from other processes" if load > 0.5 * (cores or 1) else "machine mostly idle"
+    return (f"machine: {cpu}, {cores} cores, torch {torch.__version__}, {threads} thread(s); "
+            f"1-min load average {load:.2f} at start ({busy})")
+
+
+def load_average() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def model_desc(model) -> str:
+    """``Llama h128 x4 layers, mlp 384, vocab 17, 0.86M params``: the shape, since size names may change."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    return (f"{type(model).__name__.replace('ForCausalLM', '')} h{c.hidden_size} x{c.num_hidden_layers} layers, "
+            f"mlp {c.intermediate_size}, vocab {c.vocab_size}, {n / 1e6:.2f}M params")
+
+
+# --------------------------------------------------------------------------- memory (Linux)
+
+
+def rss_mib() -> float:
+    """Current resident set size of this process, MiB (``VmRSS``)."""
+    return _status_kib("VmRSS") / 1024
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size since start or the last ``reset_peak_rss`` (``VmHWM``), MiB."""
+    return _status_kib("VmHWM") / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (writes 5 to /proc/self/clear_refs; Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+# --------------------------------------------------------------------------- our RL step, profiled
+
+
+class Stopwatch:
+    """Wraps a callable and adds up the wall seconds spent in it."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+
+class TimedSampler:
+    """A sampler whose ``generate`` calls are timed (``.seconds``)."""
+
+    def __init__(self, sampler):
+        self.inner = sampler
+        self.generate = Stopwatch(sampler.generate)
+
+
+def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, prompts: int = 32,
+               max_new_tokens: int = 57, seed: int = 0, suppress_eos: bool = False, extra: tuple = (),
+               model_path: str | None = None):
+    """Everything ``rl_step`` needs, for the built-in addition task and a built-in Llama of
+    ``size`` with random init (or the checkpoint at ``model_path``), on CPU.
+
+    ``suppress_eos``: the sampler gets an EOS id outside the vocabulary, so every response runs
+    to ``max_new_tokens`` (fixed lengths, for comparisons). Returns a dict of the pieces.
+    """
+    import torch
+
+    import cispo.trainer as trainer_mod
+    from cispo.config import TrainConfig, apply_overrides
+    from cispo.data import PromptStream
+    from cispo.models import build_model, build_tokenizer, load_policy
+    from cispo.rollout import TorchSampler
+    from cispo.tasks import get_task
+
+    task = get_task("addition")
+    if model_path:
+        model, tok = load_policy(model_path, device="cpu")
+    else:
+        tok = build_tokenizer(task.alphabet)
+        model = build_model(tok, size=size, seed=seed)
+    cfg = apply_overrides(TrainConfig(), [
+        "model.device=cpu", "progress=false", f"prompts_per_step={prompts}", f"group_size={group_size}",
+        f"updates_per_batch={updates}", f"max_new_tokens={max_new_tokens}", "dynamic_sampling=false",
+        f"seed={seed}", *extra,
+    ])
+    eos = len(tok) if suppress_eos else tok.eos_token_id  # an id outside the vocab is never sampled
+    sampler = TimedSampler(TorchSampler(model, eos, tok.pad_token_id))
+    policy = trainer_mod.Policy(model, tok, sampler, torch.device("cpu"))
+    sampling = trainer_mod.sampling_config(cfg, trainer_mod.default_max_new_tokens(task))
+    if suppress_eos:
+        from dataclasses import replace
+
+        sampling = replace(sampling, repetition_stop_tokens=None)
+    score = trainer_mod.safe_reward
+    if not isinstance(score, Stopwatch):  # rl_step -> sample_groups -> safe_reward: dispatch + verifier
+        score = trainer_mod.safe_reward = Stopwatch(score)
+    return {
+        "policy": policy, "cfg": cfg, "task": task, "sampling": sampling, "score": score,
+        "optimizer": trainer_mod.make_optimizer(model, cfg), "obj": trainer_mod.make_objective(cfg),
+        "stream": PromptStream(task.train_samples(cfg.data.seed, 4096), seed=seed),
+        "generators": {"sample": torch.Generator().manual_seed(seed), "shuffle": torch.Generator().manual_seed(seed + 1)},
+        "fork_id": trainer_mod.fork_token_id(tok, task),
+        "params": sum(p.numel() for p in model.parameters()),
+        "desc": model_desc(model),
+    }
+
+
+def ours_steps(setup: dict, steps: int) -> list[dict]:
+    """Run ``steps`` RL steps; per step: wall seconds split into sample (``generate``), score
+    (reward calls incl. their dispatch), logp_old (the ``perf/logp_old_s`` phase: collate + one
+    no-grad forward), update (``perf/update_s``: the K optimizer steps) and overhead (the rest:
+    decoding, building completions, metrics); plus response tokens and rows."""
+    from cispo.trainer import rl_step
+
+    s = setup
+    gen, score = s["policy"].sampler.generate, s["score"]
+    out, updates = [], 0
+    for _ in range(steps):
+        g0, r0 = gen.seconds, score.seconds
+        t0 = time.perf_counter()
+        m, updates = rl_step(s["policy"], s["optimizer"], s["stream"], s["task"], s["cfg"], s["obj"], s["sampling"],
+                             s["generators"], updates, s["fork_id"])
+        wall = time.perf_counter() - t0
+        sample, sc = gen.seconds - g0, score.seconds - r0
+        row = {"wall": wall, "sample": sample, "score": sc, "logp_old": m["perf/logp_old_s"],
+               "update": m["perf/update_s"], "response_len": m.get("rollout/response_length", float("nan"))}
+        row["overhead"] = wall - sample - sc - row["logp_old"] - row["update"]
+        row["rows"] = s["cfg"].rollout.prompts_per_step * s["cfg"].rollout.group_size
+        row["tokens"] = row["response_len"] * row["rows"]
+        out.append(row)
+    return out
+
+
+PHASES = ("sample", "score", "logp_old", "update", "overhead")

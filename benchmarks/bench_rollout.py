@@ -1,0 +1,115 @@
+"""Rollout throughput: our ``TorchSampler`` (KV cache) vs Hugging Face ``model.generate(do_sample=True)``
+on the same model and prompts, and our sampler with vs without its KV cache.
+
+    python benchmarks/bench_rollout.py                    # default-size Llama, B=64 and 256, 32 new tokens
+    python benchmarks/bench_rollout.py --tiny
+    python benchmarks/bench_rollout.py --size small --batch-sizes 64 --new-tokens 64 --threads 2
+
+The model is the built-in ``--size`` Llama (``cispo.models.build_model``, default ``default``; its
+shape is printed) with the addition task's character tokenizer (17 ids) and random init; the prompts are the
+addition task's (6-10 tokens, left-padded). Every row generates exactly ``--new-tokens``:
+
+* ours: ``TorchSampler`` is given ``eos_token_id = vocab size``, an id the model can never
+  sample (the sampler only compares sampled ids with it), and the repetition stop is off;
+* Hugging Face: ``generate`` gets ``eos_token_id=None`` (no stopping criterion on EOS), top-k
+  off, temperature 1, top-p 1: plain multinomial sampling like ours. It returns token ids only;
+  ours also returns the sampled tokens' log-probs (a log-softmax + gather per step), so the
+  comparison slightly favours ``generate``.
+
+Both run under ``torch.inference_mode``-like conditions (ours: inference_mode; generate: its own
+no_grad). Calls are interleaved (ours, generate, uncached, then the reverse order) ``--repeats``
+times after a warm-up; the table gives median new tokens/s and the ratios of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import interleaved, load_average, machine_note, median, model_desc, set_threads, spread, table  # noqa: E402
+
+
+def setup(size: str, seed: int):
+    from cispo.models import build_model, build_tokenizer
+    from cispo.tasks import get_task
+
+    task = get_task("addition")
+    tok = build_tokenizer(task.alphabet)
+    model = build_model(tok, size=size, seed=seed).eval()
+    return task, tok, model
+
+
+def bench(args) -> list[list]:
+    import torch
+    from transformers import GenerationConfig
+
+    from cispo.rollout import SamplingConfig, TorchSampler
+
+    task, tok, model = setup(args.size, args.seed)
+    sampler = TorchSampler(model, eos_token_id=len(tok), pad_token_id=tok.pad_token_id)  # EOS never sampled
+    n = args.new_tokens
+    cached = SamplingConfig(max_new_tokens=n, temperature=1.0, repetition_stop_tokens=None)
+    uncached = SamplingConfig(max_new_tokens=n, temperature=1.0, repetition_stop_tokens=None, use_cache=False)
+    gen_cfg = GenerationConfig(do_sample=True, max_new_tokens=n, temperature=1.0, top_k=None, top_p=1.0,
+                               eos_token_id=None, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    rows = []
+    for B in args.batch_sizes:
+        prompts = [s["prompt"] for s in task.train_samples(args.seed, B)]
+        ids = [tok.encode(p) for p in prompts]
+        enc = tok(prompts, return_tensors="pt", padding=True)  # left-padded (padding_side="left")
+        g = torch.Generator().manual_seed(args.seed)
+
+        def ours():
+            out = sampler.generate(ids, cached, generator=g)
+            assert out.response_mask.sum() == B * n, "a row stopped early"
+
+        def ours_uncached():
+            out = sampler.generate(ids, uncached, generator=g)
+            assert out.response_mask.sum() == B * n, "a row stopped early"
+
+        def hf():
+            with torch.no_grad():
+                out = model.generate(**enc, generation_config=gen_cfg)
+            assert out.shape[1] == enc["input_ids"].shape[1] + n, "generate stopped early"
+
+        fns = {"ours (KV cache)": ours, "HF generate": hf}
+        if not args.skip_uncached:
+            fns["ours, no cache"] = ours_uncached
+        times = interleaved(fns, args.repeats, warmup=1)
+        tps = {k: B * n / median(v) for k, v in times.items()}
+        for k, v in times.items():
+            ratios = f"{tps['ours (KV cache)'] / tps[k]:.2f}" if k != "ours (KV cache)" else "1"
+            rows.append([B, n, k, median(v), spread(v), tps[k], ratios])
+    print(f"model: built-in '{args.size}' = {model_desc(model)}, random init (seed {args.seed}); prompts "
+          f"{min(map(len, ids))}-{max(map(len, ids))} tokens")
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="default", help="built-in model size (tiny, small, default)")
+    p.add_argument("--batch-sizes", default="64,256")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-uncached", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="tiny model, B=8, 4 new tokens, 2 repeats")
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.tiny:
+        args.size, args.batch_sizes, args.new_tokens, args.repeats = "tiny", [8], 4, 2
+    threads = set_threads(args.threads)
+    print(machine_note(threads))
+    t0 = time.perf_counter()
+    rows = bench(args)
+    print(table(["B", "new tokens", "sampler", "s (median)", "range", "new tokens/s", "ours (cached) speed-up"], rows))
+    print(f"\ntargets: ours >= 1.0x HF generate; ours >= 5x uncached. {args.repeats} interleaved repeats after a "
+          f"warm-up; took {time.perf_counter() - t0:.0f} s; 1-min load average at end {load_average():.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Achieved FLOP/s of the K update passes, as a fraction of this machine's own fp32 matmul rate.
+
+    python benchmarks/bench_update.py                       # default-size Llama, B=256, P=12, T=46, K=16
+    python benchmarks/bench_update.py --tiny
+    python benchmarks/bench_update.py --size small --updates 4 --threads 2
+
+What is timed: ``cispo.trainer.update_policy`` on one generation batch, i.e. the K optimizer
+steps (per mini-batch: ``policy_logprobs`` forward, ``policy_loss``, backward, grad clipping,
+AdamW step), on a batch shaped like the default run's: B rows of a ``--prompt-len``-token prompt
+and a ``--response-len``-token response (random ids: every row has the same length, so there is
+no padding in the count), built-in Llama of ``--size`` with random init, CPU, fp32.
+
+Useful FLOPs (the usual training-FLOPs convention; the LM-head recompute in the chunked
+backward and the causal half of attention count as waste, not work):
+
+    per mini-batch of b rows, S = P + T - 1 decoder positions, T head positions:
+    6 * (decoder linear params) * b * S  +  6 * (LM head params) * b * T  +  12 * layers * hidden * S^2 * b
+
+(embedding lookups, norms, softmax and the optimizer are not counted). The reference rate is a
+square fp32 ``torch.mm`` (``--mm-size``) at the same thread count, timed interleaved with the
+update passes; the fraction is median(update FLOP/s) / median(matmul FLOP/s). A short
+``torch.profiler`` pass over one call then splits the time into matmul / attention / other
+ops / optimizer / outside ATen ops (Python, autograd and Hugging Face module overhead), and gives
+the FLOP/s achieved inside the matmuls themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import interleaved, load_average, machine_note, median, model_desc, set_threads, spread, table  # noqa: E402
+
+
+def build(args):
+    import torch
+
+    from cispo.config import TrainConfig, apply_overrides
+    from cispo.experience import Experience, policy_logprobs
+    from cispo.models import build_model, build_tokenizer
+    from cispo.rollout import TorchSampler
+    from cispo.tasks import get_task
+    from cispo.trainer import Policy, make_objective, make_optimizer
+
+    task = get_task("addition")
+    tok = build_tokenizer(task.alphabet)
+    model = build_model(tok, size=args.size, seed=args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    B, P, T = args.rows, args.prompt_len, args.response_len
+    ids = torch.randint(3, len(tok), (B, P + T), generator=g)
+    exp = Experience(ids, torch.ones(B, P + T, dtype=torch.long), torch.ones(B, T), torch.zeros(B, T),
+                     torch.randn(B, generator=g))
+    with torch.no_grad():
+        exp.logp_old = policy_logprobs(model, exp).float()
+    cfg = apply_overrides(TrainConfig(), ["model.device=cpu", f"updates_per_batch={args.updates}"])
+    policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.pad_token_id), torch.device("cpu"))
+    return policy, exp, cfg, make_objective(cfg), make_optimizer(model, cfg)
+
+
+def useful_flops(model, B: int, P: int, T: int) -> dict:
+    import torch
+
+    c = model.config
+    head = model.get_output_embeddings().weight.numel()
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - head
+    S = P + T - 1
+    parts = {"linear": 6 * linear * B * S, "head": 6 * head * B * T,
+             "attention": 12 * c.num_hidden_layers * c.hidden_size * S * S * B}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def profile_once(run) -> dict:
+    """Seconds by category from one profiled call, plus the FLOP/s inside the matmuls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        run()
+    wall = time.perf_counter() - t0
+    cats = {"matmul": 0.0, "attention": 0.0, "optimizer": 0.0, "autograd engine": 0.0, "other ops": 0.0}
+    mm_flops = 0.0
+    top = []
+    for e in prof.key_averages():
+        s = e.self_cpu_time_total / 1e6
+        name = e.key
+        if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"):
+            cats["matmul"] += s
+            mm_flops += e.flops or 0
+        elif "attention" in name or "sdpa" in name.lower():
+            cats["attention"] += s
+        elif "foreach" in name or "adam" in name.lower() or name.startswith("Optimizer"):
+            cats["optimizer"] += s
+        elif name.startswith("autograd::") or "Backward" in name:
+            cats["autograd engine"] += s
+        else:
+            cats["other ops"] += s
+        top.append((s, e.count, name))
+    cats["outside ops (Python, autograd, HF)"] = max(wall - sum(cats.values()), 0.0)
+    top.sort(reverse=True)
+    return {"wall": wall, "cats": cats, "mm_flops": mm_flops, "top": top[:8]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="default", help="built-in model size (tiny, small, default)")
+    p.add_argument("--rows", type=int, default=256, help="rows in the generation batch (default 256 = 32 x G 8)")
+    p.add_argument("--prompt-len", type=int, default=12)
+    p.add_argument("--response-len", type=int, default=46)
+    p.add_argument("--updates", type=int, default=16, help="K (default 16)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--mm-size", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="tiny model, 16 rows, K=2, 2 repeats")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.size, args.rows, args.updates, args.repeats, args.mm_size = "tiny", 16, 2, 2, 256
+    import torch
+
+    from cispo.trainer import update_policy
+
+    threads = set_threads(args.threads)
+    print(machine_note(threads))
+    policy, exp, cfg, obj, opt = build(args)
+    shuffle = torch.Generator().manual_seed(args.seed)
+    run = lambda: update_policy(policy, opt, exp, obj, cfg, shuffle, 0, None)  # noqa: E731
+    n = args.mm_size
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    times = interleaved({"update": run, "mm": lambda: torch.mm(a, b)}, args.repeats, warmup=1)
+    flops = useful_flops(policy.model, args.rows, args.prompt_len, args.response_len)
+    upd_rate = flops["total"] / median(times["update"])
+    mm_rate = 2 * n**3 / median(times["mm"])
+    print(f"model: built-in '{args.size}' = {model_desc(policy.model)}; batch {args.rows} rows x "
+          f"(P={args.prompt_len} + T={args.response_len}), K={args.updates} mini-batches of "
+          f"{args.rows // args.updates} rows; useful GFLOP per K passes: {flops['total'] / 1e9:.2f} (linear "
+          f"{flops['linear'] / 1e9:.2f}, head {flops['head'] / 1e9:.3f}, attention {flops['attention'] / 1e9:.2f})")
+    print(table(["what", "s (median)", "range", "GFLOP/s", "fraction of matmul rate"], [
+        [f"K={args.updates} update passes", median(times["update"]), spread(times["update"]), upd_rate / 1e9,
+         f"{upd_rate / mm_rate:.1%}"],
+        [f"torch.mm {n}x{n} fp32", median(times["mm"]), spread(times["mm"]), mm_rate / 1e9, "100%"],
+    ]))
+    if not args.no_profile:
+        prof = profile_once(run)
+        w = prof["wall"]
+        mm_s = prof["cats"]["matmul"]
+        print(f"\nprofile of one call ({w:.2f} s under the profiler; profiler overhead included):")
+        print(table(["category", "s", "share"], [[k, v, f"{v / w:.0%}"] for k, v in prof["cats"].items()]))
+        if mm_s > 0 and prof["mm_flops"]:
+            print(f"inside the matmul ops: {prof['mm_flops'] / 1e9:.2f} GFLOP (the profiler's count) in {mm_s:.2f} s = "
+                  f"{prof['mm_flops'] / mm_s / 1e9:.1f} GFLOP/s = {prof['mm_flops'] / mm_s / mm_rate:.0%} of the big-mm rate")
+        print("top ops by self time: " + "; ".join(f"{name} {s:.2f}s x{c}" for s, c, name in prof["top"]))
+    print(f"\n{args.repeats} interleaved repeats after a warm-up; 1-min load average at end {load_average():.2f}")
+
+
+if __name__ == "__main__":
+    main()
