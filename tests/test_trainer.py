@@ -157,3 +157,18 @@ def test_truncated_is_and_lora_options_train(tiny_model, dense_task, tmp_path):
     # the base weights did not move; the adapters did
     assert all(torch.equal(weights[k], base[k]) for k in base if k in weights)
     assert any(weights[k].abs().sum() > 0 for k in lora if "lora_B" in k)
+
+
+def test_run_logs_to_tensorboard(tiny_model, dense_task, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = train(small_config(tiny_model, tmp_path, "steps=2", "trackers=[tensorboard]"))
+    events = EventAccumulator(str(result.run_dir / "tensorboard"))
+    events.Reload()
+    rows = read_metrics(result.run_dir / "metrics.jsonl")
+    for key in ("rollout/reward_mean", "objective/frac_capped", "eval/accuracy"):
+        logged = {e.step: e.value for e in events.Scalars(key)}
+        expected = {r["step"]: r[key] for r in rows if r.get(key) is not None}
+        assert logged.keys() == expected.keys()
+        assert all(abs(logged[s] - expected[s]) < 1e-6 for s in expected)
