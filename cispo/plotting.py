@@ -33,11 +33,20 @@ def plot_run(rows: list[dict], path: Path, title: str = "") -> Path:
             x, y = series(rows, key)
             if x:
                 ax.plot(x, y, marker="o" if len(x) < 15 else None, ms=3, label=label)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+        style_axis(ax, name)
+    return save_figure(fig, path, title)
+
+
+def style_axis(ax, title: str) -> None:
+    """A panel's title, step axis, grid and legend (when it has labelled lines)."""
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+def save_figure(fig, path: Path, title: str = "") -> Path:
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -207,10 +207,9 @@ PLOTS = [
 
 def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -> Path:
     """Mean ± 95% band over seeds, one curve per algorithm, one panel per metric."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from cispo.plotting import save_figure, style_axis
 
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for ax, (key, name) in zip(axes.flat, PLOTS):
@@ -223,16 +222,8 @@ def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -
             m = [s[0] for s in stats]
             ax.plot(steps, m, label=algo)
             ax.fill_between(steps, [a - s[2] for a, s in zip(m, stats)], [a + s[2] for a, s in zip(m, stats)], alpha=0.2)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+        style_axis(ax, name)
+    return save_figure(fig, path, title)
 
 
 def compare(cfg: CompareConfig) -> dict:
