@@ -8,15 +8,16 @@ temperature 1) but that, when sampled, makes the answer far more often correct.
 Departures from a plain LM pretraining, in plain words:
 
 1. Loss only on completion tokens (the prompt is given, never predicted), and not on
-   the corrupted pre-fork guesses nor on most fork tokens (see
-   `cispo.tasks.arithmetic.corpus`): the model practises many derivations, yet learns
-   to *choose* the fork with frequency `fork_fraction` only.
+   the guesses before a fork (half of them are deliberately wrong) nor on most fork
+   tokens (see `cispo.tasks.arithmetic.corpus`): the model practises many derivations,
+   yet learns to *choose* the fork with frequency `fork_fraction` only.
 2. Every step draws a fixed share of direct and of forked examples and runs them as two
    micro-batches (their lengths differ ~4x), one loss normalised by their total number
    of loss tokens.
 
 Deterministic: the same config and seed give bit-identical weights on the same machine
-and thread count (`torch.manual_seed`, a `torch.Generator` for batches, CPU ops only).
+(`torch.manual_seed`, a `torch.Generator` for batches, CPU ops only; 1 and 2 threads
+were observed to agree bit for bit too). On busy cores one thread is much faster.
 
     python -m cispo.pretrain --seed 0 --out /tmp/base0 --measure 4000
 """
@@ -24,6 +25,7 @@ and thread count (`torch.manual_seed`, a `torch.Generator` for batches, CPU ops 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import time
@@ -212,8 +214,6 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
     length so no padding is needed. Seeded by its own `torch.Generator`.
     """
     from transformers import DynamicCache
-
-    import inspect
 
     # transformers >= 5.x names the KV cache argument `cache`; older versions `past_key_values`
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
