@@ -15,6 +15,8 @@ from cispo.experiments.compare import (
     steps_to_target,
     sweep,
     sweep_gaps,
+    tune,
+    tuning_configs,
 )
 from conftest import small_config  # noqa: F401  (fixtures: tiny_model, dense_task)
 
@@ -49,7 +51,7 @@ def test_analyse_hand_made_comparison():
     assert t["algorithms"]["grpo"]["steps_to_target"] is None and t["algorithms"]["grpo"]["reached_target"] == "0/2"
     assert t["algorithms"]["grpo"]["final_accuracy"][0] == pytest.approx(0.35)
     text = format_table(t)
-    assert "| cispo | 2 |" in text and "0/2" in text
+    assert "| cispo | n/a | 2 |" in text and "0/2" in text
     gaps = sweep_gaps({4: runs}, "dapo")
     assert gaps[4]["dapo"]["final_accuracy_gap"][0] == pytest.approx(0.1)
     assert gaps[4]["dapo"]["steps_to_target_gap"][0] == pytest.approx(-3.0)  # (2 - 6 + 4 - 6) / 2
@@ -58,15 +60,40 @@ def test_analyse_hand_made_comparison():
     assert "| 4 |" in format_sweep(gaps)
 
 
+def test_tune_picks_each_algorithms_best_lr_by_area_under_curve(tmp_path, monkeypatch):
+    import json
+
+    import cispo.experiments.compare as cmp
+
+    cfg = CompareConfig(algorithms=["grpo", "cispo"], learning_rates={"dapo": 1e-5}, tune_lrs=[1e-4, 3e-4],
+                        out_dir=str(tmp_path))
+    runs = tuning_configs(cfg)
+    assert set(runs) == {("grpo", 1e-4), ("grpo", 3e-4), ("cispo", 1e-4), ("cispo", 3e-4)}
+    assert all(c.seed == cfg.tune_seed and c.run_name.startswith("tune_lr") for c in runs.values())
+    # grpo: 3e-4 ends higher but 1e-4 has the larger area; cispo: 3e-4 better throughout
+    accs = {("grpo", 1e-4): [0.0, 0.6, 0.7, 0.7], ("grpo", 3e-4): [0.0, 0.1, 0.2, 0.8],
+            ("cispo", 1e-4): [0.0, 0.2, 0.3, 0.4], ("cispo", 3e-4): [0.9, 0.5, 0.6, 0.7]}
+    for key, c in runs.items():
+        d = tmp_path / c.run_name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(accs[key])))
+    monkeypatch.setattr(cmp, "run_all", lambda configs, workers: None)
+    tuned = tune(cfg)
+    assert tuned.learning_rates == {"dapo": 1e-5, "grpo": 1e-4, "cispo": 3e-4}
+    assert "| grpo | 0.667 | 0.367 | 0.0001 |" in (tmp_path / "tuning.md").read_text()
+    assert tuning_configs(CompareConfig(quick=True)) == {} and tuning_configs(CompareConfig(tune_lrs=[])) == {}
+
+
 @pytest.mark.slow
 def test_tiny_comparison_writes_table_and_plots(tiny_model, dense_task, tmp_path):
     train = [f"model.path={tiny_model}", "model.device=cpu", "steps=2", "prompts_per_step=4", "group_size=4",
              "updates_per_batch=2", "max_new_tokens=8", "num_train_prompts=32", "num_eval_prompts=4",
              "eval.num_samples=1", "eval.every=1", "checkpoint_every=1"]
-    cfg = CompareConfig(seeds=[0, 1], workers=1, out_dir=str(tmp_path), train=train)
+    cfg = CompareConfig(seeds=[0, 1], workers=1, out_dir=str(tmp_path), train=train, tune_lrs=[1e-4, 3e-4])
     table = compare(cfg)
     assert set(table["algorithms"]) == {"grpo", "dapo", "cispo"}
-    for name in ("table.md", "table.json", "comparison.png"):
+    assert set(table["learning_rates"].values()) <= {1e-4, 3e-4}
+    for name in ("table.md", "table.json", "comparison.png", "tuning.md"):
         assert (tmp_path / name).stat().st_size > 0
     # resuming a finished comparison trains nothing and gives the same table
     again = compare(cfg)

@@ -43,33 +43,92 @@ class CompareConfig:
     reference: str = "dapo"
     """Algorithm whose final accuracy is the steps-to-target target."""
     learning_rates: dict[str, float] = field(default_factory=dict)
-    """Per-algorithm learning rate (tuned with the same budget); missing: ``optim.lr``."""
+    """Per-algorithm learning rate; an algorithm listed here is not tuned."""
+    tune_lrs: list[float] = field(default_factory=lambda: [3e-5, 1e-4, 3e-4])
+    """Learning rates tried for every algorithm not in `learning_rates` — the same tuning
+    budget for each — on `tune_seed`; the one with the highest mean held-out accuracy over
+    the evaluations after step 0 (area under the curve) is used. Empty: ``optim.lr``."""
+    tune_seed: int = 100
+    """Seed of the tuning runs (kept apart from `seeds`, so the reported runs are not the
+    ones the learning rate was picked on)."""
     workers: int = 2
     """Runs in parallel (one torch thread each)."""
     out_dir: str = "runs/compare"
     """The comparison's folder: one sub-folder per run, plus the table and plots."""
     quick: bool = False
-    """A small size that finishes in <= 10 minutes on 2 cores."""
+    """A small size that finishes in <= 10 minutes on 2 cores (no tuning: `QUICK_LRS`)."""
     train: list[str] = field(default_factory=list)
     """``key=value`` overrides for every run's TrainConfig (e.g. ``steps=40``)."""
 
 
-QUICK_OVERRIDES = ["steps=24", "prompts_per_step=16", "eval.every=6", "num_eval_prompts=100", "eval.num_samples=4"]
+# Every comparison run: short, evaluated often (steps-to-target needs a fine grid).
+COMPARE_OVERRIDES = ["steps=20", "eval.every=2", "num_eval_prompts=100", "eval.num_samples=4"]
+QUICK_OVERRIDES = ["steps=12", "prompts_per_step=16", "eval.every=3", "num_eval_prompts=50"]
+# The learning rates the full comparison's tuning picked (docs/results.md); --quick uses them.
+QUICK_LRS: dict[str, float] = {}
+
+
+def base_config(cfg: CompareConfig, extra: list[str] = ()) -> TrainConfig:
+    """The TrainConfig every run of the comparison starts from."""
+    overrides = COMPARE_OVERRIDES + (QUICK_OVERRIDES if cfg.quick else []) + list(cfg.train) + list(extra)
+    return apply_overrides(TrainConfig(), overrides)
+
+
+def one_run(base: TrainConfig, algo: str, seed: int, out_dir: str, lr: float | None = None,
+            prefix: str = "") -> TrainConfig:
+    """The run of `algo` with `seed` (and `lr`, if given) in `out_dir`."""
+    c = replace(base, seed=seed, out_dir=out_dir, threads=1, progress=False,
+                run_name=f"{prefix}{algo}__{base.data.task}__K{base.algo.updates_per_batch}__seed{seed}",
+                algo=replace(base.algo, objective=algo))
+    return c if lr is None else replace(c, optim=replace(c.optim, lr=lr))
 
 
 def run_configs(cfg: CompareConfig, extra: list[str] = ()) -> list[TrainConfig]:
     """One TrainConfig per (algorithm, seed), all in ``cfg.out_dir``."""
-    base = apply_overrides(TrainConfig(), (QUICK_OVERRIDES if cfg.quick else []) + list(cfg.train) + list(extra))
-    configs = []
+    base = base_config(cfg, extra)
+    return [one_run(base, algo, seed, cfg.out_dir, cfg.learning_rates.get(algo))
+            for algo in cfg.algorithms for seed in cfg.seeds]
+
+
+def tuning_configs(cfg: CompareConfig) -> dict[tuple[str, float], TrainConfig]:
+    """(algorithm, lr) -> its tuning run, for every algorithm without a fixed learning rate."""
+    if cfg.quick or not cfg.tune_lrs:
+        return {}
+    base = base_config(cfg)
+    return {(algo, lr): one_run(base, algo, cfg.tune_seed, cfg.out_dir, lr, prefix=f"tune_lr{lr:g}__")
+            for algo in cfg.algorithms if algo not in cfg.learning_rates for lr in cfg.tune_lrs}
+
+
+def tuning_score(rows: list[dict]) -> float:
+    """Mean held-out accuracy over the evaluations after step 0 (area under the curve)."""
+    return _mean(v for s, v in curve(rows, "eval/accuracy").items() if s > 0)
+
+
+def tune(cfg: CompareConfig) -> CompareConfig:
+    """Run the tuning grid (resumable) and return `cfg` with every algorithm's chosen
+    learning rate in `learning_rates`; writes ``tuning.md`` / ``tuning.json``."""
+    runs = tuning_configs(cfg)
+    if not runs:
+        lrs = {**QUICK_LRS, **cfg.learning_rates} if cfg.quick else dict(cfg.learning_rates)
+        return replace(cfg, learning_rates=lrs)
+    run_all(list(runs.values()), cfg.workers)
+    scores = {key: tuning_score(read_metrics(Path(c.out_dir) / c.run_name / "metrics.jsonl")) for key, c in runs.items()}
+    chosen = dict(cfg.learning_rates)
+    for algo in {a for a, _ in scores}:
+        chosen[algo] = max((lr for a, lr in scores if a == algo), key=lambda lr: scores[(algo, lr)])
+    lines = ["| algorithm | " + " | ".join(f"lr {lr:g}" for lr in cfg.tune_lrs) + " | chosen |",
+             "|---|" + "---|" * (len(cfg.tune_lrs) + 1)]
     for algo in cfg.algorithms:
-        for seed in cfg.seeds:
-            c = replace(base, seed=seed, out_dir=cfg.out_dir, threads=1, progress=False,
-                        run_name=f"{algo}__{base.data.task}__K{base.algo.updates_per_batch}__seed{seed}",
-                        algo=replace(base.algo, objective=algo))
-            if algo in cfg.learning_rates:
-                c = replace(c, optim=replace(c.optim, lr=cfg.learning_rates[algo]))
-            configs.append(c)
-    return configs
+        if any(a == algo for a, _ in scores):
+            lines.append(f"| {algo} | " + " | ".join(f"{scores[(algo, lr)]:.3f}" for lr in cfg.tune_lrs)
+                         + f" | {chosen[algo]:g} |")
+    lines += ["", f"Mean held-out accuracy over the evaluations after step 0, seed {cfg.tune_seed} (one run per cell)."]
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tuning.md").write_text("\n".join(lines) + "\n")
+    (out / "tuning.json").write_text(json.dumps({f"{a}@{lr:g}": v for (a, lr), v in scores.items()}
+                                                | {"chosen": chosen}, indent=1))
+    return replace(cfg, learning_rates=chosen)
 
 
 def _is_finished(c: TrainConfig) -> bool:
@@ -173,6 +232,10 @@ def _last(c: dict[int, float]) -> float:
     return c[max(c)] if c else float("nan")
 
 
+def _fmt_lr(lr) -> str:
+    return "n/a" if lr is None else f"{lr:g}"
+
+
 def format_table(table: dict) -> str:
     """Markdown."""
     fmt = lambda mb, p=3: "n/a" if mb is None else f"{mb[0]:.{p}f} ± {mb[1]:.{p}f}"  # noqa: E731
@@ -180,13 +243,13 @@ def format_table(table: dict) -> str:
         f"Target: {table['reference']}'s final held-out accuracy = "
         + ("n/a" if table["target"] is None else f"{table['target']:.3f}"),
         "",
-        "| algorithm | seeds | held-out acc. start | final | steps to target | reached | final fork rate "
+        "| algorithm | lr | seeds | held-out acc. start | final | steps to target | reached | final fork rate "
         "| PPO-dropped fork tokens | IS weight capped | entropy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for algo, row in table["algorithms"].items():
         lines.append(
-            f"| {algo} | {row['seeds']} | {fmt(row['initial_accuracy'])} | {fmt(row['final_accuracy'])} "
+            f"| {algo} | {_fmt_lr(table.get('learning_rates', {}).get(algo))} | {row['seeds']} | {fmt(row['initial_accuracy'])} | {fmt(row['final_accuracy'])} "
             f"| {fmt(row['steps_to_target'], 1)} | {row['reached_target']} | {fmt(row['final_fork_rate'])} "
             f"| {fmt(row['frac_ppo_dropped_fork'])} | {fmt(row['frac_capped'])} | {fmt(row['entropy'])} |"
         )
@@ -228,11 +291,13 @@ def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -
 
 def compare(cfg: CompareConfig) -> dict:
     """Run (or resume) the comparison and write ``table.md``, ``table.json``, ``comparison.png``."""
-    configs = run_configs(cfg)
     started = time.perf_counter()
+    cfg = tune(cfg)
+    configs = run_configs(cfg)
     run_all(configs, cfg.workers)
     runs = load_runs(configs)
     table = analyse(runs, cfg.reference)
+    table["learning_rates"] = {a: cfg.learning_rates.get(a, configs[0].optim.lr) for a in cfg.algorithms}
     out = Path(cfg.out_dir)
     (out / "table.json").write_text(json.dumps(table, indent=1))
     (out / "table.md").write_text(format_table(table) + "\n")
@@ -258,6 +323,7 @@ class SweepConfig(CompareConfig):
 
 def sweep(cfg: SweepConfig) -> dict:
     """For each K: the comparison; then the CISPO − DAPO and CISPO − GRPO gaps vs K."""
+    cfg = tune(cfg)  # once, at the K of `train` (default 16); the same rates for every K
     per_k = {}
     for k in cfg.ks:
         sub = replace(cfg, train=list(cfg.train) + [f"algo.updates_per_batch={k}"])
