@@ -62,8 +62,8 @@ class CompareConfig:
 
 
 # Every comparison run: short, evaluated often (steps-to-target needs a fine grid).
-COMPARE_OVERRIDES = ["steps=20", "eval.every=2", "num_eval_prompts=100", "eval.num_samples=4"]
-QUICK_OVERRIDES = ["steps=12", "prompts_per_step=16", "eval.every=3", "num_eval_prompts=50"]
+COMPARE_OVERRIDES = ["steps=16", "prompts_per_step=16", "eval.every=2", "num_eval_prompts=100", "eval.num_samples=4"]
+QUICK_OVERRIDES = ["steps=8", "eval.every=4", "num_eval_prompts=50"]
 # The learning rates the full comparison's tuning picked (docs/results.md); --quick uses them.
 QUICK_LRS: dict[str, float] = {}
 
