@@ -50,11 +50,15 @@ def test_analyse_hand_made_comparison():
     assert t["algorithms"]["dapo"]["steps_to_target"][0] == 6.0
     assert t["algorithms"]["grpo"]["steps_to_target"] is None and t["algorithms"]["grpo"]["reached_target"] == "0/2"
     assert t["algorithms"]["grpo"]["final_accuracy"][0] == pytest.approx(0.35)
+    assert t["algorithms"]["cispo"]["steps_to_90"][0] == 3.0  # 0.54: steps 2 and 4
+    assert t["algorithms"]["grpo"]["steps_to_90"] is None and t["algorithms"]["grpo"]["reached_90"] == "0/2"
+    assert t["algorithms"]["grpo"]["mean_accuracy"][0] == pytest.approx((0.8 / 3 + 0.9 / 3) / 2)
     text = format_table(t)
     assert "| cispo | n/a | 2 |" in text and "0/2" in text
     gaps = sweep_gaps({4: runs}, "dapo")
     assert gaps[4]["dapo"]["final_accuracy_gap"][0] == pytest.approx(0.1)
     assert gaps[4]["dapo"]["steps_to_target_gap"][0] == pytest.approx(-3.0)  # (2 - 6 + 4 - 6) / 2
+    assert gaps[4]["dapo"]["mean_accuracy_gap"][0] == pytest.approx((0.6 / 3 + 0.5 / 3) / 2)
     # grpo never reaches: censored at its last step + one interval = 8
     assert gaps[4]["grpo"]["steps_to_target_gap"][0] == pytest.approx(3.0 - 8.0)
     assert "| 4 |" in format_sweep(gaps)
