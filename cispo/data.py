@@ -78,18 +78,30 @@ def fill_groups(
     num_groups: int,
     max_rounds: int = 1,
     filter_groups: bool = True,
+    any_rank: Callable[[bool], bool] | None = None,
+    idle: Callable[[], object] | None = None,
 ) -> tuple[list[Group], FillReport]:
     """Collect ``num_groups`` groups, dropping uninformative ones when ``filter_groups``.
 
     Round 1 generates ``num_groups`` groups; each refill round generates enough to cover the
     deficit at the informative rate seen so far (at most ``num_groups``). After
     ``max_rounds`` rounds the batch may hold fewer groups (possibly none).
+
+    With weights sharded across processes (FSDP) every rank must generate as many times as
+    the others: ``any_rank(flag)`` says whether any rank wants another round, and a rank that
+    does not calls ``idle()`` (a throw-away generation) while the others do.
     """
     if num_groups < 1 or max_rounds < 1:
         raise ValueError(f"fill_groups needs num_groups >= 1 and max_rounds >= 1, got {num_groups}, {max_rounds}")
     kept: list[Group] = []
     sampled = rounds = 0
-    while len(kept) < num_groups and rounds < max_rounds:
+    while True:
+        want = len(kept) < num_groups and rounds < max_rounds and (filter_groups or rounds == 0)
+        if any_rank is not None and any_rank(want) and not want:
+            idle()
+            continue
+        if not want:
+            break
         need = num_groups - len(kept)
         rate = len(kept) / sampled if sampled else 1.0
         n = need if rounds == 0 else min(num_groups, math.ceil(need / max(rate, 0.25)))
@@ -97,8 +109,6 @@ def fill_groups(
         rounds += 1
         sampled += len(groups)
         kept.extend(g for g in groups if not filter_groups or is_informative(g))
-        if not filter_groups:
-            break
     kept = kept[:num_groups]
     return kept, FillReport(rounds=rounds, groups_sampled=sampled, groups_kept=len(kept))
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from cispo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from cispo.checkpoint import gather_full_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from cispo.config import TrainConfig, save_yaml, to_dict
 from cispo.data import PromptStream
-from cispo.distributed import barrier, broadcast_parameters, gather_objects, init_distributed
+from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_objects, init_distributed, shard_model
 from cispo.rollout import TorchSampler
 from cispo.tracking import make_sinks, read_metrics
 from cispo.trainer import (
@@ -61,11 +61,13 @@ def run_name(cfg: TrainConfig) -> str:
     return cfg.run_name or f"{cfg.algo.objective}__{data}__seed{cfg.seed}"
 
 
-def load_policy_for(cfg: TrainConfig, task, device: torch.device) -> Policy:
+def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None) -> Policy:
+    """The policy for ``device``; its weights are loaded onto ``load_device`` (default: ``device``),
+    e.g. the CPU for a model that FSDP then shards onto the GPUs."""
     from cispo.models import ensure_builtin_model, load_policy
 
     path = cfg.model.path or ensure_builtin_model(task.name, progress=cfg.progress)
-    model, tokenizer = load_policy(path, dtype=cfg.model.dtype, device=device)
+    model, tokenizer = load_policy(path, dtype=cfg.model.dtype, device=load_device or device)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer of {path} has no EOS token: responses could never end")
     if tokenizer.pad_token_id is None:  # common for base models: pad with EOS (masked out anyway)
@@ -158,9 +160,13 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
 
         ensure_builtin_model(task.name, progress=cfg.progress)  # once, before the other ranks load it
     barrier(dist_info)
-    policy = load_policy_for(cfg, task, device)
+    sharded = cfg.model.fsdp and dist_info.enabled
+    policy = load_policy_for(cfg, task, device, torch.device("cpu") if sharded else None)
     broadcast_parameters(policy.model, dist_info)
-    optimizer = make_optimizer(policy.model, cfg)
+    if sharded:  # FSDP2: every rank keeps 1/N of the weights, gradients and optimizer state
+        shard_model(policy.model, dist_info, device)
+        policy.sampler.all_ranks_done = lambda done: not any_rank(not done, dist_info)
+    optimizer = make_optimizer(policy.model, cfg)  # after sharding: it holds the shards
     # each rank samples whole groups from its own shard of the prompts, with its own seeds
     train_samples = fit_prompts(policy, task.train_samples(cfg.data.seed, cfg.data.num_train_prompts),
                                 sampling.max_new_tokens, "training")
@@ -175,9 +181,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     fork_id = fork_token_id(policy.tokenizer, task)
     sink = make_sinks(cfg.trackers, run_dir, run_name(cfg), to_dict(cfg)) if main else None
 
-    def evaluate_now(step: int) -> dict:
+    def evaluate_now(step: int) -> dict:  # sharded weights: every rank runs the model with rank 0
         out = evaluate(policy, eval_samples, task.reward, task.used_fork, cfg, sampling.max_new_tokens,
-                       seed=cfg.seed + step) if main else {}
+                       seed=cfg.seed + step) if main or sharded else {}
         barrier(dist_info)
         return out
 
@@ -209,12 +215,13 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     def checkpoint(step: int) -> None:
         streams = gather_objects(stream.state_dict(), dist_info)
         gens = gather_objects({n: g.get_state().cpu() for n, g in generators.items()}, dist_info)
+        full_state = gather_full_state(policy.model, optimizer) if sharded else None  # on rank 0's CPU
         if main:
             state = {"step": step, "update_count": update_count, "streams": streams,
                      "world_size": dist_info.world_size}
             tensors = {f"generator/{n}/{r}": t for r, g in enumerate(gens) for n, t in g.items()}
             save_checkpoint(run_dir, step, policy.model, policy.tokenizer, optimizer, state, tensors,
-                            keep=cfg.keep_checkpoints)
+                            keep=cfg.keep_checkpoints, full_state=full_state)
         barrier(dist_info)
 
     stop = StopRequest()

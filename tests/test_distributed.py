@@ -1,5 +1,6 @@
 """Data parallelism on CPU with gloo: 2 ranks == 1 process on the same batch."""
 
+import json
 import os
 import socket
 import subprocess
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cispo.config import TrainConfig, apply_overrides
-from cispo.distributed import DistInfo
+from cispo.distributed import DistInfo, any_rank
 from cispo.experience import Completion, collate
 from cispo.models import build_model, build_tokenizer
 from cispo.objective import preset
@@ -100,7 +101,165 @@ def test_torchrun_cli_two_ranks(tmp_path):
     rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[-1]["optim/updates"] == 4
-    import json
-
     state = json.loads((tmp_path / "ddp" / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and len(state["streams"]) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# FSDP2 (model.fsdp): sharded weights, gradients and optimizer state
+# ---------------------------------------------------------------------------------------
+
+UNEVEN = ([0, 1, 2, 3, 4, 5], [6, 7])  # whole groups; micro_batch_size=3: more micro-batches on rank 0
+
+
+def _fsdp_worker(rank, world, port, out_path):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from cispo.distributed import is_sharded, shard_model
+    from cispo.rollout import SamplingConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    info = DistInfo(rank, world, 0)
+    policy, cfg, exp = make_setup("cispo")
+    mine = exp.select(torch.tensor(UNEVEN[rank]))
+    # references from the whole model on this rank, before sharding
+    prompts = [[3 + rank, 4, 5][: 1 + rank], [6, 7], [8]][: 3 - rank]  # different rows and lengths per rank
+    # rank 0's rows all stop after 2 tokens; rank 1's run to 8: rank 0 must keep stepping with it
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0, repetition_stop_tokens=2 if rank == 0 else None,
+                            repetition_stop_prob=0.01)
+    want_gen = policy.sampler.generate(prompts, greedy)
+    want_logp = compute_logp_old(policy, mine, cfg)
+    want_entropy = mine.extras["entropy"].clone()
+
+    shard_model(policy.model, info, torch.device("cpu"))
+    assert is_sharded(policy.model)
+    policy.sampler.all_ranks_done = lambda done: not any_rank(not done, info)
+    got_gen = policy.sampler.generate(prompts, greedy)
+    n = want_gen.response_ids.shape[1]
+    assert n == (2 if rank == 0 else 8) and got_gen.response_ids.shape[1] == 8  # until every rank is done
+    assert torch.equal(got_gen.response_ids[:, :n], want_gen.response_ids)
+    assert not got_gen.response_mask[:, n:].any()
+    assert torch.allclose(got_gen.logp_rollout[:, :n], want_gen.logp_rollout, atol=1e-5)
+    got_logp = compute_logp_old(policy, mine, cfg, info)  # uneven micro-batch counts: idle passes
+    assert torch.allclose(got_logp, want_logp, atol=1e-5)
+    assert torch.allclose(mine.extras["entropy"], want_entropy, atol=1e-5)
+
+    optimizer = make_optimizer(policy.model, cfg)
+    stats, updates = update_policy(policy, optimizer, mine, preset(cfg.algo.objective), cfg,
+                                   torch.Generator().manual_seed(0), 0, None, info)
+    params = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({"params": params, "grad_norm": stats[0]["grad_norm"], "updates": updates}, out_path)
+    dist.destroy_process_group()
+
+
+def test_fsdp_two_gloo_ranks_equal_one_process(tmp_path):
+    """FSDP2 over 2 gloo ranks with uneven rows (so idle forward/backward passes) == 1 process
+    on the union: greedy samples, logp_old, and the parameters after one optimizer step."""
+    out = tmp_path / "params.pt"
+    mp.spawn(_fsdp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    two = torch.load(out, weights_only=True)
+    torch.set_num_threads(1)
+    policy, cfg, exp = make_setup("cispo")
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    optimizer = make_optimizer(policy.model, cfg)
+    stats, updates = update_policy(policy, optimizer, exp, preset(cfg.algo.objective), cfg,
+                                   torch.Generator().manual_seed(0), 0, None, DistInfo())
+    one = policy.model.state_dict()
+    assert any(not torch.equal(one[k], before[k]) for k in one)
+    assert two["updates"] == updates == 1
+    assert two["grad_norm"] == pytest.approx(stats[0]["grad_norm"], rel=1e-5)  # summed, not averaged
+    assert set(two["params"]) == set(one)
+    for k in one:
+        assert torch.allclose(one[k], two["params"][k], atol=1e-6, rtol=1e-5), k
+
+
+def test_fill_groups_keeps_generating_while_another_rank_does():
+    """Sharded weights: a rank with its groups idles through the other ranks' extra rounds."""
+    from cispo.data import fill_groups
+
+    others = iter([True, True, True, False])  # another rank generates 3 rounds
+    generated, idled = [], []
+    groups, report = fill_groups(lambda n: list(range(n)), lambda s: generated.append(s) or [[1, 2]] * len(s),
+                                 lambda g: True, 2, max_rounds=3,
+                                 any_rank=lambda want: next(others) or want, idle=lambda: idled.append(1))
+    assert len(generated) == 1 and len(idled) == 2 and report.rounds == 1 and len(groups) == 2
+
+
+def _cli(tmp_path, run_name, *overrides, steps=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "cispo", "train", f"model.path={tmp_path / 'model'}", "model.device=cpu", f"out_dir={tmp_path}",
+           f"run_name={run_name}", f"steps={steps}", "prompts_per_step=4", "group_size=2", "updates_per_batch=2",
+           "max_new_tokens=6", "num_eval_prompts=4", "eval.num_samples=1", "progress=false", "threads=1",
+           "num_train_prompts=32", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+FSDP_ARGS = ("model.fsdp=true", "checkpoint_every=1", "micro_batch_size=1", "dynamic_sampling=true")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """`torchrun --nproc_per_node 2 -m cispo train model.fsdp=true` for 2 steps (a random tiny
+    model, a reward that varies with what it writes so that there is something to learn)."""
+    from cispo.models import save_policy
+
+    root = tmp_path_factory.mktemp("fsdp")
+    tok = build_tokenizer(arithmetic.ALPHABET)
+    save_policy(build_model(tok, size="tiny", seed=0), tok, root / "model")
+    (root / "reward.py").write_text("def score(prompt, completion, **sample):\n"
+                                    "    return completion.count('1') / max(len(completion), 1)\n")
+    rows = [{"prompt": f"{i}+{i % 7}=", "answer": str(i + i % 7)} for i in range(40)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = (*FSDP_ARGS, f"data.path={root / 'prompts.jsonl'}", f"data.reward={root / 'reward.py'}:score")
+    proc = _cli(root, "fsdp", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, args
+
+
+def test_torchrun_cli_fsdp(fsdp_run):
+    """The run trains, and its checkpoints hold full weights and the optimizer state in the
+    format of an unsharded run."""
+    from cispo.models import load_policy
+    from cispo.tracking import read_metrics
+
+    root, _ = fsdp_run
+    rows = read_metrics(root / "fsdp" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2]
+    assert rows[-1]["optim/updates"] == 4 and rows[-1]["optim/grad_norm"] > 0
+    ckpt = root / "fsdp" / "checkpoints" / "step_000002"
+    model, _ = load_policy(ckpt / "model")  # a plain Hugging Face folder
+    assert json.loads((ckpt / "model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)  # optimizer.state_dict()'s format
+    params = list(model.parameters())
+    assert sorted(optim["state"]) == list(range(len(params))) == optim["param_groups"][0]["params"]
+    assert all(optim["state"][i]["exp_avg"].shape == p.shape for i, p in enumerate(params))
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["update_count"] == 4
+
+
+@pytest.mark.slow
+def test_torchrun_cli_fsdp_resume_repeats_the_run(fsdp_run, tmp_path):
+    """Resuming from step 1's checkpoint redoes step 2 exactly (weights, optimizer state and
+    every rank's prompt and generator state come back into the shards)."""
+    import shutil
+
+    from cispo.models import load_policy
+    from cispo.tracking import read_metrics
+
+    root, args = fsdp_run
+    shutil.copytree(root / "fsdp", tmp_path / "again")
+    shutil.rmtree(tmp_path / "again" / "checkpoints" / "step_000002")
+    shutil.copytree(root / "model", tmp_path / "model")
+    proc = _cli(tmp_path, "again", *args, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, _ = load_policy(root / "fsdp" / "checkpoints" / "step_000002" / "model")
+    got, _ = load_policy(tmp_path / "again" / "checkpoints" / "step_000002" / "model")
+    for (k, a), b in zip(want.state_dict().items(), got.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), k
+    first = read_metrics(root / "fsdp" / "metrics.jsonl")[-1]
+    again = read_metrics(tmp_path / "again" / "metrics.jsonl")[-1]
+    assert again["step"] == 2 and again["objective/loss"] == pytest.approx(first["objective/loss"], rel=1e-5)

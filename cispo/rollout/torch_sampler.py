@@ -9,7 +9,7 @@ the model's KV cache, with the attention mask grown by one column per step.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +29,21 @@ class TorchSampler:
         eos_token_id: the token that ends a response (it is kept in the response, with mask 1).
         pad_token_id: fills the left of short prompts and the right of short responses. It may equal
             ``eos_token_id``.
+
+    Attributes:
+        all_ranks_done: None, or — for a model sharded across processes (FSDP), where every rank
+            must run the same number of forward passes — a callable that takes this rank's "every
+            row has stopped" and returns whether that holds on every rank. The decode loop then
+            runs until it does (stopped rows only get padding), and sampling runs under
+            ``no_grad`` instead of ``inference_mode`` (FSDP's gathered weights must stay usable
+            for training).
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int) -> None:
         self.model = model
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
+        self.all_ranks_done: Callable[[bool], bool] | None = None
         params = inspect.signature(model.forward).parameters
         # transformers >= 5.x names the KV cache `cache` (in and out); older versions `past_key_values`.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -66,7 +75,7 @@ class TorchSampler:
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
-            with torch.inference_mode():
+            with torch.inference_mode() if self.all_ranks_done is None else torch.no_grad():
                 *tensors, reasons = self._sample(prompt_ids, cfg, generator)
         finally:
             for m, training in modes:
@@ -146,7 +155,10 @@ class TorchSampler:
                 stop = stop | stop_rep
             reason = reason.masked_fill(stop_eos, _EOS)
             finished = finished | stop
-            if t == n_new - 1 or bool(finished.all()):
+            done = bool(finished.all())
+            if self.all_ranks_done is not None:
+                done = self.all_ranks_done(done)
+            if t == n_new - 1 or done:
                 T = t + 1
                 break
             seen = P + t + 1  # tokens so far, incl. the one just sampled
