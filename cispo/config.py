@@ -994,6 +994,11 @@ class ModelConfig:
     """Dropout on the adapters' input."""
     lora_target_modules: list[str] | None = None
     """Module names to adapt. None: all linear layers but lm_head."""
+    fsdp: bool = False
+    """Under ``torchrun`` with several processes: shard the parameters, gradients and
+    optimizer state across them with FSDP2 (one unit per decoder layer, plus the rest), for
+    a model that does not fit one device with its gradients and Adam state. Off: every
+    process holds the whole model. Ignored in a single process; not with rollout.engine=vllm."""
 
 
 @dataclass
@@ -1084,6 +1089,13 @@ class AlgoConfig:
     """Passes over the generation batch (K optimizer steps each)."""
     micro_batch_size: int | None = None
     """Rows per forward/backward (gradient accumulation within a mini-batch). None: whole."""
+    micro_batch_split_cost: float | None = 128.0
+    """Length-sorted micro-batches: the rows of each mini-batch (and of the logp_old pass) are
+    sorted by length and cut into micro-batches wherever a cut saves more padded decoder
+    positions than this (the fixed cost of one more forward/backward, in positions), each of at
+    most ``micro_batch_size`` rows and trimmed to its longest row. The mini-batches and the
+    gradient are unchanged (up to float summation order). None: rows in random order, cut only
+    by ``micro_batch_size``."""
     tis_cap: float | None = None
     """Truncated importance sampling for the rollout/trainer mismatch: each token's advantage
     is multiplied by min(pi_old / pi_rollout, tis_cap) (Yao et al. 2025 use 2). None: off."""
@@ -1166,6 +1178,8 @@ class TrainConfig:
             ("rollout.engine", self.rollout.engine in ("torch", "vllm"), "must be 'torch' or 'vllm'"),
             ("algo.tis_cap", self.algo.tis_cap is None or self.algo.tis_cap > 0, "must be > 0 or None"),
             ("model.lora_rank", self.model.lora_rank >= 0, "must be >= 0"),
+            ("model.fsdp", not (self.model.fsdp and self.rollout.engine == "vllm"),
+             "cannot be combined with rollout.engine=vllm (the engine needs the full weights)"),
             ("optim.grad_clip", self.optim.grad_clip >= 0, "must be >= 0"),
             ("eval.num_samples", self.eval.num_samples >= 1, "must be >= 1"),
             ("data.num_eval_prompts", self.data.num_eval_prompts >= 0, "must be >= 0"),

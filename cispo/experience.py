@@ -7,10 +7,12 @@ advantages and — filled in once before the K updates — ``logp_old``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from cispo.distributed import sharded_call
 from cispo.logprobs import token_logprobs
 
 
@@ -95,6 +97,58 @@ class Experience:
         )
 
 
+MAX_CUT_POINTS = 128  # candidate cuts considered by ``length_micro_batches``: bounds its time
+
+
+def length_micro_batches(exp: Experience, rows: torch.Tensor, max_rows: int | None = None,
+                         split_cost: float = 0.0) -> list[torch.Tensor]:
+    """``rows`` of ``exp`` sorted by length and cut into micro-batches of similar lengths.
+
+    Rows are sorted by response length, then prompt length (a stable sort: ties keep the order
+    of ``rows``). A micro-batch of n rows whose longest prompt and response are P and T costs
+    n x (P + T - 1) decoder positions once ``Experience.select`` has trimmed it, plus
+    ``split_cost`` positions for the call itself (the fixed cost of one more forward/backward).
+    The cuts minimise the total over the places where the response length changes (at most
+    ``MAX_CUT_POINTS`` of them, spread evenly over the rows when there are more), by dynamic
+    programming; a part of more than ``max_rows`` rows (None: no limit) is then cut into
+    near-equal consecutive chunks, each costed at the part's widest. Every row is in exactly
+    one micro-batch; none when ``rows`` is empty.
+    """
+    if len(rows) == 0:
+        return []
+    T_full = exp.response_mask.shape[1]
+    resp = exp.response_mask.sum(-1)[rows].long().cpu()  # [b]
+    prompt = exp.attention_mask[:, :-T_full].sum(-1)[rows].long().cpu()  # [b]
+    order = torch.argsort(resp * (int(prompt.max()) + 1) + prompt, stable=True)
+    rows = rows[order.to(rows.device)]
+    t, p = resp[order].clamp(min=1), prompt[order]  # select keeps >= 1 response column
+    m = len(rows)
+    bounds = [0] + ((t.diff() != 0).nonzero().flatten() + 1).tolist() + [m]  # blocks of equal response length
+    if len(bounds) > MAX_CUT_POINTS + 1:
+        bounds = sorted({bounds[round(k * (len(bounds) - 1) / MAX_CUT_POINTS)] for k in range(MAX_CUT_POINTS + 1)})
+    longest_response = [int(t[b - 1]) for b in bounds[1:]]  # of each block (t is sorted)
+    longest_prompt = [int(p[a:b].max()) for a, b in zip(bounds, bounds[1:])]
+    d = len(bounds) - 1
+    best, start = [0.0] + [math.inf] * d, [0] * (d + 1)  # cost of blocks 0..j-1; where its last part starts
+    for j in range(1, d + 1):
+        width = 0
+        for i in range(j - 1, -1, -1):  # the last part: blocks i .. j-1
+            width = max(width, longest_prompt[i] + longest_response[j - 1] - 1)
+            n = bounds[j] - bounds[i]
+            part = (-(-n // max_rows) if max_rows else 1) * split_cost + n * width
+            if part >= best[j]:  # best[i] >= 0 and part only grows as i decreases
+                break
+            if best[i] + part < best[j]:
+                best[j], start[j] = best[i] + part, i
+    parts, j = [], d
+    while j > 0:
+        a, b = bounds[start[j]], bounds[j]
+        chunks = -(-(b - a) // max_rows) if max_rows else 1
+        parts = list(rows[a:b].tensor_split(chunks)) + parts
+        j = start[j]
+    return parts
+
+
 def collate(completions: list[Completion], advantages: torch.Tensor, pad_id: int, device=None) -> Experience:
     """Left-pad prompts, right-pad responses, stack."""
     B = len(completions)
@@ -140,7 +194,14 @@ def policy_logprobs(
 
     One forward of the decoder over prompt + response (the last token is not needed: it
     predicts nothing), then the LM head in chunks (``cispo.logprobs``). -> [B, T] (, [B, T])
+    On a model sharded with FSDP2 it runs inside the root's forward hooks (``sharded_call``),
+    which gather the embeddings and the LM head it uses.
     """
+    return sharded_call(model, lambda: _policy_logprobs(model, exp, temperature, fp32_head, with_entropy, chunk_size))
+
+
+def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool, with_entropy: bool,
+                     chunk_size: int):
     T = exp.response_mask.shape[1]
     P = exp.input_ids.shape[1] - T
     attention_mask = exp.attention_mask  # [B, P+T]

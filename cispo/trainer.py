@@ -24,8 +24,9 @@ import torch
 
 from cispo.advantages import group_advantages
 from cispo.data import FillReport, PromptStream, fill_groups
-from cispo.distributed import DistInfo, all_reduce_sum, sum_gradients
-from cispo.experience import Completion, Experience, collate, is_informative, pearson, policy_logprobs
+from cispo.distributed import DistInfo, all_reduce_sum, any_rank, is_sharded, max_over_ranks, sum_gradients
+from cispo.experience import (Completion, Experience, collate, is_informative, length_micro_batches, pearson,
+                              policy_logprobs)
 from cispo.objective import ObjectiveConfig, log_ratio, policy_loss, ppo_token_mask, preset
 from cispo.rewards import overlong_penalty, safe_reward
 from cispo.rollout import Sampler, SamplingConfig, truncated_is_weights
@@ -111,22 +112,31 @@ def build_experience(groups: list[list[Completion]], cfg, policy: Policy) -> Exp
 # ---------------------------------------------------------------------------------------
 
 
-def micro_batches(rows: torch.Tensor, size: int | None) -> list[torch.Tensor]:
-    """Consecutive chunks of ``size`` rows (all of them when None); none when ``rows`` is empty."""
+def micro_batches(exp: Experience, rows: torch.Tensor, cfg) -> list[torch.Tensor]:
+    """The forward/backward calls over ``rows`` of ``exp``: length-sorted micro-batches cut where
+    a cut saves more than ``algo.micro_batch_split_cost`` padded positions, each of at most
+    ``algo.micro_batch_size`` rows; with the split cost None, consecutive chunks of
+    ``micro_batch_size`` rows (all of them when None). None when ``rows`` is empty."""
+    size, split_cost = cfg.algo.micro_batch_size, cfg.algo.micro_batch_split_cost
     if len(rows) == 0:
         return []
-    return [rows] if not size else list(rows.split(size))
+    if split_cost is None:
+        return [rows] if not size else list(rows.split(size))
+    return length_micro_batches(exp, rows, size, split_cost)
 
 
 @torch.no_grad()
-def compute_logp_old(policy: Policy, exp: Experience, cfg) -> torch.Tensor:
+def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo = DistInfo()) -> torch.Tensor:
     """log pi_old of every response token, in train mode, once per generation batch. Also
     stores the per-token entropy in ``exp.extras["entropy"]``.  -> [B, T]"""
     policy.model.train()
     T = exp.response_mask.shape[1]
     logp_old = torch.zeros_like(exp.logp_rollout)
     entropy = torch.zeros_like(exp.logp_rollout)
-    for rows in micro_batches(torch.arange(len(exp), device=exp.input_ids.device), cfg.algo.micro_batch_size):
+    micros = micro_batches(exp, torch.arange(len(exp), device=exp.input_ids.device), cfg)
+    for _ in range(idle_passes(len(micros), policy, dist_info)):
+        idle_pass(policy, cfg, backward=False)
+    for rows in micros:
         sub = exp.select(rows)
         lp, ent = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head, True)
         t = lp.shape[1]
@@ -156,6 +166,11 @@ def update_policy(
     """K optimizer steps (per epoch) on random mini-batches of ``exp``. Returns the per-step
     stats and the new optimizer-step count.
 
+    Each mini-batch runs as micro-batches (``micro_batches``: by default its rows sorted by
+    length and cut into length-homogeneous parts, each trimmed to its own longest row); the
+    objective is normalised by the whole mini-batch's token / sequence counts, so the summed
+    gradient is that of the mini-batch in one piece (up to float summation order).
+
     Under data parallelism each rank splits its own rows into K parts; the objective is
     normalised by the mini-batch's global counts and gradients are summed over ranks, so
     the update equals the single-process update on the union of the ranks' rows."""
@@ -173,7 +188,10 @@ def update_policy(
                 continue
             optimizer.zero_grad(set_to_none=True)
             parts = []
-            for micro in micro_batches(rows, cfg.algo.micro_batch_size):
+            micros = micro_batches(exp, rows, cfg)
+            for _ in range(idle_passes(len(micros), policy, dist_info)):
+                idle_pass(policy, cfg, backward=True)
+            for micro in micros:  # the same gradient whatever the split
                 sub = exp.select(micro)
                 logp_new = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head)
                 advantages = sub.advantages  # [b]
@@ -332,6 +350,7 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         cfg.rollout.prompts_per_step // dist_info.world_size,
         cfg.rollout.max_sampling_rounds,
         filter_groups=cfg.rollout.dynamic_sampling,
+        **sharded_sampling(policy, sampling, dist_info),
     )
     if errors:
         print(f"cispo: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})", file=sys.stderr)
@@ -344,7 +363,7 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         exp = build_experience(groups, cfg, policy)
     if cfg.rollout.vllm_sleep and hasattr(policy.sampler, "sleep"):
         policy.sampler.sleep()
-    exp.logp_old = compute_logp_old(policy, exp, cfg)
+    exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info)
     if cfg.algo.tis_cap:  # truncated IS: the trainer's pi_old vs the sampler's own probabilities
         exp.extras["tis"] = truncated_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, cfg.algo.tis_cap)
     t2 = time.perf_counter()
@@ -368,6 +387,35 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         "perf/tokens_per_s": tokens * (1 + cfg.algo.epochs) / max(t3 - t1, 1e-9),
     })
     return metrics, update_count
+
+
+def idle_passes(n: int, policy: Policy, dist_info: DistInfo) -> int:
+    """With weights sharded across ranks (FSDP) every rank must run as many forward (and
+    backward) passes as the busiest one: how many empty ones to add to this rank's ``n``."""
+    if not (dist_info.enabled and is_sharded(policy.model)):
+        return 0
+    return max_over_ranks(n, dist_info) - n
+
+
+def idle_pass(policy: Policy, cfg, backward: bool) -> None:
+    """A forward (and backward) pass over one padding row with a zero loss: it joins the other
+    ranks' FSDP collectives and adds nothing to the gradient."""
+    ids = torch.full((1, 2), policy.pad_id, dtype=torch.long, device=policy.device)
+    zero = torch.zeros(1, 1, device=policy.device)
+    exp = Experience(ids, torch.ones_like(ids), zero, zero, zero[0], logp_old=zero)
+    logp = policy_logprobs(policy.model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+    if backward:
+        (logp * 0).sum().backward()
+
+
+def sharded_sampling(policy: Policy, sampling: SamplingConfig, dist_info: DistInfo) -> dict:
+    """``fill_groups``' arguments for weights sharded across ranks (FSDP): every rank takes
+    part in every generation round, a rank with enough groups with a throw-away greedy one."""
+    if not (dist_info.enabled and is_sharded(policy.model)):
+        return {}
+    greedy = SamplingConfig(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
+    return {"any_rank": lambda flag: any_rank(flag, dist_info),
+            "idle": lambda: policy.sampler.generate([[policy.eos_id]], greedy)}
 
 
 def empty_experience(policy: Policy) -> Experience:

@@ -2,6 +2,7 @@
 and the pieces (dynamic sampling, overlong penalty, batching, log-probs)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -142,6 +143,110 @@ def test_policy_logprobs_match_full_forward_with_ragged_padding(tiny_model):
         with torch.no_grad():
             alone = policy_logprobs(model, exp.select(torch.tensor([1])), temperature=temperature)
         assert torch.allclose(alone[0, :2], lp[1, :2], atol=1e-5)
+
+
+def _ragged_setup(dtype=torch.float64, rows=24):
+    """A tiny policy and a batch with ragged prompts / responses (a few long ones)."""
+    from cispo.config import TrainConfig, apply_overrides
+    from cispo.models import build_model, build_tokenizer
+    from cispo.rollout import TorchSampler
+    from cispo.tasks import arithmetic
+    from cispo.trainer import Policy
+
+    tok = build_tokenizer(arithmetic.ALPHABET)
+    model = build_model(tok, size="tiny", seed=0).to(dtype)
+    policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.pad_token_id), torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    comps = []
+    for i in range(rows):
+        n_p, n_r = 3 + i % 5, (2 + (5 * i) % 7) if i % 6 else 25 + i % 4  # mostly short, every 6th long
+        comps.append(Completion({"prompt": ""}, torch.randint(3, len(tok), (n_p,), generator=g).tolist(),
+                                torch.randint(3, len(tok), (n_r,), generator=g), torch.zeros(n_r), "eos", ""))
+    exp = collate(comps, torch.randn(rows, generator=g), tok.pad_token_id)
+    # logp_old off-policy enough that the IS-weight caps and PPO masks bite
+    exp.logp_old = (-2.0 + 0.5 * torch.randn(exp.response_mask.shape, generator=g)) * exp.response_mask
+    return policy, exp, lambda *o: apply_overrides(TrainConfig(), ["updates_per_batch=2", "lr=1e-2",
+                                                                   "warmup_updates=0", *o])
+
+
+def _positions(exp, parts) -> int:
+    """Decoder positions the calls over ``parts`` compute (each trimmed by Experience.select)."""
+    return sum(s.input_ids.shape[0] * (s.input_ids.shape[1] - 1) for s in (exp.select(r) for r in parts))
+
+
+@pytest.mark.parametrize("objective", ["cispo", "grpo"])
+@pytest.mark.parametrize("micro", [None, 5])
+def test_length_sorted_micro_batches_give_the_same_update(objective, micro):
+    from cispo.objective import preset
+    from cispo.trainer import make_optimizer, micro_batches, update_policy
+
+    torch.manual_seed(0)
+    params, positions, stats = {}, {}, {}
+    for split in ("none", "0", "128"):
+        policy, exp, config = _ragged_setup()
+        cfg = config(f"objective={objective}", f"micro_batch_size={micro}", f"micro_batch_split_cost={split}")
+        order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(3))  # update_policy's shuffle
+        calls = [m for rows in order.tensor_split(cfg.algo.updates_per_batch) for m in micro_batches(exp, rows, cfg)]
+        assert sorted(torch.cat(calls).tolist()) == list(range(len(exp)))  # every row once
+        assert all(len(m) <= (micro or len(exp)) for m in calls)
+        positions[split] = _positions(exp, calls)
+        stats[split], _ = update_policy(policy, make_optimizer(policy.model, cfg), exp, preset(objective), cfg,
+                                        torch.Generator().manual_seed(3), 0, None)
+        params[split] = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    before = _ragged_setup()[0].model.state_dict()
+    assert any(not torch.equal(params["none"][k], before[k]) for k in before)  # the update did something
+    for split in ("0", "128"):
+        for k in params["none"]:
+            assert torch.allclose(params[split][k], params["none"][k], rtol=1e-9, atol=1e-12), (split, k)
+        for a, b in zip(stats[split], stats["none"], strict=True):  # the stats are float32
+            assert a.keys() == b.keys()
+            assert all(math.isclose(a[x], b[x], rel_tol=1e-5, abs_tol=1e-7)
+                       or (math.isnan(a[x]) and math.isnan(b[x]))
+                       for x in a), (a, b)
+    # less padding: fewer decoder positions computed than unsorted random micro-batches
+    assert positions["0"] <= positions["128"] < positions["none"]
+
+
+def test_length_micro_batches_cut_where_it_pays():
+    from cispo.experience import length_micro_batches
+
+    _, exp, _ = _ragged_setup(torch.float32, rows=48)
+    rows = torch.randperm(len(exp), generator=torch.Generator().manual_seed(0))
+    unsorted = _positions(exp, [rows])
+    free = length_micro_batches(exp, rows, None, 0.0)  # calls cost nothing: one part per distinct width
+    assert len(free) > 2 and _positions(exp, free) < unsorted / 2
+    lengths = exp.response_mask.sum(-1)
+    flat = torch.cat(free)
+    assert (lengths[flat].diff() >= 0).all()  # sorted by response length
+    assert len(length_micro_batches(exp, rows, None, 1e9)) == 1  # calls cost too much: one call
+    capped = length_micro_batches(exp, rows, 4, 1e9)
+    assert [len(m) for m in capped] == [4] * 12  # at most max_rows rows, as few calls as that allows
+    mid = length_micro_batches(exp, rows, None, 128.0)
+    assert len(free) >= len(mid) >= 2 and _positions(exp, mid) + 128 * len(mid) < unsorted + 128
+    # the cuts minimise positions + cost x calls: no other one or two cuts where the response
+    # length changes do better
+    for cost in (0.0, 16.0, 128.0, 512.0):
+        parts = length_micro_batches(exp, rows, None, cost)
+        flat = torch.cat(parts)
+        got = _positions(exp, parts) + cost * len(parts)
+        steps = (lengths[flat].diff() != 0).nonzero().flatten().add(1).tolist() + [len(flat)]
+        for a in steps:
+            for b in [x for x in steps if x > a]:
+                alt = [flat[:a], flat[a:b]] + ([flat[b:]] if b < len(flat) else [])
+                assert got <= _positions(exp, alt) + cost * len(alt)
+    assert length_micro_batches(exp, rows[:0], None, 0.0) == []
+
+
+def test_length_micro_batches_bound_their_cut_points(monkeypatch):
+    import cispo.experience
+
+    _, exp, _ = _ragged_setup(torch.float32, rows=48)
+    rows = torch.randperm(len(exp), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(cispo.experience, "MAX_CUT_POINTS", 3)  # fewer than the distinct lengths
+    parts = cispo.experience.length_micro_batches(exp, rows, None, 0.0)
+    assert 1 < len(parts) <= 3 and sorted(torch.cat(parts).tolist()) == list(range(len(exp)))
+    parts = cispo.experience.length_micro_batches(exp, rows, 5, 0.0)
+    assert max(len(m) for m in parts) <= 5 and sorted(torch.cat(parts).tolist()) == list(range(len(exp)))
 
 
 def test_truncated_is_and_lora_options_train(tiny_model, dense_task, tmp_path):
