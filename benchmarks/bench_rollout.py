@@ -62,15 +62,15 @@ def bench(args) -> list[list]:
         enc = tok(prompts, return_tensors="pt", padding=True)  # left-padded (padding_side="left")
         g = torch.Generator().manual_seed(args.seed)
 
-        def ours():
+        def ours(ids=ids, g=g, B=B):
             out = sampler.generate(ids, cached, generator=g)
             assert out.response_mask.sum() == B * n, "a row stopped early"
 
-        def ours_uncached():
+        def ours_uncached(ids=ids, g=g, B=B):
             out = sampler.generate(ids, uncached, generator=g)
             assert out.response_mask.sum() == B * n, "a row stopped early"
 
-        def hf():
+        def hf(enc=enc):
             with torch.no_grad():
                 out = model.generate(**enc, generation_config=gen_cfg)
             assert out.shape[1] == enc["input_ids"].shape[1] + n, "generate stopped early"

@@ -3,6 +3,7 @@
     python benchmarks/bench_step.py                      # profile + scaling table (minutes)
     python benchmarks/bench_step.py --tiny
     python benchmarks/bench_step.py --only profile       # just the one-step breakdown
+    python benchmarks/bench_step.py --only padding       # unsorted vs length-sorted micro-batches
     python benchmarks/bench_step.py --model-path ~/.cache/cispo/models/addition-<hash>   # a pretrained policy
 
 Runs ``cispo.trainer.rl_step`` in this process on the built-in addition task (CPU, fp32,
@@ -14,6 +15,8 @@ update (``perf/update_s``: the K optimizer steps) and overhead (decoding, comple
 
 * profile: the base configuration with EOS as the model samples it (a random-init model's
   responses are ~geometric in length, capped at max_new_tokens);
+* padding (``--only padding``): the profile's configuration at each ``--split-costs`` value of
+  ``algo.micro_batch_split_cost`` (none: each mini-batch one call, rows in random order);
 * scaling: one factor changed at a time from the base, with EOS suppressed (the sampler gets an
   EOS id outside the vocabulary) so each response is exactly L tokens and the cost depends
   on the factor alone.
@@ -31,12 +34,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cispo.models import MAX_POSITIONS, MODEL_SIZES  # noqa: E402
 from _common import PHASES, load_average, machine_note, median, ours_setup, ours_steps, set_threads, table  # noqa: E402
+
+from cispo.models import MAX_POSITIONS, MODEL_SIZES  # noqa: E402
 
 
 def configs(a) -> dict[str, dict]:
-    base = dict(size=a.size, group_size=8, updates=16, prompts=32, max_new_tokens=a.max_new_tokens)
+    base = {"size": a.size, "group_size": 8, "updates": 16, "prompts": 32, "max_new_tokens": a.max_new_tokens}
+    if a.only == "padding":  # the base with EOS sampled, at each micro-batch split cost
+        return {f"split cost {c}": {**base, "suppress_eos": False, "extra": (f"micro_batch_split_cost={c}",)}
+                for c in a.split_costs.split(",")}
     out = {"base, EOS sampled": {**base, "suppress_eos": False}}
     if a.only == "profile":
         return out
@@ -65,22 +72,32 @@ def main(argv=None) -> None:
                    help="L (default: the trainer's for the addition task)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--only", choices=("profile", "all"), default="all")
-    p.add_argument("--model-path", help="a saved policy for the profile row (default: random init)")
+    p.add_argument("--only", choices=("profile", "padding", "all"), default="all",
+                   help="profile: the base row only; padding: the base (EOS sampled) at each --split-costs")
+    p.add_argument("--split-costs", default="none,128",
+                   help="algo.micro_batch_split_cost values for --only padding (default none,128: unsorted "
+                        "mini-batches vs length-sorted micro-batches)")
+    p.add_argument("--model-path", help="a saved policy for the EOS-sampled rows (default: random init)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: every time (ours and the trainer's perf/*) in this process's CPU seconds "
+                        "(time.process_time): robust to other jobs' load on a shared machine; default wall")
     p.add_argument("--tiny", action="store_true", help="tiny model, 2 prompts x G=2, K=2, L=4, 1 round")
     a = p.parse_args(argv)
     threads = set_threads(a.threads)
     print(machine_note(threads))
+    if a.clock == "cpu":  # every time.perf_counter() call, the trainer's included, now reads CPU seconds
+        time.perf_counter = time.process_time
+        print("clock: CPU seconds of this process (all its threads), not wall time")
     if a.tiny:
         a.size, a.max_new_tokens, a.rounds = "tiny", 4, 1
-        cfgs = {"base, EOS sampled": dict(size="tiny", group_size=2, updates=2, prompts=2, max_new_tokens=4),
-                "K=1": dict(size="tiny", group_size=2, updates=1, prompts=2, max_new_tokens=4, suppress_eos=True)}
+        tiny = {"size": "tiny", "group_size": 2, "updates": 2, "prompts": 2, "max_new_tokens": 4}
+        cfgs = {"base, EOS sampled": tiny, "K=1": {**tiny, "updates": 1, "suppress_eos": True}}
     else:
         cfgs = configs(a)
-    t0 = time.perf_counter()
+    t0 = time.monotonic()  # wall, whatever --clock
     setups = {}
     for name, c in cfgs.items():
-        path = a.model_path if name.startswith("base, EOS") else None
+        path = a.model_path if name.startswith(("base, EOS", "split cost")) else None
         setups[name] = ours_setup(model_path=path, **c)
         ours_steps(setups[name], 1)  # warm-up
     runs = {n: [] for n in setups}
@@ -88,9 +105,10 @@ def main(argv=None) -> None:
     for r in range(a.rounds):
         for n in (names if r % 2 == 0 else names[::-1]):
             runs[n] += ours_steps(setups[n], 1)
-    base = median(s["wall"] for s in runs[names[1] if len(names) > 1 and not a.tiny else names[0]])
+    fixed_base = len(names) > 1 and not a.tiny and a.only != "padding"
+    base = median(s["wall"] for s in runs[names[1] if fixed_base else names[0]])
     for n, s in setups.items():
-        if n.startswith("size=") or n.startswith("base, EOS"):
+        if n.startswith(("size=", "base, EOS", "split cost")):
             print(f"{n}: {s['desc']}")
     rows = []
     for n, steps in runs.items():
@@ -101,10 +119,11 @@ def main(argv=None) -> None:
                      median(x["tokens"] / x["wall"] for x in steps)]
                     + [f"{median(x[ph] for x in steps):.3g} ({median(x[ph] / x['wall'] for x in steps):.0%})"
                        for ph in PHASES])
-    print(table(["config", "params", "B", "K", "resp len", "s/step", "vs fixed base", "tokens/s"]
+    ratio_header = "vs fixed base" if fixed_base else f"vs {names[0]}"
+    print(table(["config", "params", "B", "K", "resp len", "s/step", ratio_header, "tokens/s"]
                 + [f"{ph} s (share)" for ph in PHASES], rows))
     print(f"\n{a.rounds} measured step(s) per configuration after one warm-up step, round-robin; took "
-          f"{time.perf_counter() - t0:.0f} s; 1-min load average at end {load_average():.2f}")
+          f"{time.monotonic() - t0:.0f} s; 1-min load average at end {load_average():.2f}")
 
 
 if __name__ == "__main__":

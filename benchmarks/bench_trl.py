@@ -35,7 +35,8 @@ extra                       dynamic sampling off               ``gradient_checkp
 ``--eos suppressed`` (default) makes every response exactly L tokens on both sides, so the two do
 the same work: ours gets an EOS id outside the vocabulary (never matched); TRL gets
 ``generation_kwargs={"suppress_tokens": [eos]}`` (EOS logit set to -inf) and EOS is never produced.
-``--eos natural`` keeps EOS (lengths then differ run to run; compare tokens/s).
+``--eos natural`` keeps EOS (lengths then differ run to run; compare tokens/s). ``--ours-set``
+passes overrides to our side only (e.g. ``micro_batch_split_cost=none`` for a before/after).
 
 Each side runs in its own fresh subprocess for ``--steps`` RL steps; the first step (warm-up,
 set-up) is dropped. Subprocesses alternate (ours, TRL, TRL, ours, ...) for ``--rounds`` rounds.
@@ -70,7 +71,7 @@ def worker_ours(a) -> list[dict]:
 
     set_threads(1)
     s = ours_setup(a.size, a.group_size, a.updates, a.prompts, a.max_new_tokens, a.seed,
-                   suppress_eos=a.eos == "suppressed", extra=(f"lr={LR}", "warmup_updates=0"))
+                   suppress_eos=a.eos == "suppressed", extra=(f"lr={LR}", "warmup_updates=0", *a.ours_set))
     return ours_steps(s, a.steps)[1:]
 
 
@@ -176,9 +177,9 @@ def run_worker(a, side: str) -> list[dict]:
         return json.loads(json.dumps(worker_ours(a) if side == "ours" else worker_trl(a)))
     cmd = [sys.executable, __file__, "--worker", side, "--size", a.size, "--prompts", str(a.prompts), "--group-size",
            str(a.group_size), "--updates", str(a.updates), "--max-new-tokens", str(a.max_new_tokens), "--steps",
-           str(a.steps), "--eos", a.eos, "--seed", str(a.seed)]
+           str(a.steps), "--eos", a.eos, "--seed", str(a.seed)] + [x for kv in a.ours_set for x in ("--ours-set", kv)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{side} worker failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -195,6 +196,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="ours/TRL worker pairs, alternating")
     p.add_argument("--eos", choices=("suppressed", "natural"), default="suppressed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a TrainConfig override for our side only (repeatable), e.g. micro_batch_split_cost=none "
+                        "(each mini-batch one call, as before length-sorted micro-batches)")
     p.add_argument("--in-process", action="store_true", help="run both sides in this process (no fresh subprocesses)")
     p.add_argument("--tiny", action="store_true", help="2 prompts x G=2, K=2, 4 tokens, 2 steps, 1 round, in-process")
     p.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
@@ -206,10 +210,9 @@ def main(argv=None) -> None:
         print(json.dumps(worker_ours(a) if a.worker == "ours" else worker_trl(a)))
         return
     try:
-        import trl  # noqa: F401
+        import trl
     except ImportError:
         raise SystemExit("bench_trl needs trl (pip install 'cispo[bench]'); e.g. run it with /work/venv-int/bin/python")
-    import trl
 
     print(machine_note(1) + f"; trl {trl.__version__}")
     t0 = time.perf_counter()
@@ -218,15 +221,16 @@ def main(argv=None) -> None:
         for side in (("ours", "TRL") if r % 2 == 0 else ("TRL", "ours")):
             runs[side] += run_worker(a, "ours" if side == "ours" else "trl")
     B = a.prompts * a.group_size
+    from _common import model_desc
+
     from cispo.models import build_model, build_tokenizer
     from cispo.tasks import get_task
 
-    from _common import model_desc
-
     desc = model_desc(build_model(build_tokenizer(get_task("addition").alphabet), size=a.size))
+    ours_with = f"; ours with {' '.join(a.ours_set)}" if a.ours_set else ""
     print(f"built-in '{a.size}' = {desc}; B = {a.prompts} prompts x G={a.group_size} = {B} rows, K = {a.updates} optimizer "
           f"steps of {B // a.updates} rows, L = {a.max_new_tokens} tokens, EOS {a.eos}; {a.rounds} round(s) x "
-          f"{a.steps - 1} measured steps per side")
+          f"{a.steps - 1} measured steps per side{ours_with}")
     rows = []
     med = {}
     for side, steps in runs.items():
