@@ -65,7 +65,7 @@ class CompareConfig:
 COMPARE_OVERRIDES = ["steps=16", "prompts_per_step=16", "eval.every=2", "num_eval_prompts=100", "eval.num_samples=4"]
 QUICK_OVERRIDES = ["steps=8", "eval.every=4", "num_eval_prompts=50"]
 # The learning rates the full comparison's tuning picked (docs/results.md); --quick uses them.
-QUICK_LRS: dict[str, float] = {}
+QUICK_LRS: dict[str, float] = {"grpo": 1e-4, "dapo": 1e-4, "cispo": 1e-4}
 
 
 def base_config(cfg: CompareConfig, extra: list[str] = ()) -> TrainConfig:
