@@ -23,12 +23,13 @@ from cispo.trainer import Policy, compute_logp_old, make_optimizer, update_polic
 B = 8  # 4 groups of 2, split 2 + 2 groups over the ranks
 
 
-def make_setup(objective):
+def make_setup(objective, split_cost="128"):
     torch.manual_seed(0)
     tok = build_tokenizer(arithmetic.ALPHABET)
     model = build_model(tok, size="tiny", seed=0)
     cfg = apply_overrides(TrainConfig(), [f"objective={objective}", "updates_per_batch=1", "micro_batch_size=3",
-                                          "lr=1e-2", "warmup_updates=0", "group_size=2"])
+                                          "lr=1e-2", "warmup_updates=0", "group_size=2",
+                                          f"micro_batch_split_cost={split_cost}"])
     policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.pad_token_id), torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     comps = []
@@ -50,11 +51,11 @@ def run_update(policy, cfg, exp, info):
     return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
 
 
-def _worker(rank, world, port, objective, out_path):
+def _worker(rank, world, port, objective, out_path, split_cost):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    policy, cfg, exp = make_setup(objective)
+    policy, cfg, exp = make_setup(objective, split_cost)
     rows = torch.arange(B).reshape(world, -1)[rank]  # whole groups per rank
     params = run_update(policy, cfg, exp.select(rows), DistInfo(rank, world, 0))
     if rank == 0:
@@ -68,13 +69,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("objective", ["cispo", "grpo"])
-def test_two_gloo_ranks_equal_one_process(objective, tmp_path):
+# split cost 0: a cut wherever the length changes, so each rank runs several length-sorted
+# micro-batches of its own rows
+@pytest.mark.parametrize(("objective", "split_cost"), [("cispo", "128"), ("grpo", "0")])
+def test_two_gloo_ranks_equal_one_process(objective, split_cost, tmp_path):
     out = tmp_path / "params.pt"
-    mp.spawn(_worker, args=(2, free_port(), objective, str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), objective, str(out), split_cost), nprocs=2, join=True)
     two = torch.load(out, weights_only=True)
     torch.set_num_threads(1)
-    policy, cfg, exp = make_setup(objective)
+    policy, cfg, exp = make_setup(objective, split_cost)
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     one = run_update(policy, cfg, exp, DistInfo())
     assert any(not torch.equal(one[k], before[k]) for k in one)  # the step did something
