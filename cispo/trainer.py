@@ -116,7 +116,7 @@ def micro_batches(exp: Experience, rows: torch.Tensor, cfg) -> list[torch.Tensor
     """The forward/backward calls over ``rows`` of ``exp``: length-sorted micro-batches cut where
     a cut saves more than ``algo.micro_batch_split_cost`` padded positions, each of at most
     ``algo.micro_batch_size`` rows; with the split cost None, consecutive chunks of
-    ``micro_batch_size`` rows (all of them when None). None when ``rows`` is empty."""
+    ``micro_batch_size`` rows (all of them when None); [] when ``rows`` is empty."""
     size, split_cost = cfg.algo.micro_batch_size, cfg.algo.micro_batch_split_cost
     if len(rows) == 0:
         return []

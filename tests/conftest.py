@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 import cispo.tasks
 from cispo.config import TrainConfig, apply_overrides
@@ -13,6 +14,16 @@ from cispo.tasks import arithmetic
 def digit_reward(prompt, completion, **sample):
     """A dense reward so that a random model's groups are informative."""
     return completion.count("1") / max(len(completion), 1)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: intra-op threads only add overhead (and thrash on a shared machine).
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")`` for a whole module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,7 @@ from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
 EOS, PAD = 1, 0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tiny_llama(seed=0, tie=False):

@@ -20,15 +20,6 @@ def tok():
     return build_tokenizer(get_task("addition").alphabet)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run fastest on one thread (and the CI machine is shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # --------------------------------------------------------------------------- tokenizer
 
 

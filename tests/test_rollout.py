@@ -15,13 +15,7 @@ EOS, PAD = 1, 0
 PROMPTS = [[2, 3, 4], [5], [6, 7, 8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18], [19, 2, 3, 4, 5]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add overhead (and thrash on a shared machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

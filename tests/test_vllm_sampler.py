@@ -49,12 +49,7 @@ def real_vllm_skip_reason() -> str | None:
 REAL_VLLM_SKIP = real_vllm_skip_reason()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
