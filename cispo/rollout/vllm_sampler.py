@@ -473,7 +473,7 @@ class VLLMSampler:
             try:
                 self.llm.collective_rpc("reload_weights")
             except (AttributeError, NotImplementedError):
-                pass
+                pass  # a vLLM without reload_weights: the required push below restores the weights
             self._needs_weights = True
         self._asleep -= parts
 
