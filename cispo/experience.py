@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from cispo.distributed import sharded_call
-from cispo.logprobs import token_logprobs
+from cispo.logprobs import logit_transform, token_logprobs
 
 
 @dataclass
@@ -193,7 +193,10 @@ def policy_logprobs(
     """log pi(o_it | q, o_i<t) / temperature-scaled, for every response token of ``exp``.
 
     One forward of the decoder over prompt + response (the last token is not needed: it
-    predicts nothing), then the LM head in chunks (``cispo.logprobs``). -> [B, T] (, [B, T])
+    predicts nothing), then the LM head in chunks (``cispo.logprobs``), with the model's own
+    logit post-processing (``logit_transform(model.config)``: Gemma's soft cap, Cohere's /
+    Granite's scaling), so the result is ``log_softmax(model(...).logits / temperature)``
+    of the response tokens. -> [B, T] (, [B, T])
     On a model sharded with FSDP2 it runs inside the root's forward hooks (``sharded_call``),
     which gather the embeddings and the LM head it uses.
     """
@@ -223,6 +226,7 @@ def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool
         fp32_head=fp32_head,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
+        transform=logit_transform(model.config),
     )
 
 

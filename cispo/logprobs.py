@@ -1,9 +1,11 @@
 """Per-token log-probs (and entropy) of chosen tokens, computed in chunks.
 
 Given final hidden states ``h_t`` [H], the LM-head weight ``W`` [V, H] (and an
-optional bias ``b`` [V]), a sampling temperature ``tau`` and target ids ``y_t``::
+optional bias ``b`` [V]), the model's own logit post-processing (``LogitTransform``:
+a scale ``s`` and a tanh soft cap ``c``), a sampling temperature ``tau`` and target ids ``y_t``::
 
-    z_t       = (h_t W^T + b) / tau                      # logits, [V]
+    u_t       = s (h_t W^T + b)                          # [V]  (s = 1 for most models)
+    z_t       = c tanh(u_t / c) / tau                    # logits, [V]  (no cap: u_t / tau)
     lse_t     = logsumexp_v z_t,v
     logp_t    = z_t[y_t] - lse_t                         # log pi(y_t | ...)
     entropy_t = lse_t - sum_v softmax(z_t)_v z_t,v       # = -sum_v p_v log p_v
@@ -31,9 +33,48 @@ for float64 inputs.  Gradients come back in each input's own dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["token_logprobs", "naive_token_logprobs"]
+__all__ = ["LogitTransform", "logit_transform", "lm_logits", "token_logprobs", "naive_token_logprobs"]
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to ``h W^T + b`` before its softmax: ``softcap(scale * x)`` with
+    ``softcap(x) = cap * tanh(x / cap)`` (no cap: the identity). Temperature comes after."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.scale > 0 and self.scale < float("inf")):
+            raise ValueError(f"logit scale must be a positive finite number, got {self.scale!r}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"logit soft cap must be > 0 or None, got {self.softcap!r}")
+
+
+IDENTITY = LogitTransform()
+
+
+def logit_transform(config) -> LogitTransform:
+    """The logit post-processing a Hugging Face causal-LM config defines (its text config's):
+
+    * ``final_logit_softcapping`` (Gemma 2/3): ``cap * tanh(logits / cap)``;
+    * ``logit_scale`` (Cohere): ``logits * logit_scale``;
+    * ``logits_scaling`` (Granite): ``logits / logits_scaling``;
+    * ``lm_head_multiplier`` (Falcon-H1): ``logits * lm_head_multiplier``.
+
+    Scaling is applied before the cap. A config without them gives the identity."""
+    text = config.get_text_config(decoder=True)
+    scale = 1.0
+    for name, invert in (("logit_scale", False), ("logits_scaling", True), ("lm_head_multiplier", False)):
+        value = getattr(text, name, None)
+        if value is not None and float(value) != 1.0:
+            scale *= 1.0 / float(value) if invert else float(value)
+    cap = getattr(text, "final_logit_softcapping", None)
+    return LogitTransform(scale=scale, softcap=float(cap) if cap else None)
 
 
 def _check_inputs(hidden, weight, targets, bias, temperature, chunk_size=1):
@@ -76,18 +117,28 @@ def _dtypes(hidden, weight, bias, fp32_head):
     return (out if fp32_head else cd), out
 
 
-def _chunk_logits(h, w, b, temperature):
+def _chunk_logits(h, w, b, temperature, transform=IDENTITY, with_slope=False):
+    """z = softcap(scale (h W^T + b)) / temperature  [c, V]; with ``with_slope`` also
+    d softcap(x) / dx = 1 - tanh^2(x / cap) at x = scale (h W^T + b)  ([c, V], None without a cap)."""
     z = h @ w.T  # [c, V]
     if b is not None:
         z = z + b
+    if transform.scale != 1.0:
+        z = z * transform.scale
+    slope = None
+    if transform.softcap is not None:
+        t = torch.tanh(z / transform.softcap)  # [c, V]
+        if with_slope:
+            slope = 1.0 - t * t
+        z = t * transform.softcap
     if temperature != 1.0:
         z = z / temperature
-    return z  # [c, V]
+    return (z, slope) if with_slope else z  # [c, V]
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, fp32_head, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, fp32_head, chunk_size, with_entropy, transform):
         # hidden [N, H], weight [V, H], bias [V] or None, targets [N]
         cd, out_dtype = _dtypes(hidden, weight, bias, fp32_head)
         N = hidden.shape[0]
@@ -98,7 +149,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         ent = torch.empty(N, dtype=out_dtype, device=hidden.device) if with_entropy else None  # [N]
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
-            z = _chunk_logits(hidden[s:e].to(cd), w, b, temperature)  # [c, V]
+            z = _chunk_logits(hidden[s:e].to(cd), w, b, temperature, transform)  # [c, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [c]
             lse[s:e] = lse_c
             logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse_c  # [c]
@@ -106,7 +157,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 logp_all = z - lse_c[:, None]  # [c, V]
                 ent[s:e] = -(logp_all.exp() * logp_all).sum(-1)  # [c]
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.cfg = (temperature, cd, chunk_size)
+        ctx.cfg = (temperature, cd, chunk_size, transform)
         ctx.set_materialize_grads(False)
         return (logp, ent) if with_entropy else logp
 
@@ -114,17 +165,17 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_ent=None):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        temperature, cd, chunk_size = ctx.cfg
+        temperature, cd, chunk_size, transform = ctx.cfg
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
-            return (None,) * 8
+            return (None,) * 9
         # Gradient w.r.t. the logits z of one token (p = softmax(z), logp_all = z - lse):
         #   d logp_t / dz_j = [j == y_t] - p_j
         #   H = lse - sum_v p_v z_v, with d lse/dz_j = p_j and dp_v/dz_j = p_v ([v == j] - p_j):
         #   d H / dz_j = p_j - p_j - sum_v z_v p_v ([v == j] - p_j)
         #              = -p_j (z_j - sum_v p_v z_v) = -p_j (z_j - lse + H) = -p_j (logp_all_j + H)
         # so dz = g_logp * (onehot(y) - p) + g_ent * (-p * (logp_all + H)),
-        # and d/d(h W^T + b) = dz / temperature.
+        # and d/d(h W^T + b) = dz * softcap'(scale x) * scale / temperature.
         N = hidden.shape[0]
         w = weight.to(cd)  # [V, H]
         b = None if bias is None else bias.to(cd)  # [V]
@@ -134,7 +185,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             e = min(s + chunk_size, N)
             h = hidden[s:e].to(cd)  # [c, H]
-            logp_all = _chunk_logits(h, w, b, temperature) - lse[s:e, None]  # [c, V]
+            z, slope = _chunk_logits(h, w, b, temperature, transform, with_slope=True)  # [c, V]
+            logp_all = z.sub_(lse[s:e, None])  # [c, V]
             p = logp_all.exp()  # [c, V]
             dz = None
             if g_ent is not None:
@@ -147,6 +199,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 dz = dz_l if dz is None else dz.add_(dz_l)
             if temperature != 1.0:
                 dz.div_(temperature)
+            if slope is not None:
+                dz.mul_(slope)
+            if transform.scale != 1.0:
+                dz.mul_(transform.scale)
             if need_h:
                 grad_h[s:e] = (dz @ w).to(hidden.dtype)  # [c, H]
             if need_w:
@@ -157,17 +213,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if need_b:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, fp32_head=True,
-                   chunk_size=4096, with_entropy=False):
+                   chunk_size=4096, with_entropy=False, transform: LogitTransform | None = None):
     """Log-probs (and entropies) of ``targets`` under the LM head, chunked over tokens.
 
     hidden [..., H], weight [V, H], targets [...] (integer, ``0 <= targets < V``),
     bias [V] or None  ->  logp [...]  or  (logp [...], entropy [...]) if with_entropy.
 
-    ``logp_t = z_t[y_t] - logsumexp(z_t)``, ``z_t = (h_t W^T + b) / temperature``;
+    ``logp_t = z_t[y_t] - logsumexp(z_t)``, ``z_t = softcap(scale (h_t W^T + b)) / temperature``
+    (``transform``: the model's own post-processing, ``logit_transform(model.config)``; None: none);
     ``entropy_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v``.
 
     The [N, V] logits are never materialised: at most ``chunk_size`` tokens' logits exist
@@ -176,21 +233,33 @@ def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, fp32_
     dtype.  Outputs are float32, or float64 for float64 inputs.  Positions holding padding /
     ignored tokens must still carry a valid id (any one); callers mask the result.
     Out-of-range targets (e.g. -100) raise ValueError.  Differentiable w.r.t. hidden, weight
-    and bias (first order only).
+    and bias (first order only).  Runs with autocast disabled (under mixed precision the
+    head keeps the dtypes stated above).
     """
     _check_inputs(hidden, weight, targets, bias, temperature, chunk_size)
     lead = hidden.shape[:-1]
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     y = targets.reshape(-1).long()  # [N]
-    out = _ChunkedTokenLogprobs.apply(h2, weight, bias, y, float(temperature), bool(fp32_head),
-                                      chunk_size, bool(with_entropy))
+    with torch.autocast(hidden.device.type, enabled=False):
+        out = _ChunkedTokenLogprobs.apply(h2, weight, bias, y, float(temperature), bool(fp32_head),
+                                          chunk_size, bool(with_entropy), transform or IDENTITY)
     if with_entropy:
         logp, ent = out
         return logp.reshape(lead), ent.reshape(lead)
     return out.reshape(lead)
 
 
-def naive_token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, with_entropy=False):
+def lm_logits(hidden, weight, *, bias=None, transform: LogitTransform | None = None, fp32_head=True):
+    """The model's logits ``softcap(scale (h W^T + b))`` of hidden [..., H] -> [..., V], all of
+    them (for a few positions: the sampler's last one), in at least float32 with ``fp32_head``."""
+    cd, _ = _dtypes(hidden, weight, bias, fp32_head)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _chunk_logits(hidden.to(cd), weight.to(cd), None if bias is None else bias.to(cd), 1.0,
+                             transform or IDENTITY)
+
+
+def naive_token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, with_entropy=False,
+                         transform: LogitTransform | None = None):
     """Reference: full log_softmax + gather (materialises the [N, V] logits).
 
     Computes in the input dtype (promotion of hidden, weight, bias); same output dtype rule
@@ -201,6 +270,10 @@ def naive_token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0,
     z = hidden.to(cd) @ weight.to(cd).T  # [..., V]
     if bias is not None:
         z = z + bias.to(cd)
+    t = transform or IDENTITY
+    z = z * t.scale
+    if t.softcap is not None:
+        z = t.softcap * torch.tanh(z / t.softcap)
     z = z / temperature  # [..., V]
     logp_all = torch.log_softmax(z, dim=-1)  # [..., V]
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1).to(out_dtype)  # [...]
