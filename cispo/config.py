@@ -999,6 +999,15 @@ class ModelConfig:
     optimizer state across them with FSDP2 (one unit per decoder layer, plus the rest), for
     a model that does not fit one device with its gradients and Adam state. Off: every
     process holds the whole model. Ignored in a single process; not with rollout.engine=vllm."""
+    dropout: bool = False
+    """Keep the model's dropout in the RL passes (logp_old and the updates). Off (default, as
+    TRL and verl do): every dropout probability is set to 0 at load, so pi_old and the updated
+    policy are the deterministic distribution the sampler draws from."""
+    master_weights: bool = True
+    """With a low-precision ``dtype`` (bfloat16, float16; or one saved in the checkpoint):
+    keep FP32 parameters, gradients and AdamW state and compute under torch.autocast in that
+    dtype (mixed precision). False: the parameters themselves are low precision (less memory;
+    small updates are rounded away — a warning says so)."""
 
 
 @dataclass

@@ -109,18 +109,95 @@ def save_policy(model, tokenizer, path) -> Path:
     return path
 
 
-def load_policy(path, dtype=None, device=None):
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _as_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    out = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(out, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    return out
+
+
+def saved_dtype(path) -> torch.dtype | None:
+    """The dtype a checkpoint folder's ``config.json`` declares (``dtype`` / ``torch_dtype``), or None."""
+    try:
+        meta = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = meta.get("dtype") or meta.get("torch_dtype")
+    if not isinstance(name, str):
+        return None
+    try:
+        return _as_dtype(name)
+    except ValueError:
+        return None
+
+
+def precision(dtype, saved=None, master_weights: bool = True) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(parameter dtype to load, autocast dtype or None)`` for compute dtype ``dtype``
+    (None: the checkpoint's ``saved`` dtype).
+
+    A low-precision compute dtype (bfloat16, float16) with ``master_weights`` (the default)
+    keeps the parameters, their gradients and the optimizer state in float32 and runs the
+    forward passes under ``torch.autocast`` in that dtype: small updates (lr 1e-6) are not
+    rounded away. Without ``master_weights`` the parameters themselves are low precision
+    (half the weight memory; updates below the weight's rounding step are lost)."""
+    want = _as_dtype(dtype) or _as_dtype(saved)
+    if want in LOW_PRECISION and master_weights:
+        return torch.float32, want
+    return _as_dtype(dtype), None
+
+
+def disable_dropout(config) -> list[str]:
+    """Set every dropout probability of a Hugging Face config (and of its sub-configs) to 0:
+    the fields named ``*dropout*`` or ``*pdrop*`` that hold a positive number. Returns the
+    names it changed (``text_config.attention_dropout``, ...)."""
+    from transformers import PretrainedConfig
+
+    changed = []
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            changed += [f"{name}.{n}" for n in disable_dropout(value)]
+        elif (("dropout" in name or "pdrop" in name) and isinstance(value, (int, float))
+              and not isinstance(value, bool) and value > 0):
+            setattr(config, name, 0.0)
+            changed.append(name)
+    return changed
+
+
+def load_policy(path, dtype=None, device=None, *, dropout: bool = True):
     """``(model, tokenizer)`` from a local causal-LM folder (built-in or any HF checkpoint).
 
     `dtype` is a `torch.dtype` or a name ("float32", "bfloat16"); None keeps the saved one.
-    The model is returned in eval mode.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    ``dropout=False`` sets every dropout probability to 0 (config fields before the model is
+    built, and any ``torch.nn.Dropout`` after). The model is returned in eval mode.
 
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    Raises ValueError when the weights in the folder do not match its config (missing,
+    unexpected or mis-shaped tensors, e.g. a LoRA model's adapter names under a plain config):
+    nothing is silently initialised at random.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(str(path))
+    if not dropout:
+        disable_dropout(config)
+    dtype = _as_dtype(dtype)
     kwargs = {} if dtype is None else {"dtype": dtype}
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, output_loading_info=True, **kwargs)
+    problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(problems.values()):
+        detail = "; ".join(f"{k.replace('_', ' ')}: {', '.join(map(str, v[:5]))}{' ...' if len(v) > 5 else ''}"
+                           f" ({len(v)})" for k, v in problems.items() if v)
+        raise ValueError(f"{path}: the weights do not match config.json ({type(model).__name__}): {detail}. "
+                         "A LoRA checkpoint's model/ must hold merged weights (cispo.lora.merge_and_save); "
+                         "refusing to initialise these weights at random")
+    if not dropout:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     if device is not None:
         model = model.to(device)

@@ -64,10 +64,15 @@ def run_name(cfg: TrainConfig) -> str:
 def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None) -> Policy:
     """The policy for ``device``; its weights are loaded onto ``load_device`` (default: ``device``),
     e.g. the CPU for a model that FSDP then shards onto the GPUs."""
-    from cispo.models import ensure_builtin_model, load_policy
+    from cispo.models import ensure_builtin_model, load_policy, precision, saved_dtype
 
     path = cfg.model.path or ensure_builtin_model(task.name, progress=cfg.progress)
-    model, tokenizer = load_policy(path, dtype=cfg.model.dtype, device=load_device or device)
+    param_dtype, autocast = precision(cfg.model.dtype, saved_dtype(path), cfg.model.master_weights)
+    if not cfg.model.master_weights and (param_dtype or saved_dtype(path)) in (torch.bfloat16, torch.float16):
+        print(f"cispo: warning: model.master_weights=false: parameters and AdamW state in "
+              f"{param_dtype or saved_dtype(path)}; updates smaller than a weight's rounding step are lost "
+              f"(at lr 1e-6 most of them)", file=sys.stderr)
+    model, tokenizer = load_policy(path, dtype=param_dtype, device=load_device or device, dropout=cfg.model.dropout)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer of {path} has no EOS token: responses could never end")
     if tokenizer.pad_token_id is None:  # common for base models: pad with EOS (masked out anyway)
@@ -87,8 +92,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
                               gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
                               enable_sleep_mode=cfg.rollout.vllm_sleep, seed=cfg.seed)
     else:
-        sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template)
+        sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast)
+    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template, autocast=autocast)
 
 
 def git_commit() -> str | None:

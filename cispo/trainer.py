@@ -5,7 +5,8 @@ One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penal
     1. sample P prompts x G responses with the policy (``cispo.rollout``), score them;
        drop groups whose rewards are all equal and sample more (dynamic sampling);
     2. group-relative advantages (``cispo.advantages``);
-    3. log pi_old of every response token, recomputed once in train mode (``logp_old``);
+    3. log pi_old of every response token, recomputed once in train mode (``logp_old``;
+       dropout is off unless ``model.dropout``, so this is the sampler's distribution);
        the sampler's own log-probs are kept to measure the train / rollout mismatch;
     4. split the batch into K mini-batches; for each, one optimizer step on the unified
        objective (``cispo.objective``), normalised by the mini-batch's global token count;
@@ -41,6 +42,11 @@ class Policy:
     sampler: Sampler
     device: torch.device
     chat_template: bool = False
+    autocast: torch.dtype | None = None  # mixed precision: compute dtype over FP32 master weights
+
+    def compute(self):
+        """The context of every forward pass: ``torch.autocast`` in ``autocast``, or nothing."""
+        return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
     def encode(self, sample: dict) -> list[int]:
         """Prompt token ids: the raw prompt, or its chat messages in the chat template."""
@@ -138,7 +144,8 @@ def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo =
         idle_pass(policy, cfg, backward=False)
     for rows in micros:
         sub = exp.select(rows)
-        lp, ent = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head, True)
+        with policy.compute():
+            lp, ent = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head, True)
         t = lp.shape[1]
         logp_old[rows, :t] = lp.float()
         entropy[rows, :t] = ent.float()
@@ -193,7 +200,8 @@ def update_policy(
                 idle_pass(policy, cfg, backward=True)
             for micro in micros:  # the same gradient whatever the split
                 sub = exp.select(micro)
-                logp_new = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+                with policy.compute():
+                    logp_new = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head)
                 advantages = sub.advantages  # [b]
                 if "tis" in sub.extras:  # per-token truncated IS weight   [b, T]
                     advantages = advantages[:, None] * sub.extras["tis"][:, : sub.response_mask.shape[1]]
@@ -403,7 +411,8 @@ def idle_pass(policy: Policy, cfg, backward: bool) -> None:
     ids = torch.full((1, 2), policy.pad_id, dtype=torch.long, device=policy.device)
     zero = torch.zeros(1, 1, device=policy.device)
     exp = Experience(ids, torch.ones_like(ids), zero, zero, zero[0], logp_old=zero)
-    logp = policy_logprobs(policy.model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+    with policy.compute():
+        logp = policy_logprobs(policy.model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head)
     if backward:
         (logp * 0).sum().backward()
 

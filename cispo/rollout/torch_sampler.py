@@ -29,6 +29,8 @@ class TorchSampler:
         eos_token_id: the token that ends a response (it is kept in the response, with mask 1).
         pad_token_id: fills the left of short prompts and the right of short responses. It may equal
             ``eos_token_id``.
+        autocast: None, or the low-precision dtype to compute in under ``torch.autocast`` (mixed
+            precision with FP32 master weights, ``cispo.models.precision``).
 
     Attributes:
         all_ranks_done: None, or — for a model sharded across processes (FSDP), where every rank
@@ -39,8 +41,10 @@ class TorchSampler:
             for training).
     """
 
-    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
+                 autocast: torch.dtype | None = None) -> None:
         self.model = model
+        self.autocast = autocast
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
         self.all_ranks_done: Callable[[bool], bool] | None = None
@@ -75,7 +79,8 @@ class TorchSampler:
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
-            with torch.inference_mode() if self.all_ranks_done is None else torch.no_grad():
+            with (torch.inference_mode() if self.all_ranks_done is None else torch.no_grad(),
+                  torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)):
                 *tensors, reasons = self._sample(prompt_ids, cfg, generator)
         finally:
             for m, training in modes:
