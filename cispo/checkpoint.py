@@ -3,7 +3,9 @@
 A checkpoint folder ``step_000040/`` holds the policy (``model/``: safetensors +
 tokenizer, the standard Hugging Face layout), the optimizer state (``optimizer.pt``, loaded
 with ``weights_only=True``), random-generator states (``rng.safetensors``) and the rest of
-the trainer's state as JSON. Nothing is unpickled on load.
+the trainer's state as JSON. Nothing is unpickled on load. A LoRA model's ``model/`` holds
+the merged weights (a plain checkpoint for ``cispo eval`` or vLLM) and ``adapter/`` the
+adapters in peft's own format (``PeftModel.from_pretrained``); resuming reads ``adapter/``.
 
 A model sharded with FSDP2 (``cispo.distributed.shard_model``) is checkpointed in the same
 format: every rank takes part in ``gather_full_state`` (full weights and optimizer state,
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from cispo.lora import has_lora
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 
@@ -75,6 +79,11 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model_state, optimizer_state = full_state or (None, optimizer.state_dict())
+    if has_lora(model):  # model/: merged plain weights; adapter/: peft's own adapter format (for resume)
+        from cispo.lora import save_adapter, split_lora_state
+
+        model_state, adapter = split_lora_state(model_state if model_state is not None else model.state_dict(), model)
+        save_adapter(model, adapter, tmp / "adapter")
     model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
     tokenizer.save_pretrained(tmp / "model")
     torch.save(optimizer_state, tmp / "optimizer.pt")
@@ -142,17 +151,22 @@ def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer) -> tupl
     path = Path(path)
     sharded = is_sharded(model)
     device = "cpu" if sharded else str(next(model.parameters()).device)
-    weights = {}
-    for f in sorted((path / "model").glob("*.safetensors")):
-        weights.update(load_file(f, device=device))
-    expected = set(model.state_dict())
-    missing = [k for k in expected if k not in weights]
-    unexpected = [k for k in weights if k not in expected]
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if isinstance(getattr(model, "_tied_weights_keys", None), dict):
-        tied = set(model._tied_weights_keys)
-    if unexpected or any(k not in tied for k in missing):
-        raise ValueError(f"checkpoint {path}: missing weights {missing}, unexpected {unexpected}")
+    if has_lora(model):  # the base weights are the (frozen) ones just loaded; the adapters come from adapter/
+        from cispo.lora import load_adapter_state
+
+        weights = load_adapter_state(path / "adapter", model, device=device)
+    else:
+        weights = {}
+        for f in sorted((path / "model").glob("*.safetensors")):
+            weights.update(load_file(f, device=device))
+        expected = set(model.state_dict())
+        missing = [k for k in expected if k not in weights]
+        unexpected = [k for k in weights if k not in expected]
+        tied = set(getattr(model, "_tied_weights_keys", None) or [])
+        if isinstance(getattr(model, "_tied_weights_keys", None), dict):
+            tied = set(model._tied_weights_keys)
+        if unexpected or any(k not in tied for k in missing):
+            raise ValueError(f"checkpoint {path}: missing weights {missing}, unexpected {unexpected}")
     optim_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
     if sharded:
         _load_sharded(model, optimizer, weights, optim_state)

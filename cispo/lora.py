@@ -188,3 +188,92 @@ def merge_and_save(model: torch.nn.Module, tokenizer, path) -> Path:
         plain.save_pretrained(path, safe_serialization=True)
         return path
     return save_policy(plain, tokenizer, path)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."  # how peft's PeftModel.save_pretrained names the adapter tensors
+
+
+def split_lora_state(state: dict[str, torch.Tensor], model: torch.nn.Module,
+                     adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A LoRA model's state dict ``state`` (the model's own, or the full one gathered from a sharded
+    model) -> ``(merged, adapter)``:
+
+    * ``merged``: the base model's names and shapes, ``W + scaling * B A`` for every adapted linear layer
+      (``W + scaling * (B A)^T`` with ``fan_in_fan_out``), for a plain Hugging Face checkpoint;
+    * ``adapter``: the adapter tensors under peft's own save names
+      (``base_model.model.<layer>.lora_A.weight``), for ``peft.PeftModel.from_pretrained``.
+
+    ``scaling`` (alpha / r, or alpha / sqrt(r) with rsLoRA) is read from the model's LoRA layers."""
+    lora_layers = {name: m for name, m in _unwrap(model).named_modules() if _is_lora_layer(m)}
+    merged, adapter = {}, {}
+    for key, tensor in state.items():
+        owner, sep, rest = key.partition(".base_layer.")
+        if sep and owner in lora_layers:
+            if rest == "weight":
+                layer = lora_layers[owner]
+                a, b = state.get(f"{owner}.lora_A.{adapter_name}.weight"), state.get(f"{owner}.lora_B.{adapter_name}.weight")
+                if a is None or b is None:
+                    raise ValueError(f"LoRA layer {owner}: only linear adapters named {adapter_name!r} can be saved")
+                delta = (b.float() @ a.float()) * layer.scaling[adapter_name]  # [out, in]
+                if getattr(layer, "fan_in_fan_out", False):
+                    delta = delta.T
+                tensor = (tensor.float() + delta).to(tensor.dtype)
+            merged[f"{owner}.{rest}"] = tensor
+            continue
+        head, dot, param = key.rpartition(".")
+        for k in _LORA_PARAM_KEYS:
+            suffix = f".{k}.{adapter_name}"
+            if head.endswith(suffix):
+                adapter[f"{_PEFT_PREFIX}{head[: -len(suffix)]}.{k}.{param}"] = tensor
+                break
+            if key.endswith(f".{k}.{adapter_name}"):  # a bare parameter (DoRA's magnitude vector)
+                adapter[f"{_PEFT_PREFIX}{key[: -len(adapter_name) - 1]}"] = tensor
+                break
+        else:
+            merged[key] = tensor
+    return merged, adapter
+
+
+def save_adapter(model: torch.nn.Module, adapter: dict[str, torch.Tensor], path, adapter_name: str = "default") -> Path:
+    """Write ``adapter`` (from :func:`split_lora_state`) and the model's LoRA config in peft's format:
+    ``adapter_model.safetensors`` + ``adapter_config.json``, which ``peft.PeftModel.from_pretrained(base,
+    path)`` loads on top of the base model."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _unwrap(model).peft_config[adapter_name].save_pretrained(str(path))
+    save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(path / ADAPTER_WEIGHTS))
+    return path
+
+
+def load_adapter_state(path, model: torch.nn.Module, adapter_name: str = "default",
+                       device="cpu") -> dict[str, torch.Tensor]:
+    """The adapter tensors saved by :func:`save_adapter`, under ``model``'s own state-dict names. Raises
+    ValueError (naming the folder) unless they are exactly ``model``'s adapter tensors."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    file = path / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise ValueError(f"{path}: no {ADAPTER_WEIGHTS}; this checkpoint was not written for a LoRA model")
+    out = {}
+    for key, tensor in load_file(str(file), device=str(device)).items():
+        name = key.removeprefix(_PEFT_PREFIX)
+        head, _, param = name.rpartition(".")
+        if head.rsplit(".", 1)[-1] in _LORA_PARAM_KEYS:
+            name = f"{head}.{adapter_name}.{param}"
+        else:
+            name = f"{name}.{adapter_name}"
+        out[name] = tensor
+    expected = {k for k in _unwrap(model).state_dict() if any(f".{p}." in k or k.endswith(f".{p}.{adapter_name}")
+                                                               for p in _LORA_PARAM_KEYS)}
+    missing, unexpected = sorted(expected - set(out)), sorted(set(out) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{path}: adapter does not match the model's LoRA layers: missing {missing[:5]} "
+                         f"({len(missing)}), unexpected {unexpected[:5]} ({len(unexpected)}); resume with the same "
+                         "model.lora_* settings")
+    return out

@@ -186,3 +186,46 @@ def test_training_checkpoint_round_trip(tmp_path):
     want = model.state_dict()
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, want[k]), k
+
+
+def test_checkpoint_holds_merged_model_and_peft_adapter(tmp_path):
+    """model/ is a plain checkpoint of the merged weights (load_policy: same logits as the LoRA model);
+    adapter/ is peft's own format (PeftModel.from_pretrained on the base: same logits again)."""
+    from peft import PeftModel
+
+    from cispo.checkpoint import save_checkpoint
+
+    tok = build_tokenizer("abcdefghijklmnopq")
+    model = apply_lora(tiny_llama(), rank=4, alpha=8)
+    randomize_adapters(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ckpt = save_checkpoint(tmp_path, 1, model, tok, opt, {"step": 1}, {})
+    ids = torch.tensor([[2, 5, 7, 9, 11]])
+    with torch.no_grad():
+        want = model.eval()(input_ids=ids).logits
+        merged, _ = load_policy(ckpt / "model")
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        peft_model = PeftModel.from_pretrained(tiny_llama(), str(ckpt / "adapter")).eval()
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(tiny_llama()(input_ids=ids).logits, want, atol=1e-3)  # the adapters matter
+
+
+def test_weights_that_do_not_match_the_config_are_an_error(tmp_path):
+    """The old LoRA checkpoint: peft key names under a plain config. load_policy must refuse it rather
+    than initialise the adapted layers at random."""
+    model = apply_lora(tiny_llama(), rank=4, alpha=8)
+    model.save_pretrained(tmp_path, safe_serialization=True)  # what save_checkpoint wrote before
+    build_tokenizer("abc").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"do not match config\.json.*missing keys: model.*down_proj\.weight"):
+        load_policy(tmp_path)
+
+
+def test_resume_rejects_an_adapter_of_another_shape(tmp_path):
+    from cispo.checkpoint import load_checkpoint, save_checkpoint
+
+    model = apply_lora(tiny_llama(), rank=4, alpha=8)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ckpt = save_checkpoint(tmp_path, 1, model, build_tokenizer("abc"), opt, {"step": 1}, {})
+    other = apply_lora(tiny_llama(), rank=4, alpha=8, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="adapter does not match"):
+        load_checkpoint(ckpt, other, torch.optim.AdamW([p for p in other.parameters() if p.requires_grad]))
