@@ -255,13 +255,16 @@ def test_truncated_is_and_lora_options_train(tiny_model, dense_task, tmp_path):
                                 "model.lora_rank=4"))
     row = read_metrics(result.run_dir / "metrics.jsonl")[-1]
     assert row["optim/updates"] == 4 and row["optim/skipped"] == 0
-    weights = final_weights(result.run_dir)
+    merged = final_weights(result.run_dir)
+    ckpt = sorted((result.run_dir / "checkpoints").iterdir())[-1]
+    adapter = load_file(ckpt / "adapter" / "adapter_model.safetensors")
     base = load_file(tiny_model / "model.safetensors")
-    lora = [k for k in weights if "lora_" in k]
-    assert lora, "adapters are saved with the checkpoint"
-    # the base weights did not move; the adapters did
-    assert all(torch.equal(weights[k], base[k]) for k in base if k in weights)
-    assert any(weights[k].abs().sum() > 0 for k in lora if "lora_B" in k)
+    assert adapter and all("lora_" in k for k in adapter), "adapters are saved with the checkpoint"
+    assert any(adapter[k].abs().sum() > 0 for k in adapter if "lora_B" in k)  # the adapters moved
+    # model/ is the merged model under the base names: adapted layers differ from the base, the rest not
+    assert merged.keys() == base.keys()
+    assert any(not torch.equal(merged[k], base[k]) for k in base if "proj" in k)
+    assert all(torch.equal(merged[k], base[k]) for k in base if "proj" not in k)
 
 
 def test_run_logs_to_tensorboard(tiny_model, dense_task, tmp_path):
