@@ -180,7 +180,7 @@ def test_math_reward_without_math_verify(monkeypatch):
 def test_load_builtins():
     assert load_reward("exact_match") is exact_match
     assert load_reward(" exact_match ") is exact_match
-    assert set(BUILTIN_REWARDS) == {"math", "exact_match", "code"}
+    assert set(BUILTIN_REWARDS) == {"math", "math_lenient", "exact_match", "code"}
     if HAVE_MATH_VERIFY:
         from cispo.rewards.math import math_reward
 
@@ -261,3 +261,50 @@ def test_load_file_function(tmp_path, monkeypatch):
 def test_load_reward_unknown(spec, message):
     with pytest.raises(RewardSpecError, match=message):
         load_reward(spec)
+
+
+# --------------------------------------------------------------------------- stated answers (issue 18)
+
+
+@needs_math_verify
+@pytest.mark.parametrize(
+    "completion, strict, lenient",
+    [
+        ("we walk along the road in 20", 0.0, 1.0),  # the hack: a number it happens to end on
+        ("x7 qq 3 ,, 20", 0.0, 1.0),  # random text
+        ("$20$", 0.0, 1.0),  # a bare expression is not a stated answer
+        ("so 4 * 5 = 20", 0.0, 1.0),
+        ("4 * 5 = 20.\nAnswer: 20", 1.0, 1.0),  # DAPO-Math's format
+        ("Answer: $20$", 1.0, 1.0),
+        ("The answer is 20.", 1.0, 1.0),
+        ("#### 20", 1.0, 1.0),
+        (r"so $\boxed{20}$ in 3", 1.0, 1.0),
+        ("Answer: 21, not 20", 0.0, 0.0),
+        ("Answer:", 0.0, 0.0),  # a marker with nothing after it
+    ],
+)
+def test_math_reward_scores_only_a_stated_answer(completion, strict, lenient):
+    from cispo.rewards.math import math_reward, math_reward_lenient
+
+    assert math_reward("p", completion, answer="20") == strict
+    assert math_reward("p", completion, answer="20", mode="lenient") == lenient
+    assert math_reward_lenient("p", completion, answer="20") == lenient
+
+
+@needs_math_verify
+def test_math_reward_boxed_only_and_custom_pattern():
+    from cispo.rewards.math import make_math_reward, math_reward_boxed
+
+    assert math_reward_boxed("p", "Answer: 20", answer="20") == 0.0
+    assert math_reward_boxed("p", r"\boxed{20}", answer="20") == 1.0
+    final = make_math_reward(answer_pattern=r"FINAL\s*=")
+    assert final("p", "blah\nfinal = 1/2", answer=r"\frac{1}{2}") == 1.0
+    assert final("p", "Answer: 1/2", answer=r"\frac{1}{2}") == 0.0  # only the configured pattern
+    with pytest.raises(ValueError, match="mode"):
+        make_math_reward("last_number")
+
+
+@needs_math_verify
+def test_math_lenient_is_a_builtin_name():
+    assert load_reward("math_lenient")("p", "in 20", answer="20") == 1.0
+    assert load_reward("math")("p", "in 20", answer="20") == 0.0

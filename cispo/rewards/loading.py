@@ -26,6 +26,7 @@ __all__ = ["load_reward", "BUILTIN_REWARDS", "RewardSpecError"]
 
 BUILTIN_REWARDS: dict[str, str] = {
     "math": "cispo.rewards.math:math_reward",
+    "math_lenient": "cispo.rewards.math:math_reward_lenient",
     "exact_match": "cispo.rewards.exact:exact_match",
     "code": "cispo.rewards.code:code_reward",
 }
@@ -118,7 +119,7 @@ def load_reward(spec: str) -> Callable[..., float]:
             raise RewardSpecError(f"built-in reward {spec!r} is not available in this install "
                                   f"(module {module_name!r} is missing)")
         fn = _resolve(spec, BUILTIN_REWARDS[spec])
-        if spec == "math":
+        if spec in ("math", "math_lenient"):
             from cispo.rewards.math import require_math_verify
 
             require_math_verify()  # ImportError with the pip command
