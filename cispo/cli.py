@@ -32,6 +32,9 @@ def cmd_train(args) -> int:
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     print(format_summary(result.summary))
     print(f"run folder: {result.run_dir}  (metrics.jsonl, curves.png, checkpoints/)")
+    if result.updates == 0:
+        print("cispo train: error: the run made no optimizer update (see the warning above)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -52,21 +55,40 @@ def cmd_pretrain(args) -> int:
     return 0
 
 
+def run_config_of(model: str | None) -> Path | None:
+    """``RUN/config.yaml`` when ``model`` is a run's checkpoint ``RUN/checkpoints/step_N/model``."""
+    if not model:
+        return None
+    path = Path(model).expanduser().resolve()
+    run_config = path.parents[2] / "config.yaml" if len(path.parents) > 2 else None
+    if path.name == "model" and path.parent.parent.name == "checkpoints" and run_config and run_config.is_file():
+        return run_config
+    return None
+
+
 def cmd_eval(args) -> int:
-    from cispo.runner import load_policy_for, resolve_device
+    from dataclasses import replace
+
     from cispo.data import load_source
-    from cispo.trainer import default_max_new_tokens, evaluate
+    from cispo.runner import load_policy_for, resolve_device
+    from cispo.trainer import default_max_new_tokens, evaluate, tracked_fork
 
-    cfg = _build_config(TrainConfig, args.config, args.overrides)
-    if args.model:
-        from dataclasses import replace
+    config_file = args.config or run_config_of(args.model)
+    if config_file and not args.config:
+        print(f"cispo eval: using the run's config {config_file} (data, reward, sampling); --config overrides it",
+              file=sys.stderr)
+    cfg = _build_config(TrainConfig, config_file, args.overrides)
+    if args.model:  # a checkpoint's model/ is a plain (merged) model: no LoRA on top, one process
+        cfg = replace(cfg, model=replace(cfg.model, path=args.model, lora_rank=0, fsdp=False))
+    if cfg.model.chat_template and cfg.model.path:
+        from cispo.models import check_chat_template
 
-        cfg = replace(cfg, model=replace(cfg.model, path=args.model))
+        check_chat_template(cfg.model.path)
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
     samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
     max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
-    metrics = evaluate(policy, samples, task.reward, task.used_fork, cfg, max_new, seed=cfg.seed)
+    metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg, max_new, seed=cfg.seed)
     print(json.dumps(metrics, indent=2))
     return 0
 

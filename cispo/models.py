@@ -205,6 +205,18 @@ def load_policy(path, dtype=None, device=None, *, dropout: bool = True):
     return model, tokenizer
 
 
+def check_chat_template(path) -> None:
+    """ConfigError unless the tokenizer in folder ``path`` has a chat template (for
+    ``model.chat_template=true``; checked before the data is loaded)."""
+    from transformers import AutoTokenizer
+
+    from cispo.config import ConfigError
+
+    if not AutoTokenizer.from_pretrained(str(path)).chat_template:
+        raise ConfigError(f"model.chat_template=true, but the tokenizer of {path} has no chat template (a base "
+                          "model?): set model.chat_template=false, or add a chat_template to its tokenizer_config.json")
+
+
 # --------------------------------------------------------------------------- cache
 
 

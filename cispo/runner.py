@@ -29,11 +29,12 @@ from cispo.trainer import (
     default_max_new_tokens,
     evaluate,
     fit_prompts,
-    fork_token_id,
+    fork_token_ids,
     make_objective,
     make_optimizer,
     rl_step,
     sampling_config,
+    tracked_fork,
 )
 
 PROGRESS_KEYS = {  # metric -> short label on the progress bar
@@ -48,6 +49,7 @@ PROGRESS_KEYS = {  # metric -> short label on the progress bar
 class RunResult:
     run_dir: Path
     summary: dict
+    updates: int | None = None  # optimizer steps taken by this invocation (0: the weights never changed)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -155,6 +157,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                          f"number of processes ({dist_info.world_size})")
     main = dist_info.is_main
+    if cfg.model.chat_template and cfg.model.path:  # before the (possibly long) data loading
+        from cispo.models import check_chat_template
+
+        check_chat_template(cfg.model.path)
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     sampling = sampling_config(cfg, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
@@ -183,11 +189,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         "sample": torch.Generator(device=device).manual_seed(rank_seed),
         "shuffle": torch.Generator().manual_seed(rank_seed + 1),
     }
-    fork_id = fork_token_id(policy.tokenizer, task)
+    fork_ids = fork_token_ids(policy.tokenizer, task)
     sink = make_sinks(cfg.trackers, run_dir, run_name(cfg), to_dict(cfg)) if main else None
 
     def evaluate_now(step: int) -> dict:  # sharded weights: every rank runs the model with rank 0
-        out = evaluate(policy, eval_samples, task.reward, task.used_fork, cfg, sampling.max_new_tokens,
+        out = evaluate(policy, eval_samples, task.reward, tracked_fork(task), cfg, sampling.max_new_tokens,
                        seed=cfg.seed + step) if main or sharded else {}
         barrier(dist_info)
         return out
@@ -231,11 +237,12 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
 
     stop = StopRequest()
     bar = _progress(cfg, start) if main else None
+    first_update_count = update_count
     bad_steps = 0
     with stop.installed(), (sink if sink is not None else contextlib.nullcontext()):
         for step in range(start + 1, cfg.steps + 1):
             metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
-                                            update_count, fork_id, dist_info)
+                                            update_count, fork_ids, dist_info)
             metrics = mean_over_ranks(metrics, dist_info)
             bad_steps = bad_steps + 1 if metrics.get("optim/skipped", 0) >= cfg.algo.updates_per_batch else 0
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
@@ -251,6 +258,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
                 checkpoint(step)
             _advance(bar, metrics)
+            if main and bar is None and metrics.get("optim/step_updates") == 0:
+                print(f"cispo: step {step}: no update ({no_update_reason(metrics)})", file=sys.stderr)
             if stop.requested:
                 if bar is not None:
                     bar.close()
@@ -264,7 +273,21 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         _plot(run_dir, cfg)
     barrier(dist_info)
-    return RunResult(run_dir, summary)
+    updates = update_count - first_update_count
+    if main and updates == 0 and cfg.steps > start:
+        print(f"cispo: WARNING: {cfg.steps - start} step(s) ran but not one optimizer update was made: the weights "
+              f"are unchanged ({no_update_reason(metrics)} at the last step). See rollout/groups_kept and "
+              f"optim/skipped in {run_dir / 'metrics.jsonl'}.", file=sys.stderr)
+    return RunResult(run_dir, summary, updates if cfg.steps > start else None)
+
+
+def no_update_reason(metrics: dict) -> str:
+    """Why a step made no optimizer update, from its metrics."""
+    if metrics.get("rollout/groups_kept") == 0:
+        return "every sampled group had equal rewards, so no advantage was non-zero (dynamic sampling dropped them)"
+    if metrics.get("optim/skipped"):
+        return "every update had a non-finite gradient and was skipped"
+    return "no mini-batch had a response token"
 
 
 def sync_sampler(policy) -> None:
@@ -350,7 +373,10 @@ def _progress(cfg: TrainConfig, start: int):
 def _advance(bar, metrics: dict) -> None:
     if bar is None:
         return
-    shown = {label: f"{metrics[k]:.3f}" for k, label in PROGRESS_KEYS.items() if k in metrics}
+    shown = {label: f"{metrics[k]:.3f}" for k, label in PROGRESS_KEYS.items()
+             if k in metrics and not _isnan(metrics[k])}
+    if metrics.get("optim/step_updates") == 0:
+        shown["updates"] = "0 (no update this step)"
     bar.set_postfix(shown, refresh=False)
     bar.update(1)
 

@@ -167,7 +167,7 @@ def update_policy(
     cfg,
     generator: torch.Generator,
     update_count: int,
-    fork_id: int | None,
+    fork_ids: torch.Tensor | None,
     dist_info: DistInfo = DistInfo(),
 ) -> tuple[list[dict], int]:
     """K optimizer steps (per epoch) on random mini-batches of ``exp``. Returns the per-step
@@ -208,7 +208,7 @@ def update_policy(
                 loss, s = policy_loss(logp_new, sub.logp_old, advantages, sub.response_mask, obj,
                                       num_tokens=num_tokens, num_seqs=num_seqs)
                 loss.backward()
-                parts.append((s, fork_drop_counts(logp_new, sub, obj, fork_id)))
+                parts.append((s, fork_drop_counts(logp_new, sub, obj, fork_ids)))
             sum_gradients(params, dist_info)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
             finite = bool(torch.isfinite(grad_norm))
@@ -224,11 +224,13 @@ def update_policy(
 
 
 @torch.no_grad()
-def fork_drop_counts(logp_new, exp: Experience, obj: ObjectiveConfig, fork_id: int | None) -> tuple[int, int]:
-    """(# fork tokens, # of them a PPO mask with obj's eps_low/eps_high would drop)."""
-    if fork_id is None:
+def fork_drop_counts(logp_new, exp: Experience, obj: ObjectiveConfig,
+                     fork_ids: torch.Tensor | None) -> tuple[int, int]:
+    """(# fork tokens, # of them a PPO mask with obj's eps_low/eps_high would drop); a fork token
+    is any of ``fork_ids`` (``fork_token_ids``)."""
+    if fork_ids is None:
         return 0, 0
-    is_fork = (exp.response_ids == fork_id) & exp.response_mask.bool()  # [b, T]
+    is_fork = torch.isin(exp.response_ids, fork_ids.to(exp.response_ids.device)) & exp.response_mask.bool()  # [b, T]
     ratio = torch.exp(log_ratio(logp_new, exp.logp_old, exp.response_mask, obj.ratio_level, obj.max_log_ratio))
     A = exp.advantages[:, None].expand_as(ratio)
     dropped = (ppo_token_mask(ratio, A, obj.eps_low, obj.eps_high) == 0) & is_fork
@@ -338,7 +340,7 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max
 # ---------------------------------------------------------------------------------------
 
 
-def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, fork_id,
+def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, fork_ids,
             dist_info: DistInfo = DistInfo()):
     """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count).
     Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups."""
@@ -364,7 +366,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         print(f"cispo: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})", file=sys.stderr)
     t1 = time.perf_counter()
     if not groups and not dist_info.enabled:  # every group uninformative, every round: nothing to learn
-        return {"rollout/groups_kept": 0.0, "rollout/rounds": float(report.rounds), "perf/step_s": t1 - t0}, update_count
+        return {"rollout/groups_kept": 0.0, "rollout/rounds": float(report.rounds), "optim/step_updates": 0.0,
+                "optim/updates": float(update_count), "perf/step_s": t1 - t0}, update_count
     if not groups:  # this rank has nothing, but it must join the other ranks' updates
         exp = empty_experience(policy)
     else:
@@ -375,19 +378,21 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     if cfg.algo.tis_cap:  # truncated IS: the trainer's pi_old vs the sampler's own probabilities
         exp.extras["tis"] = truncated_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, cfg.algo.tis_cap)
     t2 = time.perf_counter()
-    stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, fork_id,
+    updates_before = update_count
+    stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, fork_ids,
                                         dist_info)
     if hasattr(policy.sampler, "update_weights"):  # a separate inference engine samples the next batch
         policy.sampler.update_weights(policy.model)
     t3 = time.perf_counter()
     tokens = float(exp.response_mask.sum())
-    metrics = rollout_metrics(groups, exp, report, getattr(task, "used_fork", None)) if groups else {}
+    metrics = rollout_metrics(groups, exp, report, tracked_fork(task)) if groups else {}
     metrics["rollout/reward_errors"] = float(len(errors))
     if stats:
         metrics.update(update_metrics(stats))
     metrics.update({
         "optim/lr": lr_at(update_count - 1, cfg),
         "optim/updates": float(update_count),
+        "optim/step_updates": float(update_count - updates_before),  # 0: this step changed nothing
         "perf/sample_s": t1 - t0,
         "perf/logp_old_s": t2 - t1,
         "perf/update_s": t3 - t2,
@@ -471,12 +476,27 @@ def make_optimizer(model, cfg) -> torch.optim.Optimizer:
     )
 
 
-def fork_token_id(tokenizer, task) -> int | None:
-    token = getattr(task, "fork_token", None)
-    if not token:
+def fork_token_ids(tokenizer, task) -> torch.Tensor | None:
+    """The vocabulary ids of the task's fork word: every token whose decoded text, stripped of
+    surrounding whitespace, is the word (``Wait`` and ``ĠWait`` / ``▁Wait`` alike), so the fork
+    is found wherever it occurs, sentence-initial or mid-sentence. None when the task tracks no
+    fork word, or when no single token spells it (then a note says so)."""
+    word = (getattr(task, "fork_token", None) or "").strip()
+    if not word:
         return None
-    ids = tokenizer.encode(token, add_special_tokens=False)
-    return ids[0] if len(ids) == 1 else None
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    ids = [i for i, t in enumerate(texts) if t.strip() == word]
+    if not ids:
+        print(f"cispo: no token of the vocabulary spells the fork word {word!r}; "
+              "objective/frac_ppo_dropped_fork is not tracked", file=sys.stderr)
+        return None
+    return torch.tensor(ids)
+
+
+def tracked_fork(task):
+    """``task.used_fork`` when the task names a fork word, else None (fork rates are then null,
+    not 0)."""
+    return task.used_fork if getattr(task, "fork_token", None) else None
 
 
 def sampling_config(cfg, default_max_new_tokens: int) -> SamplingConfig:
