@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from cispo.distributed import sharded_call
-from cispo.logprobs import logit_transform, token_logprobs
+from cispo.logprobs import lm_logits, logit_transform, token_logprobs
 
 
 @dataclass
@@ -235,3 +235,30 @@ def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
     denom = (x.square().sum() * y.square().sum()).sqrt()
     return float((x * y).sum() / denom) if denom > 0 else float("nan")
+
+
+
+@torch.no_grad()
+def head_mismatch(model, num_tokens: int = 8) -> float:
+    """Largest |log_softmax(our head) - log_softmax(model(...).logits)| (nats) over the whole
+    vocabulary at ``num_tokens`` fixed positions, in eval mode. Our head is ``lm_logits`` (the
+    function ``token_logprobs`` computes per chunk) with ``logit_transform(model.config)``: 0 up to
+    rounding when it reproduces the model's own distribution, large when the model post-processes
+    its logits in a way ``logit_transform`` does not know. For an unsharded model (check before
+    ``shard_model``)."""
+    head = lm_head(model)
+    ids = ((torch.arange(num_tokens, device=head.weight.device) * 7919 + 3) % head.weight.shape[0])[None]  # [1, T]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        def both():
+            hidden = decoder(model)(input_ids=ids, use_cache=False).last_hidden_state  # [1, T, H]
+            ours = lm_logits(hidden, head.weight, bias=getattr(head, "bias", None),
+                             transform=logit_transform(model.config))  # [1, T, V]
+            return ours, model(input_ids=ids, use_cache=False).logits.float()  # [1, T, V]
+
+        ours, ref = both()
+        return float((torch.log_softmax(ours, -1) - torch.log_softmax(ref, -1)).abs().max())
+    finally:
+        for m, training in modes:
+            m.training = training

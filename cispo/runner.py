@@ -75,6 +75,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
               f"{param_dtype or saved_dtype(path)}; updates smaller than a weight's rounding step are lost "
               f"(at lr 1e-6 most of them)", file=sys.stderr)
     model, tokenizer = load_policy(path, dtype=param_dtype, device=load_device or device, dropout=cfg.model.dropout)
+    if all(p.dtype in (torch.float32, torch.float64) for p in model.parameters()):
+        check_head(model, path)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer of {path} has no EOS token: responses could never end")
     if tokenizer.pad_token_id is None:  # common for base models: pad with EOS (masked out anyway)
@@ -96,6 +98,23 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     else:
         sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast)
     return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template, autocast=autocast)
+
+
+HEAD_TOLERANCE = 1e-3  # nats; float32 rounding gives ~1e-6
+
+
+def check_head(model, path) -> None:
+    """ValueError unless the trainer's chunked head reproduces ``model``'s own distribution
+    (``cispo.experience.head_mismatch``): a model that post-processes its logits in a way
+    ``cispo.logprobs.logit_transform`` does not know is refused rather than trained on the
+    wrong log-probs. One short forward at load; run on float32 weights."""
+    from cispo.experience import head_mismatch
+
+    err = head_mismatch(model)
+    if not err <= HEAD_TOLERANCE:
+        raise ValueError(f"{path}: the trainer's log-probs of {type(model).__name__} differ from the model's own "
+                         f"by up to {err:.3g} nats: it post-processes its logits in a way "
+                         "cispo.logprobs.logit_transform does not know; please report it")
 
 
 def git_commit() -> str | None:

@@ -134,3 +134,18 @@ def test_chunked_head_with_transform_matches_naive_in_float64():
         outs.append((logp, ent, *grads))
     for ours, ref in zip(*outs):
         torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_an_unknown_logit_post_processing_is_refused_at_load(monkeypatch):
+    """load_policy_for compares the chunked head with the model's own logits once: a model whose
+    post-processing logit_transform does not know (simulated: Cohere with the transform forgotten)
+    is an error, not training on the wrong log-probs."""
+    import cispo.experience
+    from cispo.runner import check_head
+
+    model = build("cohere").train()
+    check_head(model, "cohere")  # known: passes, and leaves the model in train mode
+    assert model.training
+    monkeypatch.setattr(cispo.experience, "logit_transform", lambda config: LogitTransform())
+    with pytest.raises(ValueError, match="post-processes its logits"):
+        check_head(model, "cohere")
