@@ -96,7 +96,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
                               gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
                               enable_sleep_mode=cfg.rollout.vllm_sleep, seed=cfg.seed)
     else:
-        sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast)
+        sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
+                               fp32_head=cfg.model.fp32_lm_head)
     return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template, autocast=autocast)
 
 

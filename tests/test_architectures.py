@@ -67,11 +67,12 @@ def reference_logp(model, exp, temperature):
     return logp.gather(-1, exp.response_ids[..., None]).squeeze(-1) * exp.response_mask
 
 
-def agreement(name):
+def agreement(name, fp32_head=False):
     """(max |trainer - reference|, max |sampler - reference|, max |reference without the model's
-    post-processing - reference|) in nats over the sampled response tokens."""
+    post-processing - reference|) in nats over the sampled response tokens. ``fp32_head``: the
+    sampler computes its logits with the trainer's head instead of ``model(...).logits``."""
     model = build(name)
-    sampler = TorchSampler(model, EOS, PAD)
+    sampler = TorchSampler(model, EOS, PAD, fp32_head=fp32_head)
     batch = sampler.generate(PROMPTS, SamplingConfig(max_new_tokens=8, temperature=TEMPERATURE),
                              torch.Generator().manual_seed(0))
     lengths = batch.response_lengths.tolist()
@@ -90,11 +91,12 @@ def agreement(name):
             float((plain - ref).abs().max()))
 
 
+@pytest.mark.parametrize("fp32_head", [True, False], ids=["sampler_fp32_head", "sampler_model_logits"])
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_trainer_and_sampler_logprobs_are_the_models_distribution(name):
+def test_trainer_and_sampler_logprobs_are_the_models_distribution(name, fp32_head):
     model = build(name)
     assert logit_transform(model.config) == EXPECTED_TRANSFORM.get(name, LogitTransform())
-    trainer_err, sampler_err, without_transform = agreement(name)
+    trainer_err, sampler_err, without_transform = agreement(name, fp32_head)
     print(f"\n{name}: max |trainer - ref| = {trainer_err:.1e}, max |sampler - ref| = {sampler_err:.1e}, "
           f"without post-processing {without_transform:.2f} nats")
     assert trainer_err < 1e-4

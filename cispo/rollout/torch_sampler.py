@@ -14,6 +14,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from cispo.distributed import sharded_call
+from cispo.experience import decoder, lm_head
+from cispo.logprobs import lm_logits, logit_transform
 from cispo.rollout.base import FINISH_REASONS, RolloutBatch, SamplingConfig
 
 _LENGTH, _EOS, _REPETITION = (FINISH_REASONS.index(r) for r in ("length", "eos", "repetition"))
@@ -31,6 +34,11 @@ class TorchSampler:
             ``eos_token_id``.
         autocast: None, or the low-precision dtype to compute in under ``torch.autocast`` (mixed
             precision with FP32 master weights, ``cispo.models.precision``).
+        fp32_head: compute the next-token logits with the trainer's head (``cispo.logprobs.lm_logits``
+            on the decoder's last hidden state, FP32, with the model's own logit post-processing) rather
+            than ``model(...).logits``: the sampler's and the trainer's log-probs then come from one
+            definition, also in low precision (MiniMax-M1's FP32 head on both sides). Needs a Hugging
+            Face causal LM (``cispo.experience.decoder`` / ``lm_head``).
 
     Attributes:
         all_ranks_done: None, or — for a model sharded across processes (FSDP), where every rank
@@ -42,13 +50,14 @@ class TorchSampler:
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
-                 autocast: torch.dtype | None = None) -> None:
+                 autocast: torch.dtype | None = None, fp32_head: bool = False) -> None:
         self.model = model
         self.autocast = autocast
+        self.fp32_head = fp32_head
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
         self.all_ranks_done: Callable[[bool], bool] | None = None
-        params = inspect.signature(model.forward).parameters
+        params = inspect.signature((decoder(model) if fp32_head else model).forward).parameters
         # transformers >= 5.x names the KV cache `cache` (in and out); older versions `past_key_values`.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # Only the last position's logits are needed: skip the LM head elsewhere when the model allows.
@@ -98,11 +107,21 @@ class TorchSampler:
 
     def _forward(self, ids, mask, pos, cache, use_cache: bool):
         """One model call; returns the float32 logits of the last position [B, V] and the new cache."""
-        kwargs = {self._keep_kw: 1} if self._keep_kw else {}
+        kwargs = {self._keep_kw: 1} if self._keep_kw and not self.fp32_head else {}
         if use_cache:
             kwargs[self._cache_kw] = cache
+        if self.fp32_head:
+            return sharded_call(self.model, lambda: self._head_forward(ids, mask, pos, use_cache, kwargs))
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=use_cache, **kwargs)
         return out.logits[:, -1].float(), (getattr(out, self._cache_kw) if use_cache else None)
+
+    def _head_forward(self, ids, mask, pos, use_cache: bool, kwargs):
+        """The decoder, then the trainer's FP32 head on the last position: logits [B, V], cache."""
+        out = decoder(self.model)(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=use_cache, **kwargs)
+        head = lm_head(self.model)
+        logits = lm_logits(out.last_hidden_state[:, -1], head.weight, bias=getattr(head, "bias", None),
+                           transform=logit_transform(self.model.config))  # [B, V]
+        return logits.float(), (getattr(out, self._cache_kw) if use_cache else None)
 
     @staticmethod
     def _pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None):
