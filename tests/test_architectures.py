@@ -151,3 +151,19 @@ def test_an_unknown_logit_post_processing_is_refused_at_load(monkeypatch):
     monkeypatch.setattr(cispo.experience, "logit_transform", lambda config: LogitTransform())
     with pytest.raises(ValueError, match="post-processes its logits"):
         check_head(model, "cohere")
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_bf16_mixed_precision_sampler_and_trainer_agree(name):
+    """Under bf16 autocast both compute the head in FP32 from the same hidden states: the sampler's
+    log-probs are the trainer's (the model's own bf16 head would differ by ~1e-2 nats)."""
+    model = build(name)
+    sampler = TorchSampler(model, EOS, PAD, autocast=torch.bfloat16, fp32_head=True)
+    batch = sampler.generate(PROMPTS, SamplingConfig(max_new_tokens=8, temperature=TEMPERATURE),
+                             torch.Generator().manual_seed(0))
+    lengths = batch.response_lengths.tolist()
+    exp = collate([Completion({}, p, batch.response_ids[i, : lengths[i]], batch.logp_rollout[i, : lengths[i]],
+                               batch.finish_reason[i], "") for i, p in enumerate(PROMPTS)], torch.zeros(3), PAD)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        trainer = policy_logprobs(model, exp, TEMPERATURE) * exp.response_mask
+    assert float((trainer - exp.logp_rollout).abs().max()) < 1e-4
