@@ -19,7 +19,6 @@ import signal
 import subprocess
 import socket
 import sys
-import tempfile
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,6 @@ from pathlib import Path
 import pytest
 
 from cispo.rewards import code as code_mod
-from cispo.rewards import sandbox as sandbox_mod
 from cispo.rewards.code import (
     CodeReward,
     SandboxConfig,

@@ -23,8 +23,8 @@ def _harden():
     for name in [n for n in sys.modules if n.split(".")[0] in ("ctypes", "_ctypes")]:
         del sys.modules[name]
     # Code objects allowed to call sys._getframe (they only read the caller's module name).
-    allowed = {getattr(fn, "__code__", None) for fn in (
-        collections.namedtuple, getattr(typing, "_caller", None), getattr(getattr(enum, "EnumType", None), "_create_", None))}
+    allowed = {getattr(fn, "__code__", None) for fn in (collections.namedtuple, getattr(typing, "_caller", None),
+                                                         getattr(getattr(enum, "EnumType", None), "_create_", None))}
     denied = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
                         "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook", "os.symlink"})
     denied_imports = frozenset({"ctypes", "_ctypes", "_testcapi", "_testinternalcapi", "_xxsubinterpreters"})

@@ -190,8 +190,9 @@ def _python(configured: str | None, as_root: bool) -> tuple[str, tuple[str, ...]
 
 
 def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str, int]) -> list[str]:
-    argv = [_bwrap(cfg, os.geteuid() == 0), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--uid", "65534",
-            "--gid", "65534", "--die-with-parent", "--new-session", "--clearenv", "--ro-bind", "/usr", "/usr"]
+    argv = [_bwrap(cfg, os.geteuid() == 0), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop",
+            "ALL", "--uid", "65534", "--gid", "65534", "--die-with-parent", "--new-session", "--clearenv",
+            "--ro-bind", "/usr", "/usr"]
     if cfg.network == "allow":
         argv.append("--share-net")
         for path in ("/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/ssl"):
@@ -205,10 +206,10 @@ def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str
         argv += ["--ro-bind", path, path]
     tmp = str(cfg.tmp_mb << 20)
     argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--ro-bind-data", str(fds["harness"]),
-             "/sandbox/harness.py", "--proc", "/proc", "--dev", "/dev", "--size", tmp, "--tmpfs", "/tmp", "--size", tmp,
-             "--tmpfs", "/dev/shm", "--symlink", "../tmp", "/var/tmp", "--dir", "/run", "--symlink", "../run", "/var/run",
-             "--remount-ro", "/", "--chdir", "/tmp", "--seccomp", str(fds["seccomp"]),
-             "--json-status-fd", str(fds["status"])]
+             "/sandbox/harness.py", "--proc", "/proc", "--dev", "/dev", "--size", tmp, "--tmpfs", "/tmp",
+             "--size", tmp, "--tmpfs", "/dev/shm", "--symlink", "../tmp", "/var/tmp", "--dir", "/run",
+             "--symlink", "../run", "/var/run", "--remount-ro", "/", "--chdir", "/tmp",
+             "--seccomp", str(fds["seccomp"]), "--json-status-fd", str(fds["status"])]
     for key, value in _ENV.items():
         argv += ["--setenv", key, value]
     limits = {"AS": cfg.memory_mb << 20, "CPU": cfg.cpu_s, "FSIZE": cfg.max_file_mb << 20,
@@ -271,7 +272,8 @@ def execute(cfg: SandboxConfig, payload: dict) -> tuple[SandboxResult, bytes]:
                 os.close(fd)
         threading.Thread(target=_feed, args=(stdin_w, json.dumps(payload).encode("utf-8", "surrogatepass")),
                          daemon=True).start()
-        streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_r: "status", result_r: "result"}
+        streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_r: "status",
+                   result_r: "result"}
         deadline, grace_end = start + cfg.timeout_s, None
         with selectors.DefaultSelector() as sel:
             for fd in streams:
