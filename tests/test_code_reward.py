@@ -802,7 +802,7 @@ def test_a_missing_bwrap_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to map the sandbox uid into a test user namespace")
-def test_without_user_namespaces_the_sandbox_refuses(tmp_path):
+def test_without_user_namespaces_the_sandbox_refuses(cfg):
     """A real kernel refusal: inside a user namespace whose max_user_namespaces is 0, bwrap
     cannot create its namespaces, and make_code_reward raises (no unsandboxed run)."""
     inner = program("""

@@ -21,15 +21,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from cispo.rewards.sandbox import (
-    SandboxConfig,
-    SandboxError,
-    SandboxResult,
-    SandboxUnavailable,
-    check_sandbox,
-    execute,
-    run_sandboxed,
-)
+from cispo.rewards.sandbox import (SandboxConfig, SandboxError, SandboxResult, SandboxUnavailable, check_sandbox,
+                                   execute, run_sandboxed)
 
 __all__ = ["SandboxConfig", "SandboxResult", "SandboxError", "SandboxUnavailable", "TestReport", "CodeReward",
            "check_sandbox", "run_sandboxed", "run_tests", "extract_code", "code_reward", "code_reward_partial",

@@ -30,6 +30,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -165,11 +166,10 @@ def _seccomp_filter() -> bytes:
         for name in _DENIED_SYSCALLS:
             f.add_rule(sc.ERRNO(errno.EPERM), name)
         f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, _AF_VSOCK))
-        r, w = os.pipe()
-        with os.fdopen(r, "rb") as reader, os.fdopen(w, "wb") as writer:
-            f.export_bpf(writer)  # a few hundred bytes: fits the pipe buffer
-            writer.close()
-            return reader.read()
+        with tempfile.TemporaryFile() as out:
+            f.export_bpf(out)
+            out.seek(0)
+            return out.read()
     except Exception as exc:  # ImportError, or libseccomp.so.2 missing / too old
         raise SandboxUnavailable(f"cannot build the seccomp filter ({type(exc).__name__}: {exc}); "
                                  "pip install 'cispo[code]' (pyseccomp) and apt-get install libseccomp2") from exc
@@ -345,7 +345,7 @@ def check_sandbox(cfg: SandboxConfig | None = None) -> None:
         result = run_sandboxed("import sys\nprint('sandbox-ok', sys.version_info[0])\n", cfg)
     except SandboxUnavailable:
         raise
-    except Exception as exc:
+    except Exception as exc:  # no interpreter, ...
         raise SandboxUnavailable(f"the code sandbox does not work here: {type(exc).__name__}: {exc}") from exc
     if not (result.ok and result.stdout.startswith("sandbox-ok 3")):
         raise SandboxUnavailable(f"the code sandbox does not work here: returncode={result.returncode}, "
