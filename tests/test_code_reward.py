@@ -630,6 +630,8 @@ def test_host_unix_sockets_are_unreachable(netns, tmp_path):
         for address in addresses:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(address)
+            if not address.startswith("\0"):
+                os.chmod(address, 0o777)  # anyone may connect: only the sandbox's view keeps it out
             listener.listen(1)
             listener.setblocking(False)
             listeners.append(listener)
