@@ -15,6 +15,7 @@ import os
 import pickle
 import resource
 import secrets
+import shutil
 import signal
 import subprocess
 import socket
@@ -803,7 +804,8 @@ def test_a_missing_bwrap_is_a_clear_error(tmp_path):
         make_code_reward(SandboxConfig(bwrap=str(tmp_path / "nonexistent" / "bwrap")))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to map the sandbox uid into a test user namespace")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) to map the sandbox uid into a test user namespace")
 def test_without_user_namespaces_the_sandbox_refuses(cfg):
     """A real kernel refusal: inside a user namespace whose max_user_namespaces is 0, bwrap
     cannot create its namespaces, and make_code_reward raises (no unsandboxed run)."""
