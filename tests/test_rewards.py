@@ -178,14 +178,23 @@ def test_math_reward_without_math_verify(monkeypatch):
 
 
 def test_load_builtins():
-    assert load_reward("exact_match") is exact_match
-    assert load_reward(" exact_match ") is exact_match
+    assert load_reward("exact_match").fn is exact_match
+    assert load_reward(" exact_match ").fn is exact_match
     assert set(BUILTIN_REWARDS) == {"math", "exact_match", "code"}
     if HAVE_MATH_VERIFY:
         from cispo.rewards.math import math_reward
 
-        assert load_reward("math") is math_reward
-    assert load_reward("cispo.rewards.exact:exact_match") is exact_match
+        assert load_reward("math").fn is math_reward
+    assert load_reward("cispo.rewards.exact:exact_match").fn is exact_match
+    # the path rule: built-in names run in the main thread, everything else in worker processes
+    assert not load_reward("exact_match").isolated
+    assert load_reward("cispo.rewards.exact:exact_match").isolated
+    assert load_reward("exact_match", isolation="process").isolated
+    assert not load_reward("cispo.rewards.exact:exact_match", isolation="main").isolated
+    with pytest.raises(RewardSpecError, match="data.reward_isolation must be one of auto, process, main"):
+        load_reward("exact_match", isolation="thread")
+    with pytest.raises(RewardSpecError, match="data.reward_workers must be a positive int"):
+        load_reward("exact_match", workers=0)
 
 
 def test_load_builtin_code_is_lazy(monkeypatch):
