@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -236,10 +237,21 @@ def _call_trl(fn, prompt, completion, sample):
     return out[0]
 
 
+@functools.lru_cache(maxsize=64)
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def _call_verl(fn, prompt, completion, sample):
-    ground_truth = sample["ground_truth"] if "ground_truth" in sample else sample.get("answer")
-    out = _settle(fn(data_source=sample.get("data_source"), solution_str=completion, ground_truth=ground_truth,
-                     extra_info=dict(sample.get("extra_info") or {})))
+    kwargs = {"solution_str": completion,
+              "ground_truth": sample["ground_truth"] if "ground_truth" in sample else sample.get("answer")}
+    if _takes(fn, "data_source"):  # verl's per-data-set scorers (gsm8k.compute_score) take neither
+        kwargs["data_source"] = sample.get("data_source")
+    if _takes(fn, "extra_info"):
+        kwargs["extra_info"] = dict(sample.get("extra_info") or {})
+    out = _settle(fn(**kwargs))
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"verl-style reward returned a dict without 'score' (keys: {sorted(out)})")
