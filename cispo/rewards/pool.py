@@ -205,8 +205,8 @@ def pool_for(spec: str, workers: int) -> RewardPool:
 
 
 def shutdown_pools() -> None:
-    """Stop every reward pool (also at interpreter exit); a hung call does not delay it past
-    pebble's SIGTERM -> SIGKILL grace (3 s)."""
+    """Stop every reward pool (also at interpreter exit), killing calls still running: SIGTERM,
+    then SIGKILL 3 s later for a worker stuck where SIGTERM's handler cannot run (C code)."""
     while _POOLS:
         _POOLS.popitem()[1].close()
 
