@@ -21,6 +21,8 @@ import torch
 from cispo.checkpoint import gather_full_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from cispo.config import TrainConfig, save_yaml, to_dict
 from cispo.data import PromptStream
+from cispo.rewards import closing_reward_pools
+from cispo.rewards.loading import check_reward_fields
 from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_objects, init_distributed, shard_model
 from cispo.rollout import TorchSampler
 from cispo.tracking import make_sinks, read_metrics
@@ -151,6 +153,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
                          f"number of processes ({dist_info.world_size})")
     main = dist_info.is_main
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
+    check_reward_fields(task, cfg.data)  # before any model is loaded or sampled from
     sampling = sampling_config(cfg, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
     obj = make_objective(cfg)
@@ -227,7 +230,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     stop = StopRequest()
     bar = _progress(cfg, start) if main else None
     bad_steps = 0
-    with stop.installed(), (sink if sink is not None else contextlib.nullcontext()):
+    with stop.installed(), (sink if sink is not None else contextlib.nullcontext()), closing_reward_pools():
         for step in range(start + 1, cfg.steps + 1):
             metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
                                             update_count, fork_id, dist_info)

@@ -19,6 +19,7 @@ SCRIPTS = {  # script -> a string its --tiny output must contain
     "bench_rollout.py": "HF generate",
     "bench_update.py": "fraction of matmul rate",
     "bench_step.py": "logp_old s (share)",
+    "bench_rewards.py": "us / call",
 }
 
 RUNNER = """
