@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from cispo.checkpoint import CheckpointError
 from cispo.config import ConfigError, TrainConfig, apply_overrides, format_help, load_yaml
 
 
@@ -156,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileExistsError) as e:
         print(f"cispo {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"cispo {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except FloatingPointError as e:
         print(f"cispo {args.command}: stopped: {e}", file=sys.stderr)
         return 1

@@ -173,7 +173,7 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
         listed = "; ".join(f"{k}: saved {a!r}, given {b!r}" for k, a, b in changes)
         raise ConfigError(f"--resume {run_dir}: a resumed run keeps its config ({Path(run_dir) / 'config.yaml'}), "
                           f"but {listed}. Only these may change: {', '.join(RESUME_SAFE_FIELDS)}. Start a new run "
-                          f"(another run_name) to change the others")
+                          f"(another run_name) to change the others; if a file only moved, edit its path in config.yaml")
 
 
 def _overlay(base: dict, raw: Any, given: dict) -> dict:

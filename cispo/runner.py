@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cispo.checkpoint import gather_full_state, latest_checkpoint, load_checkpoint, save_checkpoint
+from cispo.checkpoint import fsync_file, gather_full_state, load_latest_checkpoint, save_checkpoint
 from cispo.config import TrainConfig, to_dict
 from cispo.data import PromptStream
 from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_objects, init_distributed, shard_model
@@ -173,9 +173,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         return out
 
     start, update_count = 0, 0
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if ckpt is not None:
-        state, tensors = load_checkpoint(ckpt, policy.model, optimizer)
+    found = load_latest_checkpoint(run_dir, policy.model, optimizer,
+                                   report=None if main else _quiet) if resume else None
+    if found is not None:  # the newest intact one; newer broken ones were reported and skipped
+        ckpt, state, tensors = found
         if state.get("world_size", 1) != dist_info.world_size:
             raise ValueError(f"checkpoint {ckpt} was written by {state.get('world_size', 1)} processes; "
                              f"resume it with the same number (now {dist_info.world_size})")
@@ -203,6 +204,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         gens = gather_objects({n: g.get_state().cpu() for n, g in generators.items()}, dist_info)
         full_state = gather_full_state(policy.model, optimizer) if sharded else None  # on rank 0's CPU
         if main:
+            fsync_file(run_dir / "metrics.jsonl")  # its rows up to `step` are committed by this checkpoint
             state = {"step": step, "update_count": update_count, "streams": streams,
                      "world_size": dist_info.world_size}
             tensors = {f"generator/{n}/{r}": t for r, g in enumerate(gens) for n, t in g.items()}
@@ -246,6 +248,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         _plot(run_dir, cfg)
     barrier(dist_info)
     return RunResult(run_dir, summary)
+
+
+def _quiet(message: str) -> None:
+    pass
 
 
 def sync_sampler(policy) -> None:
