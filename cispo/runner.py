@@ -120,9 +120,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     from cispo.data import load_source
 
     hf_logging.disable_progress_bar()  # our own bar is the one to watch
-    saved = saved_config(run_dir_of(cfg)) if resume else None
-    if saved is not None:  # before any work: a resumed run is the same run
-        check_resume(saved, cfg, run_dir_of(cfg))
+    run_dir = run_dir_of(cfg)  # run_name checked before any work
+    saved = saved_config(run_dir) if resume else None
+    if saved is not None:  # a resumed run is the same run
+        check_resume(saved, cfg, run_dir)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -139,7 +140,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     sampling = sampling_config(cfg, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
     obj = make_objective(cfg)
-    run_dir = prepare_run_dir(cfg, resume, overwrite) if main else run_dir_of(cfg)
+    run_dir = prepare_run_dir(cfg, resume, overwrite) if main else run_dir
     if main and cfg.model.path is None:
         from cispo.models import ensure_builtin_model
 
