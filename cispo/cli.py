@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cispo.pretrain import PretrainConfig
 
     p = add("train", "train a policy with CISPO (or another preset) on a verifiable task", TrainConfig, cmd_train)
-    p.add_argument("--resume", action="store_true", help="continue the run from its last intact checkpoint, with its saved "
-                   "config.yaml (key=value may change only: steps, checkpoint_every, eval.*, trackers, ...; "
-                   "see docs/reliability.md)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run from its last intact checkpoint, with its saved config.yaml (key=value "
+                   "may change only: steps, checkpoint_every, eval.*, trackers, ...; see docs/reliability.md)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name "
                    "(only a folder cispo created: one with a .cispo-run marker, directly in out_dir)")
     p = add("pretrain", "pretrain the built-in base model (cached; `train` does this on first use)",

@@ -171,9 +171,10 @@ def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:
     changes = resume_changes(saved, cfg)
     if changes:
         listed = "; ".join(f"{k}: saved {a!r}, given {b!r}" for k, a, b in changes)
-        raise ConfigError(f"--resume {run_dir}: a resumed run keeps its config ({Path(run_dir) / 'config.yaml'}), "
-                          f"but {listed}. Only these may change: {', '.join(RESUME_SAFE_FIELDS)}. Start a new run "
-                          f"(another run_name) to change the others; if a file only moved, edit its path in config.yaml")
+        raise ConfigError(f"--resume {run_dir}: a resumed run keeps its config "
+                          f"({Path(run_dir) / 'config.yaml'}), but {listed}. Only these may change: "
+                          f"{', '.join(RESUME_SAFE_FIELDS)}. Start a new run (another run_name) to change the "
+                          f"others; if a file only moved, edit its path in config.yaml")
 
 
 def _overlay(base: dict, raw: Any, given: dict) -> dict:
