@@ -94,6 +94,9 @@ def markdown(report: dict) -> str:
                       f"{_f(r['sampling_tokens_per_s'], '.4g')} | {_f(r['update_tokens_per_s'], '.4g')} | "
                       + " | ".join(_f(r["mfu"][k], ".1%") for k in ("generate", "logp_old", "update"))
                       + f" | {_f(r['peak_gib'])} |", ""]
+            if "dynamo" in r:
+                lines += [f"torch.compile ({r['compile_backend']}): {r['dynamo']['unique_graphs']} graph(s), "
+                          f"{r['dynamo']['graph_breaks']} graph break(s); the warm-up step includes compiling", ""]
         if sec["null_reasons"]:
             lines += ["null: " + "; ".join(f"`{k}`: {v}" for k, v in sec["null_reasons"].items()), ""]
     return "\n".join(lines)

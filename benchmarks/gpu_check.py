@@ -331,7 +331,18 @@ def section_rl(ctx, compiled: bool) -> tuple[dict, dict]:
             f"{wall:.2f} s (sample {row['sample_s']:.2f}, logp_old {row['logp_old_s']:.2f}, "
             f"update {row['update_s']:.2f})")
         steps.append(row)
-    return rl_summary(steps, n, s, ctx, compiled)
+    res, nulls = rl_summary(steps, n, s, ctx, compiled)
+    if compiled:
+        res["dynamo"] = dynamo_counts()
+    return res, nulls
+
+
+def dynamo_counts() -> dict:
+    """Graphs compiled and graph breaks so far (torch._dynamo's counters: private, may move)."""
+    from torch._dynamo.utils import counters
+
+    return {"unique_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
 class CountingSampler:
@@ -395,6 +406,7 @@ class Context:
         self.compile_backend, self.compile_min_s = args.compile_backend, args.compile_min_s
         self.peak, self.peak_source = peak_tflops(dev, args.peak_tflops)
         self.deadline = time.monotonic() + args.budget_s
+        self.stopped: str | None = None  # why the run stopped early (SIGTERM), if it did
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -411,8 +423,9 @@ class Skipped(Exception):
     """Not enough budget left for this section (or for a measured step of it)."""
 
 
-class Terminated(Exception):
-    """SIGTERM arrived (e.g. from ``timeout``): the running section stops, the report is written."""
+class Terminated(BaseException):
+    """SIGTERM arrived (e.g. from ``timeout``): the running section stops, the report is written.
+    A BaseException, so that no ``except Exception`` inside a section swallows it."""
 
 
 def _terminated(signum, frame):
@@ -421,17 +434,17 @@ def _terminated(signum, frame):
 
 def run_section(name: str, ctx: Context) -> dict:
     if ctx.remaining() < 0:
-        log(f"{name}: skipped (budget of {ctx.args.budget_s:.0f} s spent)")
-        return {"status": "skipped", "seconds": 0.0, "error": f"budget of {ctx.args.budget_s:.0f} s spent",
-                "results": None, "null_reasons": {}}
+        why = ctx.stopped or f"budget of {ctx.args.budget_s:.0f} s spent"
+        log(f"{name}: skipped ({why})")
+        return {"status": "skipped", "seconds": 0.0, "error": why, "results": None, "null_reasons": {}}
     log(f"{name}: start ({ctx.remaining():.0f} s of the budget left)")
     t0 = time.monotonic()
     try:
         results, nulls = RUNNERS[name](ctx)
         entry = {"status": "ok", "error": None, "results": results, "null_reasons": nulls}
-    except Exception as e:  # noqa: BLE001 - one section's failure must not lose the others
-        if isinstance(e, Terminated):
-            ctx.deadline = time.monotonic() - 1  # skip what is left
+    except (Exception, Terminated) as e:  # noqa: BLE001 - one section's failure must not lose the others
+        if isinstance(e, Terminated):  # skip what is left
+            ctx.deadline, ctx.stopped = time.monotonic() - 1, f"{e} during {name}"
         tb = traceback.format_exc(limit=-4)
         status = "skipped" if isinstance(e, Skipped) else "error"
         entry = {"status": status, "error": f"{type(e).__name__}: {e}", "traceback": tb, "results": None,

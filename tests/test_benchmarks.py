@@ -9,8 +9,10 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,7 +129,8 @@ def _check_figures(report: dict, tmp_path: Path) -> None:
     assert bf16["frac_changed_after_step"][0] < 0.5 * master["frac_changed_after_step"][0]  # ...most bf16 ones not
     assert bf16["param_gib"] == pytest.approx(master["param_gib"] / 2)
     pairs = s["logprob_agreement"]["results"]["pairs"]
-    both_bf16, both_fp32 = pairs["sampler bf16 head / trainer bf16 head"], pairs["sampler fp32 head / trainer fp32 head"]
+    both_bf16 = pairs["sampler bf16 head / trainer bf16 head"]
+    both_fp32 = pairs["sampler fp32 head / trainer fp32 head"]
     assert both_fp32["mean_abs_dlogp"] < both_bf16["mean_abs_dlogp"]
     assert -1 <= both_bf16["prob_pearson"] <= 1 and both_fp32["prob_pearson"] > 0.99
     assert (tmp_path / "figure3.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -158,6 +161,27 @@ def test_gpu_check_budget_skips_sections(tmp_path):
     assert [s["status"] for s in report["sections"].values()] == ["skipped", "skipped"]
     assert "budget" in report["sections"]["lm_head"]["error"]
     assert "## lm_head: skipped" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_sigterm_keeps_the_report(tmp_path):
+    """`timeout` sends SIGTERM: the running section is recorded as stopped, the rest skipped,
+    and the report is still written (the compile of rl_compiled takes >= 10 s on a CPU)."""
+    proc = subprocess.Popen([sys.executable, "-u", str(GPU_CHECK), "--tiny", "--out", str(tmp_path), "--sections",
+                             "rl_compiled,lm_head"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=BENCH.parent, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for line in proc.stdout:
+            if "rl_compiled: start" in line:
+                time.sleep(1.0)
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest[-3000:]
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert sections["rl_compiled"]["status"] == "error" and "Terminated" in sections["rl_compiled"]["error"]
+    assert sections["lm_head"]["status"] == "skipped" and "signal" in sections["lm_head"]["error"]
 
 
 def test_gpu_check_bad_set_names_the_field():
