@@ -112,8 +112,8 @@ def section_lm_head(ctx) -> tuple[dict, dict]:
 
     dev, s = ctx.dev, ctx.sizes
     g = torch.Generator(device=dev.device).manual_seed(0)
-    h0 = torch.randn(s.head_tokens, s.hidden, device=dev.device, generator=g) * 0.5 * ctx.logit_std
-    w0 = torch.randn(s.vocab, s.hidden, device=dev.device, generator=g) * s.hidden**-0.5
+    h0 = torch.randn(s.head_tokens, s.hidden, device=dev.device, generator=g) * ctx.logit_std  # [N, H]
+    w0 = torch.randn(s.vocab, s.hidden, device=dev.device, generator=g) * s.hidden**-0.5  # logits' std: logit_std
     y = torch.randint(0, s.vocab, (s.head_tokens,), device=dev.device, generator=g)
     h0, w0 = h0.bfloat16(), w0.bfloat16()
     variants = {
@@ -122,8 +122,10 @@ def section_lm_head(ctx) -> tuple[dict, dict]:
         "chunked fp32 head": lambda h, w: token_logprobs(h, w, y, chunk_size=s.head_chunk),
         "chunked bf16 head": lambda h, w: token_logprobs(h, w, y, chunk_size=s.head_chunk, fp32_head=False),
     }
-    ref = torch.cat([naive_token_logprobs(h.double(), w0.double(), t)  # float64 reference, by chunks   [N]
+    w64 = w0.double()
+    ref = torch.cat([naive_token_logprobs(h.double(), w64, t)  # float64 reference, by chunks   [N]
                      for h, t in zip(h0.split(s.head_chunk), y.split(s.head_chunk))])
+    del w64
     rows, nulls = [], {}
     for mode in ("fwd", "fwd+bwd"):
         for name, fn in variants.items():
