@@ -191,9 +191,9 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
         from dataclasses import replace
 
         sampling = replace(sampling, repetition_stop_tokens=None)
-    score = trainer_mod.safe_reward
-    if not isinstance(score, Stopwatch):  # rl_step -> sample_groups -> safe_reward: dispatch + verifier
-        score = trainer_mod.safe_reward = Stopwatch(score)
+    score = trainer_mod.score_rewards
+    if not isinstance(score, Stopwatch):  # rl_step -> sample_groups -> score_rewards: dispatch + verifier
+        score = trainer_mod.score_rewards = Stopwatch(score)
     return {
         "policy": policy, "cfg": cfg, "task": task, "sampling": sampling, "score": score,
         "optimizer": trainer_mod.make_optimizer(model, cfg), "obj": trainer_mod.make_objective(cfg),

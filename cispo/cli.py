@@ -3,7 +3,7 @@
     cispo train                                   # CISPO on the built-in task, defaults
     cispo train algo.objective=dapo lr=5e-5       # dotted keys, or unique leaf names
     cispo train --config run.yaml seed=1
-    cispo train --resume run_name=cispo__addition__seed0
+    cispo train --resume run_name=cispo__addition__seed0 steps=120   # its saved config.yaml, run longer
     cispo pretrain seed=1 --measure 2000
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model
     cispo compare --quick                         # GRPO vs DAPO vs CISPO, 3 seeds
@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from cispo.checkpoint import CheckpointError
 from cispo.config import ConfigError, TrainConfig, apply_overrides, format_help, load_yaml
 
 
@@ -26,9 +27,13 @@ def _build_config(cls, config_file: str | None, overrides: list[str]):
 
 
 def cmd_train(args) -> int:
+    from cispo.runfolder import resume_config
     from cispo.runner import format_summary, train
 
-    cfg = _build_config(TrainConfig, args.config, args.overrides)
+    if args.resume:  # the run's saved config.yaml, with the given keys on top (checked by train)
+        cfg = resume_config(args.config, args.overrides)
+    else:
+        cfg = _build_config(TrainConfig, args.config, args.overrides)
     result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     print(format_summary(result.summary))
     print(f"run folder: {result.run_dir}  (metrics.jsonl, curves.png, checkpoints/)")
@@ -138,8 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     from cispo.pretrain import PretrainConfig
 
     p = add("train", "train a policy with CISPO (or another preset) on a verifiable task", TrainConfig, cmd_train)
-    p.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run from its last intact checkpoint, with its saved config.yaml (key=value "
+                   "may change only: steps, checkpoint_every, eval.*, trackers, ...; see docs/reliability.md)")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name "
+                   "(only a folder cispo created: one with a .cispo-run marker, directly in out_dir)")
     p = add("pretrain", "pretrain the built-in base model (cached; `train` does this on first use)",
             PretrainConfig, cmd_pretrain)
     p.add_argument("--out", help="output folder (default: the model cache)")
@@ -171,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileExistsError) as e:
         print(f"cispo {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"cispo {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except FloatingPointError as e:
         print(f"cispo {args.command}: stopped: {e}", file=sys.stderr)
         return 1

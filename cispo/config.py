@@ -1043,6 +1043,13 @@ class DataConfig:
     reward_timeout_s: float | None = 60.0
     """Per-call reward timeout; a reward that hangs, raises or returns a non-number scores 0
     and is counted in ``rollout/reward_errors``. None: no timeout (called in the main thread)."""
+    reward_isolation: str = "auto"
+    """Where ``reward`` runs: ``process`` (worker processes that a hang, exit or crash cannot
+    take down; ``reward_timeout_s`` kills a call), ``main`` (the trainer's main thread; trusted,
+    no timeout), ``auto``: ``main`` for the built-in names, ``process`` for ``module:function``
+    and ``file.py:function``."""
+    reward_workers: int | None = None
+    """Worker processes of a ``process`` reward. None: min(8, CPU count)."""
 
 
 @dataclass

@@ -168,7 +168,7 @@ def load_source(data_cfg, max_new_tokens: int | None):
         name=Path(data_cfg.path).stem,
         train=tuple(train),
         eval=tuple(held_out),
-        reward=load_reward(data_cfg.reward),
+        reward=load_reward(data_cfg.reward, data_cfg.reward_isolation, data_cfg.reward_workers),
         fork_token=data_cfg.fork_token,
         max_new_tokens=max_new_tokens,
     )

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,11 +17,14 @@ from pathlib import Path
 
 import torch
 
-from cispo.checkpoint import gather_full_state, latest_checkpoint, load_checkpoint, save_checkpoint
-from cispo.config import TrainConfig, save_yaml, to_dict
+from cispo.checkpoint import fsync_file, gather_full_state, load_latest_checkpoint, save_checkpoint
+from cispo.config import TrainConfig, to_dict
 from cispo.data import PromptStream
+from cispo.rewards import closing_reward_pools
+from cispo.rewards.loading import check_reward_fields
 from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_objects, init_distributed, shard_model
 from cispo.rollout import TorchSampler
+from cispo.runfolder import check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
 from cispo.tracking import make_sinks, read_metrics
 from cispo.trainer import (
     Policy,
@@ -56,11 +58,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def run_name(cfg: TrainConfig) -> str:
-    data = Path(cfg.data.path).stem if cfg.data.path else cfg.data.task
-    return cfg.run_name or f"{cfg.algo.objective}__{data}__seed{cfg.seed}"
 
 
 def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None) -> Policy:
@@ -128,7 +125,7 @@ def git_commit() -> str | None:
 
 
 def write_run_info(run_dir: Path, cfg: TrainConfig, sampling, obj) -> None:
-    save_yaml(cfg, run_dir / "config.yaml")
+    save_config(cfg, run_dir)
     info = {
         "seed": cfg.seed,
         "git_commit": git_commit(),
@@ -145,19 +142,6 @@ def write_run_info(run_dir: Path, cfg: TrainConfig, sampling, obj) -> None:
     (run_dir / "meta.json").write_text(json.dumps(info, indent=1, default=str))
 
 
-def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
-    run_dir = Path(cfg.out_dir).expanduser() / run_name(cfg)
-    if run_dir.exists() and not resume:
-        if not overwrite and any(run_dir.iterdir()):
-            raise FileExistsError(
-                f"run folder {run_dir} already exists; pass --resume to continue it, --overwrite to start over, "
-                f"or set run_name=... / out_dir=..."
-            )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
-
-
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Run (or resume) the training run described by ``cfg`` (under ``torchrun``: one rank)."""
     from transformers.utils import logging as hf_logging
@@ -165,6 +149,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     from cispo.data import load_source
 
     hf_logging.disable_progress_bar()  # our own bar is the one to watch
+    run_dir = run_dir_of(cfg)  # run_name checked before any work
+    saved = saved_config(run_dir) if resume else None
+    if saved is not None:  # a resumed run is the same run
+        check_resume(saved, cfg, run_dir)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -182,10 +170,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
 
         check_chat_template(cfg.model.path)
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
+    check_reward_fields(task, cfg.data)  # before any model is loaded or sampled from
     sampling = sampling_config(cfg, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
     obj = make_objective(cfg)
-    run_dir = prepare_run_dir(cfg, resume, overwrite) if main else Path(cfg.out_dir).expanduser() / run_name(cfg)
+    run_dir = prepare_run_dir(cfg, resume, overwrite) if main else run_dir
     if main and cfg.model.path is None:
         from cispo.models import ensure_builtin_model
 
@@ -219,9 +208,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         return out
 
     start, update_count = 0, 0
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if ckpt is not None:
-        state, tensors = load_checkpoint(ckpt, policy.model, optimizer)
+    found = load_latest_checkpoint(run_dir, policy.model, optimizer,
+                                   report=None if main else _quiet) if resume else None
+    if found is not None:  # the newest intact one; newer broken ones were reported and skipped
+        ckpt, state, tensors = found
         if state.get("world_size", 1) != dist_info.world_size:
             raise ValueError(f"checkpoint {ckpt} was written by {state.get('world_size', 1)} processes; "
                              f"resume it with the same number (now {dist_info.world_size})")
@@ -232,6 +222,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
             gen.set_state(tensors[f"generator/{name}/{dist_info.rank}"])
         if main:
             sink.truncate_after(start)
+            save_config(cfg, run_dir)  # with the safe keys that changed (steps, ...)
             print(f"cispo: resumed {run_dir} from {ckpt.name}", file=sys.stderr)
     else:
         if resume and main:
@@ -248,6 +239,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         gens = gather_objects({n: g.get_state().cpu() for n, g in generators.items()}, dist_info)
         full_state = gather_full_state(policy.model, optimizer) if sharded else None  # on rank 0's CPU
         if main:
+            fsync_file(run_dir / "metrics.jsonl")  # its rows up to `step` are committed by this checkpoint
             state = {"step": step, "update_count": update_count, "streams": streams,
                      "world_size": dist_info.world_size}
             tensors = {f"generator/{n}/{r}": t for r, g in enumerate(gens) for n, t in g.items()}
@@ -259,7 +251,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     bar = _progress(cfg, start) if main else None
     first_update_count = update_count
     bad_steps = 0
-    with stop.installed(), (sink if sink is not None else contextlib.nullcontext()):
+    with stop.installed(), (sink if sink is not None else contextlib.nullcontext()), closing_reward_pools():
         for step in range(start + 1, cfg.steps + 1):
             metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
                                             update_count, fork_ids, dist_info)
@@ -308,6 +300,10 @@ def no_update_reason(metrics: dict) -> str:
     if metrics.get("optim/skipped"):
         return "every update had a non-finite gradient and was skipped"
     return "no mini-batch had a response token"
+
+
+def _quiet(message: str) -> None:
+    pass
 
 
 def sync_sampler(policy) -> None:

@@ -11,7 +11,8 @@ Every sink has ``log(step, metrics)``, ``truncate_after(step)`` and ``close()``.
 * Missing values: ``metrics.jsonl`` writes ``null`` for ``None``, NaN and +-inf; the other
   sinks skip those entries (no NaN points in the charts).
 * Resume (``truncate_after(step)``, called by the runner with the checkpoint's step): the
-  JSONL file drops the rows after ``step``; TensorBoard's next event file starts with a
+  JSONL file drops the rows after ``step`` and any torn or NUL-filled line (a crash mid-write,
+  a power loss), with a warning naming the file and line; TensorBoard's next event file starts with a
   purge marker, so the reader hides the old events after ``step`` and shows the re-logged
   ones; W&B and MLflow cannot delete points: they continue the same run (the id is kept in
   ``<run>/tracking.json``), W&B ignores (with a warning) steps at or below the last one it
@@ -70,6 +71,36 @@ def _require(module: str, extra: str, what: str):
         ) from e
 
 
+def _parse_lines(path: Path) -> tuple[list[dict], list[tuple[int, str]], int]:
+    """(rows, [(line number, what is wrong)], number of the last non-blank line) of a JSONL
+    metrics file; a line that is not a JSON object with a ``step`` (torn, NUL-filled, not
+    UTF-8) is listed, not parsed."""
+    rows, bad, last = [], [], 0
+    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+        if not raw.strip(b" \t\r"):
+            continue
+        last = number
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a JSON object with an integer 'step'")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            what = "NUL bytes (a write lost in a crash)" if b"\0" in raw else f"{type(e).__name__}: {e}"
+            bad.append((number, what))
+            continue
+        rows.append(row)
+    return rows, bad, last
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class JsonlSink:
     """Appends ``{"step": s, **metrics}`` lines to ``path``."""
 
@@ -84,12 +115,22 @@ class JsonlSink:
             f.flush()
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows logged after ``step`` (a resumed run logs them again)."""
+        """Keep the rows of steps <= ``step`` (the ones a checkpoint of ``step`` committed; a
+        resumed run logs the others again); drop torn or NUL-filled lines with a warning
+        naming them. The file is replaced atomically."""
         if not self.path.exists():
             return
-        rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        rows, bad, _ = _parse_lines(self.path)
+        if bad and step >= 0:
+            lines = "; ".join(f"line {n}: {what}" for n, what in bad)
+            warnings.warn(f"cispo: {self.path}: dropped {len(bad)} unreadable line(s) on resume ({lines})",
+                          RuntimeWarning, stacklevel=2)
+        kept = [r for r in rows if r["step"] <= step]
+        lost = sorted(set(range(step + 1)) - {r["step"] for r in kept})
+        if lost:
+            warnings.warn(f"cispo: {self.path}: the rows of steps {lost} are missing although the checkpoint "
+                          f"of step {step} committed them", RuntimeWarning, stacklevel=2)
+        _replace_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def close(self) -> None:
         pass
@@ -425,8 +466,15 @@ def make_sinks(
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """All rows of a ``metrics.jsonl`` (missing values as None)."""
+    """All rows of a ``metrics.jsonl`` (missing values as None). A torn last line (a run
+    killed mid-write, or still writing) is left out; an unreadable line before it is a
+    ``ValueError`` naming the file and line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, bad, last = _parse_lines(path)
+    inner = [(n, what) for n, what in bad if n != last]
+    if inner:
+        n, what = inner[0]
+        raise ValueError(f"{path}:{n}: unreadable metrics row: {what}")
+    return rows

@@ -29,7 +29,7 @@ from cispo.distributed import DistInfo, all_reduce_sum, any_rank, is_sharded, ma
 from cispo.experience import (Completion, Experience, collate, is_informative, length_micro_batches, pearson,
                               policy_logprobs)
 from cispo.objective import ObjectiveConfig, log_ratio, policy_loss, ppo_token_mask, preset
-from cispo.rewards import overlong_penalty, safe_reward
+from cispo.rewards import overlong_penalty, score_rewards
 from cispo.rollout import Sampler, SamplingConfig, truncated_is_weights
 
 
@@ -80,26 +80,30 @@ def sample_groups(
     overlong_buffer: int | None = None,
     reward_timeout_s: float | None = None,
 ) -> list[list[Completion]]:
-    """G responses to each sample's prompt, decoded and scored. A reward that fails scores 0
-    and the failure is recorded on the completion (``reward_error``)."""
+    """G responses to each sample's prompt, decoded and scored, the whole batch at once
+    (`cispo.rewards.score_rewards`: user rewards in worker processes, each call killed past
+    ``reward_timeout_s``). A reward that fails scores 0 and the failure is recorded on the
+    completion (``reward_error``)."""
     prompt_ids = [policy.encode(s) for s in samples]
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
     batch = policy.sampler.generate(rows, sampling, generator=generator)
     lengths = batch.response_lengths.tolist()
+    response_ids = [batch.response_ids[i, : lengths[i]].cpu() for i in range(len(rows))]
+    texts = [policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
+    calls = [(samples[i // group_size]["prompt"], texts[i],
+              {k: v for k, v in samples[i // group_size].items() if k != "prompt"}) for i in range(len(rows))]
+    scored = score_rewards(reward_fn, calls, reward_timeout_s)  # [(task reward, error)]   [B]
     groups: list[list[Completion]] = []
     for g, sample in enumerate(samples):
         group = []
         for i in range(g * group_size, (g + 1) * group_size):
-            ids = batch.response_ids[i, : lengths[i]].cpu()
-            text = policy.tokenizer.decode(ids, skip_special_tokens=True)
-            fields = {k: v for k, v in sample.items() if k != "prompt"}
-            task_reward, error = safe_reward(reward_fn, sample["prompt"], text, fields, reward_timeout_s)
+            task_reward, error = scored[i]
             reward = task_reward
             if overlong_buffer:
                 reward += overlong_penalty(lengths[i], sampling.max_new_tokens, overlong_buffer)
             group.append(
-                Completion(sample, prompt_ids[g], ids, batch.logp_rollout[i, : lengths[i]].cpu(),
-                           batch.finish_reason[i], text, task_reward, reward, error)
+                Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
+                           batch.finish_reason[i], texts[i], task_reward, reward, error)
             )
         groups.append(group)
     return groups
@@ -312,7 +316,7 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max
     generator = torch.Generator(device=policy.device).manual_seed(seed)
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=cfg.eval.temperature)
-    out = {}
+    out, errors = {}, []
     for name, sampling, k in (("greedy", greedy, 1), ("sampled", sampled, cfg.eval.num_samples)):
         groups = []
         for start in range(0, len(samples), 256):
@@ -320,6 +324,7 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max
                                     reward_timeout_s=cfg.data.reward_timeout_s)
         flat = [c for g in groups for c in g]
         acc = sum(c.task_reward for c in flat) / len(flat)
+        errors += [c.reward_error for c in flat if c.reward_error]
         if name == "greedy":
             out["eval/accuracy_greedy"] = acc
             continue
@@ -332,6 +337,10 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max
             out["eval/accuracy_with_fork"] = sum(c.task_reward for c in fork) / len(fork) if fork else float("nan")
             out["eval/accuracy_without_fork"] = sum(c.task_reward for c in rest) / len(rest) if rest else float("nan")
         out["eval/response_length"] = sum(c.length for c in flat) / len(flat)
+    out["eval/reward_errors"] = float(len(errors))  # greedy and sampled calls together
+    if errors:
+        print(f"cispo: evaluation: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})",
+              file=sys.stderr)
     return out
 
 
@@ -367,7 +376,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     t1 = time.perf_counter()
     if not groups and not dist_info.enabled:  # every group uninformative, every round: nothing to learn
         return {"rollout/groups_kept": 0.0, "rollout/rounds": float(report.rounds), "optim/step_updates": 0.0,
-                "optim/updates": float(update_count), "perf/step_s": t1 - t0}, update_count
+                "optim/updates": float(update_count), "perf/step_s": t1 - t0,
+                "rollout/reward_errors": float(len(errors))}, update_count
     if not groups:  # this rank has nothing, but it must join the other ranks' updates
         exp = empty_experience(policy)
     else:

@@ -6,8 +6,13 @@ on 2 shared cores); the TRL one needs trl in this interpreter and is skipped oth
 """
 
 import importlib.util
+import json
+import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,7 @@ SCRIPTS = {  # script -> a string its --tiny output must contain
     "bench_rollout.py": "HF generate",
     "bench_update.py": "fraction of matmul rate",
     "bench_step.py": "logp_old s (share)",
+    "bench_rewards.py": "us / call",
 }
 
 RUNNER = """
@@ -65,3 +71,121 @@ def test_bench_trl_tiny():
                          timeout=240, cwd=BENCH.parent, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ours / TRL" in out.stdout and "| TRL" in out.stdout, out.stdout
+
+
+# --------------------------------------------------------------------------- gpu_check.py
+
+GPU_CHECK = BENCH / "gpu_check.py"
+FAST_SECTIONS = ("environment", "lm_head", "precision", "logprob_agreement", "rl_eager")
+
+
+def _gpu_check(out: Path, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(GPU_CHECK), "--tiny", "--out", str(out), *args], capture_output=True,
+                          text=True, timeout=300, cwd=BENCH.parent, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+def _leaves(x, path=""):
+    """(dotted path, value) of every scalar in a JSON tree."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{path}.{i}" if path else str(i))
+    else:
+        yield path, x
+
+
+def _check_sections(report: dict, names, tmp_path: Path) -> None:
+    assert list(report["sections"]) == list(names)
+    for name, sec in report["sections"].items():
+        assert sec["status"] == "ok", (name, sec.get("error"), sec.get("traceback"))
+        nulls = sec["null_reasons"]
+        for path, value in _leaves(sec["results"]):
+            if value is None:  # only where the section says why (e.g. CUDA memory on a CPU)
+                assert nulls.get(path), f"{name}.{path} is null without a reason"
+            elif isinstance(value, float):
+                assert math.isfinite(value), f"{name}.{path} = {value}"
+        assert all(isinstance(r, str) and r for r in nulls.values())
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert all(f"## {n}: ok" in md for n in names), md
+
+
+def _check_figures(report: dict, tmp_path: Path) -> None:
+    """Numbers that must hold on any device, at any size (no timing)."""
+    s = report["sections"]
+    rows = s["lm_head"]["results"]["rows"]
+    assert len(rows) == 8 and all(r["seconds"] > 0 for r in rows)
+    err = {(r["mode"], r["variant"]): r["max_abs_err_vs_fp64"] for r in rows}
+    assert err[("fwd", "chunked fp32 head")] < 1e-3 < err[("fwd", "chunked bf16 head")]
+    if report["meta"]["device"] == "cpu":  # CUDA memory: explicit nulls with a reason
+        assert all(r["peak_extra_gib"] is None for r in rows)
+        assert "CUDA" in s["lm_head"]["null_reasons"]["rows.0.peak_extra_gib"]
+    prec = s["precision"]["results"]
+    master, bf16 = prec["fp32 master + bf16 autocast"], prec["pure bf16"]
+    assert master["frac_changed_after_step"][0] > 0.9  # lr 1e-6 moves fp32 weights...
+    assert bf16["frac_changed_after_step"][0] < 0.5 * master["frac_changed_after_step"][0]  # ...most bf16 ones not
+    assert bf16["param_gib"] == pytest.approx(master["param_gib"] / 2)
+    pairs = s["logprob_agreement"]["results"]["pairs"]
+    both_bf16 = pairs["sampler bf16 head / trainer bf16 head"]
+    both_fp32 = pairs["sampler fp32 head / trainer fp32 head"]
+    assert both_fp32["mean_abs_dlogp"] < both_bf16["mean_abs_dlogp"]
+    assert -1 <= both_bf16["prob_pearson"] <= 1 and both_fp32["prob_pearson"] > 0.99
+    assert (tmp_path / "figure3.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rl = s["rl_eager"]["results"]
+    assert rl["sampling_tokens_per_s"] > 0 and rl["update_tokens_per_s"] > 0
+    assert rl["response_tokens"] == rl["rows"] * rl["max_new_tokens"]  # EOS never sampled: full length
+
+
+def test_gpu_check_tiny(tmp_path):
+    """Every section but the compiled RL step (~20 s on 2 shared cores): numbers, a report, a plot."""
+    report = _gpu_check(tmp_path, "--sections", ",".join(FAST_SECTIONS))
+    _check_sections(report, FAST_SECTIONS, tmp_path)
+    _check_figures(report, tmp_path)
+
+
+@pytest.mark.slow
+def test_gpu_check_tiny_all_sections(tmp_path):
+    """The whole --tiny run, torch.compile (aot_eager on CPU) included: ~40 s."""
+    report = _gpu_check(tmp_path)
+    _check_sections(report, ("environment", "lm_head", "precision", "logprob_agreement", "rl_eager", "rl_compiled"),
+                    tmp_path)
+    assert report["sections"]["rl_compiled"]["results"]["compile_backend"] == "aot_eager"
+
+
+def test_gpu_check_budget_skips_sections(tmp_path):
+    """A spent budget skips the sections still to come, and the report says so."""
+    report = _gpu_check(tmp_path, "--budget-s", "0", "--sections", "lm_head,precision")
+    assert [s["status"] for s in report["sections"].values()] == ["skipped", "skipped"]
+    assert "budget" in report["sections"]["lm_head"]["error"]
+    assert "## lm_head: skipped" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_sigterm_keeps_the_report(tmp_path):
+    """`timeout` sends SIGTERM: the running section is recorded as stopped, the rest skipped,
+    and the report is still written (the compile of rl_compiled takes >= 10 s on a CPU)."""
+    proc = subprocess.Popen([sys.executable, "-u", str(GPU_CHECK), "--tiny", "--out", str(tmp_path), "--sections",
+                             "rl_compiled,lm_head"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=BENCH.parent, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for line in proc.stdout:
+            if "rl_compiled: start" in line:
+                time.sleep(1.0)
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest[-3000:]
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert sections["rl_compiled"]["status"] == "error" and "Terminated" in sections["rl_compiled"]["error"]
+    assert sections["lm_head"]["status"] == "skipped" and "signal" in sections["lm_head"]["error"]
+
+
+def test_gpu_check_bad_set_names_the_field():
+    proc = subprocess.run([sys.executable, str(GPU_CHECK), "--out", "unused", "--set", "max_new_tokns=3"],
+                          capture_output=True, text=True, timeout=120, cwd=BENCH.parent, check=False)
+    assert proc.returncode == 2 and "max_new_tokns=3" in proc.stderr and "max_new_tokens" in proc.stderr

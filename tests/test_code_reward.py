@@ -1,8 +1,9 @@
-"""Tests for cispo.rewards.code: the sandboxed code reward and a catalogue of hostile programs.
+"""Tests for cispo.rewards.code and cispo.rewards.sandbox: the sandboxed code reward and a
+catalogue of hostile programs.
 
 Every hostile program runs under the sandbox's limits (small ones here, to keep the file
 fast on two cores); each test asserts what happened, and an autouse fixture checks that no
-process of the sandbox uids and no staging directory outlives any test.
+sandbox process of this test run outlives any test.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import os
 import pickle
 import resource
 import secrets
+import shutil
 import signal
+import subprocess
 import socket
 import sys
-import tempfile
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,17 +43,16 @@ from cispo.rewards.code import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-# A uid range of our own, so sandboxes of other test runs on the machine never look like ours.
-UID_BASE = 62000 + (os.getpid() % 500) * 8
-AS_ROOT = os.geteuid() == 0
+# A memory limit of our own (it shows in the harness's command line), so sandboxes of other
+# test runs on the machine never look like ours.
+MEMORY_MB = 256 + os.getpid() % 64
 
 ADD = "```python\ndef add(a, b):\n    return a + b\n```"
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 5) == 4", "assert add(2, 2) == 4"]
 
 
 def config(**overrides) -> SandboxConfig:
-    base = dict(timeout_s=5.0, cpu_s=5, memory_mb=256, max_processes=16, max_output_bytes=16_000,
-                uid=UID_BASE, uid_slots=8)
+    base = dict(timeout_s=5.0, cpu_s=5, memory_mb=MEMORY_MB, max_processes=16, max_output_bytes=16_000)
     return SandboxConfig(**{**base, **overrides})
 
 
@@ -81,39 +82,32 @@ def netns(cfg) -> SandboxConfig:
 
 
 def sandbox_pids() -> list[int]:
-    """Live processes whose real, effective or saved uid is one of our sandbox uids."""
+    """Live processes of this test run's sandboxes: bwrap, the harness and its forks (their
+    command line names the harness and our memory limit)."""
+    marker = b'"AS": %d' % (MEMORY_MB << 20)
     pids = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
         try:
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("Uid:"):
-                        if any(UID_BASE <= int(u) < UID_BASE + 8 for u in line.split()[1:4]):
-                            pids.append(int(entry))
-                        break
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
         except OSError:
             continue
+        if entry.isdigit() and b"/sandbox/harness.py" in cmdline and marker in cmdline:
+            pids.append(int(entry))
     return pids
 
 
 @pytest.fixture(autouse=True)
-def nothing_survives(tmp_path, monkeypatch):
-    """Staging directories go to a per-test temp dir; after the test it must be empty, and
-    (as root) no process of the test's sandbox uids may be alive. Stragglers are killed by pid."""
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(staging))
+def nothing_survives():
+    """After each test no process of this run's sandboxes may be alive (stragglers are killed)."""
     yield
-    leftovers = sandbox_pids() if AS_ROOT and sys.platform.startswith("linux") else []
+    leftovers = sandbox_pids() if sys.platform.startswith("linux") else []
     for pid in leftovers:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     assert leftovers == [], f"sandbox processes survived the test: {leftovers}"
-    assert [p.name for p in staging.iterdir() if p.name.startswith("cispo-sandbox-")] == []
 
 
 def program(src: str) -> str:
@@ -137,8 +131,8 @@ def test_config_validation():
         SandboxConfig(network="host")
     with pytest.raises(ValueError):
         SandboxConfig(timeout_s=0)
-    with pytest.raises(ValueError):
-        SandboxConfig(hide_paths=("relative",))
+    with pytest.raises(ValueError, match="max_processes"):
+        SandboxConfig(max_processes=0)
     assert hash(SandboxConfig()) == hash(SandboxConfig())
 
 
@@ -196,7 +190,7 @@ def test_sandbox_failure_scores_zero_never_raises(cfg, monkeypatch):
     def broken(*args, **kwargs):
         raise SandboxError("launcher exploded")
 
-    monkeypatch.setattr(code_mod, "_execute", broken)
+    monkeypatch.setattr(code_mod, "execute", broken)
     assert code_reward("p", ADD, tests=ADD_TESTS, config=cfg) == 0.0  # cfg was checked already
 
 
@@ -251,7 +245,7 @@ def test_infinite_loop_is_killed_at_the_wall_clock_limit(cfg):
 def test_cpu_time_limit(cfg):
     result = run_sandboxed("while True:\n    pass\n", config(network=cfg.network, cpu_s=1, timeout_s=10))
     assert result.killed_reason == "cpu_limit" and not result.timed_out
-    assert result.returncode == -signal.SIGXCPU and result.wall_s < 4
+    assert result.returncode == -signal.SIGXCPU  # within timeout_s = 10 (wall time depends on the load)
 
 
 @pytest.mark.parametrize("bomb", [
@@ -371,7 +365,7 @@ def test_environment_secrets_are_not_inherited(cfg, monkeypatch):
     result = run_sandboxed(snoop, cfg)
     assert result.returncode == 0 and secret not in result.stdout + result.stderr
     env = dict(eval(result.stdout.splitlines()[0]))
-    assert set(env) == {"PATH", "LANG", "HOME", "TMPDIR"}
+    assert set(env) == {"PATH", "LANG", "HOME", "TMPDIR", "PWD"}  # bwrap sets PWD for --chdir
     leak = "```python\nimport os\ndef secret():\n    return os.environ.get('CISPO_TEST_SECRET_TOKEN')\n```"
     assert code_reward("p", leak, tests=[f"assert secret() == {secret!r}"], config=cfg) == 0.0
 
@@ -404,11 +398,12 @@ def test_network_is_unreachable_even_on_loopback(netns):
         """)
         result = run_sandboxed(probe, netns)
         assert result.returncode == 0, result.stderr
-        assert "interfaces ['lo']" in result.stdout
+        assert "interfaces ['lo']" in result.stdout  # the namespace's own loopback, not the host's
         assert "connected" not in result.stdout and "resolved" not in result.stdout
         failures = [line for line in result.stdout.splitlines() if line.startswith("failed ")]
         assert len(failures) == 3 and "dns failed" in result.stdout
-        assert all(line.endswith(f" {errno.ENETUNREACH}") for line in failures)  # lo is down too
+        assert failures[0].endswith(f" {errno.ECONNREFUSED}")  # nobody listens on this 127.0.0.1
+        assert all(line.endswith(f" {errno.ENETUNREACH}") for line in failures[1:])  # no route out
         listener.setblocking(False)
         with pytest.raises(BlockingIOError):
             listener.accept()  # nothing ever reached the host's listener
@@ -561,3 +556,277 @@ def test_forging_the_verdict_is_blocked(cfg, name):
 def test_always_equal_object_is_a_known_limit(cfg):
     hack = "class Anything:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Anything()\n"
     assert run_tests(hack, ADD_TESTS, cfg).passed == 0
+
+
+def test_type_checking_tests_defeat_the_always_equal_object(cfg):
+    hack = "class Anything:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Anything()\n"
+    typed = ["r = add(1, 2)\nassert type(r) is int and r == 3", "assert isinstance(add(1, 2), int)"]
+    assert run_tests(hack, typed, cfg).passed == 0
+    assert run_tests(extract_code(ADD), typed, cfg).all_passed
+
+
+# --------------------------------------------------------------------------- leaks (issue 17)
+
+
+SHADOWING = {
+    "globals": "isinstance = lambda *a: True\ntype = lambda *a: int\n",
+    "builtins module": "import builtins\nbuiltins.isinstance = lambda *a: True\nbuiltins.type = lambda *a: int\n",
+    "str subclass key": "class Key(str):\n    __hash__ = str.__hash__\n    def __eq__(self, other):\n"
+                        "        return str.__eq__(self, other)\n"
+                        "globals()[Key('isinstance')] = lambda *a: True\nglobals()[Key('type')] = lambda *a: int\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHADOWING))
+def test_shadowing_isinstance_and_type_cannot_fake_a_pass(cfg, name):
+    hack = SHADOWING[name] + "class Anything(int):\n    def __eq__(self, other):\n        return True\n" \
+                             "def add(a, b):\n    return Anything(0)\n"
+    typed = ["r = add(1, 2)\nassert type(r) is int and r == 3", "assert isinstance(add(1, 2), str)"]
+    report = run_tests(hack, typed, cfg)
+    assert report.verified and report.passed == 0, report.result.stderr
+
+
+def test_tests_are_not_readable_by_the_solution(cfg):
+    answer = secrets.randbelow(10 ** 12) + 10 ** 12
+    snoop = program("""
+        import os, re
+        found = {}
+        def scan(path):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            except OSError:
+                return
+            try:
+                data = os.read(fd, 1 << 20)
+            except OSError:
+                data = b""
+            os.close(fd)
+            match = re.search(rb"add\\(1, 2\\) == (\\d+)", data)
+            if match:
+                found[path] = int(match.group(1))
+        for top in ("/tmp", "/sandbox", "/run", "/var/tmp", "/dev/shm", "/etc"):
+            for folder, _, names in os.walk(top):
+                for name in names:
+                    scan(os.path.join(folder, name))
+        for pid in [p for p in os.listdir("/proc") if p.isdigit()] + ["self"]:
+            scan(f"/proc/{pid}/cmdline")
+            scan(f"/proc/{pid}/environ")
+            for fd in os.listdir(f"/proc/{pid}/fd") if os.access(f"/proc/{pid}/fd", os.R_OK) else []:
+                scan(f"/proc/{pid}/fd/{fd}")
+        print("tests.json exists:", os.path.exists("tests.json"), "found:", sorted(found))
+        def add(a, b):
+            return next(iter(found.values()), 0)
+    """)
+    report = run_tests(snoop, [f"assert add(1, 2) == {answer}"], cfg)
+    assert report.verified and report.passed == 0
+    assert "tests.json exists: False found: []" in report.result.stdout, report.result.stdout
+
+
+def test_host_unix_sockets_are_unreachable(netns, tmp_path):
+    tag = secrets.token_hex(6)
+    paths = [str(tmp_path / "host.sock")] + ([f"/run/cispo-test-{tag}.sock"] if os.access("/run", os.W_OK) else [])
+    addresses = paths + [f"\0cispo-test-{tag}"]  # the last one: an abstract socket
+    listeners = []
+    try:
+        for address in addresses:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(address)
+            if not address.startswith("\0"):
+                os.chmod(address, 0o777)  # anyone may connect: only the sandbox's view keeps it out
+            listener.listen(1)
+            listener.setblocking(False)
+            listeners.append(listener)
+        probe = program(f"""
+            import socket
+            for address in {addresses!r}:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    s.connect(address)
+                    s.sendall(b"pwned")
+                    print("connected", repr(address))
+                except OSError as exc:
+                    print("failed", type(exc).__name__)
+        """)
+        result = run_sandboxed(probe, netns)
+        assert result.returncode == 0 and "connected" not in result.stdout, result
+        # paths: absent in the sandbox's view; the abstract name: another network namespace
+        assert result.stdout.split("\n")[:-1] == ["failed FileNotFoundError"] * len(paths) + \
+            ["failed ConnectionRefusedError"]
+        for listener in listeners:
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # the host received nothing
+    finally:
+        for listener in listeners:
+            listener.close()
+        for path in paths:
+            Path(path).unlink(missing_ok=True)
+
+
+def _sysv_keys() -> set[int]:
+    keys = set()
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            keys |= {int(line.split()[0]) for line in f.readlines()[1:] if line.strip()}
+    return keys
+
+
+def test_sysv_ipc_objects_do_not_reach_the_host(cfg):
+    key = 0x5A000000 + secrets.randbelow(1 << 24)
+    before = _sysv_keys()
+    create = program(f"""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        flags = 0o1666  # IPC_CREAT | 0666
+        ids = [libc.shmget({key}, 4096, flags), libc.msgget({key}, flags), libc.semget({key}, 1, flags)]
+        print("ids", ids, "errno", ctypes.get_errno())
+        print("visible inside", all(str({key}) in open(f"/proc/sysvipc/{{k}}").read() for k in ("shm", "msg", "sem")))
+    """)
+    result = run_sandboxed(create, cfg)
+    assert result.returncode == 0 and "visible inside True" in result.stdout, result
+    assert all(int(i) >= 0 for i in result.stdout.split("[")[1].split("]")[0].split(","))
+    assert key not in _sysv_keys() and key not in before  # the objects died with the IPC namespace
+
+
+def test_child_interpreters_are_still_contained(netns):
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    child = program(f"""
+        import ctypes, json, os, resource, socket
+        out = {{"as": resource.getrlimit(resource.RLIMIT_AS)[0], "nproc": resource.getrlimit(resource.RLIMIT_NPROC)[0]}}
+        s = socket.socket()
+        s.settimeout(1)
+        try:
+            s.connect(("127.0.0.1", {listener.getsockname()[1]}))
+            out["net"] = "connected"
+        except OSError as exc:
+            out["net"] = type(exc).__name__
+        for path in ("/etc/passwd", {str(REPO / 'README.md')!r}):
+            try:
+                open(path).read()
+                out[path] = "read"
+            except OSError as exc:
+                out[path] = type(exc).__name__
+        try:
+            bytearray(10 ** 10)
+        except MemoryError:
+            out["memory"] = "MemoryError"
+        libc = ctypes.CDLL(None, use_errno=True)
+        out["ptrace"] = (libc.ptrace(0, 0, 0, 0), ctypes.get_errno())  # PTRACE_TRACEME
+        out["seccomp"] = [l.split()[1] for l in open("/proc/self/status") if l.startswith("Seccomp:")][0]
+        print(json.dumps(out))
+    """)
+    parent = program(f"""
+        import os, subprocess, sys
+        subprocess.run([sys.executable, "-c", {child!r}])
+        with open("child.py", "w") as f:
+            f.write({child!r})
+        sys.stdout.flush()
+        os.system(sys.executable + " child.py")  # through /bin/sh
+    """)
+    try:
+        result = run_sandboxed(parent, config(network=netns.network, memory_mb=MEMORY_MB))
+        assert result.returncode == 0, result.stderr
+        lines = [json.loads(line) for line in result.stdout.splitlines()]
+        assert len(lines) == 2
+        for out in lines:
+            assert out["as"] == MEMORY_MB << 20 and out["nproc"] == 16 and out["memory"] == "MemoryError"
+            assert out["net"] == "ConnectionRefusedError"  # the namespace's loopback, not the host's
+            assert out["/etc/passwd"] == out[str(REPO / "README.md")] == "FileNotFoundError"
+            assert out["ptrace"] == [-1, errno.EPERM] and out["seccomp"] == "2"
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+
+
+def test_a_child_cannot_read_the_harness_memory(cfg):
+    spy = program("""
+        import os, subprocess, sys
+        probe = f"open('/proc/{os.getpid()}/mem', 'rb').read(1)"
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        print("child:", done.stderr.strip().splitlines()[-1])
+        def add(a, b):
+            return 0
+    """)
+    report = run_tests(spy, ADD_TESTS, cfg)
+    assert report.verified and report.passed == 0
+    assert "child: PermissionError" in report.result.stdout, report.result.stdout
+
+
+def test_seccomp_refuses_kernel_attack_surface(cfg):
+    probe = program("""
+        import ctypes, socket
+        libc = ctypes.CDLL(None, use_errno=True)
+        def call(fn, *args):
+            return fn(*args), ctypes.get_errno()
+        print("ptrace", call(libc.ptrace, 0, 0, 0, 0))
+        print("unshare", call(libc.unshare, 0x10000000))  # CLONE_NEWUSER
+        print("mount", call(libc.mount, b"none", b"/tmp", b"tmpfs", 0, None))
+        print("keyctl", call(libc.syscall, 250, 0, 0, 0, 0))  # SYS_keyctl on x86_64
+        try:
+            socket.socket(40, socket.SOCK_STREAM)  # AF_VSOCK
+            print("vsock opened")
+        except OSError as exc:
+            print("vsock", exc.errno)
+    """)
+    result = run_sandboxed(probe, cfg)
+    assert result.returncode == 0, result.stderr
+    for name in ("ptrace", "unshare", "mount"):
+        assert f"{name} (-1, {errno.EPERM})" in result.stdout, result.stdout
+    if os.uname().machine == "x86_64":
+        assert f"keyctl (-1, {errno.EPERM})" in result.stdout
+    assert f"vsock {errno.EAFNOSUPPORT}" in result.stdout
+
+
+def test_the_file_system_view_is_minimal_and_read_only(cfg):
+    probe = program("""
+        import os
+        print(sorted(os.listdir("/")), sorted(os.listdir("/etc")), sorted(os.listdir("/run")))
+        for path in ("/usr/pwned", "/pwned", "/etc/pwned"):
+            try:
+                open(path, "w")
+            except OSError as exc:
+                print(path, type(exc).__name__, exc.errno)
+    """)
+    result = run_sandboxed(probe, cfg)
+    assert result.returncode == 0, result.stderr
+    top, etc, run = (eval(part + "]") for part in result.stdout.splitlines()[0][:-1].split("] "))
+    assert set(top) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sandbox", "sbin",
+                        "tmp", "usr", "var"} | {sys.base_prefix.split("/")[1]}
+    assert etc in ([], ["ld.so.cache"]) and run == []
+    assert result.stdout.count(f"OSError {errno.EROFS}") == 3
+
+
+def test_a_missing_bwrap_is_a_clear_error(tmp_path):
+    with pytest.raises(SandboxUnavailable, match="nonexistent"):
+        make_code_reward(SandboxConfig(bwrap=str(tmp_path / "nonexistent" / "bwrap")))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) to map the sandbox uid into a test user namespace")
+def test_without_user_namespaces_the_sandbox_refuses(cfg):
+    """A real kernel refusal: inside a user namespace whose max_user_namespaces is 0, bwrap
+    cannot create its namespaces, and make_code_reward raises (no unsandboxed run)."""
+    inner = program("""
+        with open("/proc/sys/user/max_user_namespaces", "w") as f:
+            f.write("0")
+        from cispo.rewards.code import SandboxUnavailable, make_code_reward
+        try:
+            make_code_reward()
+            print("SANDBOX RAN")
+        except SandboxUnavailable as exc:
+            print("refused:", exc)
+    """)
+    outer = f"import os, sys\nprint('ready', flush=True)\nsys.stdin.readline()\n" \
+            f"os.execv(sys.executable, [sys.executable, '-c', {inner!r}])\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(["unshare", "--user", "--", sys.executable, "-c", outer], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout.readline() == "ready\n"
+    for name in ("uid_map", "gid_map"):  # root and the sandbox uid, as themselves
+        Path(f"/proc/{proc.pid}/{name}").write_text("0 0 1\n65534 65534 1\n")
+    out, _ = proc.communicate("go\n", timeout=60)
+    assert "refused:" in out and "SANDBOX RAN" not in out, out
+    assert "max_" in out or "namespace" in out.lower(), out

@@ -43,9 +43,8 @@ def raises(prompt, completion, **s):
         (lambda p, c, **s: [1.0], "list"),
     ],
 )
-@pytest.mark.parametrize("timeout", [None, 5.0])
-def test_bad_reward_values_score_zero_with_a_reason(fn, message, timeout):
-    value, error = safe_reward(fn, "1+1=", "2", {}, timeout)
+def test_bad_reward_values_score_zero_with_a_reason(fn, message):
+    value, error = safe_reward(fn, "1+1=", "2", {})
     assert value == 0.0 and message in error
 
 
@@ -53,15 +52,8 @@ def test_good_reward_values_pass_through():
     import numpy as np
 
     assert safe_reward(lambda p, c, **s: True, "", "", {}) == (1.0, None)
-    assert safe_reward(lambda p, c, **s: np.float32(0.5), "", "", {}, 1.0) == (0.5, None)
+    assert safe_reward(lambda p, c, **s: np.float32(0.5), "", "", {}) == (0.5, None)
     assert safe_reward(lambda p, c, answer: float(c == answer), "", "7", {"answer": "7"}) == (1.0, None)
-
-
-def test_hanging_reward_times_out():
-    started = time.perf_counter()
-    value, error = safe_reward(lambda p, c, **s: time.sleep(3) or 1.0, "", "", {}, timeout_s=0.2)
-    assert (value, error) == (0.0, "timed out after 0.2 s")
-    assert time.perf_counter() - started < 1.0
 
 
 def test_run_survives_a_flaky_reward(tiny_model, monkeypatch, tmp_path, capsys):

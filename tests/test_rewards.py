@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 
@@ -178,14 +179,23 @@ def test_math_reward_without_math_verify(monkeypatch):
 
 
 def test_load_builtins():
-    assert load_reward("exact_match") is exact_match
-    assert load_reward(" exact_match ") is exact_match
+    assert load_reward("exact_match").fn is exact_match
+    assert load_reward(" exact_match ").fn is exact_match
     assert set(BUILTIN_REWARDS) == {"math", "math_lenient", "exact_match", "code"}
     if HAVE_MATH_VERIFY:
         from cispo.rewards.math import math_reward
 
-        assert load_reward("math") is math_reward
-    assert load_reward("cispo.rewards.exact:exact_match") is exact_match
+        assert load_reward("math").fn is math_reward
+    assert load_reward("cispo.rewards.exact:exact_match").fn is exact_match
+    # the path rule: built-in names run in the main thread, everything else in worker processes
+    assert not load_reward("exact_match").isolated
+    assert load_reward("cispo.rewards.exact:exact_match").isolated
+    assert load_reward("exact_match", isolation="process").isolated
+    assert not load_reward("cispo.rewards.exact:exact_match", isolation="main").isolated
+    with pytest.raises(RewardSpecError, match="data.reward_isolation must be one of auto, process, main"):
+        load_reward("exact_match", isolation="thread")
+    with pytest.raises(RewardSpecError, match="data.reward_workers must be a positive int"):
+        load_reward("exact_match", workers=0)
 
 
 def test_load_builtin_code_is_lazy(monkeypatch):
@@ -261,6 +271,176 @@ def test_load_file_function(tmp_path, monkeypatch):
 def test_load_reward_unknown(spec, message):
     with pytest.raises(RewardSpecError, match=message):
         load_reward(spec)
+
+
+# --------------------------------------------------------------------------- TRL and verl signatures
+
+# Written exactly as TRL documents custom reward functions (docs/source/grpo_trainer.md,
+# "Using a custom reward function", examples 1.1, 2 and 3), plus its async form.
+TRL_REWARDS = r'''
+import re
+
+def reward_func(completions, **kwargs):
+    """Reward function that assigns higher scores to longer completions (in terms of character count)."""
+    return [float(len(completion)) for completion in completions]
+
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+def reference_reward_func(completions, ground_truth, **kwargs):
+    # Regular expression to capture content inside \boxed{}
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+    contents = [match.group(1) if match else "" for match in matches]
+    # Reward 1 if the content is the same as the ground truth, 0 otherwise
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+
+def math_reward_func(prompts, completions, task, **kwargs):
+    return [(1.0 if "4" in c else -1.0) if t == "math" else None for p, c, t in zip(prompts, completions, task)]
+
+async def async_reward_func(prompts, completions, **kwargs):
+    return [float(len(p) + len(c)) for p, c in zip(prompts, completions)]
+
+def ids_reward_func(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+'''
+
+# Written as verl documents a custom reward function (custom_reward_function.path / name), a
+# dict-returning one, and the signature of verl's own per-data-set scorers (gsm8k.compute_score).
+VERL_REWARDS = r'''
+def my_reward_fn(data_source, solution_str, ground_truth, extra_info=None):
+    return len(solution_str) / 100
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    correct = solution_str.strip().endswith(str(ground_truth))
+    return {"score": 1.0 if correct else 0.0, "acc": correct, "source": data_source,
+            "split": (extra_info or {}).get("split")}
+
+def gsm8k_style(solution_str, ground_truth, method="strict", format_score=0.0, score=1.0):
+    return score if solution_str.endswith("#### " + ground_truth) else format_score
+'''
+
+
+@pytest.fixture
+def trl_file(tmp_path):
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_REWARDS)
+    return path
+
+
+@pytest.fixture
+def verl_file(tmp_path):
+    path = tmp_path / "verl_rewards.py"
+    path.write_text(VERL_REWARDS)
+    return path
+
+
+def test_trl_rewards_load_unchanged(trl_file):
+    r = load_reward(f"{trl_file}:reward_func")
+    assert r.convention == "trl" and r("p", " in the sky.", answer="x") == 12.0
+    fmt = load_reward(f"{trl_file}:format_reward_func")
+    messages = [{"role": "user", "content": "What is the result of (1 + 2) * 4?"}]
+    good = "<think>The sum of 1 and 2 is 3.</think><answer>(1 + 2) * 4 = 12</answer>"
+    assert fmt("What is ...", good, messages=messages) == 1.0  # chat data: TRL's conversational format
+    assert fmt("What is ...", "12", messages=messages) == 0.0
+    ref = load_reward(f"{trl_file}:reference_reward_func")
+    assert ref.needs == [("ground_truth",)]
+    assert ref("p", r" The solution is \boxed{2}.", ground_truth="2") == 1.0
+    assert ref("p", r" The solution is \boxed{6}.", ground_truth="5") == 0.0
+    multi = load_reward(f"{trl_file}:math_reward_func")
+    assert multi.needs == [("task",)] and multi("2+2?", "4", task="math") == 1.0
+    from cispo.rewards import safe_reward
+
+    value, error = safe_reward(multi, "code?", "def f", {"task": "code"})  # TRL's "not applicable"
+    assert value == 0.0 and "returned NoneType" in error  # with one reward, a counted error
+    assert load_reward(f"{trl_file}:async_reward_func")("ab", "cde") == 5.0
+    with pytest.raises(RewardSpecError, match="needs completion_ids: token ids are not passed"):
+        load_reward(f"{trl_file}:ids_reward_func")
+
+
+def test_verl_rewards_load_unchanged(verl_file):
+    r = load_reward(f"{verl_file}:my_reward_fn")
+    assert r.convention == "verl" and r.needs == [("ground_truth", "answer")]
+    assert r("p", "x" * 50, answer="7") == 0.5
+    score = load_reward(f"{verl_file}:compute_score")
+    assert score("p", "so 72", answer="72", data_source="openai/gsm8k") == 1.0  # the dict's "score"
+    assert score("p", "so 71", ground_truth="72") == 0.0  # ground_truth wins over answer
+    assert score.fn(data_source="d", solution_str="1", ground_truth="1", extra_info={"split": "train"})["split"] == "train"
+    gsm8k = load_reward(f"{verl_file}:gsm8k_style")  # no data_source / extra_info parameters
+    assert gsm8k("p", "... #### 72", answer="72", data_source="openai/gsm8k") == 1.0
+
+
+def test_trl_and_verl_rewards_in_worker_processes(trl_file, verl_file):
+    from cispo.rewards import score_rewards
+    from cispo.rewards.pool import shutdown_pools
+
+    try:
+        trl = load_reward(f"{trl_file}:reference_reward_func", workers=1)
+        verl = load_reward(f"{verl_file}:compute_score", workers=1)
+        assert trl.isolated and verl.isolated
+        calls = [("p", r"\boxed{2}", {"ground_truth": "2"}), ("p", r"\boxed{3}", {"ground_truth": "2"})]
+        assert score_rewards(trl, calls, 30) == [(1.0, None), (0.0, None)]
+        assert score_rewards(verl, [("p", "is 72", {"answer": "72"})], 30) == [(1.0, None)]
+    finally:
+        shutdown_pools()
+
+
+@pytest.mark.slow
+def test_verls_own_gsm8k_scorer():
+    pytest.importorskip("verl")
+    r = load_reward("verl.utils.reward_score.gsm8k:compute_score", isolation="main")
+    assert r.convention == "verl"
+    assert r("p", "48 + 24 = 72 #### 72", answer="72", data_source="openai/gsm8k") == 1.0
+
+
+# --------------------------------------------------------------------------- fields checked at set-up
+
+
+def _source(tmp_path, rows, reward, **data):
+    from cispo.config import DataConfig
+    from cispo.data import load_source
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(path=str(path), reward=reward, num_eval_prompts=2, **data)
+    return load_source(cfg, 16), cfg
+
+
+def test_a_reward_missing_its_field_fails_at_setup(tmp_path, trl_file):
+    from cispo.rewards.loading import check_reward_fields
+
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
+    task, cfg = _source(tmp_path, rows, "code")
+    with pytest.raises(RewardSpecError, match=r"prompts\.jsonl'?: training sample 0 has no field 'tests', which "
+                                              r"reward 'code' needs \(add it with data.extra_fields=\[tests\]\)"):
+        check_reward_fields(task, cfg)
+    task, cfg = _source(tmp_path, rows, "exact_match", answer_field=None)
+    with pytest.raises(RewardSpecError, match=r"no field 'answer', which reward 'exact_match' needs "
+                                              r"\(set data.answer_field"):
+        check_reward_fields(task, cfg)
+    task, cfg = _source(tmp_path, rows, f"{trl_file}:reference_reward_func")
+    with pytest.raises(RewardSpecError, match=r"no field 'ground_truth'.*extra_fields=\[ground_truth\]"):
+        check_reward_fields(task, cfg)
+    rows = [{**r, "ground_truth": r["answer"], "tests": "assert True"} for r in rows]
+    for reward in ("code", "exact_match", f"{trl_file}:reference_reward_func"):
+        task, cfg = _source(tmp_path, rows, reward, extra_fields=["ground_truth", "tests"])
+        check_reward_fields(task, cfg)  # every field is there
+
+
+def test_train_checks_the_fields_before_loading_a_model(tmp_path):
+    from cispo.config import TrainConfig, apply_overrides
+    from cispo.runner import train
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
+    cfg = apply_overrides(TrainConfig(), [f"data.path={path}", "data.reward=code", "max_new_tokens=8",
+                                          f"model.path={tmp_path / 'no_such_model'}", f"out_dir={tmp_path}",
+                                          "model.device=cpu", "progress=false"])
+    with pytest.raises(RewardSpecError, match="has no field 'tests'"):
+        train(cfg)
 
 
 # --------------------------------------------------------------------------- stated answers (issue 18)

@@ -2,16 +2,24 @@
 
 A verifier (the built-in task's, a math checker, code tests, a reward model) is any
 callable with that signature; ``sample`` carries the data set's other fields (e.g.
-``answer``). Shaping terms are added on top by the trainer.
+``answer``). Functions written for TRL or verl are adapted when loaded
+(`cispo.rewards.loading`). User rewards run in worker processes that can be killed
+(`cispo.rewards.pool`); `score_rewards` says which path a reward takes. Shaping terms are
+added on top by the trainer.
 """
 
 from __future__ import annotations
 
+import contextlib as _contextlib
+import math as _math
+import numbers as _numbers
+import sys as _sys
 from typing import Callable
 
 RewardFn = Callable[..., float]
 
-__all__ = ["RewardFn", "overlong_penalty", "safe_reward", "check_reward_value"]
+__all__ = ["RewardFn", "overlong_penalty", "safe_reward", "score_rewards", "check_reward_value", "describe_error",
+           "closing_reward_pools"]
 
 
 def overlong_penalty(length: int, max_length: int, cache_length: int) -> float:
@@ -37,19 +45,6 @@ def overlong_penalty(length: int, max_length: int, cache_length: int) -> float:
 # Calling a reward safely
 # ---------------------------------------------------------------------------------------
 
-import concurrent.futures as _futures  # noqa: E402
-import math as _math  # noqa: E402
-import numbers as _numbers  # noqa: E402
-
-_POOL: _futures.ThreadPoolExecutor | None = None
-
-
-def _pool() -> _futures.ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = _futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="cispo-reward")
-    return _POOL
-
 
 def check_reward_value(value) -> float:
     """The reward as a finite float, or ValueError saying what was wrong with it."""
@@ -61,18 +56,46 @@ def check_reward_value(value) -> float:
     raise ValueError(f"returned {type(value).__name__} ({value!r:.60}), not a number")
 
 
-def safe_reward(fn: RewardFn, prompt: str, completion: str, sample: dict, timeout_s: float | None = None):
-    """``(reward, error)``: ``fn(prompt, completion, **sample)`` as a finite float, or
-    ``(0.0, message)`` when it raised, returned something that is not a finite number
-    (None, NaN, a string, …) or ran past ``timeout_s`` (then its thread is abandoned:
-    Python cannot kill it). The trainer counts and logs the errors; it never crashes on them."""
+def describe_error(e: BaseException) -> str:
+    """``"Type: message"`` (or just ``"Type"``) of an exception, for a reward's error record."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def safe_reward(fn: RewardFn, prompt: str, completion: str, sample: dict):
+    """``(reward, error)``: ``fn(prompt, completion, **sample)`` called here, in this thread, as a
+    finite float, or ``(0.0, message)`` when it raised an Exception or returned something that is
+    not a finite number (None, NaN, a string, ...). For trusted rewards: nothing bounds its time
+    and a ``BaseException`` (``SystemExit``) passes; user rewards go through `score_rewards`."""
     try:
-        if timeout_s is None:
-            value = fn(prompt, completion, **sample)
-        else:
-            value = _pool().submit(fn, prompt, completion, **sample).result(timeout=timeout_s)
-        return check_reward_value(value), None
-    except _futures.TimeoutError:
-        return 0.0, f"timed out after {timeout_s} s"
+        return check_reward_value(fn(prompt, completion, **sample)), None
     except Exception as e:  # noqa: BLE001 - a reward must never take the run down
-        return 0.0, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return 0.0, describe_error(e)
+
+
+def score_rewards(reward_fn: RewardFn, calls: list, timeout_s: float | None = None) -> list:
+    """``[(reward, error), ...]`` for ``calls = [(prompt, completion, sample), ...]``, in order.
+
+    Where the calls run (one rule): a `cispo.rewards.loading.Reward` whose ``isolated`` is set
+    (by default every ``module:function`` / ``file.py:function`` reward; ``data.reward_isolation``
+    overrides) runs in worker processes (`cispo.rewards.pool`): the whole batch is submitted at
+    once, each call is killed past ``timeout_s`` and any exit or crash is one failed call. Any
+    other callable (the built-in names, the built-in tasks' rewards) is trusted and called here,
+    in this (main) thread, one after another, with no time limit (`safe_reward`)."""
+    from cispo.rewards.loading import Reward
+
+    if isinstance(reward_fn, Reward) and reward_fn.isolated:
+        from cispo.rewards.pool import pool_for
+
+        return pool_for(reward_fn.spec, reward_fn.workers).score(calls, timeout_s)
+    return [safe_reward(reward_fn, p, c, s) for p, c, s in calls]
+
+
+@_contextlib.contextmanager
+def closing_reward_pools():
+    """Stop every reward worker pool when the block ends (normally or by an exception)."""
+    try:
+        yield
+    finally:
+        pool = _sys.modules.get("cispo.rewards.pool")  # never imported: nothing to stop
+        if pool is not None:
+            pool.shutdown_pools()

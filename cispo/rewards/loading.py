@@ -1,4 +1,4 @@
-"""Resolve a reward spec (config string) to a callable ``(prompt, completion, **sample) -> float``.
+"""Resolve a reward spec (config string) to a `Reward`: callable as ``(prompt, completion, **sample) -> float``.
 
     >>> load_reward("exact_match")                     # a built-in, by name
     >>> load_reward("my_pkg.rewards:score")            # module:function (module importable)
@@ -9,20 +9,45 @@ Built-ins (see `BUILTIN_REWARDS`): ``math`` (math-verify equivalence), ``exact_m
 attribute may be dotted (``module:Class.method``). Every failure raises `RewardSpecError`
 (a ValueError) naming the spec and what is wrong, except a missing math-verify for ``math``
 (ImportError with the pip command).
+
+Three signatures are accepted unchanged, told apart by their parameter names (`convention_of`):
+
+* cispo: ``fn(prompt, completion, **sample) -> float``; ``sample`` holds the data set's other
+  fields (``answer``, ``messages``, ``data.extra_fields``).
+* TRL (``GRPOTrainer`` custom reward; a parameter named ``prompts``, ``completions`` or
+  ``completion_ids``): called once per completion as ``fn(prompts=[prompt],
+  completions=[completion], **{field: [value]}, trainer_state=None, log_extra=.., log_metric=..)``,
+  its list of one float taken. For chat data (the sample has ``messages``) the prompt is the
+  message list and the completion ``[{"role": "assistant", "content": text}]``, as TRL's
+  conversational format. ``completion_ids`` is not available (such a function is refused);
+  ``log_extra`` / ``log_metric`` are accepted and ignored.
+* verl (``compute_score``; parameters ``solution_str`` and ``ground_truth``): called as
+  ``fn(data_source=sample.get("data_source"), solution_str=completion,
+  ground_truth=sample["ground_truth"] if present else sample["answer"],
+  extra_info=sample.get("extra_info") or {})``; a dict result gives its ``"score"``.
+
+An async function of either kind is run to completion (``asyncio.run``).
+
+`check_reward_fields` checks before training that every sample has the fields the reward needs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["load_reward", "BUILTIN_REWARDS", "RewardSpecError"]
+__all__ = ["load_reward", "Reward", "BUILTIN_REWARDS", "RewardSpecError", "ISOLATIONS", "convention_of",
+           "check_reward_fields"]
 
 BUILTIN_REWARDS: dict[str, str] = {
     "math": "cispo.rewards.math:math_reward",
@@ -31,6 +56,16 @@ BUILTIN_REWARDS: dict[str, str] = {
     "code": "cispo.rewards.code:code_reward",
 }
 """Built-in reward names -> ``module:function``, imported only when asked for."""
+
+BUILTIN_FIELDS: dict[str, tuple[str, ...]] = {"math": ("answer",), "math_lenient": ("answer",), "exact_match": ("answer",), "code": ("tests",)}
+"""The sample fields each built-in reward needs."""
+
+ISOLATIONS = ("auto", "process", "main")
+"""``data.reward_isolation``: where a reward runs (see `load_reward`)."""
+
+TRL_ARGS = ("prompts", "completions", "completion_ids", "completions_ids", "trainer_state", "log_extra",
+            "log_metric", "environments")
+"""Arguments TRL's GRPOTrainer passes besides the data set's columns."""
 
 
 class RewardSpecError(ValueError):
@@ -104,16 +139,25 @@ def _resolve(spec: str, target: str) -> Callable[..., float]:
     return obj
 
 
-def load_reward(spec: str) -> Callable[..., float]:
-    """The reward callable named by ``spec``: a built-in name (`BUILTIN_REWARDS`),
-    ``module:function`` or ``path/to/file.py:function``.
+def load_reward(spec: str, isolation: str = "auto", workers: int | None = None) -> "Reward":
+    """The `Reward` named by ``spec``: a built-in name (`BUILTIN_REWARDS`), ``module:function``
+    or ``path/to/file.py:function``, written with any signature of the module docstring.
+
+    ``isolation`` (``data.reward_isolation``): ``process`` runs its calls in ``workers`` worker
+    processes (default min(8, CPUs); `cispo.rewards.pool`), ``main`` in the trainer's main
+    thread, ``auto`` (default) ``main`` for the built-in names, ``process`` for the rest.
 
     Built-in ``math`` fails here (ImportError with the pip command), not at the first reward,
     if math-verify is missing."""
+    if isolation not in ISOLATIONS:
+        raise RewardSpecError(f"data.reward_isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise RewardSpecError(f"data.reward_workers must be a positive int or None, got {workers!r}")
     if not isinstance(spec, str) or not spec.strip():
         raise RewardSpecError(f"reward spec must be a non-empty string, got {spec!r}")
     spec = spec.strip()
-    if spec in BUILTIN_REWARDS:
+    builtin = spec in BUILTIN_REWARDS
+    if builtin:
         module_name = BUILTIN_REWARDS[spec].partition(":")[0]
         if importlib.util.find_spec(module_name) is None:
             raise RewardSpecError(f"built-in reward {spec!r} is not available in this install "
@@ -123,10 +167,153 @@ def load_reward(spec: str) -> Callable[..., float]:
             from cispo.rewards.math import require_math_verify
 
             require_math_verify()  # ImportError with the pip command
-        return fn
-    if ":" not in spec:
+    elif ":" not in spec:
         raise RewardSpecError(
             f"unknown reward {spec!r}{_suggest(spec, BUILTIN_REWARDS)}; built-in rewards: "
             f"{', '.join(sorted(BUILTIN_REWARDS))}; or give 'module:function' / 'path/to/file.py:function'"
         )
-    return _resolve(spec, spec)
+    else:
+        fn = _resolve(spec, spec)
+        module_name, _, attr = spec.rpartition(":")
+        if _is_path(module_name):  # the worker processes may run elsewhere: an absolute path
+            spec = f"{Path(module_name).expanduser().resolve()}:{attr}"
+    convention = convention_of(fn)
+    if convention == "trl" and _required_args(fn, ()) & {"completion_ids", "completions_ids"}:
+        raise RewardSpecError(f"reward {spec!r} (TRL signature) needs completion_ids: token ids are not passed "
+                              f"to rewards in cispo; score the completion text instead")
+    return Reward(spec=spec, fn=fn, convention=convention, builtin=builtin,
+                  isolated=isolation == "process" or (isolation == "auto" and not builtin),
+                  workers=workers or min(8, os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------------------------------
+# One signature for the trainer: cispo's, TRL's, verl's
+# ---------------------------------------------------------------------------------------
+
+
+def convention_of(fn: Callable) -> str:
+    """``"verl"`` (parameters ``solution_str`` and ``ground_truth``), ``"trl"`` (a parameter
+    ``prompts``, ``completions`` or ``completion_ids``) or ``"cispo"`` (anything else)."""
+    try:
+        names = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return "cispo"
+    if {"solution_str", "ground_truth"} <= names:
+        return "verl"
+    if names & {"prompts", "completions", "completion_ids", "completions_ids"}:
+        return "trl"
+    return "cispo"
+
+
+def _required_args(fn: Callable, skip_positional: tuple) -> set[str]:
+    """Names of ``fn``'s parameters that have no default, but the first ``len(skip_positional)``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return set()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in params[len(skip_positional):] if p.kind in kinds and p.default is inspect.Parameter.empty}
+
+
+def _settle(value):
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+def _ignore(*args, **kwargs) -> None:
+    """TRL's ``log_extra`` / ``log_metric``: accepted, not recorded."""
+
+
+def _call_cispo(fn, prompt, completion, sample):
+    return _settle(fn(prompt, completion, **sample))
+
+
+def _call_trl(fn, prompt, completion, sample):
+    chat = "messages" in sample
+    columns = {k: [v] for k, v in sample.items() if k not in TRL_ARGS}
+    out = _settle(fn(prompts=[sample["messages"] if chat else prompt],
+                     completions=[[{"role": "assistant", "content": completion}] if chat else completion],
+                     trainer_state=None, log_extra=_ignore, log_metric=_ignore, **columns))
+    if not isinstance(out, (list, tuple)) or len(out) != 1:
+        raise ValueError(f"TRL-style reward returned {type(out).__name__} ({out!r:.60}), not a list of one reward")
+    return out[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _call_verl(fn, prompt, completion, sample):
+    kwargs = {"solution_str": completion,
+              "ground_truth": sample["ground_truth"] if "ground_truth" in sample else sample.get("answer")}
+    if _takes(fn, "data_source"):  # verl's per-data-set scorers (gsm8k.compute_score) take neither
+        kwargs["data_source"] = sample.get("data_source")
+    if _takes(fn, "extra_info"):
+        kwargs["extra_info"] = dict(sample.get("extra_info") or {})
+    out = _settle(fn(**kwargs))
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise ValueError(f"verl-style reward returned a dict without 'score' (keys: {sorted(out)})")
+        return out["score"]
+    return out
+
+
+_CALLS = {"cispo": _call_cispo, "trl": _call_trl, "verl": _call_verl}
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A loaded reward, callable as cispo's ``(prompt, completion, **sample) -> float`` whatever
+    signature it was written with (`convention`)."""
+
+    spec: str
+    """The spec it was loaded from (a file's path made absolute): worker processes load it again."""
+    fn: Callable = field(repr=False)
+    """The function as written."""
+    convention: str = "cispo"
+    """``cispo``, ``trl`` or ``verl`` (`convention_of`)."""
+    builtin: bool = False
+    isolated: bool = True
+    """Run in worker processes (`cispo.rewards.pool`) rather than the trainer's main thread."""
+    workers: int = 1
+    """Worker processes when ``isolated``."""
+
+    def __call__(self, prompt: str, completion: str, **sample) -> float:
+        return _CALLS[self.convention](self.fn, prompt, completion, sample)
+
+    @property
+    def needs(self) -> list[tuple[str, ...]]:
+        """The sample fields the reward needs, each as a tuple of names any one of which will do."""
+        if self.builtin:
+            return [(name,) for name in BUILTIN_FIELDS.get(self.spec, ())]
+        if self.convention == "verl":
+            return [("ground_truth", "answer")]
+        if self.convention == "trl":
+            return [(name,) for name in sorted(_required_args(self.fn, ()) - set(TRL_ARGS))]
+        return [(name,) for name in sorted(_required_args(self.fn, ("prompt", "completion")))]
+
+
+def check_reward_fields(task, data_cfg) -> None:
+    """Raise `RewardSpecError` naming the data file, the sample and the field if a training or
+    held-out sample of ``task`` (a prompt source: ``reward``, ``train_samples``,
+    ``eval_samples``) lacks a field its reward needs (`Reward.needs`). Rewards that are not a
+    `Reward` (the built-in tasks') are not checked. Called once, before sampling starts."""
+    reward = task.reward
+    if not isinstance(reward, Reward) or not reward.needs:
+        return
+    sources = (("training", data_cfg.path, task.train_samples(data_cfg.seed, data_cfg.num_train_prompts)),
+               ("held-out", data_cfg.eval_path or data_cfg.path,
+                task.eval_samples(data_cfg.seed, data_cfg.num_eval_prompts)))
+    for role, path, samples in sources:
+        for i, sample in enumerate(samples):
+            for names in reward.needs:
+                if not any(sample.get(name) is not None for name in names):
+                    have = ", ".join(sorted(sample)) or "none"
+                    want = " or ".join(repr(n) for n in names)
+                    hint = ("set data.answer_field to the field holding it" if "answer" in names else
+                            f"add it with data.extra_fields=[{names[0]}]")
+                    raise RewardSpecError(
+                        f"data file {path!r}: {role} sample {i} has no field {want}, which reward {reward.spec!r} "
+                        f"needs ({hint}); the sample's fields: {have}")

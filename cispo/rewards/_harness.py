@@ -1,0 +1,147 @@
+"""What `cispo.rewards.sandbox` runs inside bwrap: ``python -I -S harness.py LIMITS RESULT_FD``.
+
+It sets the rlimits (JSON ``{"AS": bytes, ...}``) on itself, so every child inherits them, then
+reads its whole input from stdin (JSON ``{"mode", "code", "tests", "nonce"}``) and puts
+``/dev/null`` there, all before any solution code exists: no file in the sandbox holds the tests.
+Mode ``run`` executes ``code`` as ``__main__``. Mode ``tests`` runs the solution and then each
+test case in a worker thread and writes one line ``"k n HMAC(nonce, 'k n')"`` for the number
+``k`` of passing cases to RESULT_FD; see docs/code-sandbox.md ("The test harness").
+Standard library only; never imported by cispo.
+"""
+
+import json
+import os
+import resource
+import sys
+
+
+def _harden():
+    """Non-dumpable, and an audit hook that refuses the routes to the worker's state."""
+    import collections, ctypes, enum, logging, typing, _thread  # noqa: E401
+    logging._srcfile = None  # log records without caller lookup (it needs frames, refused below)
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0: no /proc/<pid>/mem, no ptrace
+    for name in [n for n in sys.modules if n.split(".")[0] in ("ctypes", "_ctypes")]:
+        del sys.modules[name]
+    # Code objects allowed to call sys._getframe (they only read the caller's module name).
+    allowed = {getattr(fn, "__code__", None) for fn in (collections.namedtuple, getattr(typing, "_caller", None),
+                                                         getattr(getattr(enum, "EnumType", None), "_create_", None))}
+    denied = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
+                        "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook", "os.symlink"})
+    denied_imports = frozenset({"ctypes", "_ctypes", "_testcapi", "_testinternalcapi", "_xxsubinterpreters"})
+    frame_attrs = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+    busy = set()
+    get_ident, getframe, basename, fsdecode = _thread.get_ident, sys._getframe, os.path.basename, os.fsdecode
+
+    def hook(event, args):
+        if event in denied or event.startswith("ctypes."):
+            raise RuntimeError("%s is not allowed in the sandbox" % event)
+        if event == "object.__getattr__" and args[1] in frame_attrs:
+            raise RuntimeError("frame access (%s) is not allowed in the sandbox" % args[1])
+        if event == "import" and args[0] in denied_imports:
+            raise RuntimeError("importing %s is not allowed in the sandbox" % args[0])
+        if event == "open" and isinstance(args[0], (str, bytes)) and basename(fsdecode(args[0])) == "mem":
+            raise RuntimeError("opening %r is not allowed in the sandbox" % (args[0],))
+        if event == "sys._getframe":
+            tid = get_ident()
+            if tid in busy:
+                return
+            busy.add(tid)
+            try:
+                caller = getframe(1).f_code
+            finally:
+                busy.discard(tid)
+            if caller not in allowed:
+                raise RuntimeError("sys._getframe is not allowed in the sandbox")
+
+    sys.addaudithook(hook)
+
+
+def _runner(source, compiled, safe, box, done):
+    # A worker thread: the solution never runs on the main thread, whose frame holds the
+    # result lines, and cannot install signal handlers (main thread only). ``safe`` holds the
+    # builtins as they were before the solution ran; the test cases see only those (plus the
+    # solution's own names that do not shadow a builtin), so redefining ``isinstance``/``type``
+    # or patching the ``builtins`` module cannot change what a test checks.
+    exec_, type_, excepthook, exc_info = safe["exec"], safe["type"], sys.__excepthook__, sys.exc_info
+    base_exception, str_ = safe["BaseException"], safe["str"]
+    passed = 0
+    try:
+        ns = {"__name__": "solution", "__builtins__": sys.modules["builtins"]}
+        try:
+            exec_(safe["compile"](source, "solution.py", "exec"), ns)
+        except base_exception:
+            try:
+                excepthook(*exc_info())
+            except base_exception:
+                pass
+            return
+        tests_ns = {k: v for k, v in ns.items() if type_(k) is str_ and k not in safe}
+        tests_ns["__builtins__"] = safe
+        for code in compiled:
+            try:
+                if code is None:
+                    continue
+                exec_(code, tests_ns)
+                passed += 1
+            except base_exception:
+                try:
+                    excepthook(*exc_info())
+                except base_exception:
+                    pass
+    finally:
+        box[0] = passed
+        done.release()
+
+
+def _tests(payload, result_fd):
+    import builtins, hmac, signal, _thread  # noqa: E401
+    nonce, tests, source = bytes.fromhex(payload["nonce"]), payload["tests"], payload["code"]
+    total = len(tests)
+    # One authenticated line per possible outcome; the nonce itself is never written anywhere.
+    markers = tuple(b"%d %d %s\n" % (k, total, hmac.new(nonce, b"%d %d" % (k, total), "sha256").hexdigest().encode())
+                    for k in range(total + 1))
+    payload.clear()  # the caller's reference too: the nonce and the cases are nowhere but here
+    del nonce
+    write, exit_, flush_out, flush_err = os.write, os._exit, sys.stdout.flush, sys.stderr.flush
+    compiled = []
+    for i, test in enumerate(tests):
+        try:
+            compiled.append(compile(test, "<test %d>" % i, "exec"))
+        except SyntaxError:
+            compiled.append(None)
+            sys.__excepthook__(*sys.exc_info())
+    del tests
+    safe = dict(builtins.__dict__)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # _thread.interrupt_main() then does nothing
+    _harden()
+    box, done = [0], _thread.allocate_lock()
+    done.acquire()
+    _thread.start_new_thread(_runner, (source, compiled, safe, box, done))
+    del source, compiled, safe
+    # From here the main thread only calls C functions: no Python code of the solution can
+    # run on this stack (no signal handlers, no finalizers).
+    done.acquire()
+    flush_out()
+    flush_err()
+    write(result_fd, markers[box[0]])
+    exit_(0)
+
+
+def _main():
+    for name, value in json.loads(sys.argv[1]).items():
+        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value + 1 if name == "CPU" else value))
+    payload = json.loads(sys.stdin.buffer.read())
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    if payload["mode"] == "tests":
+        _tests(payload, int(sys.argv[2]))
+    os.close(int(sys.argv[2]))
+    sys.argv = ["main.py"]
+    code = compile(payload.pop("code"), "main.py", "exec")
+    del payload
+    exec(code, {"__name__": "__main__", "__builtins__": sys.modules["builtins"]})
+
+
+if __name__ == "__main__":
+    _main()
