@@ -19,6 +19,8 @@ from pathlib import Path
 
 from cispo.checkpoint import CheckpointError
 from cispo.config import ConfigError, TrainConfig, apply_overrides, format_help, load_yaml
+from cispo.datasets import DataError
+from cispo.rewards.loading import RewardSpecError
 
 
 def _build_config(cls, config_file: str | None, overrides: list[str]):
@@ -62,11 +64,7 @@ def cmd_eval(args) -> int:
     from cispo.data import load_source
     from cispo.trainer import default_max_new_tokens, evaluate
 
-    cfg = _build_config(TrainConfig, args.config, args.overrides)
-    if args.model:
-        from dataclasses import replace
-
-        cfg = replace(cfg, model=replace(cfg.model, path=args.model))
+    cfg = _build_config(TrainConfig, args.config, args.overrides + ([f"model.path={args.model}"] if args.model else []))
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
     samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
@@ -154,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = list(args.overrides) + rest
     try:
         return args.fn(args)
-    except (ConfigError, FileExistsError) as e:
+    except (ConfigError, DataError, RewardSpecError, FileExistsError) as e:  # bad input: one line, no traceback
         print(f"cispo {args.command}: error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:
