@@ -19,6 +19,8 @@ from pathlib import Path
 
 from cispo.checkpoint import CheckpointError
 from cispo.config import ConfigError, TrainConfig, apply_overrides, format_help, load_yaml
+from cispo.datasets import DataError
+from cispo.rewards.loading import RewardSpecError
 
 
 def _build_config(cls, config_file: str | None, overrides: list[str]):
@@ -72,8 +74,6 @@ def run_config_of(model: str | None) -> Path | None:
 
 
 def cmd_eval(args) -> int:
-    from dataclasses import replace
-
     from cispo.data import load_source
     from cispo.runner import load_policy_for, resolve_device
     from cispo.trainer import default_max_new_tokens, evaluate, tracked_fork
@@ -82,9 +82,9 @@ def cmd_eval(args) -> int:
     if config_file and not args.config:
         print(f"cispo eval: using the run's config {config_file} (data, reward, sampling); --config overrides it",
               file=sys.stderr)
-    cfg = _build_config(TrainConfig, config_file, args.overrides)
-    if args.model:  # a checkpoint's model/ is a plain (merged) model: no LoRA on top, one process
-        cfg = replace(cfg, model=replace(cfg.model, path=args.model, lora_rank=0, fsdp=False))
+    # a checkpoint's model/ is a plain (merged) model: no LoRA on top, one process
+    model = [f"model.path={args.model}", "model.lora_rank=0", "model.fsdp=false"] if args.model else []
+    cfg = _build_config(TrainConfig, config_file, args.overrides + model)
     if cfg.model.chat_template and cfg.model.path:
         from cispo.models import check_chat_template
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = list(args.overrides) + rest
     try:
         return args.fn(args)
-    except (ConfigError, FileExistsError) as e:
+    except (ConfigError, DataError, RewardSpecError, FileExistsError) as e:  # bad input: one line, no traceback
         print(f"cispo {args.command}: error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:

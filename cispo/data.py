@@ -162,6 +162,11 @@ def load_source(data_cfg, max_new_tokens: int | None):
     else:  # hold out a seeded slice of the training file
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(data_cfg.seed)).tolist()
         n_eval = min(data_cfg.num_eval_prompts, len(train) // 5)
+        if data_cfg.num_eval_prompts and not n_eval:
+            from cispo.datasets import DataError
+
+            raise DataError(data_cfg.path, f"{len(train)} prompts: too few to hold out 1/5 of them for evaluation; "
+                            f"add prompts (>= 5), give data.eval_path, or set data.num_eval_prompts=0")
         held_out = [train[i] for i in order[:n_eval]]
         train = [train[i] for i in order[n_eval:]]
     return FileSource(

@@ -48,6 +48,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
+from cispo.suggest import did_you_mean
+
 __all__ = ["load_prompts", "load_prompts_with_report", "DataError", "LoadReport"]
 
 logger = logging.getLogger(__name__)
@@ -330,9 +332,7 @@ def _read_datasets_dir(path: Path, spec: _Spec, split: str | None) -> Iterator[t
                 raise DataError(path, f"holds splits {', '.join(splits)}: pass split=...")
             split = splits[0]
         if split not in ds:
-            close = difflib.get_close_matches(split, splits, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise DataError(path, f"no split {split!r}{hint}; splits: {', '.join(splits)}")
+            raise DataError(path, f"no split {split!r}{did_you_mean(split, splits)}; splits: {', '.join(splits)}")
         ds = ds[split]
     elif split is not None:
         raise DataError(path, f"split={split!r} given, but the folder holds a single Dataset (no splits)")

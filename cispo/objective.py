@@ -45,11 +45,12 @@ Departures from the paper, in plain words:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass
 
 import torch
+
+from cispo.suggest import did_you_mean
 
 RATIO_LEVELS = ("token", "sequence")
 MASK_RULES = ("none", "ppo")
@@ -60,12 +61,7 @@ LOW_PROB = 0.1  # p_old below this counts as a low-probability ("fork") token in
 
 def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"ObjectiveConfig.{field} must be one of {choices}, got {value!r}{_suggest(value, choices)}")
-
-
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), list(choices), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"ObjectiveConfig.{field} must be one of {choices}, got {value!r}{did_you_mean(value, choices)}")
 
 
 @dataclass(frozen=True)
@@ -146,11 +142,11 @@ def preset(name: str, **overrides) -> ObjectiveConfig:
     """The named preset (``cispo``, ``ppo``, ``grpo``, ``dapo``, ``gspo``, ``reinforce``),
     with any field replaced by ``overrides`` (e.g. ``preset("cispo", eps_high_is=2.0)``)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown objective preset {name!r}{_suggest(name, PRESETS)}; known: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown objective preset {name!r}{did_you_mean(name, PRESETS)}; known: {', '.join(PRESETS)}")
     fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}
     for key in overrides:
         if key not in fields:
-            raise ValueError(f"ObjectiveConfig has no field {key!r}{_suggest(key, fields)}")
+            raise ValueError(f"ObjectiveConfig has no field {key!r}{did_you_mean(key, fields)}")
     return dataclasses.replace(PRESETS[name], **overrides)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from cispo.checkpoint import fsync_file, gather_full_state, load_latest_checkpoint, save_checkpoint
-from cispo.config import TrainConfig, to_dict
+from cispo.config import ConfigError, TrainConfig, to_dict
 from cispo.data import PromptStream
 from cispo.rewards import closing_reward_pools
 from cispo.rewards.loading import check_reward_fields
@@ -55,9 +55,18 @@ class RunResult:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``model.device`` as a torch device; one that does not exist here is a ``ConfigError``."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"model.device={name!r}: not a device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={name!r}: CUDA is not available on this machine (use cpu or auto)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"model.device={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None) -> Policy:

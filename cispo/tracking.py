@@ -34,6 +34,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
+from cispo.suggest import did_you_mean
+
 SINK_KINDS = ("jsonl", "tensorboard", "wandb", "mlflow")
 IDS_FILE = "tracking.json"  # per run folder: the W&B / MLflow run ids, for resumes
 
@@ -381,14 +383,11 @@ class MultiSink:
 def check_sink_kinds(kinds: Iterable[str]) -> list[str]:
     """``kinds`` validated, ``"jsonl"`` first, duplicates dropped. Unknown → ValueError
     with the closest known kind."""
-    import difflib
-
     out = ["jsonl"]
     for kind in kinds:
         if kind not in SINK_KINDS:
-            close = difflib.get_close_matches(str(kind), SINK_KINDS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"unknown tracking sink {kind!r}{hint}; known: {', '.join(SINK_KINDS)}")
+            raise ValueError(f"unknown tracking sink {kind!r}{did_you_mean(kind, SINK_KINDS)}; "
+                             f"known: {', '.join(SINK_KINDS)}")
         if kind not in out:
             out.append(kind)
     return out

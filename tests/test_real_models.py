@@ -95,7 +95,8 @@ def test_chat_template_is_applied_to_prompts(qwen_dir):
 def test_bad_data_file_names_file_line_and_field(qwen_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1?", "solution": "2"}\n{"questoin": "2+2?", "solution": "4"}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl.*line 2.*question"):
-        main(["train", f"model.path={qwen_dir}", f"data.path={bad}", "data.prompt_field=question",
-              "data.answer_field=solution", "data.reward=exact_match", "max_new_tokens=8", f"out_dir={tmp_path}",
-              "progress=false"])
+    assert main(["train", f"model.path={qwen_dir}", f"data.path={bad}", "data.prompt_field=question",
+                 "data.answer_field=solution", "data.reward=exact_match", "max_new_tokens=8", f"out_dir={tmp_path}",
+                 "progress=false"]) == 2  # one line on stderr, no traceback
+    err = capsys.readouterr().err
+    assert "bad.jsonl: line 2: field 'question': missing prompt field" in err and "Traceback" not in err

@@ -34,7 +34,6 @@ An async function of either kind is run to completion (``asyncio.run``).
 from __future__ import annotations
 
 import asyncio
-import difflib
 import functools
 import hashlib
 import importlib
@@ -45,6 +44,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from cispo.suggest import did_you_mean
 
 __all__ = ["load_reward", "Reward", "BUILTIN_REWARDS", "RewardSpecError", "ISOLATIONS", "convention_of",
            "check_reward_fields"]
@@ -70,11 +71,6 @@ TRL_ARGS = ("prompts", "completions", "completion_ids", "completions_ids", "trai
 
 class RewardSpecError(ValueError):
     """A reward spec that names no usable callable."""
-
-
-def _suggest(name: str, candidates) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=3, cutoff=0.6)
-    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
 
 
 def _is_path(module: str) -> bool:
@@ -132,7 +128,7 @@ def _resolve(spec: str, target: str) -> Callable[..., float]:
         if not hasattr(obj, part):
             where = module_name if i == 0 else f"{module_name}:{'.'.join(attr.split('.')[:i])}"
             names = [n for n in dir(obj) if not n.startswith("_")]
-            raise RewardSpecError(f"reward {spec!r}: {where!r} has no attribute {part!r}{_suggest(part, names)}")
+            raise RewardSpecError(f"reward {spec!r}: {where!r} has no attribute {part!r}{did_you_mean(part, names, n=3)}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise RewardSpecError(f"reward {spec!r}: {attr!r} in {module_name!r} is not callable (it is a {type(obj).__name__})")
@@ -169,7 +165,7 @@ def load_reward(spec: str, isolation: str = "auto", workers: int | None = None) 
             require_math_verify()  # ImportError with the pip command
     elif ":" not in spec:
         raise RewardSpecError(
-            f"unknown reward {spec!r}{_suggest(spec, BUILTIN_REWARDS)}; built-in rewards: "
+            f"unknown reward {spec!r}{did_you_mean(spec, BUILTIN_REWARDS, n=3)}; built-in rewards: "
             f"{', '.join(sorted(BUILTIN_REWARDS))}; or give 'module:function' / 'path/to/file.py:function'"
         )
     else:

@@ -1,0 +1,13 @@
+"""The "did you mean" hint of every error message that names an unknown word."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(word: object, choices: Iterable[object], n: int = 1, cutoff: float = 0.6) -> str:
+    """`` (did you mean 'x'?)`` naming the ``n`` choices closest to ``word`` (difflib's
+    similarity ratio >= ``cutoff``), or ``""`` when none is that close."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=n, cutoff=cutoff)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
