@@ -73,7 +73,8 @@ def test_run_without_any_update_warns_and_fails(tiny_model, tmp_path, monkeypatc
     monkeypatch.setattr(cispo.tasks, "get_task",
                         lambda name="addition": dataclasses.replace(base, reward=lambda *a, **k: 1.0))
     rc = main(["train", f"model.path={tiny_model}", f"out_dir={tmp_path}", "model.device=cpu", "progress=false",
-               "steps=2", "prompts_per_step=2", "group_size=2", "max_new_tokens=4", "max_sampling_rounds=1",
+               "steps=2", "prompts_per_step=2", "group_size=2", "updates_per_batch=2", "max_new_tokens=4",
+               "max_sampling_rounds=1",
                "num_eval_prompts=2", "eval.num_samples=1", "eval.every=0", "run_name=flat"])
     err = capsys.readouterr().err
     assert rc == 1
