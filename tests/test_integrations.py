@@ -7,11 +7,13 @@ default venv has neither). The first tests need neither.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import types
 import warnings
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ import torch
 from cispo.integrations.trl import objective_config_from_trl, trl_available
 from cispo.integrations.verl import verl_available
 from cispo.objective import is_weight, log_ratio, policy_loss, ppo_token_mask, preset
+
+REPO = Path(__file__).resolve().parents[1]
 
 needs_verl = pytest.mark.skipif(
     not verl_available(), reason="verl is not installed (pip install verl; see docs/integrations.md)"
@@ -138,6 +142,45 @@ def test_verl_registers_every_name():
     assert integ.register() == list(integ.LOSS_NAMES)
     for name in ("cispo_unified", "cispo_unified_cispo", "cispo_unified_grpo", "cispo_unified_gspo"):
         assert name in POLICY_LOSS_REGISTRY
+
+
+def _entry_points_from_pyproject(group: str) -> dict[str, str]:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"].get("entry-points", {}).get(group, {})
+
+
+@needs_verl
+def test_verl_plugin_entry_point_registers_losses_on_import_verl(tmp_path):
+    """pyproject declares a "verl.plugins" entry point; installed (here: a dist-info with
+    pyproject's entry points, shadowing the installed cispo's), a plain `import verl` in a
+    fresh process loads it, and get_policy_loss_fn finds every cispo_unified_<preset>."""
+    eps = _entry_points_from_pyproject("verl.plugins")
+    assert eps == {"cispo": "cispo.integrations.verl"}
+    dist = tmp_path / "cispo-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: cispo\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text("[verl.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+    code = """
+import sys
+import torch
+assert "cispo.integrations.verl" not in sys.modules
+import verl  # loads the verl.plugins entry points
+assert "cispo.integrations.verl" in sys.modules, "verl did not load the entry point"
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from cispo.objective import PRESETS
+for name in PRESETS:
+    fn = get_policy_loss_fn(f"cispo_unified_{name}")
+logp = torch.zeros(2, 3)
+loss, metrics = get_policy_loss_fn("cispo_unified_grpo")(
+    old_log_prob=logp, log_prob=logp + 0.1, advantages=torch.ones(2, 3), response_mask=torch.ones(2, 3),
+    loss_agg_mode="seq-mean-token-mean", config={"policy_loss": {"loss_mode": "cispo_unified_grpo"}})
+assert torch.isfinite(loss) and "cispo/frac_capped" in metrics
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "VERL_USE_EXTERNAL_PLUGINS": "auto"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
 @needs_verl
@@ -273,7 +316,6 @@ def test_verl_hydra_overrides_as_documented():
     """The command-line overrides of docs/integrations.md, composed on verl's own ppo_trainer.yaml
     and turned into the actor config the way verl's workers do (omega_conf_to_dataclass)."""
     pytest.importorskip("hydra", reason="hydra-core is not installed (a verl dependency)")
-    import os
 
     import verl
     from hydra import compose, initialize_config_dir

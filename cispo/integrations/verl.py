@@ -6,6 +6,10 @@ Importing this module registers, in ``verl.trainer.ppo.core_algos.POLICY_LOSS_RE
 * ``cispo_unified_<preset>`` for each preset of ``cispo.objective.PRESETS``
   (``cispo_unified_cispo``, ``_ppo``, ``_grpo``, ``_dapo``, ``_gspo``, ``_reinforce``).
 
+verl imports this module by itself on ``import verl``: cispo declares it as a ``verl.plugins``
+entry point (``pyproject.toml``), so an installed cispo needs no setting for
+``loss_mode=cispo_unified_<preset>``.
+
 Without verl installed the import succeeds and registers nothing; ``register()`` then raises
 an ``ImportError`` naming the pip command. Tested with verl 0.9.1, whose actor calls the loss as
 
