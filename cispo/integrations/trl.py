@@ -52,9 +52,10 @@ from typing import Any
 
 import torch
 
+from cispo.integrations import warn_if_untested
 from cispo.objective import ObjectiveConfig, kl_penalty, policy_loss, preset
 
-INSTALL_HINT = "pip install trl  (tested: trl==1.16.0; or `pip install 'cispo[trl]'`)"
+INSTALL_HINT = 'pip install "trl>=1.16,<1.17"  (or, in a cispo clone, pip install -e ".[trl]")'
 
 STAT_KEYS = (
     "frac_capped",
@@ -138,6 +139,7 @@ except ImportError as _err:  # trl missing: the class exists but refuses to be b
     _TRL_IMPORT_ERROR: ImportError | None = _err
 else:
     _TRL_IMPORT_ERROR = None
+    warn_if_untested("trl", INSTALL_HINT)
 
 
 def trl_available() -> bool:
