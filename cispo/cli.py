@@ -70,7 +70,8 @@ def cmd_eval(args) -> int:
     policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
     samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
     max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
-    metrics = evaluate(policy, samples, task.reward, task.used_fork, cfg, max_new, seed=cfg.seed)
+    metrics = evaluate(policy, samples, task.reward, task.used_fork, cfg, max_new, seed=cfg.seed,
+                       answer_fn=task.extract_answer)
     print(json.dumps(metrics, indent=2))
     return 0
 
