@@ -8,6 +8,7 @@
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model
     cispo compare --quick                         # GRPO vs DAPO vs CISPO, 3 seeds
     cispo sweep ks=[1,4,16]                       # the gap vs the number of off-policy updates K
+    cispo plot runs/a runs/b -o runs/ab.html      # overlay runs' curves: ab.png + ab.html
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def cmd_eval(args) -> int:
     policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
     samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
     max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
-    metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg, max_new, seed=cfg.seed)
+    metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg, max_new, seed=cfg.seed,
+                       answer_fn=task.extract_answer)
     print(json.dumps(metrics, indent=2))
     return 0
 
@@ -123,6 +125,19 @@ def cmd_compare(args) -> int:
         table = compare(cfg)
         print(format_table(table))
         print(f"wall time: {table['wall_s']:.0f} s; folder: {cfg.out_dir} (table.md, comparison.png)")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from cispo.plotting import plot_runs
+
+    metrics = [m for m in args.metrics.split(",") if m] if args.metrics else None
+    try:
+        png, page = plot_runs(args.runs, Path(args.output), metrics, args.title)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"cispo plot: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{png}\n{page}")
     return 0
 
 
@@ -164,16 +179,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("sweep", "the comparison for each K (off-policy updates per batch): CISPO - DAPO / GRPO gaps",
             SweepConfig, cmd_compare)
     p.add_argument("--quick", action="store_true", help="the quick size for every K")
+    p = sub.add_parser("plot", help="overlay runs' curves (metrics.jsonl) into one PNG and a self-contained HTML page",
+                       description="Overlay the curves of any runs into OUTPUT.png and OUTPUT.html (the page embeds "
+                       "the PNG and a table of each run's final metrics; it needs no network or script).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run folders (with metrics.jsonl), or folders of runs such as a `cispo compare` output")
+    p.add_argument("-o", "--output", default="plot.html", help="output path; .png and .html are written (default plot.html)")
+    p.add_argument("--metrics", help="comma-separated metric names (default: reward, accuracy, fork rate, "
+                   "capped / dropped fractions, entropy, length)")
+    p.add_argument("--title", default="", help="figure and page title (default: the run names)")
+    p.set_defaults(fn=cmd_plot)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)  # key=value may follow options, too
-    unknown = [r for r in rest if r.startswith("-") or "=" not in r]
+    takes_overrides = "overrides" in vars(args)  # not `plot`
+    unknown = [r for r in rest if r.startswith("-") or "=" not in r or not takes_overrides]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = list(args.overrides) + rest
+    if takes_overrides:
+        args.overrides = list(args.overrides) + rest
     try:
         return args.fn(args)
     except (ConfigError, DataError, RewardSpecError, FileExistsError) as e:  # bad input: one line, no traceback

@@ -482,6 +482,16 @@ class TrainConfig:
     """Metric sinks besides metrics.jsonl: ``tensorboard``, ``wandb``, ``mlflow``
     (``pip install 'cispo[wandb]'`` etc.). W&B and MLflow read their usual environment
     variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...); see docs/api.md."""
+    log_samples_every: int = 1
+    """Append some of the step's responses (prompt, completion, reward, advantage, fork /
+    capped / PPO-dropped token counts) to ``<run>/samples.jsonl`` and the trackers every this
+    many steps (docs/metrics.md). 0: never."""
+    max_samples_per_step: int = 8
+    """Responses saved per such step: the first ones of the batch, whole groups first."""
+    samples_max_chars: int = 2000
+    """Prompts and completions longer than this are cut (marked with ``…``) in the samples."""
+    samples_max_mb: float = 50.0
+    """``samples.jsonl`` stops growing (with a note) before it passes this size."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -533,6 +543,10 @@ class TrainConfig:
             ("eval.every", self.eval.every >= 0, "must be >= 0 (0: only before the first and after the last step)"),
             ("eval.num_samples", self.eval.num_samples >= 1, "must be >= 1"),
             ("eval.temperature", self.eval.temperature >= 0, "must be >= 0"),
+            ("log_samples_every", self.log_samples_every >= 0, "must be >= 0 (0: never)"),
+            ("max_samples_per_step", self.max_samples_per_step >= 1, "must be >= 1"),
+            ("samples_max_chars", self.samples_max_chars >= 1, "must be >= 1"),
+            ("samples_max_mb", self.samples_max_mb > 0, "must be > 0"),
         ]
         for name, ok, why in checks:
             if not ok:

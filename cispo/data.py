@@ -122,7 +122,7 @@ def fill_groups(
 class FileSource:
     """Prompts from files (``cispo.datasets.load_prompts``) with the Task interface the
     trainer uses: ``train_samples(seed, n)``, ``eval_samples(seed, n)``, ``reward``,
-    ``used_fork``, ``fork_token``, ``max_new_tokens``, ``name``."""
+    ``used_fork``, ``extract_answer``, ``fork_token``, ``max_new_tokens``, ``name``."""
 
     name: str
     train: tuple
@@ -139,6 +139,12 @@ class FileSource:
 
     def used_fork(self, completion: str) -> bool:
         return self.fork_token is not None and self.fork_token in completion
+
+    def extract_answer(self, completion: str) -> str | None:
+        """The final answer maj@k votes on (``cispo.rewards.exact.extract_final_answer``)."""
+        from cispo.rewards.exact import extract_final_answer
+
+        return extract_final_answer(completion)
 
 
 def load_source(data_cfg, max_new_tokens: int | None):

@@ -1,7 +1,13 @@
-"""Curves of one run (``curves.png``), from its ``metrics.jsonl`` rows."""
+"""Curves from ``metrics.jsonl`` rows: one run (``curves.png``), any runs overlaid
+(``cispo plot RUN_DIR...``: one PNG and a self-contained HTML page), and the bands of the
+comparison plots, clamped to [0, 1] for fractions."""
 
 from __future__ import annotations
 
+import base64
+import html
+import json
+import math
 from pathlib import Path
 
 import matplotlib
@@ -19,6 +25,31 @@ PANELS = [  # (title, [(metric, label), ...])
     ("policy entropy", [("objective/entropy", "entropy")]),
     ("response length", [("rollout/response_length", "mean tokens")]),
 ]
+
+
+FRACTION_PREFIXES = ("frac_", "accuracy")
+FRACTION_NAMES = ("fork_rate", "truncated")
+
+
+def is_fraction(key: str) -> bool:
+    """True for metrics that are fractions in [0, 1] by definition (docs/metrics.md):
+    ``*/frac_*``, ``*/accuracy*`` (``eval/accuracy_pass_at_4`` too), ``*/fork_rate``, ``*/truncated``."""
+    name = key.rsplit("/", 1)[-1]
+    return name.startswith(FRACTION_PREFIXES) or name in FRACTION_NAMES
+
+
+def band_limits(key: str, low: list[float], high: list[float]) -> tuple[list[float], list[float]]:
+    """A band ``[low, high]`` clamped to [0, 1] when ``key`` is a fraction (a mean ± interval
+    of a fraction can run past its range; the values themselves cannot)."""
+    if not is_fraction(key):
+        return list(low), list(high)
+    return [min(max(v, 0.0), 1.0) for v in low], [min(max(v, 0.0), 1.0) for v in high]
+
+
+def fill_band(ax, steps: list[int], low: list[float], high: list[float], key: str, **kwargs):
+    """``ax.fill_between`` of ``band_limits(key, low, high)``."""
+    low, high = band_limits(key, low, high)
+    return ax.fill_between(steps, low, high, **kwargs)
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -52,3 +83,123 @@ def save_figure(fig, path: Path, title: str = "") -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+# --------------------------------------------------------------------------- `cispo plot`
+
+OVERLAY_METRICS = [key for _, keys in PANELS for key, _ in keys]
+"""Default metrics of ``cispo plot`` (those present in at least one run are drawn)."""
+
+
+def find_runs(paths: list[str | Path]) -> list[Path]:
+    """Run folders (holding ``metrics.jsonl``) named by ``paths``: a run folder itself, or a
+    folder whose sub-folders are runs (e.g. a ``cispo compare`` output). ``FileNotFoundError``
+    names a path that is neither."""
+    runs: list[Path] = []
+    for p in map(Path, paths):
+        if (p / "metrics.jsonl").is_file():
+            runs.append(p)
+        elif p.is_dir() and (found := sorted(q.parent for q in p.glob("*/metrics.jsonl"))):
+            runs.extend(found)
+        else:
+            raise FileNotFoundError(f"{p}: no metrics.jsonl there nor in its sub-folders (not a run folder)")
+    return list(dict.fromkeys(runs))
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``; ``ValueError`` naming the file, line and field of a bad one."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {n}: not a JSON object ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}, line {n}: field 'step' missing or not an integer")
+        rows.append(row)
+    return rows
+
+
+def run_labels(runs: list[Path]) -> list[str]:
+    """Short unique labels: the folder names, or the paths where names repeat."""
+    names = [r.name for r in runs]
+    return [n if names.count(n) == 1 else str(r) for n, r in zip(names, runs)]
+
+
+def final_value(rows: list[dict], key: str) -> tuple[int, float] | None:
+    """(step, value) of the last row with a value for ``key``; None if it never has one."""
+    for row in reversed(rows):
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return row["step"], float(value)
+    return None
+
+
+def plot_overlay(runs: dict[str, list[dict]], path: Path, metrics: list[str] | None = None, title: str = "") -> Path:
+    """One panel per metric (of ``metrics``, default ``OVERLAY_METRICS``, that some run has),
+    one line per run: ``runs`` maps label -> metrics rows. ``ValueError`` if no run has any."""
+    keys = [k for k in (metrics or OVERLAY_METRICS) if any(final_value(rows, k) for rows in runs.values())]
+    if not keys:
+        raise ValueError(f"none of the metrics {', '.join(metrics or OVERLAY_METRICS)} is in these runs")
+    cols = min(3, len(keys))
+    nrows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.3 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for i, (label, rows) in enumerate(runs.items()):
+            x, y = series(rows, key)
+            if x:  # one colour per run in every panel
+                ax.plot(x, y, marker="o" if len(x) < 15 else None, ms=3, label=label, color=f"C{i % 10}")
+        if is_fraction(key):
+            ax.set_ylim(-0.03, 1.03)
+        style_axis(ax, key)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    return save_figure(fig, path, title)
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "&ndash;"
+    step, v = value
+    return f"{v:.4g} <small>(step {step})</small>"
+
+
+def report_html(runs: dict[str, list[dict]], png: bytes, metrics: list[str], title: str) -> str:
+    """A self-contained HTML page: ``png`` embedded as base64 and a table of each run's final
+    value of each metric (no script, no external file)."""
+    keys = [k for k in metrics if any(final_value(rows, k) for rows in runs.values())]
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
+    body = "".join(
+        f"<tr><td>{html.escape(label)}</td><td>{max((r['step'] for r in rows), default='&ndash;')}</td>"
+        + "".join(f"<td>{_cell(final_value(rows, k))}</td>" for k in keys) + "</tr>"
+        for label, rows in runs.items()
+    )
+    image = base64.b64encode(png).decode("ascii")
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:1em}} table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}} td:first-child{{text-align:left}}</style>
+</head><body><h1>{html.escape(title)}</h1>
+<img alt="curves" style="max-width:100%" src="data:image/png;base64,{image}">
+<h2>Final values</h2>
+<table><tr><th>run</th><th>last step</th>{head}</tr>
+{body}</table>
+</body></html>
+"""
+
+
+def plot_runs(paths: list[str | Path], out: Path, metrics: list[str] | None = None,
+              title: str = "") -> tuple[Path, Path]:
+    """``cispo plot``: overlay the runs at ``paths`` (see ``find_runs``) into ``out`` with suffix
+    ``.png`` and ``.html`` (the page embeds the PNG and a table of final metrics). Returns both paths."""
+    run_dirs = find_runs(paths)
+    runs = {label: read_rows(run / "metrics.jsonl") for label, run in zip(run_labels(run_dirs), run_dirs)}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    title = title or ", ".join(runs)
+    png = plot_overlay(runs, out.with_suffix(".png"), metrics, title if len(title) < 120 else "")
+    page = out.with_suffix(".html")
+    page.write_text(report_html(runs, png.read_bytes(), metrics or OVERLAY_METRICS, title))
+    return png, page

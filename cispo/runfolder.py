@@ -41,6 +41,10 @@ RESUME_SAFE_FIELDS = {
     "eval.every": "when the held-out set is evaluated",
     "eval.num_samples": "samples per held-out prompt",
     "eval.temperature": "temperature of the held-out samples",
+    "log_samples_every": "how often completions are saved to samples.jsonl",
+    "max_samples_per_step": "how many are saved",
+    "samples_max_chars": "where their texts are cut",
+    "samples_max_mb": "the size bound of samples.jsonl",
 }
 """Keys whose value may change when a run is resumed: none of them changes the training
 trajectory (prompts, sampling, objective, optimizer). Everything else must equal the saved

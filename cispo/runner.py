@@ -25,6 +25,7 @@ from cispo.rewards.loading import check_reward_fields
 from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_objects, init_distributed, shard_model
 from cispo.rollout import TorchSampler
 from cispo.runfolder import check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
+from cispo.samples import SampleFile, sample_records
 from cispo.tracking import make_sinks, read_metrics
 from cispo.trainer import (
     Policy,
@@ -209,10 +210,11 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     }
     fork_ids = fork_token_ids(policy.tokenizer, task)
     sink = make_sinks(cfg.trackers, run_dir, run_name(cfg), to_dict(cfg)) if main else None
+    sample_file = SampleFile(run_dir / "samples.jsonl", cfg.samples_max_mb) if main else None
 
     def evaluate_now(step: int) -> dict:  # sharded weights: every rank runs the model with rank 0
         out = evaluate(policy, eval_samples, task.reward, tracked_fork(task), cfg, sampling.max_new_tokens,
-                       seed=cfg.seed + step) if main or sharded else {}
+                       seed=cfg.seed + step, answer_fn=task.extract_answer) if main or sharded else {}
         barrier(dist_info)
         return out
 
@@ -232,12 +234,14 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         if main:
             sink.truncate_after(start)
             save_config(cfg, run_dir)  # with the safe keys that changed (steps, ...)
+            sample_file.truncate_after(start)
             print(f"cispo: resumed {run_dir} from {ckpt.name}", file=sys.stderr)
     else:
         if resume and main:
             print(f"cispo: no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
         if main:
             sink.truncate_after(-1)
+            sample_file.truncate_after(-1)
             write_run_info(run_dir, cfg, sampling, obj)
         row = evaluate_now(0)
         if main:
@@ -263,7 +267,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     with stop.installed(), (sink if sink is not None else contextlib.nullcontext()), closing_reward_pools():
         for step in range(start + 1, cfg.steps + 1):
             metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
-                                            update_count, fork_ids, dist_info)
+                                            update_count, fork_ids, dist_info,
+                                            on_samples=samples_logger(cfg, step, task, sample_file, sink))
             metrics = mean_over_ranks(metrics, dist_info)
             bad_steps = bad_steps + 1 if metrics.get("optim/skipped", 0) >= cfg.algo.updates_per_batch else 0
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
@@ -313,6 +318,21 @@ def no_update_reason(metrics: dict) -> str:
 
 def _quiet(message: str) -> None:
     pass
+
+
+def samples_logger(cfg: TrainConfig, step: int, task, sample_file: SampleFile | None, sink):
+    """``rl_step``'s ``on_samples`` for ``step``: save the step's samples to ``samples.jsonl`` and
+    the sinks' tables (rank 0, every ``log_samples_every`` steps); None when not due."""
+    if sample_file is None or not cfg.log_samples_every or step % cfg.log_samples_every:
+        return None
+
+    def on_samples(groups, exp) -> None:
+        records = sample_records(step, groups, exp, task.fork_token, cfg.max_samples_per_step,
+                                 cfg.samples_max_chars)
+        if sample_file.append(records):
+            sink.log_samples(step, records)
+
+    return on_samples
 
 
 def sync_sampler(policy) -> None:

@@ -3,7 +3,9 @@
 and MLflow can be added beside it (``make_sinks``); each is an optional extra
 (``pip install 'cispo[tensorboard]'``, ``'cispo[wandb]'``, ``'cispo[mlflow]'``).
 
-Every sink has ``log(step, metrics)``, ``truncate_after(step)`` and ``close()``.
+Every sink has ``log(step, metrics)``, ``log_samples(step, records)``, ``truncate_after(step)``
+and ``close()``. ``log_samples`` shows saved completions (``cispo.samples``; the run's
+``samples.jsonl`` holds them all) as a table: TensorBoard text, a W&B table, an MLflow artifact.
 
 * Names: the same in every sink (``rollout/reward_mean``, ``objective/frac_capped``, ...).
   The only place a name may be rewritten is ``mlflow_key`` (MLflow accepts letters, digits,
@@ -116,6 +118,9 @@ class JsonlSink:
             f.write(json.dumps(row) + "\n")
             f.flush()
 
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        pass  # samples.jsonl is written by cispo.samples.SampleFile
+
     def truncate_after(self, step: int) -> None:
         """Keep the rows of steps <= ``step`` (the ones a checkpoint of ``step`` committed; a
         resumed run logs the others again); drop torn or NUL-filled lines with a warning
@@ -159,6 +164,15 @@ class TensorBoardSink:
             self._purge_step = None
         for key, value in values.items():
             self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        """A Markdown table under the text tag ``samples`` (TensorBoard's TEXT tab)."""
+        from cispo.samples import markdown_table
+
+        if self._writer is None:
+            self.log(step, {})
+        self._writer.add_text("samples", markdown_table(records), global_step=step)
         self._writer.flush()
 
     def truncate_after(self, step: int) -> None:
@@ -215,6 +229,15 @@ class WandbSink:
         values = scalar_metrics(metrics)
         if values:
             self.run.log(values, step=step)
+
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        """A ``wandb.Table`` under the key ``samples`` (columns: ``cispo.samples.SAMPLE_FIELDS``)."""
+        import wandb
+
+        from cispo.samples import SAMPLE_FIELDS
+
+        table = wandb.Table(columns=list(SAMPLE_FIELDS), data=[[r.get(f) for f in SAMPLE_FIELDS] for r in records])
+        self.run.log({"samples": table}, step=step)
 
     def truncate_after(self, step: int) -> None:
         pass  # W&B cannot delete logged points; see the class docstring
@@ -318,6 +341,11 @@ class MLflowSink:
         for i in range(0, len(batch), 1000):  # MLflow's batch limit for metrics
             self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        """The records as the run's artifact ``samples/step_<step>.jsonl``."""
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        self.client.log_text(self.run_id, text, f"samples/step_{int(step):06d}.jsonl")
+
     def truncate_after(self, step: int) -> None:
         pass  # MLflow cannot delete logged points; see the class docstring
 
@@ -357,6 +385,9 @@ class MultiSink:
 
     def log(self, step: int, metrics: dict) -> None:
         self._each("log", step, metrics)
+
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        self._each("log_samples", step, records)
 
     def truncate_after(self, step: int) -> None:
         self._each("truncate_after", step)

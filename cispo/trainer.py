@@ -31,6 +31,7 @@ from cispo.experience import (Completion, Experience, collate, is_informative, l
 from cispo.objective import ObjectiveConfig, log_ratio, policy_loss, ppo_token_mask, preset
 from cispo.rewards import overlong_penalty, score_rewards
 from cispo.rollout import Sampler, SamplingConfig, truncated_is_weights
+from cispo.samples import add_token_counts, start_token_counts
 
 
 @dataclass
@@ -206,6 +207,7 @@ def update_policy(
                 sub = exp.select(micro)
                 with policy.compute():
                     logp_new = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+                add_token_counts(exp, micro, sub, logp_new, obj)  # per-row counts for samples.jsonl
                 advantages = sub.advantages  # [b]
                 if "tis" in sub.extras:  # per-token truncated IS weight   [b, T]
                     advantages = advantages[:, None] * sub.extras["tis"][:, : sub.response_mask.shape[1]]
@@ -309,8 +311,10 @@ def update_metrics(stats: list[dict]) -> dict:
 
 
 @torch.no_grad()
-def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max_new_tokens: int, seed: int) -> dict:
-    """Held-out accuracy: greedy, and the mean over k samples per prompt (avg@k)."""
+def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max_new_tokens: int, seed: int,
+             answer_fn=None) -> dict:
+    """Held-out accuracy: greedy, and over k samples per prompt the mean (avg@k), pass@k and
+    maj@k (``group_accuracies``; ``answer_fn(completion)`` gives the answer maj@k votes on)."""
     if not samples:
         return {}
     generator = torch.Generator(device=policy.device).manual_seed(seed)
@@ -330,6 +334,7 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max
             continue
         out[f"eval/accuracy_mean_at_{k}"] = acc
         out["eval/accuracy"] = acc
+        out.update({f"eval/accuracy_{name}_at_{k}": v for name, v in group_accuracies(groups, answer_fn).items()})
         if used_fork:
             fork = [c for c in flat if used_fork(c.text)]
             rest = [c for c in flat if not used_fork(c.text)]
@@ -344,15 +349,37 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, cfg, max
     return out
 
 
+def group_accuracies(groups: list[list[Completion]], answer_fn=None) -> dict[str, float]:
+    """Over prompts (one group of k samples each), the mean of
+    pass@k = max_j R_j (for 0/1 verifiers: at least one of the k is right), and
+    maj@k  = R of the most frequent answer (``answer_fn(text)``, default the stripped text;
+    None answers do not vote; a tie goes to the answer seen first; no answer at all: 0)."""
+    answer_fn = answer_fn or str.strip
+    pass_k, maj_k = [], []
+    for group in groups:
+        pass_k.append(max(c.task_reward for c in group))
+        votes: dict[str, list[Completion]] = {}
+        for c in group:
+            answer = answer_fn(c.text)
+            if answer is not None:
+                votes.setdefault(answer, []).append(c)
+        best = max(votes.values(), key=len, default=None)  # first of the largest: insertion order
+        maj_k.append(best[0].task_reward if best else 0.0)
+    n = max(len(groups), 1)
+    return {"pass": sum(pass_k) / n, "maj": sum(maj_k) / n}
+
+
 # ---------------------------------------------------------------------------------------
 # One RL step
 # ---------------------------------------------------------------------------------------
 
 
 def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, fork_ids,
-            dist_info: DistInfo = DistInfo()):
+            dist_info: DistInfo = DistInfo(), on_samples=None):
     """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count).
-    Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups."""
+    Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups.
+    ``on_samples(groups, exp)``, if given, is called after the updates with this rank's batch
+    (``exp.extras`` then holds the per-row counts of ``cispo.samples``)."""
     t0 = time.perf_counter()
     errors: list[str] = []
 
@@ -382,6 +409,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         exp = empty_experience(policy)
     else:
         exp = build_experience(groups, cfg, policy)
+        if on_samples is not None:
+            start_token_counts(exp)
     if cfg.rollout.vllm_sleep and hasattr(policy.sampler, "sleep"):
         policy.sampler.sleep()
     exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info)
@@ -394,6 +423,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     if hasattr(policy.sampler, "update_weights"):  # a separate inference engine samples the next batch
         policy.sampler.update_weights(policy.model)
     t3 = time.perf_counter()
+    if on_samples is not None and groups:
+        on_samples(groups, exp)
     tokens = float(exp.response_mask.sum())
     metrics = rollout_metrics(groups, exp, report, tracked_fork(task)) if groups else {}
     metrics["rollout/reward_errors"] = float(len(errors))

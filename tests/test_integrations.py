@@ -7,11 +7,13 @@ default venv has neither). The first tests need neither.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import types
 import warnings
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ import torch
 from cispo.integrations.trl import objective_config_from_trl, trl_available
 from cispo.integrations.verl import verl_available
 from cispo.objective import is_weight, log_ratio, policy_loss, ppo_token_mask, preset
+
+REPO = Path(__file__).resolve().parents[1]
 
 needs_verl = pytest.mark.skipif(
     not verl_available(), reason="verl is not installed (pip install verl; see docs/integrations.md)"
@@ -273,7 +277,6 @@ def test_verl_hydra_overrides_as_documented():
     """The command-line overrides of docs/integrations.md, composed on verl's own ppo_trainer.yaml
     and turned into the actor config the way verl's workers do (omega_conf_to_dataclass)."""
     pytest.importorskip("hydra", reason="hydra-core is not installed (a verl dependency)")
-    import os
 
     import verl
     from hydra import compose, initialize_config_dir
@@ -473,9 +476,50 @@ def test_trl_trainer_checks_options(tmp_path):
     from cispo.integrations.trl import CISPOGRPOTrainer
 
     model, tok, data, args = _grpo_setup(tmp_path, epsilon_high=0.28)
-    with pytest.warns(UserWarning, match="ignores GRPOConfig epsilon_high"):
+    with pytest.warns(UserWarning, match="ignores GRPOConfig epsilon_high=0.28"):
         CISPOGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok)
+    model, tok, data, args = _grpo_setup(tmp_path, importance_sampling_level="sequence")
+    with pytest.warns(UserWarning, match="ignores GRPOConfig importance_sampling_level='sequence'"):
+        CISPOGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok)
+    # No warning for what the user did not set (GSPO's sequence level vs TRL's default "token"),
+    # nor for TRL options that give the objective itself.
+    for objective, kw in (("gspo", {}), ("cispo", dict(loss_type="cispo", epsilon_high=5.0))):
+        model, tok, data, args = _grpo_setup(tmp_path, **kw)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="CISPOGRPOTrainer ignores")
+            CISPOGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok,
+                             objective=objective)
     model, tok, data, args = _grpo_setup(tmp_path)
     with pytest.raises(ValueError, match="must equal objective.kl_coef"):
         CISPOGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok,
                          objective=preset("cispo", kl_coef=0.1))
+
+
+def _docs_python_block(heading: str) -> str:
+    """The first ```python block after ``heading`` in docs/integrations.md."""
+    text = (REPO / "docs" / "integrations.md").read_text()
+    start = text.index("```python\n", text.index(heading)) + len("```python\n")
+    return text[start:text.index("```\n", start)]
+
+
+@needs_trl
+def test_trl_documented_example_runs_as_written(tmp_path, monkeypatch):
+    """docs/integrations.md's TRL example, run as written (CPU here: TRL's default bf16=True
+    would refuse), with a tiny local model for Qwen, 8-token completions and 2 steps."""
+    from cispo.models import build_model, build_tokenizer, save_policy
+
+    tok = build_tokenizer(CHARS + "TelmajokNrinubWht?.")
+    save_policy(build_model(tok, size="tiny", seed=0), tok, tmp_path / "tiny")
+    code = _docs_python_block("## TRL")
+    for old, new in (('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(tmp_path / "tiny"))),
+                     ("max_completion_length=256", "max_completion_length=8, max_steps=2, logging_steps=1, report_to='none'")):
+        assert old in code, old
+        code = code.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="CISPOGRPOTrainer ignores")
+        exec(compile(code, "docs/integrations.md", "exec"), scope)
+    logs = [h for h in scope["trainer"].state.log_history if "loss" in h]
+    assert scope["trainer"].state.global_step == 2 and len(logs) == 2
+    assert all(math.isfinite(h["loss"]) and "cispo/frac_capped" in h for h in logs)

@@ -277,10 +277,11 @@ PLOTS = [
 
 
 def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -> Path:
-    """Mean ± 95% band over seeds, one curve per algorithm, one panel per metric."""
+    """Mean ± 95% band over seeds (clamped to [0, 1] for fractions), one curve per algorithm,
+    one panel per metric."""
     import matplotlib.pyplot as plt
 
-    from cispo.plotting import save_figure, style_axis
+    from cispo.plotting import fill_band, save_figure, style_axis
 
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for ax, (key, name) in zip(axes.flat, PLOTS):
@@ -292,7 +293,7 @@ def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -
             stats = [mean_band([c[s] for c in curves]) for s in steps]
             m = [s[0] for s in stats]
             ax.plot(steps, m, label=algo)
-            ax.fill_between(steps, [a - s[2] for a, s in zip(m, stats)], [a + s[2] for a, s in zip(m, stats)], alpha=0.2)
+            fill_band(ax, steps, [a - s[2] for a, s in zip(m, stats)], [a + s[2] for a, s in zip(m, stats)], key, alpha=0.2)
         style_axis(ax, name)
     return save_figure(fig, path, title)
 

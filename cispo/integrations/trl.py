@@ -30,8 +30,8 @@ What TRL still decides, and what it no longer does:
   gradient: they are detached and >= 0);
 * the MoE router auxiliary loss is added as TRL does;
 * NOT read: ``loss_type``, ``epsilon``, ``epsilon_high``, ``delta``, ``importance_sampling_level``
-  and ``use_bias_correction_kl`` (the objective says all that; a warning names the ones set
-  to no effect). Not supported
+  and ``use_bias_correction_kl`` (the objective says all that; a warning names the ones the
+  user changed from their defaults, unless TRL's loss with them equals the objective). Not supported
   (ValueError): the entropy bonus (``entropy_coef`` / ``use_adaptive_entropy``).
 
 Metrics, logged through TRL's ``self._metrics`` (averaged per logging step, across processes):
@@ -52,9 +52,10 @@ from typing import Any
 
 import torch
 
+from cispo.integrations import warn_if_untested
 from cispo.objective import ObjectiveConfig, kl_penalty, policy_loss, preset
 
-INSTALL_HINT = "pip install trl  (tested: trl==1.16.0; or `pip install 'cispo[trl]'`)"
+INSTALL_HINT = 'pip install "trl>=1.16,<1.17"  (or, in a cispo clone, pip install -e ".[trl]")'
 
 STAT_KEYS = (
     "frac_capped",
@@ -138,11 +139,33 @@ except ImportError as _err:  # trl missing: the class exists but refuses to be b
     _TRL_IMPORT_ERROR: ImportError | None = _err
 else:
     _TRL_IMPORT_ERROR = None
+    warn_if_untested("trl", INSTALL_HINT)
 
 
 def trl_available() -> bool:
     """True when ``trl.GRPOTrainer`` could be imported."""
     return _GRPOTrainer is not None
+
+
+IGNORED_TRL_OPTIONS = ("loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
+                       "use_bias_correction_kl")
+"""``GRPOConfig`` fields that set TRL's own loss, which ``CISPOGRPOTrainer`` replaces by its objective."""
+
+
+def _user_set_loss_options(args: Any) -> list[str]:
+    """``name=value`` for each ``IGNORED_TRL_OPTIONS`` field of ``args`` that differs from its
+    ``GRPOConfig`` default, i.e. that the user set (a default is not a setting to warn about)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(args) if f.default is not dataclasses.MISSING}
+    return [f"{name}={getattr(args, name)!r}" for name in IGNORED_TRL_OPTIONS
+            if name in defaults and getattr(args, name) != defaults[name]]
+
+
+def _trl_objective_or_none(args: Any) -> ObjectiveConfig | None:
+    """``objective_config_from_trl(args)``, or None where TRL's options have no equivalent."""
+    try:
+        return objective_config_from_trl(args)
+    except ValueError:
+        return None
 
 
 _FORWARD_FIXED = {"self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
@@ -183,14 +206,8 @@ if _GRPOTrainer is not None:
                 raise ValueError(
                     "CISPOGRPOTrainer does not support TRL's entropy bonus (entropy_coef / use_adaptive_entropy)"
                 )
-            ignored = [f"epsilon_high={args.epsilon_high}"] if args.epsilon_high is not None else []
-            if getattr(args, "delta", None) is not None:
-                ignored.append(f"delta={args.delta}")
-            if cfg.kl_coef > 0 and getattr(args, "use_bias_correction_kl", False):
-                ignored.append("use_bias_correction_kl=True (the KL term is the objective's, not IS-corrected)")
-            if args.importance_sampling_level != cfg.ratio_level:
-                ignored.append(f"importance_sampling_level={args.importance_sampling_level!r}")
-            if ignored:
+            ignored = _user_set_loss_options(args)
+            if ignored and _trl_objective_or_none(args) != cfg:
                 warnings.warn(
                     f"CISPOGRPOTrainer ignores GRPOConfig {', '.join(ignored)}: the loss is set by objective={cfg}",
                     stacklevel=3,

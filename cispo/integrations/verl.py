@@ -6,6 +6,10 @@ Importing this module registers, in ``verl.trainer.ppo.core_algos.POLICY_LOSS_RE
 * ``cispo_unified_<preset>`` for each preset of ``cispo.objective.PRESETS``
   (``cispo_unified_cispo``, ``_ppo``, ``_grpo``, ``_dapo``, ``_gspo``, ``_reinforce``).
 
+verl imports this module by itself on ``import verl``: cispo declares it as a ``verl.plugins``
+entry point (``pyproject.toml``), so an installed cispo needs no setting for
+``loss_mode=cispo_unified_<preset>``.
+
 Without verl installed the import succeeds and registers nothing; ``register()`` then raises
 an ``ImportError`` naming the pip command. Tested with verl 0.9.1, whose actor calls the loss as
 
@@ -49,6 +53,7 @@ from typing import Any
 
 import torch
 
+from cispo.integrations import warn_if_untested
 from cispo.objective import PRESETS, ObjectiveConfig, policy_loss, preset
 
 LOSS_NAME = "cispo_unified"
@@ -65,7 +70,10 @@ AGG_MODES: dict[str, str] = {
 """verl ``loss_agg_mode`` -> our ``aggregation``. Every mode of verl 0.9.1 is supported;
 any other raises ``ValueError``."""
 
-INSTALL_HINT = "pip install verl  (tested: verl==0.9.1; or `pip install 'cispo[verl]'`)"
+INSTALL_HINT = (
+    'pip install --no-deps verl==0.9.1 && pip install -e ".[verl-min-deps]"  (in a cispo clone; or the full '
+    "`pip install verl==0.9.1`, which pins transformers<5.11; see docs/integrations.md)"
+)
 
 _WARNED: set[tuple[str, str]] = set()
 
@@ -275,6 +283,8 @@ if verl_available():
         from verl.workers.config import PolicyLossConfig as _PolicyLossConfig
     except ImportError:  # verl present but broken: register() will say why
         _PolicyLossConfig = None
+    else:
+        warn_if_untested("verl", INSTALL_HINT)
 else:
     _PolicyLossConfig = None
 
