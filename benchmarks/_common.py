@@ -153,6 +153,9 @@ class TimedSampler:
         self.inner = sampler
         self.generate = Stopwatch(sampler.generate)
 
+    def __getattr__(self, name):  # the inner sampler's other methods (update_weights, sleep, ...)
+        return getattr(self.inner, name)
+
 
 def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, prompts: int = 32,
                max_new_tokens: int = 57, seed: int = 0, suppress_eos: bool = False, extra: tuple = (),
@@ -165,10 +168,12 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     """
     import torch
 
+    import cispo.setup as setup_mod
     import cispo.trainer as trainer_mod
     from cispo.config import TrainConfig, apply_overrides
     from cispo.data import PromptStream
     from cispo.models import build_model, build_tokenizer, load_policy
+    from cispo.policy import Policy
     from cispo.rollout import TorchSampler
     from cispo.tasks import get_task
 
@@ -185,8 +190,8 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     ])
     eos = len(tok) if suppress_eos else tok.eos_token_id  # an id outside the vocab is never sampled
     sampler = TimedSampler(TorchSampler(model, eos, tok.pad_token_id))
-    policy = trainer_mod.Policy(model, tok, sampler, torch.device("cpu"))
-    sampling = trainer_mod.sampling_config(cfg, trainer_mod.default_max_new_tokens(task))
+    policy = Policy(model, tok, sampler, torch.device("cpu"))
+    sampling = setup_mod.sampling_config(cfg.rollout, setup_mod.default_max_new_tokens(task))
     if suppress_eos:
         from dataclasses import replace
 
@@ -196,10 +201,11 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
         score = trainer_mod.score_rewards = Stopwatch(score)
     return {
         "policy": policy, "cfg": cfg, "task": task, "sampling": sampling, "score": score,
-        "optimizer": trainer_mod.make_optimizer(model, cfg), "obj": trainer_mod.make_objective(cfg),
+        "optimizer": setup_mod.make_optimizer(model, cfg.optim),
+        "obj": setup_mod.make_objective(cfg.algo, cfg.rollout.max_new_tokens),
         "stream": PromptStream(task.train_samples(cfg.data.seed, 4096), seed=seed),
         "generators": {"sample": torch.Generator().manual_seed(seed), "shuffle": torch.Generator().manual_seed(seed + 1)},
-        "fork_id": trainer_mod.fork_token_id(tok, task),
+        "fork_id": setup_mod.fork_token_ids(tok, task),
         "params": sum(p.numel() for p in model.parameters()),
         "desc": model_desc(model),
     }

@@ -19,7 +19,7 @@ those b rows. Strategies (each row is used exactly once per epoch in all of them
   length-biased batches, which changes the algorithm);
 * ``sorted-micro``: random mini-batches as ``unsorted``, each split into micro-batches of
   ``--micro`` rows after sorting its rows by length;
-* ``split-cost``: the trainer's default (``cispo.experience.length_micro_batches``): random
+* ``split-cost``: the trainer's default (``cispo.batching.length_micro_batches``): random
   mini-batches, each sorted by length and cut wherever a cut saves more than
   ``--split-cost`` padded positions (``algo.micro_batch_split_cost``).
 
@@ -96,7 +96,7 @@ def count(exp, strategy: str, updates: int, micro: int, split_cost: float, seed:
     """(decoder positions computed, real; head positions computed, real; calls) of one epoch."""
     import torch
 
-    from cispo.experience import length_micro_batches
+    from cispo.batching import length_micro_batches
 
     B = len(exp)
     order = torch.randperm(B, generator=torch.Generator().manual_seed(seed))
@@ -123,7 +123,7 @@ def count_logp_old(exp, strategy: str, split_cost: float) -> tuple[int, ...]:
     """The same for the single logp_old pass over all B rows."""
     import torch
 
-    from cispo.experience import length_micro_batches
+    from cispo.batching import length_micro_batches
 
     rows = torch.arange(len(exp))
     if strategy == "unsorted":

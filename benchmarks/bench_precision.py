@@ -36,7 +36,8 @@ def one(mode: str, a) -> dict:
                                    max_position_embeddings=2 * a.len)
     model = transformers.LlamaForCausalLM(cfg).to(param_dtype).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    from cispo.experience import Completion, collate, policy_logprobs
+    from cispo.experience import Completion, collate
+    from cispo.policy import policy_logprobs
 
     g = torch.Generator().manual_seed(0)
     rows = [Completion({}, torch.randint(0, a.vocab, (8,), generator=g).tolist(),

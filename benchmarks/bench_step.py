@@ -64,7 +64,7 @@ def configs(a) -> dict[str, dict]:
 
 def main(argv=None) -> None:
     from cispo.tasks import get_task
-    from cispo.trainer import default_max_new_tokens
+    from cispo.setup import default_max_new_tokens
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="default", help="built-in model size of the base (cispo.models.MODEL_SIZES)")

@@ -39,11 +39,12 @@ def build(args):
     import torch
 
     from cispo.config import TrainConfig, apply_overrides
-    from cispo.experience import Experience, policy_logprobs
+    from cispo.experience import Experience
     from cispo.models import build_model, build_tokenizer
     from cispo.rollout import TorchSampler
     from cispo.tasks import get_task
-    from cispo.trainer import Policy, make_objective, make_optimizer
+    from cispo.policy import Policy, policy_logprobs
+    from cispo.setup import make_objective, make_optimizer
 
     task = get_task("addition")
     tok = build_tokenizer(task.alphabet)
@@ -57,7 +58,7 @@ def build(args):
         exp.logp_old = policy_logprobs(model, exp).float()
     cfg = apply_overrides(TrainConfig(), ["model.device=cpu", f"updates_per_batch={args.updates}"])
     policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.pad_token_id), torch.device("cpu"))
-    return policy, exp, cfg, make_objective(cfg), make_optimizer(model, cfg)
+    return policy, exp, cfg, make_objective(cfg.algo, cfg.rollout.max_new_tokens), make_optimizer(model, cfg.optim)
 
 
 def useful_flops(model, B: int, P: int, T: int) -> dict:

@@ -171,7 +171,7 @@ def section_precision(ctx) -> tuple[dict, dict]:
     Implemented here with plain torch so it does not depend on the trainer's mixed-precision
     path (``model.dtype=bfloat16`` with fp32 master weights, in progress on another branch);
     once that lands, variant "fp32 master + bf16 autocast" can be built with
-    ``cispo.runner.load_policy_for`` + ``cispo.trainer.make_optimizer`` instead.
+    ``cispo.runner.load_policy_for`` + ``cispo.setup.make_optimizer`` instead.
     The head is computed outside autocast: ``token_logprobs`` under autocast runs its matmul in
     bf16 (a custom autograd Function without ``custom_fwd``), which would undo the FP32 head.
     """
@@ -220,7 +220,7 @@ def precision_variant(ctx, master: bool, lr: float) -> dict:
 def lm_adamw_step(model, opt, ids, autocast: bool) -> None:
     """One optimizer step on -mean log p(ids[:, 1:]); the decoder under bf16 autocast when asked,
     the head outside it (FP32, as the trainer computes it)."""
-    from cispo.experience import decoder, lm_head
+    from cispo.policy import decoder, lm_head
     from cispo.logprobs import token_logprobs
 
     ctx = torch.autocast(ids.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
@@ -248,9 +248,11 @@ def fraction_changed(params, before) -> dict:
 def section_logprob_agreement(ctx) -> tuple[dict, dict]:
     """Sampler vs trainer log-probs of the same tokens, bf16 weights, each head precision."""
     from cispo.config import TrainConfig, apply_overrides
-    from cispo.experience import Experience, pearson
+    from cispo.experience import Experience
+    from cispo.metrics import pearson
     from cispo.rollout import SamplingConfig, TorchSampler
-    from cispo.trainer import Policy, compute_logp_old
+    from cispo.policy import Policy
+    from cispo.trainer import compute_logp_old
 
     dev, s = ctx.dev, ctx.sizes
     model = build_qwen(s, dev, torch.bfloat16, ctx.logit_std)
@@ -293,7 +295,9 @@ def section_logprob_agreement(ctx) -> tuple[dict, dict]:
 
 def section_rl(ctx, compiled: bool) -> tuple[dict, dict]:
     """Warm-up + measured ``rl_step``s on bf16 weights through the trainer's own code path."""
+    import cispo.setup as su
     import cispo.trainer as tr
+    from cispo.policy import Policy
     from cispo.config import TrainConfig, apply_overrides
     from cispo.data import PromptStream
     from cispo.rollout import TorchSampler
@@ -311,9 +315,10 @@ def section_rl(ctx, compiled: bool) -> tuple[dict, dict]:
         "dynamic_sampling=false", "seed=0"])
     sampler = CountingSampler(TorchSampler(model, eos_token_id=s.vocab, pad_token_id=tok.pad_token_id), dev)
     trained = CompiledDecoder(model, ctx.compile_backend) if compiled else model
-    policy = tr.Policy(trained, tok, sampler, dev.device)
-    sampling = replace(tr.sampling_config(cfg, s.max_new_tokens), repetition_stop_tokens=None)
-    optimizer, obj = tr.make_optimizer(trained, cfg), tr.make_objective(cfg)
+    policy = Policy(trained, tok, sampler, dev.device)
+    sampling = replace(su.sampling_config(cfg.rollout, s.max_new_tokens), repetition_stop_tokens=None)
+    optimizer = su.make_optimizer(trained, cfg.optim)
+    obj = su.make_objective(cfg.algo, cfg.rollout.max_new_tokens)
     stream = PromptStream(task.train_samples(cfg.data.seed, 4096), seed=0)
     gens = {"sample": torch.Generator(device=dev.device).manual_seed(0), "shuffle": torch.Generator().manual_seed(1)}
     updates, steps = 0, []
@@ -325,7 +330,7 @@ def section_rl(ctx, compiled: bool) -> tuple[dict, dict]:
             dev.reset_peak()
         sampler.reset()
         (m, updates), wall = dev.timed(lambda: tr.rl_step(policy, optimizer, stream, task, cfg, obj, sampling,
-                                                          gens, updates, tr.fork_token_id(tok, task)))
+                                                          gens, updates, su.fork_token_ids(tok, task)))
         row = {"wall_s": wall, "sample_s": m["perf/sample_s"], "generate_s": sampler.seconds,
                "logp_old_s": m["perf/logp_old_s"], "update_s": m["perf/update_s"],
                "prompt_tokens": sampler.prompt_tokens, "response_tokens": sampler.response_tokens}
@@ -354,6 +359,9 @@ class CountingSampler:
     def __init__(self, inner, dev: Device):
         self.inner, self.dev = inner, dev
         self.reset()
+
+    def __getattr__(self, name):  # the inner sampler's other methods (update_weights, sleep, ...)
+        return getattr(self.inner, name)
 
     def reset(self) -> None:
         self.prompt_tokens = self.response_tokens = 0

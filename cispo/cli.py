@@ -77,7 +77,9 @@ def run_config_of(model: str | None) -> Path | None:
 def cmd_eval(args) -> int:
     from cispo.data import load_source
     from cispo.runner import load_policy_for, resolve_device
-    from cispo.trainer import default_max_new_tokens, evaluate, tracked_fork
+    from cispo.evaluation import evaluate
+    from cispo.setup import default_max_new_tokens
+    from cispo.trainer import tracked_fork
 
     config_file = args.config or run_config_of(args.model)
     if config_file and not args.config:
@@ -94,8 +96,8 @@ def cmd_eval(args) -> int:
     policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
     samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
     max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
-    metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg, max_new, seed=cfg.seed,
-                       answer_fn=task.extract_answer)
+    metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg.eval, max_new, seed=cfg.seed,
+                       answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s)
     print(json.dumps(metrics, indent=2))
     return 0
 

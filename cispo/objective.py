@@ -154,7 +154,9 @@ def preset(name: str, **overrides) -> ObjectiveConfig:
 class ObjectiveStats:
     """Detached diagnostics of one ``policy_loss`` call. Fractions and ratio statistics count
     only tokens with response_mask = 1; ``num_tokens`` / ``num_low_prob_tokens`` are their
-    local counts, to weight averages over micro-batches."""
+    local counts, to weight averages over micro-batches (``merge``). ``capped`` and
+    ``ppo_dropped`` are the per-token flags behind ``frac_capped`` / ``frac_ppo_dropped``, for
+    callers that count them per row or per token kind (never part of ``to_dict``)."""
 
     loss: float
     pg_loss: float  # -J (eq. 6) alone
@@ -168,9 +170,47 @@ class ObjectiveStats:
     approx_kl: float  # k3 estimate of KL(pi_old || pi_theta): mean of (r - 1) - log r
     num_tokens: int
     num_low_prob_tokens: int
+    capped: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    """[B, T] bool: response tokens whose IS weight hit a bound of eq. 5 (w_it != r_it)."""
+    ppo_dropped: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    """[B, T] bool: response tokens a PPO mask with eps_low / eps_high drops (M_it = 0, eq. 7)."""
 
-    def to_dict(self, prefix: str = "") -> dict[str, float]:
-        return {prefix + k: float(v) for k, v in dataclasses.asdict(self).items()}
+    SCALARS = ("loss", "pg_loss", "kl", "frac_capped", "frac_ppo_dropped", "frac_ppo_dropped_low_prob",
+               "ratio_mean", "ratio_min", "ratio_max", "approx_kl", "num_tokens", "num_low_prob_tokens")
+    """Every scalar statistic, in order."""
+    DIAGNOSTICS = ("frac_capped", "frac_ppo_dropped", "frac_ppo_dropped_low_prob", "ratio_mean", "ratio_min",
+                   "ratio_max", "approx_kl")
+    """The diagnostics every caller logs (the trainer as ``objective/<name>``, the TRL and verl
+    adapters as ``cispo/<name>``)."""
+
+    def to_dict(self, prefix: str = "", keys: tuple[str, ...] = SCALARS) -> dict[str, float]:
+        """``{prefix + name: value}`` for ``keys`` (default: every scalar statistic)."""
+        return {prefix + k: float(getattr(self, k)) for k in keys}
+
+    @staticmethod
+    def merge(parts: list[ObjectiveStats]) -> ObjectiveStats:
+        """The statistics of the parts' union (micro-batches of one mini-batch, whose losses
+        were normalised by the whole mini-batch's counts): losses summed, fractions and means
+        weighted by the parts' token counts (``frac_ppo_dropped_low_prob`` by their low-probability
+        token counts), the ratio's min / max over the parts; no per-token flags."""
+        n = sum(s.num_tokens for s in parts)
+        n_low = sum(s.num_low_prob_tokens for s in parts)
+        w = lambda name: sum(getattr(s, name) * s.num_tokens for s in parts) / max(n, 1)  # noqa: E731
+        return ObjectiveStats(
+            loss=sum(s.loss for s in parts),
+            pg_loss=sum(s.pg_loss for s in parts),
+            kl=sum(s.kl for s in parts),
+            frac_capped=w("frac_capped"),
+            frac_ppo_dropped=w("frac_ppo_dropped"),
+            frac_ppo_dropped_low_prob=sum(s.frac_ppo_dropped_low_prob * s.num_low_prob_tokens for s in parts)
+            / max(n_low, 1),
+            ratio_mean=w("ratio_mean"),
+            ratio_min=min(s.ratio_min for s in parts),
+            ratio_max=max(s.ratio_max for s in parts),
+            approx_kl=w("approx_kl"),
+            num_tokens=n,
+            num_low_prob_tokens=n_low,
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,11 +388,10 @@ def _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, logp_old, mask, cf
                 n_low.float(),
             ]
         ).tolist()
-    names = [f.name for f in dataclasses.fields(ObjectiveStats)]
-    kwargs = dict(zip(names, values))
+    kwargs = dict(zip(ObjectiveStats.SCALARS, values))
     kwargs["num_tokens"] = int(kwargs["num_tokens"])
     kwargs["num_low_prob_tokens"] = int(kwargs["num_low_prob_tokens"])
-    return ObjectiveStats(**kwargs)
+    return ObjectiveStats(**kwargs, capped=capped & mask, ppo_dropped=dropped)
 
 
 def _check_shapes(logp_new, logp_old, advantages, response_mask, logp_ref) -> None:

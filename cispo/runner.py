@@ -27,18 +27,11 @@ from cispo.rollout import TorchSampler
 from cispo.runfolder import check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
 from cispo.samples import SampleFile, sample_records
 from cispo.tracking import make_sinks, read_metrics
-from cispo.trainer import (
-    Policy,
-    default_max_new_tokens,
-    evaluate,
-    fit_prompts,
-    fork_token_ids,
-    make_objective,
-    make_optimizer,
-    rl_step,
-    sampling_config,
-    tracked_fork,
-)
+from cispo.evaluation import evaluate
+from cispo.metrics import is_nan, nan_mean
+from cispo.policy import Policy
+from cispo.setup import default_max_new_tokens, fit_prompts, fork_token_ids, make_objective, make_optimizer, sampling_config
+from cispo.trainer import rl_step, tracked_fork
 
 PROGRESS_KEYS = {  # metric -> short label on the progress bar
     "rollout/reward_mean": "reward",
@@ -113,10 +106,10 @@ HEAD_TOLERANCE = 1e-3  # nats; float32 rounding gives ~1e-6
 
 def check_head(model, path) -> None:
     """ValueError unless the trainer's chunked head reproduces ``model``'s own distribution
-    (``cispo.experience.head_mismatch``): a model that post-processes its logits in a way
+    (``cispo.policy.head_mismatch``): a model that post-processes its logits in a way
     ``cispo.logprobs.logit_transform`` does not know is refused rather than trained on the
     wrong log-probs. One short forward at load; run on float32 weights."""
-    from cispo.experience import head_mismatch
+    from cispo.policy import head_mismatch
 
     err = head_mismatch(model)
     if not err <= HEAD_TOLERANCE:
@@ -181,9 +174,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         check_chat_template(cfg.model.path)
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     check_reward_fields(task, cfg.data)  # before any model is loaded or sampled from
-    sampling = sampling_config(cfg, default_max_new_tokens(task))
+    sampling = sampling_config(cfg.rollout, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
-    obj = make_objective(cfg)
+    obj = make_objective(cfg.algo, cfg.rollout.max_new_tokens)
     run_dir = prepare_run_dir(cfg, resume, overwrite) if main else run_dir
     if main and cfg.model.path is None:
         from cispo.models import ensure_builtin_model
@@ -195,8 +188,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     broadcast_parameters(policy.model, dist_info)
     if sharded:  # FSDP2: every rank keeps 1/N of the weights, gradients and optimizer state
         shard_model(policy.model, dist_info, device)
-        policy.sampler.all_ranks_done = lambda done: not any_rank(not done, dist_info)
-    optimizer = make_optimizer(policy.model, cfg)  # after sharding: it holds the shards
+        policy.sampler.lock_step(lambda done: not any_rank(not done, dist_info))
+    optimizer = make_optimizer(policy.model, cfg.optim)  # after sharding: it holds the shards
     # each rank samples whole groups from its own shard of the prompts, with its own seeds
     train_samples = fit_prompts(policy, task.train_samples(cfg.data.seed, cfg.data.num_train_prompts),
                                 sampling.max_new_tokens, "training")
@@ -213,8 +206,9 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     sample_file = SampleFile(run_dir / "samples.jsonl", cfg.samples_max_mb) if main else None
 
     def evaluate_now(step: int) -> dict:  # sharded weights: every rank runs the model with rank 0
-        out = evaluate(policy, eval_samples, task.reward, tracked_fork(task), cfg, sampling.max_new_tokens,
-                       seed=cfg.seed + step, answer_fn=task.extract_answer) if main or sharded else {}
+        out = evaluate(policy, eval_samples, task.reward, tracked_fork(task), cfg.eval, sampling.max_new_tokens,
+                       seed=cfg.seed + step, answer_fn=task.extract_answer,
+                       reward_timeout_s=cfg.data.reward_timeout_s) if main or sharded else {}
         barrier(dist_info)
         return out
 
@@ -227,7 +221,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
             raise ValueError(f"checkpoint {ckpt} was written by {state.get('world_size', 1)} processes; "
                              f"resume it with the same number (now {dist_info.world_size})")
         start, update_count = state["step"], state["update_count"]
-        sync_sampler(policy)
+        policy.sampler.update_weights(policy.model)  # a separate inference engine (vLLM) takes them
         stream.load_state_dict(state["streams"][dist_info.rank])
         for name, gen in generators.items():
             gen.set_state(tensors[f"generator/{name}/{dist_info.rank}"])
@@ -335,27 +329,13 @@ def samples_logger(cfg: TrainConfig, step: int, task, sample_file: SampleFile | 
     return on_samples
 
 
-def sync_sampler(policy) -> None:
-    """Push the trainer's weights to a separate inference engine (vLLM); no-op for torch."""
-    if hasattr(policy.sampler, "update_weights"):
-        policy.sampler.update_weights(policy.model)
-
-
 def mean_over_ranks(metrics: dict, info) -> dict:
     """Each metric averaged over the ranks that report it (ranks hold different groups)."""
     if not info.enabled:
         return metrics
     everyone = gather_objects(metrics, info)
     keys = sorted({k for m in everyone for k in m})
-    out = {}
-    for k in keys:
-        values = [m[k] for m in everyone if m.get(k) is not None and not _isnan(m[k])]
-        out[k] = sum(values) / len(values) if values else float("nan")
-    return out
-
-
-def _isnan(x) -> bool:
-    return isinstance(x, float) and x != x
+    return {k: nan_mean(m.get(k) for m in everyone) for k in keys}
 
 
 class StopRequest:
@@ -419,7 +399,7 @@ def _advance(bar, metrics: dict) -> None:
     if bar is None:
         return
     shown = {label: f"{metrics[k]:.3f}" for k, label in PROGRESS_KEYS.items()
-             if k in metrics and not _isnan(metrics[k])}
+             if k in metrics and not is_nan(metrics[k])}
     if metrics.get("optim/step_updates") == 0:
         shown["updates"] = "0 (no update this step)"
     bar.set_postfix(shown, refresh=False)

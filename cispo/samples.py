@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from cispo.experience import Completion, Experience
-from cispo.objective import ObjectiveConfig, is_weight, log_ratio, ppo_token_mask
+from cispo.objective import ObjectiveStats
 
 SAMPLE_FIELDS = ("step", "group", "prompt", "completion", "reward", "task_reward", "advantage", "length",
                  "finish_reason", "fork_tokens", "capped_tokens", "ppo_dropped_tokens", "reward_error")
@@ -40,21 +40,15 @@ def start_token_counts(exp: Experience) -> None:
 
 
 @torch.no_grad()
-def add_token_counts(exp: Experience, rows: torch.Tensor, sub: Experience, logp_new: torch.Tensor,
-                     obj: ObjectiveConfig) -> None:
+def add_token_counts(exp: Experience, rows: torch.Tensor, stats: ObjectiveStats) -> None:
     """Add the capped (w_it != r_it, eq. 5) and PPO-dropped (M_it = 0, eq. 7) response tokens of
-    each row of the micro-batch ``sub`` = ``exp.select(rows)`` to ``exp.extras``; a no-op unless
+    each row to ``exp.extras``, from the objective's own per-token flags (``stats.capped`` /
+    ``stats.ppo_dropped``) of its call on the micro-batch ``exp.select(rows)``; a no-op unless
     ``start_token_counts(exp)`` ran."""
     if COUNT_KEYS[0] not in exp.extras:
         return
-    mask = sub.response_mask.bool()  # [b, T]
-    log_r = log_ratio(logp_new, sub.logp_old, sub.response_mask, obj.ratio_level, obj.max_log_ratio)
-    ratio = torch.exp(log_r)  # r_it   [b, T]
-    capped = (is_weight(ratio, obj.eps_low_is, obj.eps_high_is) != ratio) & mask  # [b, T]
-    A = sub.advantages[:, None].expand_as(ratio)  # A_i   [b, T]
-    dropped = (ppo_token_mask(ratio, A, obj.eps_low, obj.eps_high) == 0) & mask  # [b, T]
-    exp.extras[COUNT_KEYS[0]][rows] += capped.sum(-1)
-    exp.extras[COUNT_KEYS[1]][rows] += dropped.sum(-1)
+    exp.extras[COUNT_KEYS[0]][rows] += stats.capped.sum(-1)  # [b]
+    exp.extras[COUNT_KEYS[1]][rows] += stats.ppo_dropped.sum(-1)  # [b]
 
 
 def _cut(text: str, max_chars: int) -> str:

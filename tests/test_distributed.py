@@ -18,7 +18,9 @@ from cispo.models import build_model, build_tokenizer
 from cispo.objective import preset
 from cispo.rollout import TorchSampler
 from cispo.tasks import arithmetic
-from cispo.trainer import Policy, compute_logp_old, make_optimizer, update_policy
+from cispo.policy import Policy
+from cispo.setup import make_optimizer
+from cispo.trainer import compute_logp_old, update_policy
 
 B = 8  # 4 groups of 2, split 2 + 2 groups over the ranks
 
@@ -45,7 +47,7 @@ def make_setup(objective, split_cost="128"):
 
 
 def run_update(policy, cfg, exp, info):
-    optimizer = make_optimizer(policy.model, cfg)
+    optimizer = make_optimizer(policy.model, cfg.optim)
     update_policy(policy, optimizer, exp, preset(cfg.algo.objective), cfg, torch.Generator().manual_seed(0), 0, None,
                   info)
     return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
@@ -138,7 +140,7 @@ def _fsdp_worker(rank, world, port, out_path):
 
     shard_model(policy.model, info, torch.device("cpu"))
     assert is_sharded(policy.model)
-    policy.sampler.all_ranks_done = lambda done: not any_rank(not done, info)
+    policy.sampler.lock_step(lambda done: not any_rank(not done, info))
     got_gen = policy.sampler.generate(prompts, greedy)
     n = want_gen.response_ids.shape[1]
     assert n == (2 if rank == 0 else 8) and got_gen.response_ids.shape[1] == 8  # until every rank is done
@@ -149,7 +151,7 @@ def _fsdp_worker(rank, world, port, out_path):
     assert torch.allclose(got_logp, want_logp, atol=1e-5)
     assert torch.allclose(mine.extras["entropy"], want_entropy, atol=1e-5)
 
-    optimizer = make_optimizer(policy.model, cfg)
+    optimizer = make_optimizer(policy.model, cfg.optim)
     stats, updates = update_policy(policy, optimizer, mine, preset(cfg.algo.objective), cfg,
                                    torch.Generator().manual_seed(0), 0, None, info)
     params = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -167,7 +169,7 @@ def test_fsdp_two_gloo_ranks_equal_one_process(tmp_path):
     torch.set_num_threads(1)
     policy, cfg, exp = make_setup("cispo")
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
-    optimizer = make_optimizer(policy.model, cfg)
+    optimizer = make_optimizer(policy.model, cfg.optim)
     stats, updates = update_policy(policy, optimizer, exp, preset(cfg.algo.objective), cfg,
                                    torch.Generator().manual_seed(0), 0, None, DistInfo())
     one = policy.model.state_dict()

@@ -8,7 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from cispo.experience import Experience, decoder, lm_head, policy_logprobs  # noqa: E402
+from cispo.experience import Experience  # noqa: E402
+from cispo.policy import decoder, lm_head, policy_logprobs  # noqa: E402
 from cispo.lora import (  # noqa: E402
     apply_lora,
     has_lora,

@@ -7,9 +7,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cispo.config import TrainConfig, apply_overrides  # noqa: E402
-from cispo.experience import Completion, collate, policy_logprobs  # noqa: E402
+from cispo.experience import Completion, collate  # noqa: E402
 from cispo.runner import load_policy_for  # noqa: E402
-from cispo.trainer import compute_logp_old, make_optimizer  # noqa: E402
+from cispo.policy import policy_logprobs  # noqa: E402
+from cispo.setup import make_optimizer  # noqa: E402
+from cispo.trainer import compute_logp_old  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -81,7 +83,7 @@ def test_dropout_is_off_in_the_rl_passes_unless_kept(gpt2_dir, keep_dropout):
 def fraction_changed(path, *overrides, updates=4):
     """Fraction of weights that 4 AdamW steps at lr 1e-6 change."""
     pol, cfg = policy(path, "optim.lr=1e-6", "optim.warmup_updates=0", *overrides)
-    opt = make_optimizer(pol.model, cfg)
+    opt = make_optimizer(pol.model, cfg.optim)
     before = [p.detach().clone() for p in pol.model.parameters()]
     exp = batch()
     pol.model.train()

@@ -81,7 +81,7 @@ def test_tiny_qwen2_trains_from_jsonl_with_math_reward(qwen_dir, math_jsonl, tmp
 def test_chat_template_is_applied_to_prompts(qwen_dir):
     from cispo.models import load_policy
     from cispo.rollout import TorchSampler
-    from cispo.trainer import Policy
+    from cispo.policy import Policy
 
     model, tok = load_policy(qwen_dir)
     policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.eos_token_id), torch.device("cpu"),

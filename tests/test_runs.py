@@ -14,7 +14,8 @@ from cispo.data import FileSource
 from cispo.experience import Completion, collate
 from cispo.objective import preset
 from cispo.tracking import read_metrics
-from cispo.trainer import fork_drop_counts, fork_token_ids, tracked_fork
+from cispo.setup import fork_token_ids
+from cispo.trainer import fork_drop_counts, tracked_fork
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -48,8 +49,7 @@ def test_fork_word_matches_with_and_without_a_leading_space(bpe_tokenizer):
     # a mid-sentence "ĠWait" is counted as a fork token by the PPO-drop diagnostic
     resp = torch.tensor(bpe_tokenizer.encode("Hmm Wait then Wait"))
     exp = collate([Completion({}, [0], resp, torch.zeros(len(resp)), "length", "")], torch.ones(1), 0)
-    exp.logp_old = torch.zeros(1, len(resp))
-    n_fork, _ = fork_drop_counts(torch.zeros(1, len(resp)), exp, preset("cispo"), ids)
+    n_fork, _ = fork_drop_counts(exp, torch.zeros(1, len(resp), dtype=torch.bool), ids)
     assert n_fork == 2
 
 

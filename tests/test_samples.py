@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from cispo.experience import Completion, Experience
-from cispo.objective import preset
+from cispo.objective import policy_loss, preset
 from cispo.runner import train
 from cispo.samples import SAMPLE_FIELDS, SampleFile, add_token_counts, markdown_table, start_token_counts
 from cispo.tracking import make_sinks, read_metrics
-from cispo.trainer import group_accuracies
+from cispo.evaluation import group_accuracies
 from conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,6 +38,13 @@ def test_pass_and_maj_at_k_by_hand():
     assert group_accuracies(groups[2:3]) == {"pass": 0.0, "maj": 0.0}
 
 
+def _count(exp, rows, logp_new, obj):
+    """``add_token_counts`` with the flags of the objective's call on the micro-batch ``rows``."""
+    sub = exp.select(rows)
+    _, stats = policy_loss(logp_new, sub.logp_old, sub.advantages, sub.response_mask, obj)
+    add_token_counts(exp, rows, stats)
+
+
 def test_token_counts_by_value():
     """Row 0 (A > 0): r = 2.0, 1.3, 1.0; row 1 (A < 0): r = 0.5, 0.9 (one padding token).
     cispo (cap 1 + 4 = 5 -> no cap; with eps_high_is=0.25 -> cap 1.25): capped 2.0, 1.3.
@@ -48,14 +55,14 @@ def test_token_counts_by_value():
     ids = torch.zeros(2, 4, dtype=torch.long)
     exp = Experience(ids, torch.ones_like(ids), mask, logp_old, torch.tensor([1.0, -1.0]), logp_old=logp_old)
     rows = torch.arange(2)
-    add_token_counts(exp, rows, exp, logp_new, preset("cispo"))
+    _count(exp, rows, logp_new, preset("cispo"))
     assert "samples/capped_tokens" not in exp.extras  # counts only where asked for
     start_token_counts(exp)
     obj = preset("cispo", eps_high_is=0.25, eps_low_is=0.2)  # weight clip [0.8, 1.25]
-    add_token_counts(exp, rows, exp, logp_new, obj)
+    _count(exp, rows, logp_new, obj)
     assert exp.extras["samples/capped_tokens"].tolist() == [2, 1]  # 2.0, 1.3 | 0.5
     assert exp.extras["samples/ppo_dropped_tokens"].tolist() == [2, 1]  # 2.0, 1.3 | 0.5
-    add_token_counts(exp, rows[1:], exp.select(rows[1:]), logp_new[1:, :2], obj)  # a second epoch of row 1
+    _count(exp, rows[1:], logp_new[1:, :2], obj)  # a second epoch of row 1
     assert exp.extras["samples/capped_tokens"].tolist() == [2, 2]
 
 

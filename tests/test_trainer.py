@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from cispo.data import PromptStream, fill_groups
-from cispo.experience import Completion, collate, policy_logprobs
+from cispo.experience import Completion, collate
+from cispo.policy import policy_logprobs
 from cispo.objective import PRESETS
 from cispo.rewards import overlong_penalty
 from cispo.runner import train
@@ -151,7 +152,7 @@ def _ragged_setup(dtype=torch.float64, rows=24):
     from cispo.models import build_model, build_tokenizer
     from cispo.rollout import TorchSampler
     from cispo.tasks import arithmetic
-    from cispo.trainer import Policy
+    from cispo.policy import Policy
 
     tok = build_tokenizer(arithmetic.ALPHABET)
     model = build_model(tok, size="tiny", seed=0).to(dtype)
@@ -178,7 +179,9 @@ def _positions(exp, parts) -> int:
 @pytest.mark.parametrize("micro", [None, 5])
 def test_length_sorted_micro_batches_give_the_same_update(objective, micro):
     from cispo.objective import preset
-    from cispo.trainer import make_optimizer, micro_batches, update_policy
+    from cispo.batching import micro_batches
+    from cispo.setup import make_optimizer
+    from cispo.trainer import update_policy
 
     torch.manual_seed(0)
     params, positions, stats = {}, {}, {}
@@ -186,11 +189,11 @@ def test_length_sorted_micro_batches_give_the_same_update(objective, micro):
         policy, exp, config = _ragged_setup()
         cfg = config(f"objective={objective}", f"micro_batch_size={micro}", f"micro_batch_split_cost={split}")
         order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(3))  # update_policy's shuffle
-        calls = [m for rows in order.tensor_split(cfg.algo.updates_per_batch) for m in micro_batches(exp, rows, cfg)]
+        calls = [m for rows in order.tensor_split(cfg.algo.updates_per_batch) for m in micro_batches(exp, rows, cfg.algo)]
         assert sorted(torch.cat(calls).tolist()) == list(range(len(exp)))  # every row once
         assert all(len(m) <= (micro or len(exp)) for m in calls)
         positions[split] = _positions(exp, calls)
-        stats[split], _ = update_policy(policy, make_optimizer(policy.model, cfg), exp, preset(objective), cfg,
+        stats[split], _ = update_policy(policy, make_optimizer(policy.model, cfg.optim), exp, preset(objective), cfg,
                                         torch.Generator().manual_seed(3), 0, None)
         params[split] = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     before = _ragged_setup()[0].model.state_dict()
@@ -208,7 +211,7 @@ def test_length_sorted_micro_batches_give_the_same_update(objective, micro):
 
 
 def test_length_micro_batches_cut_where_it_pays():
-    from cispo.experience import length_micro_batches
+    from cispo.batching import length_micro_batches
 
     _, exp, _ = _ragged_setup(torch.float32, rows=48)
     rows = torch.randperm(len(exp), generator=torch.Generator().manual_seed(0))
@@ -238,14 +241,14 @@ def test_length_micro_batches_cut_where_it_pays():
 
 
 def test_length_micro_batches_bound_their_cut_points(monkeypatch):
-    import cispo.experience
+    import cispo.batching
 
     _, exp, _ = _ragged_setup(torch.float32, rows=48)
     rows = torch.randperm(len(exp), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(cispo.experience, "MAX_CUT_POINTS", 3)  # fewer than the distinct lengths
-    parts = cispo.experience.length_micro_batches(exp, rows, None, 0.0)
+    monkeypatch.setattr(cispo.batching, "MAX_CUT_POINTS", 3)  # fewer than the distinct lengths
+    parts = cispo.batching.length_micro_batches(exp, rows, None, 0.0)
     assert 1 < len(parts) <= 3 and sorted(torch.cat(parts).tolist()) == list(range(len(exp)))
-    parts = cispo.experience.length_micro_batches(exp, rows, 5, 0.0)
+    parts = cispo.batching.length_micro_batches(exp, rows, 5, 0.0)
     assert max(len(m) for m in parts) <= 5 and sorted(torch.cat(parts).tolist()) == list(range(len(exp)))
 
 

@@ -53,19 +53,11 @@ from typing import Any
 import torch
 
 from cispo.integrations import warn_if_untested
-from cispo.objective import ObjectiveConfig, kl_penalty, policy_loss, preset
+from cispo.objective import ObjectiveConfig, ObjectiveStats, kl_penalty, policy_loss, preset
 
 INSTALL_HINT = 'pip install "trl>=1.16,<1.17"  (or, in a cispo clone, pip install -e ".[trl]")'
 
-STAT_KEYS = (
-    "frac_capped",
-    "frac_ppo_dropped",
-    "frac_ppo_dropped_low_prob",
-    "ratio_mean",
-    "ratio_min",
-    "ratio_max",
-    "approx_kl",
-)
+STAT_KEYS = ObjectiveStats.DIAGNOSTICS
 """``ObjectiveStats`` fields logged as ``cispo/<field>``."""
 
 
@@ -289,7 +281,7 @@ if _GRPOTrainer is not None:
                 self._metrics[mode]["entropy"].append((totals[0] / count).item())
                 if ref is not None:
                     self._metrics[mode]["kl"].append((totals[2] / count).item())
-                local = torch.tensor([getattr(stats, k) for k in STAT_KEYS], device=per_token_logps.device)
+                local = torch.tensor(list(stats.to_dict(keys=STAT_KEYS).values()), device=per_token_logps.device)
                 gathered = self.accelerator.gather(local[None]).reshape(-1, len(STAT_KEYS))  # [processes, k]
             for j, key in enumerate(STAT_KEYS):
                 column = gathered[:, j]

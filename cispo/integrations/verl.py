@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from cispo.integrations import warn_if_untested
-from cispo.objective import PRESETS, ObjectiveConfig, policy_loss, preset
+from cispo.objective import PRESETS, ObjectiveConfig, ObjectiveStats, policy_loss, preset
 
 LOSS_NAME = "cispo_unified"
 LOSS_NAMES: dict[str, str | None] = {LOSS_NAME: None, **{f"{LOSS_NAME}_{p}": p for p in PRESETS}}
@@ -256,17 +256,8 @@ def make_policy_loss_fn(loss_mode: str = LOSS_NAME):
             "actor/pg_clipfrac": stats.frac_ppo_dropped if cfg.mask_rule == "ppo" else stats.frac_capped,
             "actor/ppo_kl": ppo_kl,
             "actor/pg_clipfrac_lower": 0.0,  # verl's dual-clip (clip_ratio_c) is not part of eq. 6
+            **stats.to_dict("cispo/", keys=ObjectiveStats.DIAGNOSTICS),
         }
-        for key in (
-            "frac_capped",
-            "frac_ppo_dropped",
-            "frac_ppo_dropped_low_prob",
-            "ratio_mean",
-            "ratio_min",
-            "ratio_max",
-            "approx_kl",
-        ):
-            metrics[f"cispo/{key}"] = float(getattr(stats, key))
         return loss, metrics
 
     compute_policy_loss_cispo_unified.__name__ = f"compute_policy_loss_{loss_mode}"

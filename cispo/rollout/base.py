@@ -2,15 +2,16 @@
 
 A sampler turns a list of tokenised prompts into a :class:`RolloutBatch`: the sampled responses plus the
 sampler's own log-probabilities of them (``logp_rollout``, the "old" policy of CISPO's importance ratio).
-Any backend (the reference :class:`~cispo.rollout.torch_sampler.TorchSampler`, a future vLLM sampler)
-implements the :class:`Sampler` protocol.
+Every backend (the reference :class:`~cispo.rollout.torch_sampler.TorchSampler`, the
+:class:`~cispo.rollout.vllm_sampler.VLLMSampler`) subclasses :class:`Sampler`, which declares ``generate``
+and the optional capabilities (weight sync, sleep / wake, lock-step across ranks) with no-op defaults.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
 
 import torch
 
@@ -108,9 +109,23 @@ class RolloutBatch:
         return self.finish_reason.count("length")
 
 
-@runtime_checkable
-class Sampler(Protocol):
-    """Anything that samples responses for a batch of tokenised prompts."""
+class Sampler:
+    """Anything that samples responses for a batch of tokenised prompts.
+
+    A backend subclasses it and implements ``generate``; the optional capabilities below have
+    no-op defaults, so the trainer calls them on every sampler and a backend overrides only
+    what it has:
+
+    * ``update_weights(model)``: a separate inference engine (vLLM) takes the trainer's new
+      weights after every optimizer step; a sampler that runs the trained model itself needs
+      nothing.
+    * ``sleep()`` / ``wake_up()``: free the engine's memory while the trainer updates (vLLM's
+      sleep mode), and take it back.
+    * ``lock_step(all_ranks_done)``: for a model sharded across processes (FSDP), where every
+      rank must run the same number of forward passes, ``all_ranks_done(done)`` takes this
+      rank's "every row has stopped" and says whether that holds on every rank; the sampler
+      then keeps decoding (padding only) until it does.
+    """
 
     def generate(
         self,
@@ -119,4 +134,18 @@ class Sampler(Protocol):
         generator: torch.Generator | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt (prompts are lists of token ids, non-empty, of any lengths)."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__}.generate")
+
+    def update_weights(self, model) -> int:
+        """Take the trainer's current weights; returns the number of tensors taken (0: none needed)."""
+        return 0
+
+    def sleep(self) -> None:
+        """Free the engine's memory until the next ``generate`` / ``wake_up`` (default: nothing to free)."""
+
+    def wake_up(self) -> None:
+        """Take back what ``sleep`` freed (default: nothing)."""
+
+    def lock_step(self, all_ranks_done: Callable[[bool], bool] | None) -> None:
+        """Decode in lock-step with the other ranks through ``all_ranks_done`` (None: alone).
+        Default: nothing, for a sampler whose forward passes need no other rank."""

@@ -15,14 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from cispo.distributed import sharded_call
-from cispo.experience import decoder, lm_head
 from cispo.logprobs import lm_logits, logit_transform
-from cispo.rollout.base import FINISH_REASONS, RolloutBatch, SamplingConfig
+from cispo.policy import decoder, lm_head
+from cispo.rollout.base import FINISH_REASONS, RolloutBatch, Sampler, SamplingConfig
 
 _LENGTH, _EOS, _REPETITION = (FINISH_REASONS.index(r) for r in ("length", "eos", "repetition"))
 
 
-class TorchSampler:
+class TorchSampler(Sampler):
     """Samples from a ``transformers`` causal LM (anything whose ``forward`` takes ``input_ids``,
     ``attention_mask``, ``position_ids``, ``use_cache`` and a KV cache, and returns ``.logits``).
 
@@ -38,15 +38,12 @@ class TorchSampler:
             on the decoder's last hidden state, FP32, with the model's own logit post-processing) rather
             than ``model(...).logits``: the sampler's and the trainer's log-probs then come from one
             definition, also in low precision (MiniMax-M1's FP32 head on both sides). Needs a Hugging
-            Face causal LM (``cispo.experience.decoder`` / ``lm_head``).
+            Face causal LM (``cispo.policy.decoder`` / ``lm_head``).
 
-    Attributes:
-        all_ranks_done: None, or — for a model sharded across processes (FSDP), where every rank
-            must run the same number of forward passes — a callable that takes this rank's "every
-            row has stopped" and returns whether that holds on every rank. The decode loop then
-            runs until it does (stopped rows only get padding), and sampling runs under
-            ``no_grad`` instead of ``inference_mode`` (FSDP's gathered weights must stay usable
-            for training).
+    Of the optional capabilities of :class:`Sampler` it has ``lock_step``: under it the decode loop
+    runs until every rank's rows have stopped (stopped rows only get padding), and sampling runs
+    under ``no_grad`` instead of ``inference_mode`` (FSDP's gathered weights must stay usable for
+    training). It samples from the trained model itself, so it needs no weight sync.
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
@@ -56,12 +53,16 @@ class TorchSampler:
         self.fp32_head = fp32_head
         self.eos_token_id = int(eos_token_id)
         self.pad_token_id = int(pad_token_id)
-        self.all_ranks_done: Callable[[bool], bool] | None = None
+        self._all_ranks_done: Callable[[bool], bool] | None = None
         params = inspect.signature((decoder(model) if fp32_head else model).forward).parameters
         # transformers >= 5.x names the KV cache `cache` (in and out); older versions `past_key_values`.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # Only the last position's logits are needed: skip the LM head elsewhere when the model allows.
         self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+
+    def lock_step(self, all_ranks_done: Callable[[bool], bool] | None) -> None:
+        """Decode until ``all_ranks_done(done)`` says every rank's rows have stopped (None: alone)."""
+        self._all_ranks_done = all_ranks_done
 
     @property
     def device(self) -> torch.device:
@@ -88,7 +89,7 @@ class TorchSampler:
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
-            with (torch.inference_mode() if self.all_ranks_done is None else torch.no_grad(),
+            with (torch.inference_mode() if self._all_ranks_done is None else torch.no_grad(),
                   torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)):
                 *tensors, reasons = self._sample(prompt_ids, cfg, generator)
         finally:
@@ -180,8 +181,8 @@ class TorchSampler:
             reason = reason.masked_fill(stop_eos, _EOS)
             finished = finished | stop
             done = bool(finished.all())
-            if self.all_ranks_done is not None:
-                done = self.all_ranks_done(done)
+            if self._all_ranks_done is not None:
+                done = self._all_ranks_done(done)
             if t == n_new - 1 or done:
                 T = t + 1
                 break

@@ -81,7 +81,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from cispo.rollout.base import RolloutBatch, SamplingConfig
+from cispo.rollout.base import RolloutBatch, Sampler, SamplingConfig
 
 INSTALL_HINT = 'VLLMSampler needs vLLM: pip install "cispo[vllm]" (needs a CUDA GPU)'
 
@@ -227,8 +227,9 @@ def _load_weights_on_worker(worker, weights) -> int:
 # --------------------------------------------------------------------------- the sampler
 
 
-class VLLMSampler:
-    """Samples with a colocated ``vllm.LLM``; implements the :class:`~cispo.rollout.base.Sampler` protocol.
+class VLLMSampler(Sampler):
+    """Samples with a colocated ``vllm.LLM``; a :class:`~cispo.rollout.base.Sampler` with weight sync and
+    sleep / wake (no lock-step: its forward passes need no other rank).
 
     See the module docstring for the exact semantics of ``logp_rollout``, of the repetition stop and of
     the weight sync. Call :meth:`update_weights` with the policy after every optimizer step (the engine

@@ -1,0 +1,82 @@
+"""Held-out evaluation: greedy and sampled accuracy, pass@k and maj@k.
+
+Runs the policy's sampler on held-out prompts (``cispo.trainer.sample_groups``, the same
+rollout and scoring as training) with no update; ``cispo train`` calls it every
+``eval.every`` steps, ``cispo eval`` once.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from cispo.experience import Completion
+from cispo.policy import Policy
+from cispo.rollout import SamplingConfig
+from cispo.trainer import sample_groups
+
+if TYPE_CHECKING:
+    from cispo.config import EvalConfig
+
+
+@torch.no_grad()
+def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg: EvalConfig, max_new_tokens: int,
+             seed: int, answer_fn=None, reward_timeout_s: float | None = None) -> dict:
+    """Held-out accuracy: greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
+    ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``;
+    ``answer_fn(completion)`` gives the answer maj@k votes on). Each reward call is killed past
+    ``reward_timeout_s`` (``data.reward_timeout_s``)."""
+    if not samples:
+        return {}
+    generator = torch.Generator(device=policy.device).manual_seed(seed)
+    greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=eval_cfg.temperature)
+    out, errors = {}, []
+    for name, sampling, k in (("greedy", greedy, 1), ("sampled", sampled, eval_cfg.num_samples)):
+        groups = []
+        for start in range(0, len(samples), 256):
+            groups += sample_groups(policy, samples[start : start + 256], k, sampling, reward_fn, generator,
+                                    reward_timeout_s=reward_timeout_s)
+        flat = [c for g in groups for c in g]
+        acc = sum(c.task_reward for c in flat) / len(flat)
+        errors += [c.reward_error for c in flat if c.reward_error]
+        if name == "greedy":
+            out["eval/accuracy_greedy"] = acc
+            continue
+        out[f"eval/accuracy_mean_at_{k}"] = acc
+        out["eval/accuracy"] = acc
+        out.update({f"eval/accuracy_{name}_at_{k}": v for name, v in group_accuracies(groups, answer_fn).items()})
+        if used_fork:
+            fork = [c for c in flat if used_fork(c.text)]
+            rest = [c for c in flat if not used_fork(c.text)]
+            out["eval/fork_rate"] = len(fork) / len(flat)
+            out["eval/accuracy_with_fork"] = sum(c.task_reward for c in fork) / len(fork) if fork else float("nan")
+            out["eval/accuracy_without_fork"] = sum(c.task_reward for c in rest) / len(rest) if rest else float("nan")
+        out["eval/response_length"] = sum(c.length for c in flat) / len(flat)
+    out["eval/reward_errors"] = float(len(errors))  # greedy and sampled calls together
+    if errors:
+        print(f"cispo: evaluation: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})",
+              file=sys.stderr)
+    return out
+
+
+def group_accuracies(groups: list[list[Completion]], answer_fn=None) -> dict[str, float]:
+    """Over prompts (one group of k samples each), the mean of
+    pass@k = max_j R_j (for 0/1 verifiers: at least one of the k is right), and
+    maj@k  = R of the most frequent answer (``answer_fn(text)``, default the stripped text;
+    None answers do not vote; a tie goes to the answer seen first; no answer at all: 0)."""
+    answer_fn = answer_fn or str.strip
+    pass_k, maj_k = [], []
+    for group in groups:
+        pass_k.append(max(c.task_reward for c in group))
+        votes: dict[str, list[Completion]] = {}
+        for c in group:
+            answer = answer_fn(c.text)
+            if answer is not None:
+                votes.setdefault(answer, []).append(c)
+        best = max(votes.values(), key=len, default=None)  # first of the largest: insertion order
+        maj_k.append(best[0].task_reward if best else 0.0)
+    n = max(len(groups), 1)
+    return {"pass": sum(pass_k) / n, "maj": sum(maj_k) / n}

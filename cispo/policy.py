@@ -1,0 +1,140 @@
+"""The policy being trained and its forward pass: token log-probs of an ``Experience``.
+
+``Policy`` bundles the model, its tokenizer and its sampler; ``policy_logprobs`` is the one
+forward the trainer runs (logp_old and every update), through the chunked head of
+``cispo.logprobs``; ``head_mismatch`` checks at load that this head reproduces the model's
+own distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from cispo.distributed import sharded_call
+from cispo.experience import Experience
+from cispo.logprobs import lm_logits, logit_transform, token_logprobs
+
+if TYPE_CHECKING:  # cispo.rollout's torch sampler uses this module's decoder / lm_head
+    from cispo.rollout.base import Sampler
+
+
+@dataclass
+class Policy:
+    """The model being trained, its tokenizer and its sampler."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    sampler: Sampler
+    device: torch.device
+    chat_template: bool = False
+    autocast: torch.dtype | None = None  # mixed precision: compute dtype over FP32 master weights
+
+    def compute(self):
+        """The context of every forward pass: ``torch.autocast`` in ``autocast``, or nothing."""
+        return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
+
+    def encode(self, sample: dict) -> list[int]:
+        """Prompt token ids: the raw prompt, or its chat messages in the chat template."""
+        if self.chat_template:
+            messages = sample.get("messages") or [{"role": "user", "content": sample["prompt"]}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tokenizer.encode(sample["prompt"], add_special_tokens=True)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+
+def lm_head(model) -> torch.nn.Module:
+    """The output projection of a Hugging Face causal LM."""
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"{type(model).__name__} has no output embedding layer with a weight")
+    return head
+
+
+def decoder(model) -> torch.nn.Module:
+    """The body of a Hugging Face causal LM (returns ``last_hidden_state``, final norm applied)."""
+    return getattr(model, model.base_model_prefix)
+
+
+def policy_logprobs(
+    model,
+    exp: Experience,
+    temperature: float = 1.0,
+    fp32_head: bool = True,
+    with_entropy: bool = False,
+    chunk_size: int = 4096,
+):
+    """log pi(o_it | q, o_i<t) / temperature-scaled, for every response token of ``exp``.
+
+    One forward of the decoder over prompt + response (the last token is not needed: it
+    predicts nothing), then the LM head in chunks (``cispo.logprobs``), with the model's own
+    logit post-processing (``logit_transform(model.config)``: Gemma's soft cap, Cohere's /
+    Granite's scaling), so the result is ``log_softmax(model(...).logits / temperature)``
+    of the response tokens. -> [B, T] (, [B, T])
+    On a model sharded with FSDP2 it runs inside the root's forward hooks (``sharded_call``),
+    which gather the embeddings and the LM head it uses.
+    """
+    return sharded_call(model, lambda: _policy_logprobs(model, exp, temperature, fp32_head, with_entropy, chunk_size))
+
+
+def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool, with_entropy: bool,
+                     chunk_size: int):
+    T = exp.response_mask.shape[1]
+    P = exp.input_ids.shape[1] - T
+    attention_mask = exp.attention_mask  # [B, P+T]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
+    hidden = decoder(model)(
+        input_ids=exp.input_ids[:, :-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=position_ids[:, :-1],
+        use_cache=False,
+    ).last_hidden_state  # [B, P+T-1, H]
+    hidden = hidden[:, P - 1 :]  # states that predict the response tokens   [B, T, H]
+    head = lm_head(model)
+    return token_logprobs(
+        hidden,
+        head.weight,
+        exp.response_ids,
+        bias=getattr(head, "bias", None),
+        temperature=temperature,
+        fp32_head=fp32_head,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        transform=logit_transform(model.config),
+    )
+
+
+@torch.no_grad()
+def head_mismatch(model, num_tokens: int = 8) -> float:
+    """Largest |log_softmax(our head) - log_softmax(model(...).logits)| (nats) over the whole
+    vocabulary at ``num_tokens`` fixed positions, in eval mode. Our head is ``lm_logits`` (the
+    function ``token_logprobs`` computes per chunk) with ``logit_transform(model.config)``: 0 up to
+    rounding when it reproduces the model's own distribution, large when the model post-processes
+    its logits in a way ``logit_transform`` does not know. For an unsharded model (check before
+    ``shard_model``)."""
+    head = lm_head(model)
+    ids = ((torch.arange(num_tokens, device=head.weight.device) * 7919 + 3) % head.weight.shape[0])[None]  # [1, T]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        def both():
+            hidden = decoder(model)(input_ids=ids, use_cache=False).last_hidden_state  # [1, T, H]
+            ours = lm_logits(hidden, head.weight, bias=getattr(head, "bias", None),
+                             transform=logit_transform(model.config))  # [1, T, V]
+            return ours, model(input_ids=ids, use_cache=False).logits.float()  # [1, T, V]
+
+        ours, ref = both()
+        return float((torch.log_softmax(ours, -1) - torch.log_softmax(ref, -1)).abs().max())
+    finally:
+        for m, training in modes:
+            m.training = training

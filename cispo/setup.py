@@ -1,0 +1,99 @@
+"""Set-up of a training run's parts from its configuration: the objective, the optimizer,
+the sampling settings, the prompts that fit the context and the fork tokens to track.
+
+``cispo.runner`` builds a run from these; ``cispo.trainer`` is the loop that uses them.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from cispo.objective import ObjectiveConfig, preset
+from cispo.policy import Policy
+from cispo.rollout import SamplingConfig
+from cispo.trainer import lr_at
+
+if TYPE_CHECKING:
+    from cispo.config import AlgoConfig, OptimConfig, RolloutConfig
+
+
+def fit_prompts(policy: Policy, samples: list[dict], max_new_tokens: int, what: str) -> list[dict]:
+    """The samples whose prompt plus ``max_new_tokens`` fits the model's context; the others
+    are dropped with a note (an error when none is left)."""
+    context = getattr(policy.model.config, "max_position_embeddings", None)
+    if not context or not samples:
+        return samples
+    fits = [len(policy.encode(s)) + max_new_tokens <= context for s in samples]
+    kept = [s for s, ok in zip(samples, fits) if ok]
+    if len(kept) < len(samples):
+        first = fits.index(False)
+        msg = (f"{len(samples) - len(kept)} of {len(samples)} {what} prompts are longer than the context "
+               f"({context} tokens) minus max_new_tokens={max_new_tokens} (first: #{first})")
+        if not kept:
+            raise ValueError(msg + "; nothing left to train on")
+        print(f"cispo: skipping {msg}", file=sys.stderr)
+    return kept
+
+
+def make_objective(algo: AlgoConfig, max_new_tokens: int | None) -> ObjectiveConfig:
+    """The objective of ``algo``: its preset with its overrides; under Dr. GRPO's
+    ``seq-mean-token-sum-norm`` with no constant set, ``max_new_tokens`` as the constant."""
+    obj = preset(algo.objective, **algo.objective_overrides)
+    if obj.aggregation == "seq-mean-token-sum-norm" and obj.token_sum_norm is None:
+        # a constant normaliser keeps micro-batching exact: the longest possible response
+        obj = replace(obj, token_sum_norm=float(max_new_tokens))
+    return obj
+
+
+def make_optimizer(model, optim: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, at the learning rate of the first update."""
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr_at(0, optim),
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
+
+
+def fork_token_ids(tokenizer, task) -> torch.Tensor | None:
+    """The vocabulary ids of the task's fork word: every token whose decoded text, stripped of
+    surrounding whitespace, is the word (``Wait`` and ``ĠWait`` / ``▁Wait`` alike), so the fork
+    is found wherever it occurs, sentence-initial or mid-sentence. None when the task tracks no
+    fork word, or when no single token spells it (then a note says so)."""
+    word = (getattr(task, "fork_token", None) or "").strip()
+    if not word:
+        return None
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    ids = [i for i, t in enumerate(texts) if t.strip() == word]
+    if not ids:
+        print(f"cispo: no token of the vocabulary spells the fork word {word!r}; "
+              "objective/frac_ppo_dropped_fork is not tracked", file=sys.stderr)
+        return None
+    return torch.tensor(ids)
+
+
+def sampling_config(rollout: RolloutConfig, default_max_new_tokens: int) -> SamplingConfig:
+    """The training rollout's sampling: ``rollout.max_new_tokens`` (else the default), and the
+    repetition early stop at 3/4 of it unless ``rollout.repetition_stop_tokens`` is set (0: off)."""
+    max_new = rollout.max_new_tokens or default_max_new_tokens
+    rep = rollout.repetition_stop_tokens
+    if rep is None:
+        rep = max(1, (3 * max_new) // 4)
+    return SamplingConfig(
+        max_new_tokens=max_new,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        repetition_stop_tokens=rep or None,
+        repetition_stop_prob=rollout.repetition_stop_prob,
+    )
+
+
+def default_max_new_tokens(task) -> int:
+    """The response budget when ``rollout.max_new_tokens`` is unset: 1.25 x the task's own."""
+    return math.ceil(1.25 * task.max_new_tokens)
