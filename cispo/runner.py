@@ -30,7 +30,8 @@ from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate
 from cispo.metrics import is_nan, nan_mean
 from cispo.policy import Policy
-from cispo.setup import default_max_new_tokens, fit_prompts, fork_token_ids, make_objective, make_optimizer, sampling_config
+from cispo.setup import (default_max_new_tokens, fit_prompts, fork_token_ids, make_objective, make_optimizer,
+                         sampling_config)
 from cispo.trainer import rl_step, tracked_fork
 
 PROGRESS_KEYS = {  # metric -> short label on the progress bar

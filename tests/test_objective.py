@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cispo.advantages import group_advantages
-from cispo.objective import PRESETS, ObjectiveConfig, aggregate, kl_penalty, policy_loss, preset
+from cispo.objective import PRESETS, ObjectiveConfig, ObjectiveStats, aggregate, kl_penalty, policy_loss, preset
 
 
 
@@ -522,3 +522,47 @@ def test_group_advantages_errors():
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="estimator"):
         group_advantages(torch.zeros(4), 2, "ppo")
+
+
+# ---------------------------------------------------------------------------------------
+# ObjectiveStats: the per-token flags, the one list of diagnostics, merging micro-batches
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cispo", "dapo", "gspo"])
+def test_stats_flags_are_the_masks_behind_the_fractions(name):
+    """``capped`` / ``ppo_dropped`` are eq. 5's and eq. 7's per-token flags: their means over
+    response tokens are frac_capped / frac_ppo_dropped, padding is never flagged, and the
+    dropped tokens are exactly the M = 0 tokens of ppo_token_mask."""
+    from cispo.objective import log_ratio, ppo_token_mask
+
+    lp, lo, A, mask = random_batch(3, 6, 9, spread=1.0)
+    cfg = preset(name, eps_high_is=0.5, eps_low_is=0.3) if name == "cispo" else preset(name)
+    _, s = policy_loss(lp, lo, A, mask, cfg)
+    n = mask.sum()
+    assert s.capped.dtype == s.ppo_dropped.dtype == torch.bool and s.capped.shape == mask.shape
+    assert not (s.capped | s.ppo_dropped)[mask == 0].any()
+    assert float(s.capped.sum() / n) == pytest.approx(s.frac_capped)
+    assert float(s.ppo_dropped.sum() / n) == pytest.approx(s.frac_ppo_dropped)
+    assert s.ppo_dropped.any() and s.capped.any() == (name == "cispo")  # the PPO presets never cap
+    ratio = torch.exp(log_ratio(lp, lo, mask, cfg.ratio_level, cfg.max_log_ratio))
+    want = (ppo_token_mask(ratio, A[:, None].expand_as(ratio), cfg.eps_low, cfg.eps_high) == 0) & mask.bool()
+    assert torch.equal(s.ppo_dropped, want)
+    assert "capped" not in s.to_dict() and set(s.to_dict()) == set(ObjectiveStats.SCALARS)
+    assert set(ObjectiveStats.DIAGNOSTICS) <= set(ObjectiveStats.SCALARS)
+    assert s.to_dict("cispo/", keys=ObjectiveStats.DIAGNOSTICS) == {
+        f"cispo/{k}": getattr(s, k) for k in ObjectiveStats.DIAGNOSTICS}
+
+
+def test_merged_micro_batch_stats_equal_the_whole_batch():
+    """Two micro-batches normalised by the whole batch's token count, merged, give the whole
+    batch's statistics (loss summed, fractions and means token-weighted, extremes over parts)."""
+    lp, lo, A, mask = random_batch(5, 8, 7, spread=1.0)
+    cfg = preset("cispo", eps_high_is=0.5)
+    _, whole = policy_loss(lp, lo, A, mask, cfg)
+    n = mask.sum()
+    parts = [policy_loss(lp[r], lo[r], A[r], mask[r], cfg, num_tokens=n)[1] for r in (slice(0, 3), slice(3, 8))]
+    merged = ObjectiveStats.merge(parts)
+    assert merged.capped is None and merged.ppo_dropped is None
+    for key in ObjectiveStats.SCALARS:
+        assert getattr(merged, key) == pytest.approx(getattr(whole, key), rel=1e-6, abs=1e-7), key  # stats: fp32

@@ -266,3 +266,43 @@ def test_bad_inputs_raise(sampler):
                 dict(temperature=float("nan")), dict(repetition_stop_tokens=0), dict(repetition_stop_prob=1.0)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
+
+
+def test_optional_capabilities_have_no_op_defaults():
+    """A backend that implements only ``generate`` still has every capability the trainer calls
+    (weight sync, sleep / wake, lock-step), each doing nothing; the base ``generate`` is abstract."""
+
+    class OnlyGenerate(Sampler):
+        def generate(self, prompt_ids, cfg, generator=None):
+            return "batch"
+
+    s = OnlyGenerate()
+    assert s.generate([[1]], SamplingConfig()) == "batch"
+    assert s.update_weights(object()) == 0
+    assert s.sleep() is None and s.wake_up() is None and s.lock_step(lambda done: done) is None
+    with pytest.raises(NotImplementedError):
+        Sampler().generate([[1]], SamplingConfig())
+
+
+def test_lock_step_decodes_until_every_rank_is_done(sampler):
+    """Under ``lock_step`` the decode loop asks ``all_ranks_done`` after every token: a rank
+    whose rows all stopped keeps decoding (padding only) while another rank is still going."""
+    calls = []
+
+    def others_busy_for_two_more(done):  # another rank needs two more tokens after this one is done
+        calls.append(done)
+        return done and sum(calls) >= 3
+
+    prompts = PROMPTS[1:2] * 2
+    try:
+        sampler.lock_step(others_busy_for_two_more)
+        b = gen(sampler, prompts, max_new_tokens=40)
+    finally:
+        sampler.lock_step(None)
+    alone = gen(sampler, prompts, max_new_tokens=40)
+    T = alone.response_ids.shape[1]
+    assert alone.finish_reason == ["eos", "eos"] and T < 38  # both rows stop early on their own
+    assert b.response_ids.shape[1] == T + 2  # two more, padding-only steps
+    assert torch.equal(b.response_ids[:, :T], alone.response_ids)
+    assert torch.equal(b.response_mask[:, :T], alone.response_mask)
+    assert b.response_mask[:, T:].sum() == 0 and (b.response_ids[:, T:] == PAD).all()

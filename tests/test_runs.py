@@ -12,7 +12,6 @@ from cispo.cli import main
 from cispo.config import TrainConfig, apply_overrides, save_yaml
 from cispo.data import FileSource
 from cispo.experience import Completion, collate
-from cispo.objective import preset
 from cispo.tracking import read_metrics
 from cispo.setup import fork_token_ids
 from cispo.trainer import fork_drop_counts, tracked_fork

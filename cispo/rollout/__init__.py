@@ -2,8 +2,8 @@
 
 ``TorchSampler`` is the plain-PyTorch reference backend (KV-cached batched decoding of any Hugging Face
 causal LM); ``VLLMSampler`` (``pip install "cispo[vllm]"``, a CUDA GPU) samples with a colocated vLLM
-engine. Both implement the same ``Sampler`` protocol. ``truncated_is_weights`` corrects for the mismatch
-between the rollout engine and the trainer (TIS).
+engine. Both subclass ``Sampler`` (``generate`` plus optional capabilities with no-op defaults).
+``truncated_is_weights`` corrects for the mismatch between the rollout engine and the trainer (TIS).
 """
 
 from cispo.rollout.base import RolloutBatch, Sampler, SamplingConfig
