@@ -40,7 +40,6 @@ with no usable sample always raises.
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
-from cispo.suggest import did_you_mean
+from cispo.suggest import closest, did_you_mean, hint
 
 __all__ = ["load_prompts", "load_prompts_with_report", "DataError", "LoadReport"]
 
@@ -130,8 +129,7 @@ def _get(row: dict, path: str, what: str) -> Any:
         top = [str(k) for k in row]
         where = f" (row has fields: {', '.join(top[:20])}{', ...' if len(top) > 20 else ''})"
     suggestion = _suggest_field(row, path, what)
-    hint = f" (did you mean {suggestion!r}?)" if suggestion else ""
-    raise _RowError(path, f"missing {what} field{hint}{where}")
+    raise _RowError(path, f"missing {what} field{hint([suggestion] if suggestion else [])}{where}")
 
 
 _ALIASES = {
@@ -148,7 +146,7 @@ def _suggest_field(row: dict, path: str, what: str) -> str | None:
     lower = {p.lower(): p for p in paths}
     if path.lower() in lower:
         return lower[path.lower()]
-    close = difflib.get_close_matches(path, paths, n=1, cutoff=0.6)
+    close = closest(path, paths)
     if close:
         return close[0]
     for alias in _ALIASES.get(what, ()):
