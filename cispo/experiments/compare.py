@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from cispo.config import TrainConfig, apply_overrides
+from cispo.metrics import nan_mean
 from cispo.tracking import read_metrics
 
 # Two-sided 95% Student-t quantiles for n - 1 degrees of freedom (n seeds).
@@ -101,7 +102,7 @@ def tuning_configs(cfg: CompareConfig) -> dict[tuple[str, float], TrainConfig]:
 
 def tuning_score(rows: list[dict]) -> float:
     """Mean held-out accuracy over the evaluations after step 0 (area under the curve)."""
-    return _mean(v for s, v in curve(rows, "eval/accuracy").items() if s > 0)
+    return nan_mean(v for s, v in curve(rows, "eval/accuracy").items() if s > 0)
 
 
 def tune(cfg: CompareConfig) -> CompareConfig:
@@ -209,7 +210,7 @@ def analyse(runs: dict[str, list[list[dict]]], reference: str) -> dict[str, Any]
         reached = [steps_to_target(curve(rows, "eval/accuracy"), target) for rows in rs] if target is not None else []
         reached90 = [steps_to_target(curve(rows, "eval/accuracy"), 0.9 * target) for rows in rs] if target is not None else []
         hit = [s for s in reached if s is not None]
-        mean_of = lambda key: mean_band([_mean(curve(rows, key).values()) for rows in rs])  # noqa: E731
+        mean_of = lambda key: mean_band([nan_mean(curve(rows, key).values()) for rows in rs])  # noqa: E731
         table["algorithms"][algo] = {
             "seeds": len(rs),
             "final_accuracy": mean_band(final[algo]),
@@ -227,11 +228,6 @@ def analyse(runs: dict[str, list[list[dict]]], reference: str) -> dict[str, Any]
             "entropy": mean_of("objective/entropy"),
         }
     return table
-
-
-def _mean(values) -> float:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else float("nan")
 
 
 def _last(c: dict[int, float]) -> float:
