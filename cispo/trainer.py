@@ -9,8 +9,13 @@ One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penal
        dropout is off unless ``model.dropout``, so this is the sampler's distribution);
        the sampler's own log-probs are kept to measure the train / rollout mismatch;
     4. split the batch into K mini-batches; for each, one optimizer step on the unified
-       objective (``cispo.objective``), normalised by the mini-batch's global token count;
-    5. metrics, periodic held-out evaluation, checkpoints.
+       objective (``cispo.objective``), normalised by the mini-batch's global token count,
+       run as length-sorted micro-batches (``cispo.batching``);
+    5. the step's metrics (``cispo.metrics``).
+
+Around the loop: ``cispo.setup`` builds its parts from the config (objective, optimizer,
+sampling settings); ``cispo.runner`` runs steps, held-out evaluation (``cispo.evaluation``)
+and checkpoints.
 """
 
 from __future__ import annotations
