@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -175,17 +176,15 @@ class ObjectiveStats:
     ppo_dropped: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
     """[B, T] bool: response tokens a PPO mask with eps_low / eps_high drops (M_it = 0, eq. 7)."""
 
-    SCALARS = ("loss", "pg_loss", "kl", "frac_capped", "frac_ppo_dropped", "frac_ppo_dropped_low_prob",
-               "ratio_mean", "ratio_min", "ratio_max", "approx_kl", "num_tokens", "num_low_prob_tokens")
-    """Every scalar statistic, in order."""
+    SCALARS: ClassVar[tuple[str, ...]]  # every scalar statistic: the fields above the flags, in order
     DIAGNOSTICS = ("frac_capped", "frac_ppo_dropped", "frac_ppo_dropped_low_prob", "ratio_mean", "ratio_min",
                    "ratio_max", "approx_kl")
     """The diagnostics every caller logs (the trainer as ``objective/<name>``, the TRL and verl
     adapters as ``cispo/<name>``)."""
 
-    def to_dict(self, prefix: str = "", keys: tuple[str, ...] = SCALARS) -> dict[str, float]:
-        """``{prefix + name: value}`` for ``keys`` (default: every scalar statistic)."""
-        return {prefix + k: float(getattr(self, k)) for k in keys}
+    def to_dict(self, prefix: str = "", keys: tuple[str, ...] | None = None) -> dict[str, float]:
+        """``{prefix + name: value}`` for ``keys`` (default: every scalar statistic, ``SCALARS``)."""
+        return {prefix + k: float(getattr(self, k)) for k in (self.SCALARS if keys is None else keys)}
 
     @staticmethod
     def merge(parts: list[ObjectiveStats]) -> ObjectiveStats:
@@ -211,6 +210,10 @@ class ObjectiveStats:
             num_tokens=n,
             num_low_prob_tokens=n_low,
         )
+
+
+# the required fields are the scalars (the per-token flags default to None)
+ObjectiveStats.SCALARS = tuple(f.name for f in dataclasses.fields(ObjectiveStats) if f.default is dataclasses.MISSING)
 
 
 # ---------------------------------------------------------------------------------------
