@@ -24,12 +24,11 @@ were observed to agree bit for bit too). On busy cores one thread is much faster
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -46,10 +45,10 @@ class PretrainConfig:
     """Seeds the corpus, the initial weights and the batch order."""
     model_size: str = "default"
     """Key of `cispo.models.MODEL_SIZES` (``default``: hidden 96, 3 layers, 0.34M params)."""
-    steps: int = 1000
-    """Optimizer steps."""
-    batch_size: int = 96
-    """Examples per step (direct and forked together)."""
+    steps: int | None = None
+    """Optimizer steps. None: the task's default (`Task.pretrain_defaults`; addition 1000)."""
+    batch_size: int | None = None
+    """Examples per step (direct and forked together). None: the task's default (addition 96)."""
     lr: float = 3e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 50
@@ -62,14 +61,28 @@ class PretrainConfig:
     """AdamW betas."""
     corpus_size: int = 200_000
     """Examples generated once; batches are drawn from them with replacement."""
-    fork_fraction: float = 0.03
-    """Trained frequency of the fork token at the "fork or stop" decision after the guess."""
-    derivation_fraction: float = 0.8
-    """Fraction of examples that contain a derivation; the rest are direct answers. High, so
-    the model learns the derivation well but the direct answer hardly at all (see
-    docs/builtin-task.md); it does not change how often the fork is chosen."""
-    wrong_guess_fraction: float = 0.5
-    """Fraction of forked examples whose pre-fork guess has a corrupted digit."""
+    fork_fraction: float | None = None
+    """Trained frequency of the fork token at each decision "fork or go on" (addition: after
+    the guess; chain: after each step). None: the task's default (addition 0.03)."""
+    derivation_fraction: float | None = None
+    """addition: fraction of examples that contain a derivation, the rest are direct answers
+    (high, so the model learns the derivation well but the direct answer hardly at all, see
+    docs/builtin-task.md); chain: probability of a recheck after each step. It does not change
+    how often the fork is chosen. None: the task's default (addition 0.8)."""
+    wrong_guess_fraction: float | None = None
+    """addition: fraction of forked examples whose pre-fork guess has a corrupted digit;
+    chain: fraction of steps with a carry written with the carry dropped. None: the task's
+    default (addition 0.5)."""
+
+    def resolved(self) -> "PretrainConfig":
+        """This config with every None replaced by the task's default (what `pretrain` runs)."""
+        from cispo.tasks import get_task
+
+        defaults = get_task(self.task).pretrain_defaults
+        missing = [f.name for f in fields(self) if getattr(self, f.name) is None and f.name not in defaults]
+        if missing:
+            raise ValueError(f"PretrainConfig: {missing} unset and task {self.task!r} has no default for them")
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
 # --------------------------------------------------------------------------- data
@@ -106,7 +119,9 @@ def _encode(examples, vocab: dict[str, int], eos_id: int, pad_id: int):
 
 
 def build_dataset(cfg: PretrainConfig, tokenizer):
-    """``{"direct": (ids, labels), "forked": (ids, labels)}`` from the task's corpus."""
+    """``{"direct": (ids, labels), "forked": (ids, labels)}`` from the task's corpus (`cfg`
+    resolved), or
+    ``{"all": (ids, labels)}`` for a task without a `stratified_corpus`."""
     from cispo.tasks import get_task
 
     task = get_task(cfg.task)
@@ -114,11 +129,26 @@ def build_dataset(cfg: PretrainConfig, tokenizer):
                            derivation_fraction=cfg.derivation_fraction,
                            wrong_guess_fraction=cfg.wrong_guess_fraction)
     vocab = tokenizer.get_vocab()
+    if not task.stratified_corpus:
+        return {"all": _encode(examples, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)}
     out = {}
     for kind in ("direct", "forked"):
         part = [ex for ex in examples if ex.forked == (kind == "forked")]
         if part:
             out[kind] = _encode(part, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return out
+
+
+def _length_sorted_halves(ids, labels):
+    """``[(ids, labels), (ids, labels)]``: the rows sorted by length, split in two, each cut
+    to its longest row (right padding carries no loss and, causally, changes no logit)."""
+    lengths = (labels != -100).long().cumsum(1).argmax(1) + 1                   # [B] last loss position + 1
+    order = torch.argsort(lengths, stable=True)
+    out = []
+    for part in (order[: len(order) // 2], order[len(order) // 2:]):
+        if len(part):
+            t = int(lengths[part].max())
+            out.append((ids[part, :t], labels[part, :t]))
     return out
 
 
@@ -145,10 +175,11 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
     from cispo.tasks import get_task
 
     t0 = time.perf_counter()
+    cfg = cfg.resolved()
     task = get_task(cfg.task)
-    tokenizer = build_tokenizer(task.alphabet)
+    tokenizer = build_tokenizer(task.alphabet, task.max_positions)
     data = build_dataset(cfg, tokenizer)
-    model = build_model(tokenizer, cfg.model_size, seed=cfg.seed)
+    model = build_model(tokenizer, cfg.model_size, seed=cfg.seed, max_positions=task.max_positions)
     model.train()
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -158,7 +189,7 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
                             lr=cfg.lr, betas=cfg.betas, eps=1e-8)
     gen = torch.Generator().manual_seed(cfg.seed)
     n_forked = round(cfg.batch_size * cfg.derivation_fraction) if "forked" in data else 0
-    share = {"direct": cfg.batch_size - n_forked, "forked": n_forked}
+    share = {"direct": cfg.batch_size - n_forked, "forked": n_forked, "all": cfg.batch_size}
 
     log = []
     bar = tqdm(range(cfg.steps), desc=f"pretrain {cfg.task} seed {cfg.seed}", disable=not progress,
@@ -171,7 +202,10 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
             if share[kind] == 0:
                 continue
             idx = torch.randint(len(ids), (share[kind],), generator=gen)
-            batches.append((ids[idx], labels[idx]))
+            if kind == "all":  # one mixed-length corpus: two length-sorted, trimmed micro-batches
+                batches += _length_sorted_halves(ids[idx], labels[idx])
+            else:
+                batches.append((ids[idx], labels[idx]))
         n_tokens = sum(int((lab != -100).sum()) for _, lab in batches)
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -332,45 +366,7 @@ def measure_base_model(model, tokenizer=None, task="addition", n: int = 2000, te
     )
 
 
-# --------------------------------------------------------------------------- CLI
+if __name__ == "__main__":  # the command line lives with the cache it writes to
+    from cispo.builtin_model import main
 
-
-def main(argv=None):
-    """``python -m cispo.pretrain [--seed S] [--out DIR] [--measure N] [--FIELD VALUE ...]``."""
-    p = argparse.ArgumentParser(description="Pretrain (and measure) the built-in base model.")
-    for f in fields(PretrainConfig):
-        if f.name == "betas":
-            continue
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    p.add_argument("--out", default=None, help="output folder (default: the model cache)")
-    p.add_argument("--measure", type=int, default=0, help="held-out prompts to measure on (0: skip)")
-    p.add_argument("--measure-seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = PretrainConfig(**{f.name: getattr(args, f.name) for f in fields(PretrainConfig) if f.name != "betas"})
-    if args.out is None:
-        from cispo.models import ensure_builtin_model
-
-        out = ensure_builtin_model(cfg.task, cfg=cfg)
-    else:
-        out = Path(args.out)
-        saved = out / "pretrain_config.json"
-        if saved.is_file() and json.loads(saved.read_text()) == json.loads(json.dumps(asdict(cfg))):
-            print(f"{out} already holds this config's model; not retraining")
-        else:
-            pretrain(cfg, out)
-    print(f"model: {out}")
-    log = json.loads((Path(out) / "pretrain_log.json").read_text())
-    print(f"pretraining wall time: {log['wall_s']:.1f} s, {log['num_parameters']} parameters, "
-          f"final loss {log['loss'][-1]:.4f}")
-    if args.measure:
-        t = time.perf_counter()
-        report = measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed)
-        print(json.dumps(report.to_dict(), indent=2))
-        print(f"measured in {time.perf_counter() - t:.1f} s")
-
-
-if __name__ == "__main__":
     main()
