@@ -245,8 +245,11 @@ def main(argv=None):
           f"final loss {log['loss'][-1]:.4f}")
     if args.measure:
         t = time.perf_counter()
-        report = pretraining.measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed)
-        print(json.dumps(report.to_dict(), indent=2))
+        if cfg.task == "chain":  # recurring rechecks: per-step statistics (measure_chain_model)
+            report = pretraining.measure_chain_model(out, n=args.measure, seed=args.measure_seed)
+        else:
+            report = pretraining.measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed).to_dict()
+        print(json.dumps(report, indent=2))
         print(f"measured in {time.perf_counter() - t:.1f} s")
 
 

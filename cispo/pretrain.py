@@ -241,11 +241,15 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
 
 @torch.no_grad()
 def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int,
-                       temperature: float = 1.0, seed: int = 0, batch_size: int = 512) -> list[str]:
+                       temperature: float = 1.0, seed: int = 0, batch_size: int = 512,
+                       steer=None) -> list[str]:
     """Sample one completion per prompt (KV cache); ``temperature == 0`` is greedy.
 
     Completions are decoded up to, not including, EOS. Prompts are grouped by token
     length so no padding is needed. Seeded by its own `torch.Generator`.
+    `steer(prompt_index, completion_so_far, token) -> token`, if given, may replace each
+    sampled token (a character, or the EOS token's text) before it is fed back: a policy
+    forced at chosen decisions (e.g. a recheck after exactly the steps that need one).
     """
     from transformers import DynamicCache
 
@@ -269,6 +273,7 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
             logits = model(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[:, -1]
             done = torch.zeros(len(rows), dtype=torch.bool, device=device)
             new = []
+            texts = [""] * len(rows)
             for _ in range(max_new_tokens):
                 logits = logits.float()
                 if temperature == 0:
@@ -277,6 +282,8 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
                     probs = torch.softmax(logits / temperature, dim=-1)
                     tok = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(1).to(device)
                 tok = torch.where(done, torch.full_like(tok, eos), tok)
+                if steer is not None:
+                    tok = _steer(steer, rows, texts, tok, done, tokenizer)
                 new.append(tok)
                 done |= tok == eos
                 if bool(done.all()):
@@ -287,6 +294,19 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
                 toks = toks[: toks.index(eos)] if eos in toks else toks
                 out[i] = tokenizer.decode(toks, skip_special_tokens=False)
     return out
+
+
+def _steer(steer, rows, texts, tok, done, tokenizer):
+    """Apply `steer` to the sampled tokens [B] of the rows not done; extend `texts`."""
+    ids = tok.tolist()
+    for j, i in enumerate(rows):
+        if bool(done[j]):
+            continue
+        ch = tokenizer.convert_ids_to_tokens(ids[j])
+        ch = steer(i, texts[j], ch)
+        ids[j] = tokenizer.convert_tokens_to_ids(ch)
+        texts[j] += "" if ids[j] == tokenizer.eos_token_id else ch
+    return torch.tensor(ids, device=tok.device)
 
 
 @dataclass
@@ -364,6 +384,109 @@ def measure_base_model(model, tokenizer=None, task="addition", n: int = 2000, te
         greedy_accuracy=mean(g_rewards), greedy_fork_rate=mean(g_forks),
         mean_length=mean([len(c) for c in comps]), forced_fork_accuracy=mean(f_rewards),
     )
+
+
+# --------------------------------------------------------------------------- chain task
+
+
+def chain_recheck_policy(numbers_of, rule: str):
+    """A `steer` for `sample_completions` on the `chain` task that decides every
+    "recheck or go on" token (right after a step's direct result) by `rule`:
+
+    * ``"carry"``: recheck exactly the steps whose written operands carry (the policy the
+      length budget favours; its accuracy estimates the best achievable);
+    * ``"never"`` / ``"always"``: no recheck / a recheck after every step.
+
+    Everything else is the model's own sample. `numbers_of(i)` gives prompt i's numbers.
+    """
+    import re
+
+    from cispo.tasks import chain
+
+    step_end = re.compile(r"(?:^|;)([0-9]+)\+([0-9]+)=([0-9]+)$")
+    eos = "<eos>"
+
+    def steer(i, text, tok):
+        if tok not in (";", chain.FORK_TOKEN, eos):
+            return tok
+        m = step_end.search(text)
+        if m is None:                                   # not right after a direct result
+            return tok
+        a, b = int(m.group(1)), int(m.group(2))
+        if rule == "always" or (rule == "carry" and chain.has_carry(a, b)):
+            return chain.FORK_TOKEN
+        if tok != chain.FORK_TOKEN:
+            return tok
+        return ";" if text.count(";") + 1 < len(numbers_of(i)) - 1 else eos
+    return steer
+
+
+def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, batch_size: int = 512) -> dict:
+    """The `chain` task's base-model properties on `n` held-out prompts (issue 12):
+
+    * ``accuracy`` / ``greedy_accuracy``: sampled (T=1) and greedy, as the task rewards them;
+    * ``recheck_rate``: W per opportunity (per step's direct result) in sampled completions;
+      ``rechecks_per_response``; ``accuracy_with_recheck`` / ``_without``: sampled
+      completions that rechecked at least once vs never;
+    * ``carry_step_value_correct_with_recheck`` / ``_without``: on steps whose written
+      operands carry, how often the value the chain goes on from is right;
+    * ``step_error_rate``: direct results that are wrong (all steps);
+    * ``accuracy_forced_{carry,never,always}``: sampled, with every recheck decision forced
+      (`chain_recheck_policy`); ``answer_correct_forced_always``: the answer is right, the
+      budget aside.
+    """
+    from cispo.models import load_policy
+    from cispo.tasks import chain, get_task
+
+    if isinstance(model, (str, Path)):
+        model, tokenizer = load_policy(model)
+    task = get_task("chain")
+    was_training = model.training
+    model.eval()
+    samples = task.eval_samples(seed, n)
+    prompts = [s["prompt"] for s in samples]
+    numbers = [chain.parse_prompt(p) for p in prompts]
+    rew = lambda comps: [task.reward(s["prompt"], c, answer=s["answer"]) for s, c in zip(samples, comps)]  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+
+    comps = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 1.0, seed, batch_size)
+    greedy = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 0.0, seed, batch_size)
+    r, rg = rew(comps), rew(greedy)
+    checks = [chain.count_reflections(c) for c in comps]
+    steps = [chain.parse_steps(c) or [] for c in comps]
+    opportunities = sum(len(chain.strip_completion(c).split(chain.STEP_SEP)) for c in comps)  # one per step
+    carry_with, carry_without, wrong_direct = [], [], []
+    for ss in steps:
+        for st in ss:
+            wrong_direct.append(st.result != st.a + st.b)
+            if chain.has_carry(st.a, st.b):
+                (carry_with if st.corrected is not None else carry_without).append(st.value == st.a + st.b)
+    out = {
+        "n": n, "accuracy": mean(r), "greedy_accuracy": mean(rg),
+        "well_formed": mean([bool(s) for s in steps]),
+        "recheck_rate": sum(checks) / max(1, opportunities),
+        "rechecks_per_response": mean(checks),
+        "accuracy_with_recheck": mean([x for x, c in zip(r, checks) if c]),
+        "accuracy_without_recheck": mean([x for x, c in zip(r, checks) if not c]),
+        "n_with_recheck": sum(1 for c in checks if c),
+        "carry_step_value_correct_with_recheck": mean(carry_with),
+        "carry_step_value_correct_without_recheck": mean(carry_without),
+        "n_carry_steps_rechecked": len(carry_with),
+        "step_error_rate": mean(wrong_direct),
+        "mean_length": mean([len(c) for c in comps]),
+        "optimal_rechecks_per_response": mean([len(chain.carry_steps(ns)) for ns in numbers]),
+    }
+    for rule in ("carry", "never", "always"):
+        forced = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 1.0, seed + 1, batch_size,
+                                    steer=chain_recheck_policy(lambda i: numbers[i], rule))
+        out[f"accuracy_forced_{rule}"] = mean(rew(forced))
+        if rule == "always":
+            out["answer_correct_forced_always"] = mean([chain.extract_answer(c) == s["answer"]
+                                                        for c, s in zip(forced, samples)])
+        if rule == "carry":
+            out["mean_length_forced_carry"] = mean([len(c) for c in forced])
+    model.train(was_training)
+    return out
 
 
 if __name__ == "__main__":  # the command line lives with the cache it writes to

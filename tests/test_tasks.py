@@ -293,18 +293,22 @@ def test_chain_corpus_masks_and_reflection_rate():
 # --------------------------------------------------------------------------- shipped base models
 
 
-def test_shipped_addition_weights_load_and_match_their_checksums():
+@pytest.mark.parametrize("name,prompt,params", [("addition", "12+34=", 335_712), ("chain", "12+34+5=", 335_904)])
+def test_shipped_weights_load_and_match_their_checksums(name, prompt, params, tmp_path, monkeypatch):
     from cispo.builtin_model import SHIPPED_ROOT, ensure_builtin_model, read_checksums, verify_checksums
     from cispo.models import load_policy
 
-    folder = SHIPPED_ROOT / "addition"
+    monkeypatch.setenv("CISPO_CACHE", str(tmp_path))           # an empty cache: nothing to fall back on
+    folder = SHIPPED_ROOT / name
     recorded = read_checksums(folder)
     assert {"model.safetensors", "config.json", "tokenizer.json", "pretrain_config.json"} <= set(recorded)
     verify_checksums(folder)
-    assert ensure_builtin_model("addition") == folder          # the default config: no pretraining
+    assert ensure_builtin_model(name) == folder                # the default config: no pretraining
+    assert not (tmp_path / "models").exists()
     model, tok = load_policy(folder)
-    assert tok.decode(tok("12+34=")["input_ids"]) == "12+34="
-    assert sum(p.numel() for p in model.parameters()) == 335_712
+    assert tok.decode(tok(prompt)["input_ids"]) == prompt
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert set(get_task(name).alphabet) <= set(tok.get_vocab())
 
 
 def test_a_changed_shipped_file_fails_its_checksum(tmp_path):
@@ -365,3 +369,24 @@ def test_no_import_circle_between_models_pretrain_and_builtin_model():
 
     assert not {"cispo.pretrain", "cispo.builtin_model"} & imports("models")
     assert "cispo.builtin_model" not in imports_outside_main("pretrain")
+
+
+def test_a_chain_run_logs_reflective_tokens_per_response(tmp_path, one_thread):
+    """`cispo train task=chain` runs, and each step logs the mean number of W per response."""
+    import json
+
+    from conftest import small_config
+
+    from cispo.models import build_model, build_tokenizer, save_policy
+    from cispo.runner import train
+
+    tok = build_tokenizer(ch.ALPHABET, 384)
+    save_policy(build_model(tok, size="tiny", seed=0, max_positions=384), tok, tmp_path / "m")
+    cfg = small_config(tmp_path / "m", tmp_path / "runs", "task=chain", "max_new_tokens=40", "steps=2",
+                       "eval.every=0", "dynamic_sampling=false")
+    result = train(cfg)
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout/fork_tokens_per_response" in r]
+    assert len(steps) == 2
+    for r in steps:   # an untrained model emits W at random, sometimes several per response
+        assert r["rollout/fork_tokens_per_response"] >= r["rollout/fork_rate"] >= 0.0
