@@ -390,3 +390,20 @@ def test_a_chain_run_logs_reflective_tokens_per_response(tmp_path, one_thread):
     assert len(steps) == 2
     for r in steps:   # an untrained model emits W at random, sometimes several per response
         assert r["rollout/fork_tokens_per_response"] >= r["rollout/fork_rate"] >= 0.0
+
+
+def test_forced_recheck_policies_decide_only_right_after_a_direct_result():
+    from cispo.pretrain import chain_recheck_policy
+
+    numbers = (37, 52, 91, 19)
+    carry = chain_recheck_policy(lambda i: numbers, "carry")
+    never = chain_recheck_policy(lambda i: numbers, "never")
+    always = chain_recheck_policy(lambda i: numbers, "always")
+    assert carry(0, "37+52=89", ";") == ";" and carry(0, "37+52=89", "W") == ";"   # no carry: go on
+    assert carry(0, "37+52=89;89+91=70", ";") == "W"                              # carry: recheck
+    assert carry(0, "37+52=89;89+91=70", "<eos>") == "W"
+    assert carry(0, "37+52=89;89+91=180;180+19=199", "W") == "<eos>"              # last step: stop
+    assert never(0, "37+52=89;89+91=70", "W") == ";" and always(0, "37+52=89", ";") == "W"
+    inside = "37+52=89;89+91=70W9+1+0=10,8+9+1=18=180"                           # after a recheck
+    for policy in (carry, never, always):
+        assert policy(0, inside, ";") == ";" and policy(0, "37+5", "W") == "W" and policy(0, "37+52=8", "9") == "9"
