@@ -46,9 +46,9 @@ class PretrainConfig:
     model_size: str = "default"
     """Key of `cispo.models.MODEL_SIZES` (``default``: hidden 96, 3 layers, 0.34M params)."""
     steps: int | None = None
-    """Optimizer steps. None: the task's default (`Task.pretrain_defaults`; addition 1000)."""
+    """Optimizer steps. None: the task's default (`Task.pretrain_defaults`: addition 1000, chain 1200)."""
     batch_size: int | None = None
-    """Examples per step (direct and forked together). None: the task's default (addition 96)."""
+    """Examples per step (direct and forked together). None: the task's default (addition 96, chain 48)."""
     lr: float = 3e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 50
@@ -63,16 +63,16 @@ class PretrainConfig:
     """Examples generated once; batches are drawn from them with replacement."""
     fork_fraction: float | None = None
     """Trained frequency of the fork token at each decision "fork or go on" (addition: after
-    the guess; chain: after each step). None: the task's default (addition 0.03)."""
+    the guess; chain: after each step). None: the task's default (addition 0.03, chain 0.04)."""
     derivation_fraction: float | None = None
     """addition: fraction of examples that contain a derivation, the rest are direct answers
     (high, so the model learns the derivation well but the direct answer hardly at all, see
     docs/builtin-task.md); chain: probability of a recheck after each step. It does not change
-    how often the fork is chosen. None: the task's default (addition 0.8)."""
+    how often the fork is chosen. None: the task's default (addition 0.8, chain 0.3)."""
     wrong_guess_fraction: float | None = None
     """addition: fraction of forked examples whose pre-fork guess has a corrupted digit;
     chain: fraction of steps with a carry written with the carry dropped. None: the task's
-    default (addition 0.5)."""
+    default (addition 0.5, chain 1.0)."""
 
     def resolved(self) -> "PretrainConfig":
         """This config with every None replaced by the task's default (what `pretrain` runs)."""

@@ -407,3 +407,18 @@ def test_forced_recheck_policies_decide_only_right_after_a_direct_result():
     inside = "37+52=89;89+91=70W9+1+0=10,8+9+1=18=180"                           # after a recheck
     for policy in (carry, never, always):
         assert policy(0, inside, ";") == ";" and policy(0, "37+5", "W") == "W" and policy(0, "37+52=8", "9") == "9"
+
+
+def test_pretrain_rebuilds_even_when_a_copy_exists(tmp_path, monkeypatch, one_thread):
+    import cispo.pretrain
+    from cispo.builtin_model import builtin_model_path, ensure_builtin_model, rebuild_builtin_model
+    from cispo.pretrain import PretrainConfig
+
+    monkeypatch.setenv("CISPO_CACHE", str(tmp_path))
+    cfg = PretrainConfig(model_size="tiny", steps=2, batch_size=8, corpus_size=50, warmup_steps=1)
+    calls, real = [], cispo.pretrain.pretrain
+    monkeypatch.setattr(cispo.pretrain, "pretrain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = ensure_builtin_model("addition", cfg=cfg, progress=False)
+    assert ensure_builtin_model("addition", cfg=cfg, progress=False) == path and len(calls) == 1
+    assert rebuild_builtin_model(cfg, progress=False) == path == builtin_model_path("addition", cfg=cfg)
+    assert len(calls) == 2 and [p.name for p in path.parent.iterdir()] == [path.name]
