@@ -193,13 +193,18 @@ def update_policy(
     return stats, update_count
 
 
+def fork_tokens(exp: Experience, fork_ids: torch.Tensor) -> torch.Tensor:
+    """The response tokens of ``exp`` that are any of ``fork_ids`` (``fork_token_ids``).  -> [B, T] bool"""
+    return torch.isin(exp.response_ids, fork_ids.to(exp.response_ids.device)) & exp.response_mask.bool()
+
+
 @torch.no_grad()
 def fork_drop_counts(exp: Experience, ppo_dropped: torch.Tensor, fork_ids: torch.Tensor | None) -> tuple[int, int]:
     """(# fork tokens of ``exp``, # of them in ``ppo_dropped``, the objective's eq. 7 flags
-    ``ObjectiveStats.ppo_dropped``); a fork token is any of ``fork_ids`` (``fork_token_ids``)."""
+    ``ObjectiveStats.ppo_dropped``)."""
     if fork_ids is None:
         return 0, 0
-    is_fork = torch.isin(exp.response_ids, fork_ids.to(exp.response_ids.device)) & exp.response_mask.bool()  # [b, T]
+    is_fork = fork_tokens(exp, fork_ids)  # [b, T]
     return int(is_fork.sum()), int((ppo_dropped & is_fork).sum())
 
 
@@ -276,9 +281,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     tokens = float(exp.response_mask.sum())
     metrics = rollout_metrics(groups, exp, report, tracked_fork(task)) if groups else {}
     metrics["rollout/reward_errors"] = float(len(errors))
-    if fork_id is not None and groups:  # reflective tokens per response (several on the `chain` task)
-        is_fork = (exp.response_ids == fork_id) & exp.response_mask.bool()  # [b, T]
-        metrics["rollout/fork_tokens_per_response"] = float(is_fork.sum()) / max(1, exp.response_ids.shape[0])
+    if fork_ids is not None and groups:  # reflective tokens per response (several on the `chain` task)
+        metrics["rollout/fork_tokens_per_response"] = float(fork_tokens(exp, fork_ids).sum()) / max(1, len(exp))
     if stats:
         metrics.update(update_metrics(stats))
     metrics.update({
