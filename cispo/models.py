@@ -12,6 +12,7 @@ The built-in base models (shipped, cached or pretrained on first use) are picked
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
