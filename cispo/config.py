@@ -390,6 +390,11 @@ class RolloutConfig:
     engine: Literal["torch", "vllm"] = "torch"
     """Sampler: ``torch`` (the built-in KV-cache sampler) or ``vllm`` (needs a CUDA GPU and
     ``pip install "cispo[vllm]"``; weights are pushed to it after every step)."""
+    decode: Literal["auto", "static", "hf"] = "auto"
+    """How the torch sampler decodes: ``static`` (a preallocated KV cache written in place,
+    rotary table and mask once per batch, stopped rows dropped; Llama / Qwen2 / Mistral),
+    ``hf`` (the model's forward with its dynamic cache), ``auto`` (static where supported).
+    Same tokens and log-probs either way; static is faster (docs/performance.md)."""
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
     vllm_sleep: bool = False

@@ -104,7 +104,7 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
                               enable_sleep_mode=cfg.rollout.vllm_sleep, seed=cfg.seed)
     else:
         sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
-                               fp32_head=cfg.model.fp32_lm_head)
+                               fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode)
     return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template, autocast=autocast)
 
 
