@@ -26,6 +26,7 @@ from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_ob
 from cispo.rollout import TorchSampler
 from cispo.runfolder import check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
 from cispo.samples import SampleFile, sample_records
+from cispo.threads import auto_threads
 from cispo.tracking import make_sinks, read_metrics
 from cispo.trainer import (
     Policy,
@@ -163,8 +164,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     saved = saved_config(run_dir) if resume else None
     if saved is not None:  # a resumed run is the same run
         check_resume(saved, cfg, run_dir)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(auto_threads(cfg.threads))  # cispo.threads: the user's count, else by load
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
     dist_info = init_distributed(device.type)

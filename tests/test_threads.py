@@ -1,0 +1,40 @@
+"""The thread-count rule of cispo.threads (issue 13 item 3)."""
+
+import pytest
+
+from cispo import threads
+from cispo.threads import auto_threads, pick_threads
+
+
+@pytest.mark.parametrize("cpus, load, expected", [
+    (2, 0.0, 2), (2, 0.99, 2),  # the other core is idle
+    (2, 1.0, 1), (2, 3.5, 1),  # busy: a second thread would wait for a core
+    (1, 0.0, 1),  # one core
+    (16, 14.9, 2), (16, 15.0, 1), (16, 0.0, 2),  # never more than 2 (only 1 vs 2 is measured)
+])
+def test_rule(cpus, load, expected):
+    assert pick_threads(None, cpus, load) == expected
+
+
+def test_user_override_wins():
+    assert pick_threads(1, 16, 0.0) == 1
+    assert pick_threads(4, 2, 9.0) == 4
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_bad_override(bad):
+    with pytest.raises(ValueError, match="threads must be an int >= 1 or None"):
+        pick_threads(bad, 2, 0.0)
+
+
+def test_auto_reads_the_machine(monkeypatch):
+    monkeypatch.setattr(threads, "cpu_count", lambda: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert auto_threads(None) == 2
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.7, 0.0, 0.0))
+    assert auto_threads(None) == 1
+    assert auto_threads(3) == 3
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.2, 0.0, 0.0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two processes share the two cores
+    assert auto_threads(None) == 1
