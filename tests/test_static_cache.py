@@ -173,3 +173,17 @@ def test_unsupported_configs_and_bad_mode():
         s.generate([[2] * 10], SamplingConfig(max_new_tokens=8))
     with pytest.raises(ValueError, match="decode must be one of"):
         TorchSampler(build("llama"), eos_token_id=EOS, pad_token_id=PAD, decode="fast")
+
+
+def test_lora_adapters_are_applied():
+    pytest.importorskip("peft")
+    from cispo.lora import apply_lora
+
+    model = apply_lora(build("llama"), rank=4, alpha=8)
+    with torch.no_grad():  # non-zero adapters (LoRA B starts at 0, which would hide a skipped adapter)
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    assert unsupported_reason(model) is None
+    a, b = both(model, SamplingConfig(max_new_tokens=10, temperature=1.0))
+    assert_same(a, b, atol=1e-5)
