@@ -199,7 +199,7 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
         "optimizer": trainer_mod.make_optimizer(model, cfg), "obj": trainer_mod.make_objective(cfg),
         "stream": PromptStream(task.train_samples(cfg.data.seed, 4096), seed=seed),
         "generators": {"sample": torch.Generator().manual_seed(seed), "shuffle": torch.Generator().manual_seed(seed + 1)},
-        "fork_id": trainer_mod.fork_token_id(tok, task),
+        "fork_id": trainer_mod.fork_token_ids(tok, task),
         "params": sum(p.numel() for p in model.parameters()),
         "desc": model_desc(model),
     }

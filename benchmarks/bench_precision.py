@@ -2,7 +2,7 @@
 (autocast, the default for model.dtype=bfloat16) and pure bfloat16 weights
 (model.master_weights=false), on a small random Llama on CPU.
 
-    python benchmarks/bench_precision.py [--hidden 512 --layers 4 --vocab 8192 --rows 8 --len 128 --repeats 5]
+    python benchmarks/bench_precision.py [--hidden 512 --layers 4 --vocab 8192 --rows 8 --len 128 --repeats 5] [--tiny]
 
 Each mode runs in its own subprocess (peak RSS = ru_maxrss of that process); modes are
 interleaved repeat by repeat and the median step time is reported. The machine is shared:
@@ -63,7 +63,10 @@ def main() -> None:
                  ("repeats", 3), ("threads", 1)):
         p.add_argument(f"--{k}", type=int, default=v)
     p.add_argument("--mode")
+    p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (the test suite's)")
     a = p.parse_args()
+    if a.tiny:
+        a.hidden, a.layers, a.vocab, a.rows, a.len, a.steps, a.repeats = 64, 1, 256, 2, 16, 1, 1
     if a.mode:
         print(json.dumps(one(a.mode, a)))
         return
@@ -71,7 +74,7 @@ def main() -> None:
     for _ in range(a.repeats):
         for m in MODES:
             out = subprocess.run([sys.executable, __file__, "--mode", m] + [f"--{k}={v}" for k, v in vars(a).items()
-                                                                           if k != "mode"],
+                                                                           if k not in ("mode", "tiny")],
                                  capture_output=True, text=True, check=True)
             results[m].append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = sorted(r["step_s"] for r in results["float32"])[len(results["float32"]) // 2]

@@ -22,6 +22,7 @@ from cispo.checkpoint import CheckpointError
 from cispo.config import ConfigError, TrainConfig, apply_overrides, format_help, load_yaml
 from cispo.datasets import DataError
 from cispo.rewards.loading import RewardSpecError
+from cispo.tasks import UnknownTaskError
 
 
 def _build_config(cls, config_file: str | None, overrides: list[str]):
@@ -47,15 +48,15 @@ def cmd_train(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from cispo.models import ensure_builtin_model
+    from cispo.builtin_model import rebuild_builtin_model
     from cispo.pretrain import PretrainConfig, measure_base_model, pretrain
 
     cfg = _build_config(PretrainConfig, args.config, args.overrides)
     if args.out:
         out = Path(args.out)
         pretrain(cfg, out)
-    else:
-        out = ensure_builtin_model(cfg.task, cfg=cfg)
+    else:  # always rebuilds, even when a shipped or cached copy exists
+        out = rebuild_builtin_model(cfg)
     print(f"model: {out}")
     if args.measure:
         report = measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed)
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + rest
     try:
         return args.fn(args)
-    except (ConfigError, DataError, RewardSpecError, FileExistsError) as e:  # bad input: one line, no traceback
+    except (ConfigError, DataError, RewardSpecError, FileExistsError, UnknownTaskError) as e:  # bad input: one line, no traceback
         print(f"cispo {args.command}: error: {e}", file=sys.stderr)
         return 2
     except CheckpointError as e:

@@ -5,20 +5,14 @@
 * `save_policy` / `load_policy`: the standard Hugging Face folder layout
   (``config.json``, ``model.safetensors``, ``tokenizer.json``), so the built-in model and
   real checkpoints load the same way.
-* `builtin_model_path` / `ensure_builtin_model`: the pretrained built-in base model,
-  cached per task and pretraining config in ``$CISPO_CACHE`` (or
-  ``$XDG_CACHE_HOME/cispo``, or ``~/.cache/cispo``), pretrained on first use.
+
+The built-in base models (shipped, cached or pretrained on first use) are picked in
+`cispo.builtin_model`, which imports this module and `cispo.pretrain`, never the reverse.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import sys
-import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,7 +35,7 @@ MAX_POSITIONS = 128
 # --------------------------------------------------------------------------- tokenizer
 
 
-def build_tokenizer(chars: str):
+def build_tokenizer(chars: str, max_positions: int = MAX_POSITIONS):
     """A character-level `PreTrainedTokenizerFast` over `chars` plus the special tokens.
 
     Ids: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then `chars` in order. Every character
@@ -60,15 +54,16 @@ def build_tokenizer(chars: str):
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK,
-        model_max_length=MAX_POSITIONS, padding_side="left",
+        model_max_length=max_positions, padding_side="left",
     )
 
 
 # --------------------------------------------------------------------------- model
 
 
-def build_model(tokenizer, size: str = "default", seed: int = 0):
-    """A small seeded `LlamaForCausalLM` for `tokenizer` (see `MODEL_SIZES`)."""
+def build_model(tokenizer, size: str = "default", seed: int = 0, max_positions: int = MAX_POSITIONS):
+    """A small seeded `LlamaForCausalLM` for `tokenizer` (see `MODEL_SIZES`) with a context
+    of `max_positions` tokens (RoPE: the weights do not depend on it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, layers, heads, inter = MODEL_SIZES[size]
@@ -79,7 +74,7 @@ def build_model(tokenizer, size: str = "default", seed: int = 0):
         num_attention_heads=heads,
         num_key_value_heads=heads,
         intermediate_size=inter,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         rope_theta=10000.0,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
@@ -215,78 +210,3 @@ def check_chat_template(path) -> None:
     if not AutoTokenizer.from_pretrained(str(path)).chat_template:
         raise ConfigError(f"model.chat_template=true, but the tokenizer of {path} has no chat template (a base "
                           "model?): set model.chat_template=false, or add a chat_template to its tokenizer_config.json")
-
-
-# --------------------------------------------------------------------------- cache
-
-
-def cache_root(cache_dir=None) -> Path:
-    """``cache_dir`` or ``$CISPO_CACHE`` or ``$XDG_CACHE_HOME/cispo`` or ``~/.cache/cispo``."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get("CISPO_CACHE"):
-        return Path(os.environ["CISPO_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "cispo"
-
-
-def config_hash(cfg) -> str:
-    """A short stable hash of a (dataclass) pretraining config."""
-    blob = json.dumps(asdict(cfg), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def builtin_model_path(task: str = "addition", cache_dir=None, cfg=None) -> Path:
-    """Where the pretrained base model for `task` and `cfg` lives (it may not exist yet).
-
-    ``<cache>/models/<task>-<hash of the PretrainConfig>``; `cfg` defaults to
-    ``PretrainConfig(task=task)``.
-    """
-    from cispo.pretrain import PretrainConfig
-
-    cfg = PretrainConfig(task=task) if cfg is None else cfg
-    if cfg.task != task:
-        raise ValueError(f"cfg.task={cfg.task!r} but task={task!r}")
-    return cache_root(cache_dir) / "models" / f"{task}-{config_hash(cfg)}"
-
-
-def _is_complete(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "tokenizer.json").is_file() and any(
-        path.glob("*.safetensors"))
-
-
-def ensure_builtin_model(task: str = "addition", cache_dir=None, cfg=None, progress: bool = True) -> Path:
-    """Path to the cached base model for `task`, pretraining it first if it is missing.
-
-    Pretraining writes into a temporary folder next to the target and renames it into
-    place, so an interrupted run never leaves a half-written model in the cache; when two
-    processes race, the first rename wins and the other's copy is discarded.
-    """
-    from cispo.pretrain import PretrainConfig, pretrain
-
-    cfg = PretrainConfig(task=task) if cfg is None else cfg
-    path = builtin_model_path(task, cache_dir, cfg)
-    if _is_complete(path):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"cispo: pretraining the built-in {task!r} base model once (a few minutes on a CPU); "
-          f"it will be cached in {path}", file=sys.stderr)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    threads = torch.get_num_threads()
-    # One thread: as fast as two on an idle 2-core machine, and ~4x faster when other work
-    # shares the cores (docs/builtin-task.md). The weights do not depend on it.
-    torch.set_num_threads(1)
-    try:
-        pretrain(cfg, tmp, progress=progress)
-        if path.exists() and not _is_complete(path):  # debris not written by us: replace it
-            shutil.rmtree(path, ignore_errors=True)
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            if not _is_complete(path):  # not a lost race: a genuine failure
-                raise
-    finally:
-        torch.set_num_threads(threads)
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path

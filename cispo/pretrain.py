@@ -24,12 +24,11 @@ were observed to agree bit for bit too). On busy cores one thread is much faster
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -46,10 +45,10 @@ class PretrainConfig:
     """Seeds the corpus, the initial weights and the batch order."""
     model_size: str = "default"
     """Key of `cispo.models.MODEL_SIZES` (``default``: hidden 96, 3 layers, 0.34M params)."""
-    steps: int = 1000
-    """Optimizer steps."""
-    batch_size: int = 96
-    """Examples per step (direct and forked together)."""
+    steps: int | None = None
+    """Optimizer steps. None: the task's default (`Task.pretrain_defaults`: addition 1000, chain 1200)."""
+    batch_size: int | None = None
+    """Examples per step (direct and forked together). None: the task's default (addition 96, chain 48)."""
     lr: float = 3e-3
     """Peak AdamW learning rate."""
     warmup_steps: int = 50
@@ -62,14 +61,28 @@ class PretrainConfig:
     """AdamW betas."""
     corpus_size: int = 200_000
     """Examples generated once; batches are drawn from them with replacement."""
-    fork_fraction: float = 0.03
-    """Trained frequency of the fork token at the "fork or stop" decision after the guess."""
-    derivation_fraction: float = 0.8
-    """Fraction of examples that contain a derivation; the rest are direct answers. High, so
-    the model learns the derivation well but the direct answer hardly at all (see
-    docs/builtin-task.md); it does not change how often the fork is chosen."""
-    wrong_guess_fraction: float = 0.5
-    """Fraction of forked examples whose pre-fork guess has a corrupted digit."""
+    fork_fraction: float | None = None
+    """Trained frequency of the fork token at each decision "fork or go on" (addition: after
+    the guess; chain: after each step). None: the task's default (addition 0.03, chain 0.04)."""
+    derivation_fraction: float | None = None
+    """addition: fraction of examples that contain a derivation, the rest are direct answers
+    (high, so the model learns the derivation well but the direct answer hardly at all, see
+    docs/builtin-task.md); chain: probability of a recheck after each step. It does not change
+    how often the fork is chosen. None: the task's default (addition 0.8, chain 0.3)."""
+    wrong_guess_fraction: float | None = None
+    """addition: fraction of forked examples whose pre-fork guess has a corrupted digit;
+    chain: fraction of steps with a carry written with the carry dropped. None: the task's
+    default (addition 0.5, chain 1.0)."""
+
+    def resolved(self) -> "PretrainConfig":
+        """This config with every None replaced by the task's default (what `pretrain` runs)."""
+        from cispo.tasks import get_task
+
+        defaults = get_task(self.task).pretrain_defaults
+        missing = [f.name for f in fields(self) if getattr(self, f.name) is None and f.name not in defaults]
+        if missing:
+            raise ValueError(f"PretrainConfig: {missing} unset and task {self.task!r} has no default for them")
+        return replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
 # --------------------------------------------------------------------------- data
@@ -106,7 +119,9 @@ def _encode(examples, vocab: dict[str, int], eos_id: int, pad_id: int):
 
 
 def build_dataset(cfg: PretrainConfig, tokenizer):
-    """``{"direct": (ids, labels), "forked": (ids, labels)}`` from the task's corpus."""
+    """``{"direct": (ids, labels), "forked": (ids, labels)}`` from the task's corpus (`cfg`
+    resolved), or
+    ``{"all": (ids, labels)}`` for a task without a `stratified_corpus`."""
     from cispo.tasks import get_task
 
     task = get_task(cfg.task)
@@ -114,11 +129,26 @@ def build_dataset(cfg: PretrainConfig, tokenizer):
                            derivation_fraction=cfg.derivation_fraction,
                            wrong_guess_fraction=cfg.wrong_guess_fraction)
     vocab = tokenizer.get_vocab()
+    if not task.stratified_corpus:
+        return {"all": _encode(examples, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)}
     out = {}
     for kind in ("direct", "forked"):
         part = [ex for ex in examples if ex.forked == (kind == "forked")]
         if part:
             out[kind] = _encode(part, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return out
+
+
+def _length_sorted_halves(ids, labels):
+    """``[(ids, labels), (ids, labels)]``: the rows sorted by length, split in two, each cut
+    to its longest row (right padding carries no loss and, causally, changes no logit)."""
+    lengths = (labels != -100).long().cumsum(1).argmax(1) + 1                   # [B] last loss position + 1
+    order = torch.argsort(lengths, stable=True)
+    out = []
+    for part in (order[: len(order) // 2], order[len(order) // 2:]):
+        if len(part):
+            t = int(lengths[part].max())
+            out.append((ids[part, :t], labels[part, :t]))
     return out
 
 
@@ -145,10 +175,11 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
     from cispo.tasks import get_task
 
     t0 = time.perf_counter()
+    cfg = cfg.resolved()
     task = get_task(cfg.task)
-    tokenizer = build_tokenizer(task.alphabet)
+    tokenizer = build_tokenizer(task.alphabet, task.max_positions)
     data = build_dataset(cfg, tokenizer)
-    model = build_model(tokenizer, cfg.model_size, seed=cfg.seed)
+    model = build_model(tokenizer, cfg.model_size, seed=cfg.seed, max_positions=task.max_positions)
     model.train()
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -158,7 +189,7 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
                             lr=cfg.lr, betas=cfg.betas, eps=1e-8)
     gen = torch.Generator().manual_seed(cfg.seed)
     n_forked = round(cfg.batch_size * cfg.derivation_fraction) if "forked" in data else 0
-    share = {"direct": cfg.batch_size - n_forked, "forked": n_forked}
+    share = {"direct": cfg.batch_size - n_forked, "forked": n_forked, "all": cfg.batch_size}
 
     log = []
     bar = tqdm(range(cfg.steps), desc=f"pretrain {cfg.task} seed {cfg.seed}", disable=not progress,
@@ -171,7 +202,10 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
             if share[kind] == 0:
                 continue
             idx = torch.randint(len(ids), (share[kind],), generator=gen)
-            batches.append((ids[idx], labels[idx]))
+            if kind == "all":  # one mixed-length corpus: two length-sorted, trimmed micro-batches
+                batches += _length_sorted_halves(ids[idx], labels[idx])
+            else:
+                batches.append((ids[idx], labels[idx]))
         n_tokens = sum(int((lab != -100).sum()) for _, lab in batches)
         opt.zero_grad(set_to_none=True)
         total = 0.0
@@ -207,11 +241,15 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
 
 @torch.no_grad()
 def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int,
-                       temperature: float = 1.0, seed: int = 0, batch_size: int = 512) -> list[str]:
+                       temperature: float = 1.0, seed: int = 0, batch_size: int = 512,
+                       steer=None) -> list[str]:
     """Sample one completion per prompt (KV cache); ``temperature == 0`` is greedy.
 
     Completions are decoded up to, not including, EOS. Prompts are grouped by token
     length so no padding is needed. Seeded by its own `torch.Generator`.
+    `steer(prompt_index, completion_so_far, token) -> token`, if given, may replace each
+    sampled token (a character, or the EOS token's text) before it is fed back: a policy
+    forced at chosen decisions (e.g. a recheck after exactly the steps that need one).
     """
     from transformers import DynamicCache
 
@@ -235,6 +273,7 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
             logits = model(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[:, -1]
             done = torch.zeros(len(rows), dtype=torch.bool, device=device)
             new = []
+            texts = [""] * len(rows)
             for _ in range(max_new_tokens):
                 logits = logits.float()
                 if temperature == 0:
@@ -243,6 +282,8 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
                     probs = torch.softmax(logits / temperature, dim=-1)
                     tok = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(1).to(device)
                 tok = torch.where(done, torch.full_like(tok, eos), tok)
+                if steer is not None:
+                    tok = _steer(steer, rows, texts, tok, done, tokenizer)
                 new.append(tok)
                 done |= tok == eos
                 if bool(done.all()):
@@ -253,6 +294,19 @@ def sample_completions(model, tokenizer, prompts: list[str], max_new_tokens: int
                 toks = toks[: toks.index(eos)] if eos in toks else toks
                 out[i] = tokenizer.decode(toks, skip_special_tokens=False)
     return out
+
+
+def _steer(steer, rows, texts, tok, done, tokenizer):
+    """Apply `steer` to the sampled tokens [B] of the rows not done; extend `texts`."""
+    ids = tok.tolist()
+    for j, i in enumerate(rows):
+        if bool(done[j]):
+            continue
+        ch = tokenizer.convert_ids_to_tokens(ids[j])
+        ch = steer(i, texts[j], ch)
+        ids[j] = tokenizer.convert_tokens_to_ids(ch)
+        texts[j] += "" if ids[j] == tokenizer.eos_token_id else ch
+    return torch.tensor(ids, device=tok.device)
 
 
 @dataclass
@@ -332,45 +386,110 @@ def measure_base_model(model, tokenizer=None, task="addition", n: int = 2000, te
     )
 
 
-# --------------------------------------------------------------------------- CLI
+# --------------------------------------------------------------------------- chain task
 
 
-def main(argv=None):
-    """``python -m cispo.pretrain [--seed S] [--out DIR] [--measure N] [--FIELD VALUE ...]``."""
-    p = argparse.ArgumentParser(description="Pretrain (and measure) the built-in base model.")
-    for f in fields(PretrainConfig):
-        if f.name == "betas":
-            continue
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    p.add_argument("--out", default=None, help="output folder (default: the model cache)")
-    p.add_argument("--measure", type=int, default=0, help="held-out prompts to measure on (0: skip)")
-    p.add_argument("--measure-seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = PretrainConfig(**{f.name: getattr(args, f.name) for f in fields(PretrainConfig) if f.name != "betas"})
-    if args.out is None:
-        from cispo.models import ensure_builtin_model
+def chain_recheck_policy(numbers_of, rule: str):
+    """A `steer` for `sample_completions` on the `chain` task that decides every
+    "recheck or go on" token (right after a step's direct result) by `rule`:
 
-        out = ensure_builtin_model(cfg.task, cfg=cfg)
-    else:
-        out = Path(args.out)
-        saved = out / "pretrain_config.json"
-        if saved.is_file() and json.loads(saved.read_text()) == json.loads(json.dumps(asdict(cfg))):
-            print(f"{out} already holds this config's model; not retraining")
-        else:
-            pretrain(cfg, out)
-    print(f"model: {out}")
-    log = json.loads((Path(out) / "pretrain_log.json").read_text())
-    print(f"pretraining wall time: {log['wall_s']:.1f} s, {log['num_parameters']} parameters, "
-          f"final loss {log['loss'][-1]:.4f}")
-    if args.measure:
-        t = time.perf_counter()
-        report = measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed)
-        print(json.dumps(report.to_dict(), indent=2))
-        print(f"measured in {time.perf_counter() - t:.1f} s")
+    * ``"carry"``: recheck exactly the steps whose written operands carry (the policy the
+      length budget favours; its accuracy estimates the best achievable);
+    * ``"never"`` / ``"always"``: no recheck / a recheck after every step.
+
+    Everything else is the model's own sample. `numbers_of(i)` gives prompt i's numbers.
+    """
+    import re
+
+    from cispo.tasks import chain
+
+    step_end = re.compile(r"(?:^|;)([0-9]+)\+([0-9]+)=([0-9]+)$")
+    eos = "<eos>"
+
+    def steer(i, text, tok):
+        if tok not in (";", chain.FORK_TOKEN, eos):
+            return tok
+        m = step_end.search(text)
+        if m is None:                                   # not right after a direct result
+            return tok
+        a, b = int(m.group(1)), int(m.group(2))
+        if rule == "always" or (rule == "carry" and chain.has_carry(a, b)):
+            return chain.FORK_TOKEN
+        if tok != chain.FORK_TOKEN:
+            return tok
+        return ";" if text.count(";") + 1 < len(numbers_of(i)) - 1 else eos
+    return steer
 
 
-if __name__ == "__main__":
+def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, batch_size: int = 512) -> dict:
+    """The `chain` task's base-model properties on `n` held-out prompts (issue 12):
+
+    * ``accuracy`` / ``greedy_accuracy``: sampled (T=1) and greedy, as the task rewards them;
+    * ``recheck_rate``: W per opportunity (per step's direct result) in sampled completions;
+      ``rechecks_per_response``; ``accuracy_with_recheck`` / ``_without``: sampled
+      completions that rechecked at least once vs never;
+    * ``carry_step_value_correct_with_recheck`` / ``_without``: on steps whose written
+      operands carry, how often the value the chain goes on from is right;
+    * ``step_error_rate``: direct results that are wrong (all steps);
+    * ``accuracy_forced_{carry,never,always}``: sampled, with every recheck decision forced
+      (`chain_recheck_policy`); ``answer_correct_forced_always``: the answer is right, the
+      budget aside.
+    """
+    from cispo.models import load_policy
+    from cispo.tasks import chain, get_task
+
+    if isinstance(model, (str, Path)):
+        model, tokenizer = load_policy(model)
+    task = get_task("chain")
+    was_training = model.training
+    model.eval()
+    samples = task.eval_samples(seed, n)
+    prompts = [s["prompt"] for s in samples]
+    numbers = [chain.parse_prompt(p) for p in prompts]
+    rew = lambda comps: [task.reward(s["prompt"], c, answer=s["answer"]) for s, c in zip(samples, comps)]  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+
+    comps = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 1.0, seed, batch_size)
+    greedy = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 0.0, seed, batch_size)
+    r, rg = rew(comps), rew(greedy)
+    checks = [chain.count_reflections(c) for c in comps]
+    steps = [chain.parse_steps(c) or [] for c in comps]
+    opportunities = sum(len(chain.strip_completion(c).split(chain.STEP_SEP)) for c in comps)  # one per step
+    carry_with, carry_without, wrong_direct = [], [], []
+    for ss in steps:
+        for st in ss:
+            wrong_direct.append(st.result != st.a + st.b)
+            if chain.has_carry(st.a, st.b):
+                (carry_with if st.corrected is not None else carry_without).append(st.value == st.a + st.b)
+    out = {
+        "n": n, "accuracy": mean(r), "greedy_accuracy": mean(rg),
+        "well_formed": mean([bool(s) for s in steps]),
+        "recheck_rate": sum(checks) / max(1, opportunities),
+        "rechecks_per_response": mean(checks),
+        "accuracy_with_recheck": mean([x for x, c in zip(r, checks) if c]),
+        "accuracy_without_recheck": mean([x for x, c in zip(r, checks) if not c]),
+        "n_with_recheck": sum(1 for c in checks if c),
+        "carry_step_value_correct_with_recheck": mean(carry_with),
+        "carry_step_value_correct_without_recheck": mean(carry_without),
+        "n_carry_steps_rechecked": len(carry_with),
+        "step_error_rate": mean(wrong_direct),
+        "mean_length": mean([len(c) for c in comps]),
+        "optimal_rechecks_per_response": mean([len(chain.carry_steps(ns)) for ns in numbers]),
+    }
+    for rule in ("carry", "never", "always"):
+        forced = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 1.0, seed + 1, batch_size,
+                                    steer=chain_recheck_policy(lambda i: numbers[i], rule))
+        out[f"accuracy_forced_{rule}"] = mean(rew(forced))
+        if rule == "always":
+            out["answer_correct_forced_always"] = mean([chain.extract_answer(c) == s["answer"]
+                                                        for c, s in zip(forced, samples)])
+        if rule == "carry":
+            out["mean_length_forced_carry"] = mean([len(c) for c in forced])
+    model.train(was_training)
+    return out
+
+
+if __name__ == "__main__":  # the command line lives with the cache it writes to
+    from cispo.builtin_model import main
+
     main()

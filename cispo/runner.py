@@ -74,7 +74,8 @@ def resolve_device(name: str) -> torch.device:
 def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None) -> Policy:
     """The policy for ``device``; its weights are loaded onto ``load_device`` (default: ``device``),
     e.g. the CPU for a model that FSDP then shards onto the GPUs."""
-    from cispo.models import ensure_builtin_model, load_policy, precision, saved_dtype
+    from cispo.builtin_model import ensure_builtin_model
+    from cispo.models import load_policy, precision, saved_dtype
 
     path = cfg.model.path or ensure_builtin_model(task.name, progress=cfg.progress)
     param_dtype, autocast = precision(cfg.model.dtype, saved_dtype(path), cfg.model.master_weights)
@@ -186,7 +187,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     obj = make_objective(cfg)
     run_dir = prepare_run_dir(cfg, resume, overwrite) if main else run_dir
     if main and cfg.model.path is None:
-        from cispo.models import ensure_builtin_model
+        from cispo.builtin_model import ensure_builtin_model
 
         ensure_builtin_model(task.name, progress=cfg.progress)  # once, before the other ranks load it
     barrier(dist_info)

@@ -428,6 +428,9 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     tokens = float(exp.response_mask.sum())
     metrics = rollout_metrics(groups, exp, report, tracked_fork(task)) if groups else {}
     metrics["rollout/reward_errors"] = float(len(errors))
+    if fork_ids is not None and groups:  # reflective tokens per response (several on the `chain` task)
+        is_fork = torch.isin(exp.response_ids, fork_ids.to(exp.response_ids.device)) & exp.response_mask.bool()  # [b, T]
+        metrics["rollout/fork_tokens_per_response"] = float(is_fork.sum()) / max(1, exp.response_ids.shape[0])
     if stats:
         metrics.update(update_metrics(stats))
     metrics.update({

@@ -25,6 +25,7 @@ SCRIPTS = {  # script -> a string its --tiny output must contain
     "bench_update.py": "fraction of matmul rate",
     "bench_step.py": "logp_old s (share)",
     "bench_rewards.py": "us / call",
+    "bench_precision.py": "vs float32",
 }
 
 RUNNER = """

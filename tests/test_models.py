@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cispo import models
-from cispo.models import (build_model, build_tokenizer, builtin_model_path, ensure_builtin_model,
+from cispo.builtin_model import builtin_model_path, ensure_builtin_model
+from cispo.models import (build_model, build_tokenizer,
                           load_policy, save_policy)
 from cispo.pretrain import PretrainConfig, measure_base_model, pretrain, sample_completions
 from cispo.tasks import get_task

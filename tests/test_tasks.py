@@ -2,8 +2,9 @@
 
 import pytest
 
-from cispo.tasks import Task, get_task, list_tasks
+from cispo.tasks import Task, UnknownTaskError, get_task, list_tasks
 from cispo.tasks import arithmetic as ar
+from cispo.tasks import chain as ch
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def test_registry(task):
     assert task.name == "addition"
     assert task.fork_token == ar.FORK_TOKEN == "W"
     assert set(task.fork_token) <= set(task.alphabet)
-    with pytest.raises(KeyError):
+    with pytest.raises(UnknownTaskError, match="addition, addition4, chain"):
         get_task("nope")
 
 
@@ -180,3 +181,244 @@ def test_plain_corpus_when_fractions_are_equal(task):
         assert all(ex.loss_mask[ex.completion.find(task.fork_token):])  # fork, derivation, answer
     with pytest.raises(ValueError):
         task.corpus(0, 10, fork_fraction=0.3, derivation_fraction=0.1)
+
+
+def test_cli_bad_task_name_is_a_clear_error_listing_the_tasks(capsys):
+    from cispo.cli import main
+
+    assert main(["train", "task=additon", "steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown task 'additon'" in err and "addition, addition4, chain" in err
+    assert "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- chain
+
+
+def test_chain_arithmetic_and_the_base_models_bug():
+    assert ch.dropped_carry_sum(95, 91) == 86 and ch.dropped_carry_sum(186, 24) == 100
+    assert ch.dropped_carry_sum(62, 48) == 0 and ch.dropped_carry_sum(123, 45) == 168
+    assert ch.has_carry(95, 5) and ch.has_carry(186, 24) and not ch.has_carry(123, 45)
+    assert not ch.has_carry(100, 9) and ch.has_carry(199, 1)
+
+
+def test_chain_reflection_format():
+    numbers = (37, 52, 91, 19)
+    assert ch.make_prompt(numbers) == "37+52+91+19=" and ch.parse_prompt("37+52+91+19=") == numbers
+    assert ch.carry_steps(numbers) == [1]                      # 89+91 carries; 37+52, 180+19 do not
+    base = ch.completion(numbers)
+    assert base == "37+52=89;89+91=70;70+19=89"                # the carry dropped, then propagated
+    ref = ch.reference(numbers)
+    assert ref == "37+52=89;89+91=70W9+1+0=10,8+9+1=18=180;180+19=199"
+    steps = ch.parse_steps(ref)
+    assert [(s.a, s.b, s.result, s.value) for s in steps] == [(37, 52, 89, 89), (89, 91, 70, 180), (180, 19, 199, 199)]
+    assert steps[1].derivation == "9+1+0=10,8+9+1=18" and steps[0].derivation is None
+    # a recheck after a correct step repeats its value
+    assert ch.completion(numbers, recheck_after={0}).startswith("37+52=89W7+2+0=09,3+5+0=08=89;89+91=")
+    assert ch.count_reflections(ref) == 1 and ch.used_fork(ref) and not ch.used_fork(base)
+    assert ch.count_reflections(ref + "<eos>W") == 1            # nothing after EOS counts
+    assert ch.parse_steps("37+52=89;8x") is None and ch.parse_steps(base + "<eos>junk") is not None
+    with pytest.raises(ValueError):
+        ch.parse_prompt("37+52")
+
+
+def test_chain_verifier():
+    numbers = (37, 52, 91, 19)
+    prompt, ref = ch.make_prompt(numbers), ch.reference(numbers)
+    assert ch.reward(prompt, ref) == 1.0 and ch.reward(prompt, ref + "<eos>", answer="199") == 1.0
+    assert ch.reward(prompt, ch.completion(numbers)) == 0.0    # the propagated error
+    assert ch.extract_answer(ref) == "199" and ch.extract_answer(ref[:-1]) == "19"
+    assert ch.reward(prompt, ref[:-1]) == 0.0                   # cut off
+    assert ch.reward(prompt, ref[: ref.index("=18") + 3]) == 0.0  # stopped inside a derivation: "18" != 199
+    assert ch.extract_answer("37+52=89W7+2+0=09") is None      # leading zero: a derivation step, not an answer
+    # length budget: the reference plus one more recheck fits, a recheck after every step does not
+    one_more = ch.completion(numbers, recheck_after={0, 1})
+    everywhere = ch.completion(numbers, recheck_after={0, 1, 2})
+    assert len(one_more) <= ch.length_budget(numbers) < len(everywhere)
+    assert ch.reward(prompt, one_more) == 1.0 and ch.reward(prompt, everywhere) == 0.0
+    assert ch.extract_answer(everywhere) == "199"               # right answer, over budget
+
+
+def test_chain_task_samples_and_splits():
+    task = get_task("chain")
+    assert task.fork_token == "W" and set(task.alphabet) >= set("0123456789+=,;W")
+    train, ev = task.train_samples(0, 600), task.eval_samples(0, 300)
+    assert train == task.train_samples(0, 600) and train != task.train_samples(1, 600)
+    assert not {s["prompt"] for s in train} & {s["prompt"] for s in ev}
+    n_steps, n_carry = [], []
+    for s in train + ev:
+        numbers = ch.parse_prompt(s["prompt"])
+        assert s["answer"] == str(sum(numbers)) and len(numbers) - 1 in ch.STEPS
+        assert ch.is_heldout(numbers) == (s in ev)
+        ref = ch.reference(numbers)
+        assert task.reward(s["prompt"], ref, answer=s["answer"]) == 1.0
+        assert len(ref) + 1 <= ch.length_budget(numbers) + 1 <= task.max_new_tokens
+        assert len(task.alphabet) and set(s["prompt"] + ref) <= set(task.alphabet)
+        n_steps.append(len(numbers) - 1)
+        n_carry.append(len(ch.carry_steps(numbers)))
+        assert n_carry[-1] < n_steps[-1]                          # never a recheck after every step
+    mean_carry = sum(n_carry) / len(n_carry)
+    assert 2.6 < mean_carry < 3.2, mean_carry                    # the optimal policy rechecks ~3 times
+    assert sum(n_steps) / len(n_steps) >= 4.5
+
+
+def test_chain_corpus_masks_and_reflection_rate():
+    task = get_task("chain")
+    c = task.corpus(0, 6000, fork_fraction=0.04, derivation_fraction=0.3, wrong_guess_fraction=1.0)
+    w_kept = decisions = 0
+    for ex in c:
+        assert len(ex.loss_mask) == len(ex.completion) + 1 and ex.loss_mask[-1] == 1
+        assert ex.forked == ("W" in ex.completion)
+        steps = ch.parse_steps(ex.completion)
+        assert steps is not None and ch.extract_answer(ex.completion) == str(steps[-1].value)
+        for s in steps:
+            assert s.result == (ch.dropped_carry_sum(s.a, s.b))     # the base model's bug, always
+            assert s.corrected in (None, s.a + s.b)
+        pos = 0
+        for i, part in enumerate(ex.completion.split(";")):
+            step_end = pos + len(part.split("W")[0])                  # the decision after the result
+            decisions += 1
+            if "W" in part:
+                w_kept += ex.loss_mask[step_end]
+                assert all(ex.loss_mask[step_end + 1: pos + len(part)])  # derivation + correction
+            else:
+                assert ex.loss_mask[step_end] == 1                    # ";" or EOS: always trained
+            pos += len(part) + 1
+    # trained frequency of W at "recheck or go on": W kept / (W kept + go-on decisions)
+    n_w = sum(ex.completion.count("W") for ex in c)
+    rate = w_kept / (w_kept + decisions - n_w)
+    assert abs(rate - 0.04) < 0.008, rate
+
+
+# --------------------------------------------------------------------------- shipped base models
+
+
+@pytest.mark.parametrize("name,prompt,params", [("addition", "12+34=", 335_712), ("chain", "12+34+5=", 335_904)])
+def test_shipped_weights_load_and_match_their_checksums(name, prompt, params, tmp_path, monkeypatch):
+    from cispo.builtin_model import SHIPPED_ROOT, ensure_builtin_model, read_checksums, verify_checksums
+    from cispo.models import load_policy
+
+    monkeypatch.setenv("CISPO_CACHE", str(tmp_path))           # an empty cache: nothing to fall back on
+    folder = SHIPPED_ROOT / name
+    recorded = read_checksums(folder)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "pretrain_config.json"} <= set(recorded)
+    verify_checksums(folder)
+    assert ensure_builtin_model(name) == folder                # the default config: no pretraining
+    assert not (tmp_path / "models").exists()
+    model, tok = load_policy(folder)
+    assert tok.decode(tok(prompt)["input_ids"]) == prompt
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert set(get_task(name).alphabet) <= set(tok.get_vocab())
+
+
+def test_a_changed_shipped_file_fails_its_checksum(tmp_path):
+    import shutil
+
+    from cispo.builtin_model import SHIPPED_ROOT, ChecksumError, verify_checksums
+
+    copy = tmp_path / "addition"
+    shutil.copytree(SHIPPED_ROOT / "addition", copy)
+    verify_checksums(copy)
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="model.safetensors"):
+        verify_checksums(copy)
+    (copy / "model.safetensors").unlink()
+    with pytest.raises(ChecksumError, match="missing"):
+        verify_checksums(copy)
+
+
+def test_other_pretraining_configs_do_not_use_the_shipped_weights():
+    from cispo.builtin_model import shipped_model_path
+    from cispo.pretrain import PretrainConfig
+
+    assert shipped_model_path("addition", PretrainConfig()) is not None
+    assert shipped_model_path("addition", PretrainConfig(steps=1000)) is not None   # the same, resolved
+    assert shipped_model_path("addition", PretrainConfig(seed=1)) is None
+    assert shipped_model_path("addition", PretrainConfig(fork_fraction=0.05)) is None
+    assert shipped_model_path("addition4", PretrainConfig(task="addition4")) is None
+
+
+def test_no_import_circle_between_models_pretrain_and_builtin_model():
+    """models <- pretrain <- builtin_model: no module imports one above it (issue 16, item 3)."""
+    import ast
+    from pathlib import Path
+
+    import cispo
+
+    root = Path(cispo.__file__).parent
+
+    def imports(name):
+        tree = ast.parse((root / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cispo"):
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("cispo")}
+        return found
+
+    def imports_outside_main(name):  # the `if __name__ == "__main__":` entry point may delegate upwards
+        tree = ast.parse((root / f"{name}.py").read_text())
+        main_blocks = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        inside = {m.module for b in main_blocks for m in ast.walk(b) if isinstance(m, ast.ImportFrom)}
+        return imports(name) - inside
+
+    assert not {"cispo.pretrain", "cispo.builtin_model"} & imports("models")
+    assert "cispo.builtin_model" not in imports_outside_main("pretrain")
+
+
+def test_a_chain_run_logs_reflective_tokens_per_response(tmp_path, one_thread):
+    """`cispo train task=chain` runs, and each step logs the mean number of W per response."""
+    import json
+
+    from conftest import small_config
+
+    from cispo.models import build_model, build_tokenizer, save_policy
+    from cispo.runner import train
+
+    tok = build_tokenizer(ch.ALPHABET, 384)
+    save_policy(build_model(tok, size="tiny", seed=0, max_positions=384), tok, tmp_path / "m")
+    cfg = small_config(tmp_path / "m", tmp_path / "runs", "task=chain", "max_new_tokens=40", "steps=2",
+                       "eval.every=0", "dynamic_sampling=false")
+    result = train(cfg)
+    rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "rollout/fork_tokens_per_response" in r]
+    assert len(steps) == 2
+    for r in steps:   # an untrained model emits W at random, sometimes several per response
+        assert r["rollout/fork_tokens_per_response"] >= r["rollout/fork_rate"] >= 0.0
+
+
+def test_forced_recheck_policies_decide_only_right_after_a_direct_result():
+    from cispo.pretrain import chain_recheck_policy
+
+    numbers = (37, 52, 91, 19)
+    carry = chain_recheck_policy(lambda i: numbers, "carry")
+    never = chain_recheck_policy(lambda i: numbers, "never")
+    always = chain_recheck_policy(lambda i: numbers, "always")
+    assert carry(0, "37+52=89", ";") == ";" and carry(0, "37+52=89", "W") == ";"   # no carry: go on
+    assert carry(0, "37+52=89;89+91=70", ";") == "W"                              # carry: recheck
+    assert carry(0, "37+52=89;89+91=70", "<eos>") == "W"
+    assert carry(0, "37+52=89;89+91=180;180+19=199", "W") == "<eos>"              # last step: stop
+    assert never(0, "37+52=89;89+91=70", "W") == ";" and always(0, "37+52=89", ";") == "W"
+    inside = "37+52=89;89+91=70W9+1+0=10,8+9+1=18=180"                           # after a recheck
+    for policy in (carry, never, always):
+        assert policy(0, inside, ";") == ";" and policy(0, "37+5", "W") == "W" and policy(0, "37+52=8", "9") == "9"
+
+
+def test_pretrain_rebuilds_even_when_a_copy_exists(tmp_path, monkeypatch, one_thread):
+    import cispo.pretrain
+    from cispo.builtin_model import builtin_model_path, ensure_builtin_model, rebuild_builtin_model
+    from cispo.pretrain import PretrainConfig
+
+    monkeypatch.setenv("CISPO_CACHE", str(tmp_path))
+    cfg = PretrainConfig(model_size="tiny", steps=2, batch_size=8, corpus_size=50, warmup_steps=1)
+    calls, real = [], cispo.pretrain.pretrain
+    monkeypatch.setattr(cispo.pretrain, "pretrain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = ensure_builtin_model("addition", cfg=cfg, progress=False)
+    assert ensure_builtin_model("addition", cfg=cfg, progress=False) == path and len(calls) == 1
+    assert rebuild_builtin_model(cfg, progress=False) == path == builtin_model_path("addition", cfg=cfg)
+    assert len(calls) == 2 and [p.name for p in path.parent.iterdir()] == [path.name]

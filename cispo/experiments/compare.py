@@ -150,7 +150,7 @@ def run_all(configs: list[TrainConfig], workers: int) -> None:
     print(f"cispo: {len(configs) - len(todo)} of {len(configs)} runs already finished", file=sys.stderr)
     if not todo:
         return
-    from cispo.models import ensure_builtin_model
+    from cispo.builtin_model import ensure_builtin_model
 
     ensure_builtin_model(todo[0].data.task)  # once, before the workers race for it
     if workers <= 1:

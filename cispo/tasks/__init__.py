@@ -12,9 +12,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from cispo.tasks import arithmetic
+from cispo.tasks import arithmetic, chain
 
-__all__ = ["Task", "get_task", "list_tasks", "arithmetic"]
+__all__ = ["Task", "UnknownTaskError", "get_task", "list_tasks", "arithmetic", "chain"]
+
+
+class UnknownTaskError(ValueError):
+    """A task name that is not registered; the message lists the known ones."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,17 @@ class Task:
     extract_answer: Callable[[str], str | None]
     corpus: Callable[..., list] = field(repr=False)
     """``corpus(seed, n, **options) -> [CorpusExample, ...]`` for pretraining the base model."""
+    count_forks: Callable[[str], int] | None = None
+    """Number of reflective tokens in a completion (None: 0 or 1, as `used_fork`)."""
+    max_positions: int = 128
+    """Context of the base model: the longest prompt plus 1.25 x `max_new_tokens` fits."""
+    pretrain_defaults: dict = field(default_factory=dict)
+    """`cispo.pretrain.PretrainConfig` values this task's base model uses where the config
+    leaves them None (steps, batch_size, fork_fraction, derivation_fraction, wrong_guess_fraction)."""
+    stratified_corpus: bool = True
+    """Pretraining draws a fixed share ``derivation_fraction`` of every batch from the forked
+    examples (a separate micro-batch: they are ~4x longer). False: batches are drawn from
+    the whole corpus as it is (its forked share is not `derivation_fraction`)."""
 
 
 def _addition(digits: tuple[int, ...], name: str) -> Task:
@@ -58,12 +73,33 @@ def _addition(digits: tuple[int, ...], name: str) -> Task:
         used_fork=arithmetic.used_fork,
         extract_answer=arithmetic.extract_answer,
         corpus=partial(arithmetic.corpus, digits=digits),
+        pretrain_defaults=dict(steps=1000, batch_size=96, fork_fraction=0.03, derivation_fraction=0.8, wrong_guess_fraction=0.5),
+    )
+
+
+def _chain(steps: tuple[int, ...], name: str) -> Task:
+    return Task(
+        name=name,
+        fork_token=chain.FORK_TOKEN,
+        alphabet=chain.ALPHABET,
+        max_new_tokens=chain.max_new_tokens(steps),
+        train_samples=partial(chain.samples, split="train", steps=steps),
+        eval_samples=partial(chain.samples, split="eval", steps=steps),
+        reward=chain.reward,
+        used_fork=chain.used_fork,
+        extract_answer=chain.extract_answer,
+        corpus=partial(chain.corpus, steps=steps),
+        count_forks=chain.count_reflections,
+        max_positions=384,
+        stratified_corpus=False,
+        pretrain_defaults=dict(steps=1200, batch_size=48, fork_fraction=0.04, derivation_fraction=0.3, wrong_guess_fraction=1.0),
     )
 
 
 _REGISTRY: dict[str, Callable[[], Task]] = {
     "addition": partial(_addition, arithmetic.DIGITS, "addition"),
     "addition4": partial(_addition, (4,), "addition4"),
+    "chain": partial(_chain, chain.STEPS, "chain"),
 }
 
 
@@ -73,8 +109,8 @@ def list_tasks() -> list[str]:
 
 
 def get_task(name: str = "addition") -> Task:
-    """The built-in task called `name` (see `list_tasks`)."""
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise KeyError(f"unknown task {name!r}; known: {list_tasks()}") from None
+    """The built-in task called `name` (see `list_tasks`); `UnknownTaskError` otherwise."""
+    if name not in _REGISTRY:
+        raise UnknownTaskError(f"unknown task {name!r} (data.task); the built-in tasks are: "
+                               f"{', '.join(list_tasks())} (or give data.path=... for prompt files)")
+    return _REGISTRY[name]()

@@ -1,0 +1,36 @@
+"""Curves of several `chain` runs (one line per run): held-out accuracy, reflective tokens
+per response and response length by step, from each run folder's ``metrics.jsonl``.
+
+    python benchmarks/plot_chain.py docs/results/chain_curves.png runs/chain_cispo_s0 runs/chain_cispo_s1 ...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from cispo.plotting import save_figure, series, style_axis
+
+PANELS = [("held-out accuracy (greedy)", "eval/accuracy_greedy"),
+          ("held-out accuracy (mean@4, T=1)", "eval/accuracy"),
+          ("reflective tokens (W) per response, train samples", "rollout/fork_tokens_per_response"),
+          ("response length (tokens), train samples", "rollout/response_length")]
+
+
+def main(out: str, *run_dirs: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.6))
+    for run in run_dirs:
+        rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        for ax, (_, key) in zip(axes, PANELS):
+            x, y = series(rows, key)
+            ax.plot(x, y, marker="o" if len(x) < 15 else None, ms=3, label=Path(run).name)
+    for ax, (title, _) in zip(axes, PANELS):
+        style_axis(ax, title)
+    save_figure(fig, Path(out), "chain task: CISPO, 16 prompts x 8 samples per step")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,320 @@
+"""Built-in task `chain`: a running sum in several written steps, with a recheck after any step.
+
+Where `addition` is one decision (fork once, after a guess), `chain` makes reflection
+recur inside a longer chain of thought, as in MiniMax-M1 (arXiv 2506.13585, section 3):
+
+    prompt        37+52+91+19=
+    completion    37+52=89;89+91=70W9+1+0=10,8+9+1=18=180;180+19=199
+
+* Every solution is a chain of `n` steps ``a+b=c`` (n from `STEPS`, the difficulty
+  knob), ``a`` the running sum so far, ``b`` the next number of the prompt.
+* The base model adds directly with a systematic bug: it **drops carries** (``89+91=70``
+  above: each column written as ``(x+y) mod 10``). A step
+  without a carry is right, a step with one is wrong, and the error propagates: the next
+  step starts from the written value.
+* The reflective token ``W`` may follow **any** step. After it the model re-derives that
+  step digit by digit from the right (``x+y+carry_in=carry_out digit``, the derivation
+  of `cispo.tasks.arithmetic`), writes the corrected result after ``=``, and the chain
+  goes on from the corrected value. Re-deriving a correct step repeats its value.
+* **Reward** 1 when the number after the last ``=`` equals the sum of the prompt's numbers
+  *and* the completion fits the **length budget**: the length of the shortest correct
+  completion (a recheck after exactly the steps with a carry) plus `LENGTH_SLACK`
+  characters (one recheck's worth), so checking after every step is not free: a policy
+  must learn *where* a recheck helps.
+
+Splits: a prompt is held out when a fixed hash of its numbers falls in the lowest
+`HELDOUT_PERCENT` percent; train prompts and the pretraining corpus use the rest.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from cispo.tasks.arithmetic import _pair_hash, decision_keep_prob, derivation, strip_completion
+
+FORK_TOKEN = "W"
+"""The reflective ("wait, recheck that step") token."""
+STEP_SEP = ";"
+ALPHABET = "0123456789+=,;" + FORK_TOKEN
+"""Every character prompts and completions use."""
+
+STEPS = (4, 5, 6)
+"""Default chain lengths (number of additions), drawn uniformly per prompt."""
+CARRY_PROB = 0.6
+"""Probability that a step involves a carry (so the base model gets it wrong)."""
+HELDOUT_PERCENT = 10
+LENGTH_SLACK = 32
+"""Characters a completion may use beyond the shortest correct one (one 3-column recheck
+is 31 characters), so at most about one unneeded recheck fits the budget."""
+
+_NUMBER = re.compile(r"(0|[1-9][0-9]*)")
+_PROMPT = re.compile(r"[0-9]+(\+[0-9]+)+=")
+_STEP = re.compile(r"([0-9]+)\+([0-9]+)=([0-9]+)(?:W([0-9+=,]*)=([0-9]+))?")
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def has_carry(a: int, b: int) -> bool:
+    """Whether adding `a` and `b` (non-negative) column by column carries anywhere."""
+    while a or b:
+        if a % 10 + b % 10 >= 10:
+            return True
+        a, b = a // 10, b // 10
+    return False
+
+
+def dropped_carry_sum(a: int, b: int) -> int:
+    """The base model's bug: each column written as ``(x + y) mod 10``, carries dropped.
+
+    ``dropped_carry_sum(95, 91) == 86``, ``dropped_carry_sum(186, 24) == 100``,
+    ``dropped_carry_sum(62, 48) == 0`` (written without leading zeros).
+    """
+    out, place = 0, 1
+    while a or b:
+        out += (a % 10 + b % 10) % 10 * place
+        a, b, place = a // 10, b // 10, place * 10
+    return out
+
+
+def recheck(a: int, b: int) -> str:
+    """The text after a step ``a+b=r``: ``W`` + digit-by-digit derivation + ``=`` + the sum."""
+    return f"{FORK_TOKEN}{derivation(a, b)}={a + b}"
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def _chain_hash(numbers: tuple[int, ...]) -> int:
+    h = 0
+    for x in numbers:
+        h = _pair_hash(h & 0xFFFFFFFF, x)
+    return h
+
+
+def is_heldout(numbers) -> bool:
+    return _chain_hash(tuple(numbers)) % 100 < HELDOUT_PERCENT
+
+
+def make_prompt(numbers) -> str:
+    """``"37+58+91+24="``."""
+    return "+".join(map(str, numbers)) + "="
+
+
+def parse_prompt(prompt: str) -> tuple[int, ...]:
+    """Inverse of `make_prompt`; raises ValueError on anything else."""
+    if not _PROMPT.fullmatch(prompt):
+        raise ValueError(f"not a chain prompt: {prompt!r}")
+    return tuple(int(x) for x in prompt[:-1].split("+"))
+
+
+def _draw_chain(rng: random.Random, steps: tuple[int, ...], carry_prob: float) -> tuple[int, ...]:
+    """Numbers for one prompt: a 2-digit start, then n numbers in 1..99 whose additions carry
+    with probability `carry_prob` each (at least one step never carries)."""
+    n = rng.choice(steps)
+    while True:
+        carries = [rng.random() < carry_prob for _ in range(n)]
+        if not all(carries):
+            break
+    numbers = [rng.randint(10, 99)]
+    total = numbers[0]
+    for carry in carries:
+        for _ in range(1000):
+            b = rng.randint(10, 99) if rng.random() < 0.9 else rng.randint(1, 9)
+            if has_carry(total, b) == carry:
+                break
+        else:  # e.g. no carry-free addend exists: take any
+            b = rng.randint(1, 99)
+        numbers.append(b)
+        total += b
+    return tuple(numbers)
+
+
+def sample_chains(seed: int, n: int, split: str = "train", steps: tuple[int, ...] = STEPS,
+                  carry_prob: float = CARRY_PROB, stream: str = "prompts") -> list[tuple[int, ...]]:
+    """`n` seeded prompts' numbers from `split` ("train" or "eval")."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    rng = random.Random(f"chain/{stream}/{split}/{','.join(map(str, steps))}/{carry_prob}/{seed}")
+    out = []
+    while len(out) < n:
+        numbers = _draw_chain(rng, steps, carry_prob)
+        if is_heldout(numbers) == (split == "eval"):
+            out.append(numbers)
+    return out
+
+
+def samples(seed: int, n: int, split: str = "train", steps: tuple[int, ...] = STEPS,
+            carry_prob: float = CARRY_PROB) -> list[dict]:
+    """``{"prompt": "37+58+91+24=", "answer": "210"}`` dicts from `split`."""
+    return [{"prompt": make_prompt(ns), "answer": str(sum(ns))}
+            for ns in sample_chains(seed, n, split, steps, carry_prob)]
+
+
+# --------------------------------------------------------------------------- completions
+
+
+def completion(numbers, recheck_after=(), base_bug: bool = True) -> str:
+    """The chain for `numbers` with a recheck after the steps (0-based) in `recheck_after`.
+
+    With `base_bug`, unchecked steps with a carry are written as the base model does
+    (carries dropped) and the chain goes on from that value.
+    """
+    total, parts = numbers[0], []
+    for i, b in enumerate(numbers[1:]):
+        r = dropped_carry_sum(total, b) if base_bug else total + b
+        step = f"{total}+{b}={r}"
+        if i in recheck_after:
+            step += recheck(total, b)
+            r = total + b
+        parts.append(step)
+        total = r
+    return STEP_SEP.join(parts)
+
+
+def carry_steps(numbers) -> list[int]:
+    """0-based steps whose addition carries (those the base model gets wrong), on the true sums."""
+    total, out = numbers[0], []
+    for i, b in enumerate(numbers[1:]):
+        if has_carry(total, b):
+            out.append(i)
+        total += b
+    return out
+
+
+def reference(numbers) -> str:
+    """The shortest correct completion: a recheck after exactly the steps with a carry."""
+    return completion(numbers, recheck_after=set(carry_steps(numbers)))
+
+
+def length_budget(numbers) -> int:
+    """Longest completion (characters, EOS excluded) that can earn the reward."""
+    return len(reference(numbers)) + LENGTH_SLACK
+
+
+# --------------------------------------------------------------------------- verifier
+
+
+@dataclass(frozen=True)
+class Step:
+    """One parsed step ``a+b=result`` with its optional recheck ``W...=corrected``."""
+
+    a: int
+    b: int
+    result: int
+    derivation: str | None
+    corrected: int | None
+
+    @property
+    def value(self) -> int:
+        """What the chain goes on from: the corrected result when rechecked."""
+        return self.result if self.corrected is None else self.corrected
+
+
+def parse_steps(completion_text: str) -> list[Step] | None:
+    """The steps of a well-formed completion, or None when it does not follow the format."""
+    text = strip_completion(completion_text)
+    steps = []
+    for part in text.split(STEP_SEP):
+        m = _STEP.fullmatch(part)
+        if m is None:
+            return None
+        a, b, r, deriv, corr = m.groups()
+        steps.append(Step(int(a), int(b), int(r), deriv, None if corr is None else int(corr)))
+    return steps
+
+
+def extract_answer(completion_text: str) -> str | None:
+    """The number after the last ``=`` (cut at ``<eos>``), or None when it is not a plain number."""
+    tail = strip_completion(completion_text).rsplit("=", 1)[-1]
+    return tail if _NUMBER.fullmatch(tail) else None
+
+
+def used_fork(completion_text: str) -> bool:
+    """Whether the completion rechecked at least one step."""
+    return FORK_TOKEN in strip_completion(completion_text)
+
+
+def count_reflections(completion_text: str) -> int:
+    """Number of reflective tokens (rechecks) in the completion."""
+    return strip_completion(completion_text).count(FORK_TOKEN)
+
+
+def reward(prompt: str, completion: str, answer: str | None = None, **sample) -> float:
+    """1.0 when the final answer is the sum of the prompt's numbers and the completion
+    (up to ``<eos>``) is at most `length_budget` characters long, else 0.0."""
+    numbers = parse_prompt(prompt)
+    answer = str(sum(numbers)) if answer is None else str(answer)
+    if len(strip_completion(completion)) > length_budget(numbers):
+        return 0.0
+    return 1.0 if extract_answer(completion) == answer else 0.0
+
+
+def max_new_tokens(steps: tuple[int, ...] = STEPS) -> int:
+    """Tokens of the longest completion within budget (+ EOS): n steps of 3-digit sums,
+    all but one rechecked (3 columns each), plus the slack."""
+    n = max(steps)
+    plain = n * len("999+99=999") + (n - 1)
+    checks = (n - 1) * len(recheck(999, 99))
+    return plain + checks + LENGTH_SLACK + 1
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+@dataclass(frozen=True)
+class CorpusExample:
+    """One pretraining example; `loss_mask` has one entry per completion character + EOS."""
+
+    prompt: str
+    completion: str
+    loss_mask: tuple[int, ...]
+    forked: bool
+
+    @property
+    def answer(self) -> str:
+        return str(sum(parse_prompt(self.prompt)))
+
+
+def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fraction: float = 0.3,
+           wrong_guess_fraction: float = 1.0, steps: tuple[int, ...] = STEPS,
+           carry_prob: float = CARRY_PROB) -> list[CorpusExample]:
+    """`n` seeded pretraining chains from the train split.
+
+    * Each step is followed by a recheck with probability `derivation_fraction` (practice:
+      the model learns the derivation and the correction), whatever its carry.
+    * The token that decides "recheck or go on" after a step carries loss whenever it is
+      ``;`` or EOS, and for a ``W`` only with `decision_keep_prob`, so the trained
+      frequency of ``W`` per step is `fork_fraction` (the base model's reflective rate).
+    * An unchecked or checked step with a carry is written with the carry dropped with
+      probability `wrong_guess_fraction` (1: the base model's systematic bug), else
+      correctly; the direct result carries loss either way. The chain goes on from the
+      written (or corrected) value, so an error propagates.
+    """
+    q = decision_keep_prob(fork_fraction, derivation_fraction)
+    rng = random.Random(f"chain/corpus/{','.join(map(str, steps))}/{carry_prob}/{seed}")
+    out = []
+    for numbers in sample_chains(seed, n, "train", steps, carry_prob, stream="corpus"):
+        total, text, mask, forked = numbers[0], "", [], False
+        for i, b in enumerate(numbers[1:]):
+            if i:
+                text += STEP_SEP
+                mask.append(1)                                   # ";" : the "go on" decision
+            r = total + b
+            if has_carry(total, b) and rng.random() < wrong_guess_fraction:
+                r = dropped_carry_sum(total, b)
+            step = f"{total}+{b}={r}"
+            text += step
+            mask += [1] * len(step)
+            if rng.random() < derivation_fraction:
+                check = recheck(total, b)
+                text += check
+                mask.append(1 if rng.random() < q else 0)        # "W": the decision, kept at rate q
+                mask += [1] * (len(check) - 1)
+                r, forked = total + b, True
+            total = r
+        mask.append(1)                                           # EOS: the "stop" decision
+        out.append(CorpusExample(make_prompt(numbers), text, tuple(mask), forked))
+    return out
