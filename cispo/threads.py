@@ -38,7 +38,11 @@ def cpu_count() -> int:
 
 def auto_threads(requested: int | None) -> int:
     """:func:`pick_threads` for this process now: the 1-minute load average (none: 1 thread) and its
-    share of the cores (under ``torchrun``, ``LOCAL_WORLD_SIZE`` processes share them)."""
+    share of the cores (under ``torchrun``, ``LOCAL_WORLD_SIZE`` processes share them). A positive
+    ``OMP_NUM_THREADS`` in the environment counts as the user's request when ``requested`` is None."""
+    if requested is None:
+        env = os.environ.get("OMP_NUM_THREADS", "").strip()
+        requested = int(env) if env.isdigit() and int(env) >= 1 else None
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):

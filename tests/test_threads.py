@@ -30,6 +30,7 @@ def test_bad_override(bad):
 def test_auto_reads_the_machine(monkeypatch):
     monkeypatch.setattr(threads, "cpu_count", lambda: 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.2, 0.0, 0.0))
     assert auto_threads(None) == 2
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.7, 0.0, 0.0))
@@ -38,3 +39,13 @@ def test_auto_reads_the_machine(monkeypatch):
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.2, 0.0, 0.0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two processes share the two cores
     assert auto_threads(None) == 1
+
+
+def test_omp_num_threads_counts_as_a_request(monkeypatch):
+    monkeypatch.setattr(threads, "cpu_count", lambda: 2)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert auto_threads(None) == 1
+    assert auto_threads(2) == 2  # the config's value wins over the environment
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # unset-like values: the rule
+    assert auto_threads(None) == 2
