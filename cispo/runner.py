@@ -154,6 +154,18 @@ def write_run_info(run_dir: Path, cfg: TrainConfig, sampling, obj) -> None:
     (run_dir / "meta.json").write_text(json.dumps(info, indent=1, default=str))
 
 
+def run_threads(requested: int | None, run_dir: Path) -> int | None:
+    """A resumed run's thread count: the user's, else the one its first start recorded in
+    ``meta.json`` (float sums may depend on it; `cispo.threads` would pick by today's load)."""
+    if requested is not None:
+        return requested
+    try:
+        recorded = json.loads((run_dir / "meta.json").read_text()).get("torch_threads")
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, int) and recorded >= 1 else None
+
+
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Run (or resume) the training run described by ``cfg`` (under ``torchrun``: one rank)."""
     from transformers.utils import logging as hf_logging
@@ -165,7 +177,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     saved = saved_config(run_dir) if resume else None
     if saved is not None:  # a resumed run is the same run
         check_resume(saved, cfg, run_dir)
-    torch.set_num_threads(auto_threads(cfg.threads))  # cispo.threads: the user's count, else by load
+    torch.set_num_threads(auto_threads(cfg.threads if saved is None else run_threads(cfg.threads, run_dir)))
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
     dist_info = init_distributed(device.type)

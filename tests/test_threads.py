@@ -49,3 +49,12 @@ def test_omp_num_threads_counts_as_a_request(monkeypatch):
     assert auto_threads(2) == 2  # the config's value wins over the environment
     monkeypatch.setenv("OMP_NUM_THREADS", "")  # unset-like values: the rule
     assert auto_threads(None) == 2
+
+
+def test_a_resumed_run_keeps_its_recorded_thread_count(tmp_path):
+    from cispo.runner import run_threads
+
+    assert run_threads(None, tmp_path) is None  # no meta.json: picked by load, as at a first start
+    (tmp_path / "meta.json").write_text('{"torch_threads": 2}')
+    assert run_threads(None, tmp_path) == 2  # not today's load: float sums may depend on the count
+    assert run_threads(1, tmp_path) == 1  # the user's explicit count still wins
