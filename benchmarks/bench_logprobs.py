@@ -4,6 +4,10 @@ extra memory, forward and forward+backward, at Qwen2.5-0.5B's hidden size (896).
     python benchmarks/bench_logprobs.py                 # V=32k N=16k and V=152k N=4k (minutes)
     python benchmarks/bench_logprobs.py --tiny          # seconds
     python benchmarks/bench_logprobs.py --configs 32000x8192 --chunk-sizes 4096,1024
+    python benchmarks/bench_logprobs.py --modes fwd+bwd --configs 32000x4096   # incl. the fused head + objective
+
+In fwd+bwd mode a third variant runs: ``fused`` (``cispo.fused_head.fused_head_loss``, the
+gradient formed chunk by chunk in the forward, no recompute) on the same loss, sum_t up_t logp_t.
 
 Each measurement runs in a fresh subprocess (one op, one configuration), so peak memory is
 that of this op alone: the child allocates the inputs, records its resident set (VmRSS), resets
@@ -39,6 +43,7 @@ def child(vocab: int, n: int, hidden: int, variant: str, chunk: int, backward: b
     """One op in this (fresh) process: seconds and peak extra RSS (MiB)."""
     import torch
 
+    from cispo.fused_head import fused_head_loss
     from cispo.logprobs import naive_token_logprobs, token_logprobs
 
     torch.set_num_threads(threads)
@@ -51,6 +56,11 @@ def child(vocab: int, n: int, hidden: int, variant: str, chunk: int, backward: b
     w.requires_grad_(backward)
 
     def op(hh, yy, upstream):
+        if variant == "fused":  # the same loss, sum_t up_t logp_t, gradient formed in the forward
+            loss, lp, _ = fused_head_loss(hh, w, yy, lambda lp, _ent, s, e: (upstream[s:e] * lp).sum(),
+                                          chunk_size=chunk)
+            loss.backward()
+            return lp
         if variant == "naive":
             lp = naive_token_logprobs(hh, w, yy)
         else:
@@ -85,8 +95,10 @@ def run_child(args, vocab, n, variant, chunk, backward) -> dict:
 def bench(args) -> list[dict]:
     results = []
     for vocab, n in args.configs:
-        for backward in (False, True):
+        for backward in [m == "fwd+bwd" for m in args.modes]:
             variants = [("naive", 0)] + [("chunked", c) for c in args.chunk_sizes]
+            if backward:
+                variants += [("fused", c) for c in args.chunk_sizes]
             samples = {v: [] for v in variants}
             for r in range(args.repeats):
                 for v in (variants if r % 2 == 0 else variants[::-1]):
@@ -110,7 +122,8 @@ def report(results: list[dict], hidden: int) -> str:
         chunk_mib = min(r["chunk"] or r["n"], r["n"]) * r["vocab"] * 4 / 2**20
         spread = f"{min(r['all_seconds']):.3g}-{max(r['all_seconds']):.3g}" if r["all_seconds"] else "-"
         rows.append([
-            f"{r['vocab']}", r["n"], r["mode"], r["variant"] if r["variant"] == "naive" else f"chunk {r['chunk']}",
+            f"{r['vocab']}", r["n"], r["mode"], r["variant"] if r["variant"] == "naive" else
+            f"{'chunk' if r['variant'] == 'chunked' else 'fused'} {r['chunk']}",
             r["seconds"], spread, r["seconds"] / base["seconds"], r["peak_mib"], r["peak_mib"] / base["peak_mib"],
             r["peak_mib"] / logits_mib if r["variant"] == "naive" else r["peak_mib"] / chunk_mib,
             "; ".join(r["errors"]) or "",
@@ -134,6 +147,7 @@ def main(argv=None) -> None:
     p.add_argument("--chunk-sizes", default="4096,1024", help="chunk sizes of token_logprobs to run (default 4096,1024;"
                    " 4096 is the library default)")
     p.add_argument("--hidden", type=int, default=HIDDEN)
+    p.add_argument("--modes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both (fused runs in fwd+bwd)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on 2 shared cores, 2 OpenMP threads make small ops erratic)")
@@ -148,6 +162,9 @@ def main(argv=None) -> None:
         print(json.dumps(child(**json.loads(args.child))))
         return
     args.chunk_sizes = [int(c) for c in args.chunk_sizes.split(",")]
+    args.modes = args.modes.split(",")
+    if not args.modes or any(m not in ("fwd", "fwd+bwd") for m in args.modes):
+        p.error(f"--modes: fwd, fwd+bwd or both, got {','.join(args.modes)!r}")
     if args.tiny:
         args.configs, args.chunk_sizes, args.repeats, args.hidden = [(2048, 512)], [128], 2, 64
         args.in_process = True

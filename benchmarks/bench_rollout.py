@@ -4,6 +4,14 @@ on the same model and prompts, and our sampler with vs without its KV cache.
     python benchmarks/bench_rollout.py                    # default-size Llama, B=64 and 256, 32 new tokens
     python benchmarks/bench_rollout.py --tiny
     python benchmarks/bench_rollout.py --size small --batch-sizes 64 --new-tokens 64 --threads 2
+    python benchmarks/bench_rollout.py --decode-pairs     # lean static-cache decode vs the forward path
+
+``--decode-pairs`` (issue 13): ``TorchSampler(decode="static")`` (cispo.rollout.static_cache) against
+``decode="hf"`` (the model's forward with a DynamicCache, the sampler before it), same seed, same
+prompts, EOS never sampled, on the built-in ``tiny`` (the TRL workload's model) and ``default``
+models, 8 prompts x 8 samples, 32 and 128 new tokens. ``--pairs`` interleaved pairs (the order
+alternates); each pair gives one ratio hf time / static time; the table gives the median ratio
+and its range (load on a shared machine moves both sides of a pair together).
 
 The model is the built-in ``--size`` Llama (``cispo.models.build_model``, default ``default``; its
 shape is printed) with the addition task's character tokenizer (17 ids) and random init; the prompts are the
@@ -88,6 +96,29 @@ def bench(args) -> list[list]:
     return rows
 
 
+def decode_pairs(args) -> list[list]:
+    """Per-pair speed ratios of the forward-path decode over the static-cache one."""
+    import torch
+
+    from cispo.rollout import SamplingConfig, TorchSampler
+
+    rows = []
+    for size in args.sizes:
+        task, tok, model = setup(size, args.seed)
+        ids = [tok.encode(s["prompt"]) for s in task.train_samples(args.seed, args.batch_sizes[0])]
+        samplers = {mode: TorchSampler(model, eos_token_id=len(tok), pad_token_id=tok.pad_token_id, decode=mode)
+                    for mode in ("hf", "static")}
+        for n in args.new_tokens_list:
+            cfg = SamplingConfig(max_new_tokens=n, temperature=1.0, repetition_stop_tokens=None)
+            fns = {mode: (lambda s=s: s.generate(ids, cfg, torch.Generator().manual_seed(args.seed)))
+                   for mode, s in samplers.items()}
+            times = interleaved(fns, args.pairs, warmup=1)
+            ratios = [h / s for h, s in zip(times["hf"], times["static"])]
+            rows.append([size, model_desc(model), len(ids), n, median(times["hf"]), median(times["static"]),
+                         median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}", f"{load_average():.1f}"])
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="default", help="built-in model size (tiny, small, default)")
@@ -98,13 +129,29 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-uncached", action="store_true")
     p.add_argument("--tiny", action="store_true", help="tiny model, B=8, 4 new tokens, 2 repeats")
+    p.add_argument("--decode-pairs", action="store_true",
+                   help="static-cache decode vs the forward path, per-pair ratios (B = first --batch-sizes, "
+                        "default 64 = 8 prompts x 8 samples)")
+    p.add_argument("--sizes", default="tiny,default", help="with --decode-pairs: built-in model sizes")
+    p.add_argument("--new-tokens-list", default="32,128", help="with --decode-pairs: response lengths")
+    p.add_argument("--pairs", type=int, default=7, help="with --decode-pairs: interleaved pairs (>= 5)")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    args.sizes = args.sizes.split(",")
+    args.new_tokens_list = [int(n) for n in args.new_tokens_list.split(",")]
     if args.tiny:
         args.size, args.batch_sizes, args.new_tokens, args.repeats = "tiny", [8], 4, 2
+        args.sizes, args.new_tokens_list, args.pairs = ["tiny"], [4], 2
     threads = set_threads(args.threads)
     print(machine_note(threads))
     t0 = time.perf_counter()
+    if args.decode_pairs or args.tiny:
+        rows = decode_pairs(args)
+        print(table(["model", "shape", "B", "new tokens", "hf s (median)", "static s (median)",
+                     "static speed-up (median of pairs)", "range", "load"], rows))
+        print(f"\n{args.pairs} interleaved pairs after a warm-up; took {time.perf_counter() - t0:.0f} s")
+        if args.decode_pairs:
+            return
     rows = bench(args)
     print(table(["B", "new tokens", "sampler", "s (median)", "range", "new tokens/s", "ours (cached) speed-up"], rows))
     print(f"\ntargets: ours >= 1.0x HF generate; ours >= 5x uncached. {args.repeats} interleaved repeats after a "

@@ -390,6 +390,11 @@ class RolloutConfig:
     engine: Literal["torch", "vllm"] = "torch"
     """Sampler: ``torch`` (the built-in KV-cache sampler) or ``vllm`` (needs a CUDA GPU and
     ``pip install "cispo[vllm]"``; weights are pushed to it after every step)."""
+    decode: Literal["auto", "static", "hf"] = "auto"
+    """How the torch sampler decodes: ``static`` (a preallocated KV cache written in place,
+    rotary table and mask once per batch, stopped rows dropped; Llama / Qwen2 / Mistral),
+    ``hf`` (the model's forward with its dynamic cache), ``auto`` (static where supported).
+    Same tokens and log-probs either way; static is faster (docs/performance.md)."""
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
     vllm_sleep: bool = False
@@ -472,7 +477,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep. 0: all."""
     threads: int | None = None
-    """torch CPU threads (None: torch's default)."""
+    """torch CPU threads. None: picked by load (``cispo.threads.pick_threads``: 2 when another
+    core is idle, else 1; docs/performance.md)."""
     progress: bool = True
     """Show a progress bar."""
     max_bad_steps: int = 3
@@ -508,7 +514,7 @@ class TrainConfig:
             ("steps", self.steps >= 1, "must be >= 1"),
             ("checkpoint_every", self.checkpoint_every >= 0, "must be >= 0 (0: only at the end)"),
             ("keep_checkpoints", self.keep_checkpoints >= 0, "must be >= 0 (0: all)"),
-            ("threads", self.threads is None or self.threads >= 1, "must be >= 1 or None (torch's default)"),
+            ("threads", self.threads is None or self.threads >= 1, "must be >= 1 or None (by load)"),
             ("max_bad_steps", self.max_bad_steps >= 1, "must be >= 1"),
             ("model.lora_rank", self.model.lora_rank >= 0, "must be >= 0"),
             ("model.fsdp", not (self.model.fsdp and r.engine == "vllm"),

@@ -136,6 +136,32 @@ def _chunk_logits(h, w, b, temperature, transform=IDENTITY, with_slope=False):
     return (z, slope) if with_slope else z  # [c, V]
 
 
+def _grad_head_input(logp_all, targets, g_logp, g_ent, temperature, slope, transform):
+    """d loss / d x for x = h W^T + b of one chunk, from d loss / d logp_t (``g_logp`` [c] or None) and
+    d loss / d entropy_t (``g_ent`` [c] or None); ``logp_all`` = z - lse [c, V] is consumed.
+
+    With p = softmax(z):  d logp_t / dz_j = [j == y_t] - p_j;  d H_t / dz_j = -p_j (logp_all_j + H_t)
+    (H = lse - sum_v p_v z_v; d lse/dz_j = p_j, dp_v/dz_j = p_v ([v == j] - p_j)); then
+    dx = dz * softcap'(scale x) * scale / temperature.  -> [c, V]"""
+    p = logp_all.exp()  # [c, V]
+    dz = None
+    if g_ent is not None:
+        ent = -(p * logp_all).sum(-1, keepdim=True)  # [c, 1]
+        dz = p * (logp_all + ent) * (-g_ent[:, None].to(p.dtype))  # [c, V]
+    if g_logp is not None:
+        gl = g_logp[:, None].to(p.dtype)  # [c, 1]
+        dz_l = p.mul_(-gl)  # [c, V]  (p is no longer needed)
+        dz_l.scatter_add_(1, targets[:, None], gl)
+        dz = dz_l if dz is None else dz.add_(dz_l)
+    if temperature != 1.0:
+        dz.div_(temperature)
+    if slope is not None:
+        dz.mul_(slope)
+    if transform.scale != 1.0:
+        dz.mul_(transform.scale)
+    return dz
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, fp32_head, chunk_size, with_entropy, transform):
@@ -169,13 +195,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if (g_logp is None and g_ent is None) or not (need_h or need_w or need_b):
             return (None,) * 9
-        # Gradient w.r.t. the logits z of one token (p = softmax(z), logp_all = z - lse):
-        #   d logp_t / dz_j = [j == y_t] - p_j
-        #   H = lse - sum_v p_v z_v, with d lse/dz_j = p_j and dp_v/dz_j = p_v ([v == j] - p_j):
-        #   d H / dz_j = p_j - p_j - sum_v z_v p_v ([v == j] - p_j)
-        #              = -p_j (z_j - sum_v p_v z_v) = -p_j (z_j - lse + H) = -p_j (logp_all_j + H)
-        # so dz = g_logp * (onehot(y) - p) + g_ent * (-p * (logp_all + H)),
-        # and d/d(h W^T + b) = dz * softcap'(scale x) * scale / temperature.
+        # The chunk's gradient w.r.t. h W^T + b: _grad_head_input (the formula is stated there).
         N = hidden.shape[0]
         w = weight.to(cd)  # [V, H]
         b = None if bias is None else bias.to(cd)  # [V]
@@ -187,22 +207,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             h = hidden[s:e].to(cd)  # [c, H]
             z, slope = _chunk_logits(h, w, b, temperature, transform, with_slope=True)  # [c, V]
             logp_all = z.sub_(lse[s:e, None])  # [c, V]
-            p = logp_all.exp()  # [c, V]
-            dz = None
-            if g_ent is not None:
-                ent = -(p * logp_all).sum(-1, keepdim=True)  # [c, 1]
-                dz = p * (logp_all + ent) * (-g_ent[s:e, None].to(cd))  # [c, V]
-            if g_logp is not None:
-                gl = g_logp[s:e, None].to(cd)  # [c, 1]
-                dz_l = p.mul_(-gl)  # [c, V]  (p is no longer needed)
-                dz_l.scatter_add_(1, targets[s:e, None], gl)
-                dz = dz_l if dz is None else dz.add_(dz_l)
-            if temperature != 1.0:
-                dz.div_(temperature)
-            if slope is not None:
-                dz.mul_(slope)
-            if transform.scale != 1.0:
-                dz.mul_(transform.scale)
+            dz = _grad_head_input(logp_all, targets[s:e], None if g_logp is None else g_logp[s:e],
+                                  None if g_ent is None else g_ent[s:e], temperature, slope, transform)  # [c, V]
             if need_h:
                 grad_h[s:e] = (dz @ w).to(hidden.dtype)  # [c, H]
             if need_w:

@@ -26,6 +26,7 @@ from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_ob
 from cispo.rollout import TorchSampler
 from cispo.runfolder import check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
 from cispo.samples import SampleFile, sample_records
+from cispo.threads import auto_threads
 from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate
 from cispo.metrics import is_nan, nan_mean
@@ -99,7 +100,7 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
                               enable_sleep_mode=cfg.rollout.vllm_sleep, seed=cfg.seed)
     else:
         sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
-                               fp32_head=cfg.model.fp32_lm_head)
+                               fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode)
     return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template, autocast=autocast)
 
 
@@ -147,6 +148,18 @@ def write_run_info(run_dir: Path, cfg: TrainConfig, sampling, obj) -> None:
     (run_dir / "meta.json").write_text(json.dumps(info, indent=1, default=str))
 
 
+def run_threads(requested: int | None, run_dir: Path) -> int | None:
+    """A resumed run's thread count: the user's, else the one its first start recorded in
+    ``meta.json`` (float sums may depend on it; `cispo.threads` would pick by today's load)."""
+    if requested is not None:
+        return requested
+    try:
+        recorded = json.loads((run_dir / "meta.json").read_text()).get("torch_threads")
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, int) and recorded >= 1 else None
+
+
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> RunResult:
     """Run (or resume) the training run described by ``cfg`` (under ``torchrun``: one rank)."""
     from transformers.utils import logging as hf_logging
@@ -158,8 +171,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     saved = saved_config(run_dir) if resume else None
     if saved is not None:  # a resumed run is the same run
         check_resume(saved, cfg, run_dir)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(auto_threads(cfg.threads if saved is None else run_threads(cfg.threads, run_dir)))
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
     dist_info = init_distributed(device.type)

@@ -18,8 +18,25 @@ from cispo.distributed import sharded_call
 from cispo.logprobs import lm_logits, logit_transform
 from cispo.policy import decoder, lm_head
 from cispo.rollout.base import FINISH_REASONS, RolloutBatch, Sampler, SamplingConfig
+from cispo.rollout.static_cache import StaticDecoder, unsupported_reason
+
+DECODE_MODES = ("auto", "static", "hf")
 
 _LENGTH, _EOS, _REPETITION = (FINISH_REASONS.index(r) for r in ("length", "eos", "repetition"))
+
+
+def _multinomial(probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor | None = None,
+                 batch: int | None = None) -> torch.Tensor:
+    """One draw per row of probs [b, V] -> [b]: ``torch.multinomial(probs, 1)`` spelled out.
+
+    torch draws one sample as ``argmax(p / q)`` with ``q ~ Exp(1)`` of probs' shape (the Gumbel-max
+    trick). Drawing ``q`` for all ``batch`` rows and keeping ``rows`` gives a sub-batch the tokens the
+    whole batch would get, with the same generator state afterwards (tested against torch.multinomial)."""
+    full = probs.shape if rows is None else (batch, probs.shape[1])
+    q = torch.empty(full, dtype=probs.dtype, device=probs.device).exponential_(1, generator=generator)  # [B, V]
+    if rows is not None:
+        q = q.index_select(0, rows)  # [b, V]
+    return (probs / q).argmax(-1)  # [b]
 
 
 class TorchSampler(Sampler):
@@ -39,6 +56,12 @@ class TorchSampler(Sampler):
             than ``model(...).logits``: the sampler's and the trainer's log-probs then come from one
             definition, also in low precision (MiniMax-M1's FP32 head on both sides). Needs a Hugging
             Face causal LM (``cispo.policy.decoder`` / ``lm_head``).
+        decode: how the tokens after the prompt are decoded. ``"static"``: the lean loop of
+            :mod:`cispo.rollout.static_cache` (a KV cache preallocated and written in place, rotary
+            table and mask computed once per batch, stopped rows dropped) — Llama / Qwen2 / Mistral
+            only, ValueError for other models; ``"hf"``: the model's ``forward`` with its
+            ``DynamicCache`` every step; ``"auto"``: static where supported, else hf. The prompt is
+            always prefilled by the model's forward. Same tokens and log-probs either way (tested).
 
     Of the optional capabilities of :class:`Sampler` it has ``lock_step``: under it the decode loop
     runs until every rank's rows have stopped (stopped rows only get padding), and sampling runs
@@ -47,7 +70,12 @@ class TorchSampler(Sampler):
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
-                 autocast: torch.dtype | None = None, fp32_head: bool = False) -> None:
+                 autocast: torch.dtype | None = None, fp32_head: bool = False, decode: str = "auto") -> None:
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        if decode == "static" and (why := unsupported_reason(model)) is not None:
+            raise ValueError(f"decode='static' cannot decode {type(model).__name__}: {why}; use decode='hf'")
+        self.decode = decode
         self.model = model
         self.autocast = autocast
         self.fp32_head = fp32_head
@@ -106,6 +134,17 @@ class TorchSampler(Sampler):
             finish_reason=[FINISH_REASONS[r] for r in reasons.tolist()],
         )
 
+    def _lean(self, total_len: int) -> bool:
+        """Whether this batch is decoded by :class:`StaticDecoder` (never for a sharded model)."""
+        if self.decode == "hf" or self._all_ranks_done is not None:
+            return False
+        if getattr(self.model, "cispo_sharded_call", None) is not None:
+            return False
+        why = unsupported_reason(self.model, total_len)
+        if why is not None and self.decode == "static":
+            raise ValueError(f"decode='static' cannot decode this batch: {why}")
+        return why is None
+
     def _forward(self, ids, mask, pos, cache, use_cache: bool):
         """One model call; returns the float32 logits of the last position [B, V] and the new cache."""
         kwargs = {self._keep_kw: 1} if self._keep_kw and not self.fp32_head else {}
@@ -125,22 +164,25 @@ class TorchSampler(Sampler):
         return logits.float(), (getattr(out, self._cache_kw) if use_cache else None)
 
     @staticmethod
-    def _pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None):
-        """Choose one token per row from logits [B, V]; returns (tokens [B], their log-probs [B])."""
+    def _pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
+              rows: torch.Tensor | None = None, batch: int | None = None):
+        """Choose one token per row from logits [b, V]; returns (tokens [b], their log-probs [b]).
+
+        ``rows`` [b]: which of ``batch`` rows the logits belong to (None: all of them, b = batch). The
+        random numbers drawn do not depend on ``rows``: the same ones as for the whole batch."""
         if cfg.temperature == 0:  # greedy; log-probs under the untempered distribution
-            logp = F.log_softmax(logits, dim=-1)  # [B, V]
-            tok = logp.argmax(-1)  # [B]
+            logp = F.log_softmax(logits, dim=-1)  # [b, V]
+            tok = logp.argmax(-1)  # [b]
         else:
-            logp = F.log_softmax(logits / cfg.temperature, dim=-1)  # [B, V]
-            probs = logp.exp()  # [B, V]
+            logp = F.log_softmax(logits / cfg.temperature, dim=-1)  # [b, V]
+            probs = logp.exp()  # [b, V]
             if cfg.top_p < 1.0:
-                sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
+                sorted_p, order = probs.sort(dim=-1, descending=True)  # [b, V]
                 # Drop a token when the more likely ones already reach top_p (the first is always kept).
                 sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= cfg.top_p, 0.0)
-                choice = torch.multinomial(sorted_p, 1, generator=generator)  # [B, 1]
-                tok = order.gather(-1, choice).squeeze(-1)  # [B]
+                tok = order.gather(-1, _multinomial(sorted_p, generator, rows, batch)[:, None]).squeeze(-1)  # [b]
             else:
-                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+                tok = _multinomial(probs, generator, rows, batch)  # [b]
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     def _sample(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, generator):
@@ -163,9 +205,18 @@ class TorchSampler(Sampler):
         pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
         logits, cache = self._forward(prompt, prompt_mask, pos, None, cfg.use_cache)  # [B, V]
         next_pos = pos[:, -1:] + 1  # [B, 1]
+        lean = None
+        if cfg.use_cache and n_new > 1 and self._lean(P + n_new):
+            positions = torch.cat([pos, next_pos + torch.arange(n_new, device=dev)], dim=1)  # [B, P + n_new]
+            lean = StaticDecoder(self.model, cache, prompt_mask, positions, n_new, self.fp32_head)
+            cache = None
+        rows = None  # [b] the rows the logits belong to (None: all B)
         T = n_new
         for t in range(n_new):
-            tok, tok_logp = self._pick(logits, cfg, generator)  # [B], [B]
+            tok, tok_logp = self._pick(logits, cfg, generator, rows, B)  # [b], [b]
+            if rows is not None:  # back to [B]; dropped rows have stopped, their values are masked below
+                tok = torch.full((B,), pad, dtype=tok.dtype, device=dev).index_copy_(0, rows, tok)  # [B]
+                tok_logp = torch.zeros(B, dtype=tok_logp.dtype, device=dev).index_copy_(0, rows, tok_logp)  # [B]
             alive = ~finished  # [B]
             response[:, t] = tok.masked_fill(finished, pad)
             logp_out[:, t] = tok_logp.masked_fill(finished, 0.0)
@@ -187,7 +238,10 @@ class TorchSampler(Sampler):
                 T = t + 1
                 break
             seen = P + t + 1  # tokens so far, incl. the one just sampled
-            if cfg.use_cache:
+            if lean is not None:
+                logits = lean.step(response[:, t], finished, t)  # [b, V]
+                rows = None if len(lean.rows) == B else lean.rows
+            elif cfg.use_cache:
                 logits, cache = self._forward(response[:, t : t + 1], attn[:, :seen], next_pos, cache, True)
             else:  # reference: recompute the whole sequence
                 mask = attn[:, :seen]  # [B, seen]

@@ -1,0 +1,156 @@
+"""A lean decode step for Llama-family Hugging Face models: a static KV cache written in place.
+
+``TorchSampler`` decodes through the model's ``forward`` with a ``DynamicCache`` by default. Each
+step there concatenates every layer's keys and values onto the cache (``torch.cat``: a copy of the
+whole cache per layer per step), rebuilds the rotary table and the 4-D attention mask, and walks
+the Hugging Face module tree. :class:`StaticDecoder` does the same arithmetic with less around it:
+
+* the prompt is prefilled by the model's own forward (one call); its keys and values are copied
+  into buffers of the final length ``[B, kv_heads, P + max_new_tokens, head_dim]`` and every
+  decoded token's key/value is written in place into its column (the cache is never copied);
+* the rotary ``cos``/``sin`` of every position of the batch and the boolean padding mask are
+  computed once per batch; a step takes a slice;
+* rows that have stopped are dropped from the compute batch (the buffers are compacted when a
+  quarter of the rows still computed have stopped), so a batch with early EOS gets cheaper;
+* a step calls the layers' own sub-modules (norms, projections, MLP — LoRA-wrapped ones too),
+  the model's own ``apply_rotary_pos_emb`` and its SDPA attention function with the inputs
+  Hugging Face would pass them, so the results are those of the ``forward`` path (equal up to
+  floating-point reassociation inside batched kernels; tests check tokens and log-probs).
+
+Supported: ``model_type`` ``llama`` / ``qwen2`` / ``mistral`` (the built-in model is a Llama),
+SDPA attention, full attention in every layer (Mistral's sliding window only when the whole
+sequence fits in it), a rotary embedding that does not depend on the sequence length. Anything
+else returns a reason from :func:`unsupported_reason` and the sampler uses the ``forward`` path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from cispo.policy import decoder, lm_head
+from cispo.logprobs import lm_logits, logit_transform
+
+LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # their tables change with the sequence length
+COMPACT_WHEN_STOPPED = 0.25  # compact the buffers once this fraction of the computed rows has stopped
+
+
+def unsupported_reason(model: torch.nn.Module, total_len: int | None = None) -> str | None:
+    """None if :class:`StaticDecoder` can decode ``model`` (sequences of ``total_len`` tokens; None: the
+    length is checked later), else why not."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {LEAN_MODEL_TYPES}"
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention implementation {config._attn_implementation!r} is not 'sdpa'"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        return "some layers use sliding-window attention"
+    window = getattr(config, "sliding_window", None)
+    if model_type == "mistral" and window is not None and total_len is not None and total_len > window:
+        return f"the sequence ({total_len} tokens) exceeds Mistral's sliding window ({window})"
+    try:
+        body = decoder(model)
+        layers = body.layers
+        attn = layers[0].self_attn
+        _ = (body.embed_tokens, body.norm, body.rotary_emb, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+             layers[0].mlp, layers[0].input_layernorm, layers[0].post_attention_layernorm)
+    except (AttributeError, IndexError, TypeError) as e:
+        return f"not a Llama-style module tree ({e})"
+    rope = str(getattr(body.rotary_emb, "rope_type", "default"))
+    if any(k in rope for k in _LENGTH_DEPENDENT_ROPE):
+        return f"rope_type {rope!r} depends on the sequence length"
+    return None
+
+
+class StaticDecoder:
+    """Decodes one batch against a preallocated KV cache; one instance per ``generate`` call.
+
+    Args:
+        model: a supported causal LM (:func:`unsupported_reason` is None).
+        cache: the model's cache after the prefill of the left-padded prompt [B, P].
+        prompt_mask: [B, P] 1 at real prompt tokens.
+        positions: [B, P + max_new_tokens] the position of every column (prompt and response).
+        max_new_tokens: the response columns to reserve.
+        fp32_head: logits from ``cispo.logprobs.lm_logits`` (as ``TorchSampler(fp32_head=True)``),
+            else from the model's ``lm_head`` cast to float32.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache, prompt_mask: torch.Tensor, positions: torch.Tensor,
+                 max_new_tokens: int, fp32_head: bool) -> None:
+        self.model, self.fp32_head = model, fp32_head
+        self.body = decoder(model)
+        self.layers = list(self.body.layers)
+        modeling = sys.modules[type(self.layers[0].self_attn).__module__]
+        self._rotary = modeling.apply_rotary_pos_emb
+        self._attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", modeling.eager_attention_forward)
+        self.head = lm_head(model)
+        self.transform = logit_transform(model.config)
+        B, P = prompt_mask.shape
+        self.P, L = P, P + max_new_tokens
+        self.keys, self.values = [], []  # per layer [b, kv_heads, L, head_dim], written in place
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values  # [B, kv_heads, P, head_dim]
+            kb = k.new_empty(B, k.shape[1], L, k.shape[3])
+            vb = v.new_empty(B, v.shape[1], L, v.shape[3])
+            kb[:, :, :P], vb[:, :, :P] = k, v
+            self.keys.append(kb)
+            self.values.append(vb)
+        weight = self.body.embed_tokens.weight
+        # cos, sin [B, L, head_dim]: computed once, in the dtype the model's own forward uses (the embeddings').
+        self.cos, self.sin = self.body.rotary_emb(weight.new_empty(0), positions)
+        # Every response column is attended (a stopped row's pads come after its real tokens).
+        self.mask = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(B, max_new_tokens, dtype=torch.bool)], 1)
+        self.rows = torch.arange(B, device=prompt_mask.device)  # [b] original rows still computed
+        self._set_padded()
+
+    def _set_padded(self) -> None:
+        # Hugging Face passes no mask at all when no row is padded; do the same (same kernel).
+        self.padded = not bool(self.mask[:, : self.P].all())
+
+    def _compact(self, keep: torch.Tensor) -> None:
+        """Keep only the computed rows at positions ``keep`` [b'] (of the current compute batch)."""
+        self.keys = [k.index_select(0, keep) for k in self.keys]
+        self.values = [v.index_select(0, keep) for v in self.values]
+        self.cos, self.sin = self.cos.index_select(0, keep), self.sin.index_select(0, keep)
+        self.mask = self.mask.index_select(0, keep)
+        self.rows = self.rows.index_select(0, keep)
+        self._set_padded()
+
+    def step(self, tokens: torch.Tensor, finished: torch.Tensor, t: int) -> torch.Tensor:
+        """Feed response token ``t`` (``tokens`` [B], over all rows; ``finished`` [B] rows already stopped).
+
+        Returns the float32 next-token logits [b, V] of the rows in ``self.rows`` [b] (a subset of the
+        unfinished ones may be dropped only when stopped: every unfinished row is in ``self.rows``)."""
+        alive = ~finished.index_select(0, self.rows)  # [b]
+        n_alive = int(alive.sum())
+        if n_alive <= (1 - COMPACT_WHEN_STOPPED) * len(self.rows):
+            self._compact(alive.nonzero().squeeze(1))
+        col = self.P + t  # the column this token's key/value goes to
+        seen = col + 1
+        x = self.body.embed_tokens(tokens.index_select(0, self.rows)[:, None])  # [b, 1, H]
+        cos, sin = self.cos[:, col : col + 1], self.sin[:, col : col + 1]  # [b, 1, head_dim]
+        mask = self.mask[:, None, None, :seen] if self.padded else None  # [b, 1, 1, seen]
+        for layer, kc, vc in zip(self.layers, self.keys, self.values):
+            x = x + self._attend(layer.self_attn, layer.input_layernorm(x), kc, vc, cos, sin, mask, col)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.body.norm(x)[:, -1]  # [b, H]
+        if self.fp32_head:
+            return lm_logits(h, self.head.weight, bias=getattr(self.head, "bias", None), transform=self.transform)
+        return self.head(h).float()  # [b, V]
+
+    def _attend(self, attn, h, kc, vc, cos, sin, mask, col: int) -> torch.Tensor:
+        """Self-attention of one new token per row, as the model's attention module computes it."""
+        shape = (h.shape[0], 1, -1, attn.head_dim)
+        q = attn.q_proj(h).view(shape).transpose(1, 2)  # [b, heads, 1, head_dim]
+        k = attn.k_proj(h).view(shape).transpose(1, 2)  # [b, kv_heads, 1, head_dim]
+        v = attn.v_proj(h).view(shape).transpose(1, 2)  # [b, kv_heads, 1, head_dim]
+        q, k = self._rotary(q, k, cos, sin)
+        kc[:, :, col : col + 1] = k
+        vc[:, :, col : col + 1] = v
+        out, _ = self._attention(attn, q, kc[:, :, : col + 1], vc[:, :, : col + 1], mask, dropout=0.0,
+                                 scaling=attn.scaling)  # [b, 1, heads, head_dim]
+        return attn.o_proj(out.reshape(h.shape[0], 1, -1).contiguous())  # [b, 1, H]
