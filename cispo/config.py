@@ -340,7 +340,13 @@ class DataConfig:
     extra_fields: list[str] | None = None
     """More fields passed to the reward as keyword arguments."""
     split: str | None = None
-    """Split of a ``datasets`` DatasetDict folder."""
+    """Split of a ``datasets`` DatasetDict folder, of a folder of shards, or of a hub data set
+    (required for a hub id)."""
+    name: str | None = None
+    """Subset (configuration) of a hub data set, ``datasets.load_dataset(path, name=...)``."""
+    system_prompt: str | None = None
+    """System message put before each prompt's chat messages (needs ``model.chat_template=true``;
+    a row whose messages already start with a system message keeps its own)."""
     on_error: Literal["raise", "skip"] = "raise"
     """Malformed rows: ``raise`` (the first one, naming file, line and field) or ``skip``."""
     reward: str | None = None
@@ -525,6 +531,8 @@ class TrainConfig:
             ("data.reward_workers", d.reward_workers is None or d.reward_workers >= 1, "must be >= 1 or None (auto)"),
             ("model.path", d.path is None or self.model.path is not None,
              "is required with data.path (the built-in base model knows only the built-in tasks)"),
+            ("data.system_prompt", d.system_prompt is None or self.model.chat_template,
+             "needs model.chat_template=true (a system message exists only in a chat template)"),
             ("data.reward", d.path is None or d.reward is not None,
              "is required with data.path (math, exact_match, code or module:function)"),
             ("rollout.max_new_tokens", d.path is None or r.max_new_tokens is not None, "is required with data.path"),

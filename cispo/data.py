@@ -161,7 +161,7 @@ def load_source(data_cfg, max_new_tokens: int | None):
     if max_new_tokens is None:
         raise ValueError("rollout.max_new_tokens is required with data.path")
     kwargs = dict(prompt_field=data_cfg.prompt_field, answer_field=data_cfg.answer_field,
-                  extra_fields=data_cfg.extra_fields, split=data_cfg.split)
+                  extra_fields=data_cfg.extra_fields, split=data_cfg.split, name=data_cfg.name)
     train = load_prompts(data_cfg.path, on_error=data_cfg.on_error, **kwargs)
     if data_cfg.eval_path:
         held_out = load_prompts(data_cfg.eval_path, on_error=data_cfg.on_error, **kwargs)

@@ -15,6 +15,15 @@ are ignored; a ``.json`` file whose first character is ``[`` is read as one JSON
 the split of a DatasetDict, required when it has more than one). ``pip install "cispo[data]"``
 installs both.
 
+Any other folder is a folder of shards: every JSONL / Parquet file under it (recursively,
+hidden ones skipped), read in sorted order with the readers above, so an error names the
+shard file and its line / row. Shards named after a split the hub's way (a folder ``train/``,
+or a file ``train-00000-of-00002.parquet`` / ``test.jsonl``) are grouped: ``split`` picks one
+group, and is required when there are several. A path that does not exist but reads as a
+hub id (``name`` or ``owner/name``) is loaded with ``datasets.load_dataset(path, name=name,
+split=split)`` (``split`` required; ``name``: the subset); errors then name the hub id and the
+0-based row.
+
 Each sample is a dict with normalised names, so the trainer always finds ``prompt``:
 
 * ``prompt`` (str): the prompt field's text. If the field holds a chat message list
@@ -311,10 +320,6 @@ def _read_parquet(path: Path, spec: _Spec) -> Iterator[tuple[str, Any]]:
 
 
 def _read_datasets_dir(path: Path, spec: _Spec, split: str | None) -> Iterator[tuple[str, Any]]:
-    markers = ("dataset_dict.json", "state.json", "dataset_info.json")
-    if not any((path / m).exists() for m in markers):
-        raise DataError(path, "a directory, but not a datasets folder written by save_to_disk "
-                              f"(none of {', '.join(markers)} found)")
     try:
         import datasets
     except ImportError as e:
@@ -344,13 +349,105 @@ def _read_datasets_dir(path: Path, spec: _Spec, split: str | None) -> Iterator[t
             i += 1
 
 
-def _rows(path: Path, spec: _Spec, split: str | None) -> Iterator[tuple[str, Any]]:
+DATASETS_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+
+
+def _shard_split(rel: Path) -> str | None:
+    """The split a shard's relative path names, by the hub's layout: a folder named after the
+    split (``train/part-0.jsonl``) or a file name ``<split>-...`` / ``<split>_...`` / ``<split>.ext``."""
+    for part in rel.parent.parts:
+        if part in KNOWN_SPLITS:
+            return part
+    stem = rel.name.split(".", 1)[0]
+    for sep in ("-", "_"):
+        head = stem.split(sep, 1)[0]
+        if head in KNOWN_SPLITS:
+            return head
+    return None
+
+
+KNOWN_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
+
+
+def shard_files(path: Path, split: str | None) -> list[Path]:
+    """The JSONL / Parquet shards under folder ``path`` (recursively, sorted by relative path),
+    those of ``split`` only when given. Shards named after more than one split need ``split``."""
+    shards = sorted((f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
+                     and f.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES), key=lambda f: f.relative_to(path).as_posix())
+    if not shards:
+        raise DataError(path, "a directory with no shards (no "
+                              f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)} files) and not a datasets folder "
+                              f"(none of {', '.join(DATASETS_MARKERS)} found)")
+    by_split: dict[str | None, list[Path]] = {}
+    for f in shards:
+        by_split.setdefault(_shard_split(f.relative_to(path)), []).append(f)
+    named = [s for s in by_split if s is not None]
+    if split is None:
+        if len(named) > 1:
+            raise DataError(path, f"holds shards of splits {', '.join(sorted(named))}: pass split=... (data.split)")
+        return shards
+    if split not in by_split:
+        raise DataError(path, f"no shards of split {split!r}{did_you_mean(split, named)}; "
+                              f"splits: {', '.join(sorted(named)) or 'none (no shard is named after a split)'}")
+    return by_split[split]
+
+
+def _read_shards(path: Path, spec: _Spec, split: str | None) -> Iterator[tuple[Path, str, Any]]:
+    for shard in shard_files(path, split):
+        for loc, row in _read_file(shard, spec):
+            yield shard, loc, row
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    """``name`` or ``owner/name`` of hub-id characters (no path syntax such as ``./`` or ``~``)."""
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text) is not None and not Path(text).suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+
+def _read_hub(hub_id: str, spec: _Spec, split: str | None, name: str | None) -> Iterator[tuple[str, Any]]:
+    """Rows of hub data set ``hub_id`` (subset ``name``) via ``datasets.load_dataset``; ``split``
+    is required, as a hub data set almost always has several."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"loading the hub data set {hub_id} needs the datasets library: {_DATA_HINT}") from e
+    if split is None:
+        raise DataError(hub_id, "no such file or directory; read as a datasets hub id, it needs a split "
+                                "(data.split, e.g. train)")
+    try:
+        ds = datasets.load_dataset(hub_id, name=name, split=split)
+    except Exception as e:
+        raise DataError(hub_id, f"no such file or directory, and datasets.load_dataset failed: "
+                                f"{type(e).__name__}: {e}") from e
+    cols = _columns(spec, list(ds.column_names))
+    if cols is not None:
+        ds = ds.select_columns(cols)
+    i = 0
+    for table in ds.with_format("arrow").iter(batch_size=1024):
+        for row in table.to_pylist():
+            yield f"row {i}", row
+            i += 1
+
+
+def _rows(path: Path, spec: _Spec, split: str | None, name: str | None = None) -> Iterator[tuple[Path | str, str, Any]]:
+    """``(file or shard or hub id, location, row)`` of every row of ``path``."""
     if not path.exists():
+        if _looks_like_hub_id(str(path)):
+            return ((str(path), loc, row) for loc, row in _read_hub(str(path), spec, split, name))
         raise DataError(path, "no such file or directory")
+    if name is not None:
+        raise DataError(path, f"name={name!r} (a hub data set's subset) does not apply to a local file or folder")
     if path.is_dir():
-        return _read_datasets_dir(path, spec, split)
+        if any((path / m).exists() for m in DATASETS_MARKERS):
+            return ((path, loc, row) for loc, row in _read_datasets_dir(path, spec, split))
+        return _read_shards(path, spec, split)
     if split is not None:
-        raise DataError(path, f"split={split!r} only applies to a datasets folder (save_to_disk)")
+        raise DataError(path, f"split={split!r} only applies to a datasets folder (save_to_disk), a folder of shards or a hub id")
+    return ((path, loc, row) for loc, row in _read_file(path, spec))
+
+
+def _read_file(path: Path, spec: _Spec) -> Iterator[tuple[str, Any]]:
     suffix = path.suffix.lower()
     if suffix in PARQUET_SUFFIXES:
         return _read_parquet(path, spec)
@@ -373,6 +470,7 @@ def load_prompts_with_report(
     split: str | None = None,
     limit: int | None = None,
     on_error: Literal["raise", "skip"] = "raise",
+    name: str | None = None,
 ) -> tuple[list[dict], LoadReport]:
     """`load_prompts`, plus a `LoadReport` of the rows read and skipped."""
     if on_error not in ("raise", "skip"):
@@ -383,7 +481,7 @@ def load_prompts_with_report(
     path = Path(path).expanduser()
     report = LoadReport(path=str(path))
     samples: list[dict] = []
-    for loc, row in _rows(path, spec, split):
+    for where, loc, row in _rows(path, spec, split, name):
         if limit is not None and len(samples) >= limit:
             break
         report.rows += 1
@@ -392,7 +490,7 @@ def load_prompts_with_report(
                 raise row
             samples.append(_convert(row, spec))
         except _RowError as e:
-            err = DataError(path, e.reason, location=loc, field=e.field)
+            err = DataError(where, e.reason, location=loc, field=e.field)
             if on_error == "raise":
                 raise err from None
             report.skipped += 1
@@ -415,6 +513,7 @@ def load_prompts(
     split: str | None = None,
     limit: int | None = None,
     on_error: Literal["raise", "skip"] = "raise",
+    name: str | None = None,
 ) -> list[dict]:
     """Samples ``{"prompt": str, "answer": str, **extra}`` from a JSONL / Parquet file or a
     ``datasets`` folder (see the module docstring).
@@ -425,12 +524,14 @@ def load_prompts(
         answer_field: field (or dotted path) holding the answer, required in every row;
             None for rewards that need no answer (then samples have no ``answer``).
         extra_fields: None, a list of more fields to pass on to the reward, or ``"all"``.
-        split: the split of a DatasetDict folder.
+        split: the split of a DatasetDict folder, of a shard folder, or of a hub data set.
         limit: keep at most this many samples (stops reading there).
         on_error: ``"raise"`` at the first bad row (`DataError`), or ``"skip"`` bad rows
             (logged as a warning; see `load_prompts_with_report` for the counts).
+        name: the subset (configuration) of a hub data set.
     """
-    samples, report = load_prompts_with_report(path, prompt_field, answer_field, extra_fields, split, limit, on_error)
+    samples, report = load_prompts_with_report(path, prompt_field, answer_field, extra_fields, split, limit, on_error,
+                                               name)
     if report.skipped:
         logger.warning("%s", report)
     return samples

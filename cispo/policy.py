@@ -30,6 +30,7 @@ class Policy:
     sampler: Sampler
     device: torch.device
     chat_template: bool = False
+    system_prompt: str | None = None  # data.system_prompt: a system message before the chat messages
     autocast: torch.dtype | None = None  # mixed precision: compute dtype over FP32 master weights
 
     def compute(self):
@@ -37,9 +38,12 @@ class Policy:
         return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
     def encode(self, sample: dict) -> list[int]:
-        """Prompt token ids: the raw prompt, or its chat messages in the chat template."""
+        """Prompt token ids: the raw prompt, or its chat messages in the chat template, after a
+        system message ``system_prompt`` unless the messages start with their own."""
         if self.chat_template:
             messages = sample.get("messages") or [{"role": "user", "content": sample["prompt"]}]
+            if self.system_prompt is not None and messages[0].get("role") != "system":
+                messages = [{"role": "system", "content": self.system_prompt}, *messages]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return self.tokenizer.encode(sample["prompt"], add_special_tokens=True)

@@ -101,7 +101,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     else:
         sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode)
-    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template, autocast=autocast)
+    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template,
+                  system_prompt=cfg.data.system_prompt, autocast=autocast)
 
 
 HEAD_TOLERANCE = 1e-3  # nats; float32 rounding gives ~1e-6

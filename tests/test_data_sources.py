@@ -1,0 +1,193 @@
+"""Data sources beyond one file: a folder of shards, a hub id (mocked: no hub here), and
+``data.system_prompt``."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from cispo.config import DataConfig, ModelConfig, TrainConfig as Config
+from cispo.datasets import DataError, load_prompts
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_parquet(path, rows):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def rows(lo, hi):
+    return [{"q": f"q{i}", "a": str(i)} for i in range(lo, hi)]
+
+
+def test_folder_of_jsonl_and_parquet_shards_in_sorted_order(tmp_path):
+    write_jsonl(tmp_path / "shards" / "part-0.jsonl", rows(0, 2))
+    write_parquet(tmp_path / "shards" / "part-1.parquet", rows(2, 4))
+    write_jsonl(tmp_path / "shards" / "more" / "part-2.jsonl", rows(4, 5))
+    (tmp_path / "shards" / "README.md").write_text("not a shard")
+    (tmp_path / "shards" / ".hidden.jsonl").write_text("not json\n")
+    got = load_prompts(tmp_path / "shards", prompt_field="q", answer_field="a")
+    assert [s["prompt"] for s in got] == ["q4", "q0", "q1", "q2", "q3"]  # 'more/part-2' sorts first
+
+
+def test_shard_errors_name_the_shard_line_and_field(tmp_path):
+    write_jsonl(tmp_path / "d" / "a.jsonl", rows(0, 3))
+    bad = rows(3, 6)
+    del bad[1]["a"]
+    write_jsonl(tmp_path / "d" / "b.jsonl", bad)
+    with pytest.raises(DataError, match=r"d/b\.jsonl: line 2: field 'a': missing answer field"):
+        load_prompts(tmp_path / "d", prompt_field="q", answer_field="a")
+    write_parquet(tmp_path / "p" / "x.parquet", [{"q": "", "a": "1"}])
+    with pytest.raises(DataError, match=r"p/x\.parquet: row 0: field 'q': empty prompt"):
+        load_prompts(tmp_path / "p", prompt_field="q", answer_field="a")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no shards"):
+        load_prompts(tmp_path / "empty")
+
+
+def test_script_free_hub_layout_folder_splits(tmp_path):
+    """A folder laid out like a script-free hub repository: split-named shards under data/."""
+    root = tmp_path / "repo"
+    write_parquet(root / "data" / "train-00000-of-00002.parquet", rows(0, 3))
+    write_parquet(root / "data" / "train-00001-of-00002.parquet", rows(3, 5))
+    write_jsonl(root / "data" / "test.jsonl", rows(10, 12))
+    (root / "README.md").write_text("---\nlicense: mit\n---\n")
+    train = load_prompts(root, prompt_field="q", answer_field="a", split="train")
+    assert [s["answer"] for s in train] == ["0", "1", "2", "3", "4"]
+    assert [s["prompt"] for s in load_prompts(root, prompt_field="q", answer_field="a", split="test")] == ["q10", "q11"]
+    with pytest.raises(DataError, match="holds shards of splits test, train: pass split"):
+        load_prompts(root, prompt_field="q", answer_field="a")
+    with pytest.raises(DataError, match=r"no shards of split 'tran' \(did you mean 'train'\?\)"):
+        load_prompts(root, prompt_field="q", answer_field="a", split="tran")
+    # the same folder through datasets.load_dataset gives the same training rows
+    datasets = pytest.importorskip("datasets")
+    ref = datasets.load_dataset(str(root / "data"), data_files={"train": "train-*.parquet"}, split="train")
+    assert [r["a"] for r in ref] == [s["answer"] for s in train]
+
+
+def test_folder_split_by_subfolder(tmp_path):
+    write_jsonl(tmp_path / "d" / "train" / "0.jsonl", rows(0, 2))
+    write_jsonl(tmp_path / "d" / "validation" / "0.jsonl", rows(5, 6))
+    assert len(load_prompts(tmp_path / "d", prompt_field="q", answer_field="a", split="validation")) == 1
+
+
+class FakeDataset:
+    def __init__(self, rows):
+        self.rows = rows
+        self.column_names = list(rows[0])
+
+    def select_columns(self, cols):
+        return FakeDataset([{c: r[c] for c in cols} for r in self.rows])
+
+    def with_format(self, fmt):
+        assert fmt == "arrow"
+        return self
+
+    def iter(self, batch_size):
+        import pyarrow as pa
+
+        yield pa.Table.from_pylist(self.rows)
+
+
+def test_hub_id_goes_to_load_dataset_with_name_and_split(monkeypatch):
+    pytest.importorskip("pyarrow")
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kw):
+        calls.append((path, name, split, kw))
+        return FakeDataset([{"question": "q0", "answer": "1"}, {"question": "q1", "answer": None}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    got = load_prompts("openai/gsm8k", prompt_field="question", name="main", split="test", on_error="skip")
+    assert calls == [("openai/gsm8k", "main", "test", {})]
+    assert got == [{"prompt": "q0", "answer": "1"}]
+    with pytest.raises(DataError, match=r"openai/gsm8k: row 1: field 'answer': answer is null"):
+        load_prompts("openai/gsm8k", prompt_field="question", name="main", split="test")
+    with pytest.raises(DataError, match="needs a split"):
+        load_prompts("openai/gsm8k", prompt_field="question")
+    assert len(calls) == 2  # no call without a split
+
+    def failing(*a, **kw):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(datasets, "load_dataset", failing)
+    with pytest.raises(DataError, match=r"nobody/nothing: no such file or directory, and datasets\.load_dataset "
+                                        r"failed: ConnectionError: offline"):
+        load_prompts("nobody/nothing", split="train")
+
+
+def test_missing_local_paths_are_not_hub_ids(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.jsonl: no such file or directory$"):
+        load_prompts(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="does not apply to a local file"):
+        load_prompts(write_jsonl(tmp_path / "ok.jsonl", rows(0, 1)), prompt_field="q", answer_field="a", name="main")
+
+
+def test_load_source_passes_name_and_split(monkeypatch):
+    from cispo import datasets as cispo_datasets
+    from cispo.data import load_source
+
+    seen = {}
+
+    def fake_load_prompts(path, **kw):
+        seen.update(kw, path=path)
+        return [{"prompt": f"p{i}", "answer": "1"} for i in range(10)]
+
+    monkeypatch.setattr(cispo_datasets, "load_prompts", fake_load_prompts)
+    cfg = DataConfig(path="openai/gsm8k", name="main", split="train", reward="exact_match", num_eval_prompts=2)
+    src = load_source(cfg, max_new_tokens=8)
+    assert (seen["path"], seen["name"], seen["split"]) == ("openai/gsm8k", "main", "train")
+    assert len(src.train) == 8 and len(src.eval) == 2
+
+
+def test_system_prompt_needs_chat_template():
+    with pytest.raises(ValueError, match=r"data\.system_prompt.*model\.chat_template=true"):
+        Config(data=DataConfig(system_prompt="Be brief."))
+    cfg = Config(model=ModelConfig(chat_template=True), data=DataConfig(system_prompt="Be brief."))
+    assert cfg.data.system_prompt == "Be brief."
+
+
+def test_system_prompt_override_and_yaml(tmp_path):
+    from cispo.config import apply_overrides, load_yaml
+
+    y = tmp_path / "c.yaml"
+    y.write_text("model:\n  chat_template: true\ndata:\n  system_prompt: Think step by step.\n")
+    assert load_yaml(Config, y).data.system_prompt == "Think step by step."
+    cfg = apply_overrides(Config(), ["model.chat_template=true", "system_prompt=Be brief.", "data.name=main"])
+    assert (cfg.data.system_prompt, cfg.data.name) == ("Be brief.", "main")
+
+
+class RecordingTokenizer:
+    def __init__(self):
+        self.messages = None
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        self.messages = messages
+        return [1, 2]
+
+
+def test_policy_prepends_system_prompt_in_chat_mode():
+    from cispo.policy import Policy
+
+    tok = RecordingTokenizer()
+    policy = Policy(model=None, tokenizer=tok, sampler=None, device=None, chat_template=True, system_prompt="Be brief.")
+    policy.encode({"prompt": "hi"})
+    assert tok.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    own = [{"role": "system", "content": "row's own"}, {"role": "user", "content": "hi"}]
+    policy.encode({"prompt": "hi", "messages": own})
+    assert tok.messages == own  # a row's own system message wins
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    policy.encode({"prompt": "c", "messages": chat})
+    assert tok.messages == [{"role": "system", "content": "Be brief."}, *chat]
