@@ -76,9 +76,9 @@ def run_config_of(model: str | None) -> Path | None:
 
 
 def cmd_eval(args) -> int:
-    from cispo.data import load_source
+    from cispo.data import load_eval_sets, load_source
     from cispo.runner import load_policy_for, resolve_device
-    from cispo.evaluation import evaluate
+    from cispo.evaluation import evaluate, evaluate_sets
     from cispo.setup import default_max_new_tokens
     from cispo.trainer import tracked_fork
 
@@ -94,11 +94,14 @@ def cmd_eval(args) -> int:
 
         check_chat_template(cfg.model.path)
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
+    named_sets = load_eval_sets(cfg.data)
     policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
     samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
     max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
     metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg.eval, max_new, seed=cfg.seed,
                        answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s)
+    metrics.update(evaluate_sets(policy, named_sets, task.reward, tracked_fork(task), cfg.eval, max_new, seed=cfg.seed,
+                                 answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s))
     print(json.dumps(metrics, indent=2))
     return 0
 

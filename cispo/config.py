@@ -63,7 +63,9 @@ def _fields(cls: type) -> dict[KeyPath, Any]:
 @functools.cache
 def _adapter(cls: type) -> pydantic.TypeAdapter:
     """pydantic's validator of config ``cls``: unknown keys are errors; docstrings are read."""
-    for c in [cls] + [t for t in _fields(cls).values() if dataclasses.is_dataclass(t)]:
+    types_ = list(_fields(cls).values())
+    types_ += [a for t in types_ for a in typing.get_args(t)]  # dict[str, Section] values
+    for c in [cls] + [t for t in types_ if dataclasses.is_dataclass(t)]:
         if "__pydantic_config__" not in vars(c):  # how pydantic reads a plain dataclass
             c.__pydantic_config__ = pydantic.ConfigDict(
                 extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
@@ -318,6 +320,27 @@ class ModelConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """One named evaluation set (``data.eval_sets``), with its own fields; scored by
+    ``data.reward`` and reported as ``eval/<name>/...``."""
+
+    path: str
+    """JSONL / Parquet file, folder of shards, ``datasets`` folder or hub id (as ``data.path``)."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt (text or chat messages); dotted paths allowed."""
+    answer_field: str | None = "answer"
+    """Field holding the reference answer, passed to the reward as ``answer``."""
+    extra_fields: list[str] | None = None
+    """More fields passed to the reward as keyword arguments."""
+    split: str | None = None
+    """Split of a folder or hub data set (required for a hub id)."""
+    name: str | None = None
+    """Subset of a hub data set."""
+    num_prompts: int | None = None
+    """Evaluate the first this many prompts; None: all of them."""
+
+
+@dataclass
 class DataConfig:
     """The prompts and their reward."""
 
@@ -333,6 +356,9 @@ class DataConfig:
     """Prompt file instead of the built-in task: JSONL, Parquet or a ``datasets`` folder."""
     eval_path: str | None = None
     """Held-out prompt file. None: a seeded slice of ``path`` (at most 1/5 of it)."""
+    eval_sets: dict[str, EvalSetConfig] = field(default_factory=dict)
+    """Named evaluation sets, each with its own path and fields, reported as ``eval/<name>/...``
+    next to the held-out set's ``eval/...`` (``num_eval_prompts=0`` leaves only these)."""
     prompt_field: str = "prompt"
     """Field holding the prompt (text or chat messages); dotted paths allowed."""
     answer_field: str | None = "answer"
@@ -531,6 +557,12 @@ class TrainConfig:
             ("data.reward_workers", d.reward_workers is None or d.reward_workers >= 1, "must be >= 1 or None (auto)"),
             ("model.path", d.path is None or self.model.path is not None,
              "is required with data.path (the built-in base model knows only the built-in tasks)"),
+            ("data.eval_sets", not d.eval_sets or d.path is not None,
+             "needs data.path (the sets are scored by data.reward)"),
+            *((f"data.eval_sets.{n}", re.fullmatch(r"[A-Za-z0-9_.-]+", n) is not None,
+               "is not a usable set name (part of metric names: letters, digits, _ . - only)") for n in d.eval_sets),
+            *((f"data.eval_sets.{n}.num_prompts", e.num_prompts is None or e.num_prompts >= 1, "must be >= 1 or None (all)")
+              for n, e in d.eval_sets.items()),
             ("data.system_prompt", d.system_prompt is None or self.model.chat_template,
              "needs model.chat_template=true (a system message exists only in a chat template)"),
             ("data.reward", d.path is None or d.reward is not None,

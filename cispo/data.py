@@ -183,3 +183,14 @@ def load_source(data_cfg, max_new_tokens: int | None):
         fork_token=data_cfg.fork_token,
         max_new_tokens=max_new_tokens,
     )
+
+
+def load_eval_sets(data_cfg) -> dict[str, list[dict]]:
+    """The named evaluation sets ``data_cfg.eval_sets``: name -> samples, each set read with its
+    own path and fields (``cispo.config.EvalSetConfig``) and ``data_cfg.on_error``; {} if none."""
+    from cispo.datasets import load_prompts
+
+    return {name: load_prompts(s.path, prompt_field=s.prompt_field, answer_field=s.answer_field,
+                               extra_fields=s.extra_fields, split=s.split, name=s.name, limit=s.num_prompts,
+                               on_error=data_cfg.on_error)
+            for name, s in data_cfg.eval_sets.items()}

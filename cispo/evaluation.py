@@ -62,6 +62,23 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
     return out
 
 
+def evaluate_sets(policy: Policy, sets: dict[str, list[dict]], reward_fn, used_fork, eval_cfg: EvalConfig,
+                  max_new_tokens: int, seed: int, answer_fn=None, reward_timeout_s: float | None = None) -> dict:
+    """`evaluate` on each named set (``data.eval_sets``), its metrics renamed
+    ``eval/<metric>`` -> ``eval/<name>/<metric>``."""
+    out = {}
+    for name, samples in sets.items():
+        metrics = evaluate(policy, samples, reward_fn, used_fork, eval_cfg, max_new_tokens, seed, answer_fn,
+                           reward_timeout_s)
+        out.update(set_metrics(metrics, name))
+    return out
+
+
+def set_metrics(metrics: dict, name: str) -> dict:
+    """``{"eval/accuracy": a}`` -> ``{"eval/<name>/accuracy": a}``."""
+    return {f"eval/{name}/{key.removeprefix('eval/')}": v for key, v in metrics.items()}
+
+
 def group_accuracies(groups: list[list[Completion]], answer_fn=None) -> dict[str, float]:
     """Over prompts (one group of k samples each), the mean of
     pass@k = max_j R_j (for 0/1 verifiers: at least one of the k is right), and

@@ -28,7 +28,7 @@ from cispo.runfolder import check_resume, prepare_run_dir, run_dir_of, run_name,
 from cispo.samples import SampleFile, sample_records
 from cispo.threads import auto_threads
 from cispo.tracking import make_sinks, read_metrics
-from cispo.evaluation import evaluate
+from cispo.evaluation import evaluate, evaluate_sets
 from cispo.metrics import is_nan, nan_mean
 from cispo.policy import Policy
 from cispo.setup import (default_max_new_tokens, fit_prompts, fork_token_ids, make_objective, make_optimizer,
@@ -165,7 +165,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     """Run (or resume) the training run described by ``cfg`` (under ``torchrun``: one rank)."""
     from transformers.utils import logging as hf_logging
 
-    from cispo.data import load_source
+    from cispo.data import load_eval_sets, load_source
 
     hf_logging.disable_progress_bar()  # our own bar is the one to watch
     run_dir = run_dir_of(cfg)  # run_name checked before any work
@@ -188,6 +188,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
 
         check_chat_template(cfg.model.path)
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
+    named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
     check_reward_fields(task, cfg.data)  # before any model is loaded or sampled from
     sampling = sampling_config(cfg.rollout, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
@@ -211,6 +212,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     stream = PromptStream(train_samples[dist_info.rank :: dist_info.world_size], seed=cfg.seed)
     eval_samples = fit_prompts(policy, task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts),
                                sampling.max_new_tokens, "held-out")
+    eval_sets = {name: fit_prompts(policy, samples, sampling.max_new_tokens, f"eval set {name!r}")
+                 for name, samples in named_sets.items()}
     rank_seed = cfg.seed + 1000 * dist_info.rank
     generators = {
         "sample": torch.Generator(device=device).manual_seed(rank_seed),
@@ -224,6 +227,10 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
         out = evaluate(policy, eval_samples, task.reward, tracked_fork(task), cfg.eval, sampling.max_new_tokens,
                        seed=cfg.seed + step, answer_fn=task.extract_answer,
                        reward_timeout_s=cfg.data.reward_timeout_s) if main or sharded else {}
+        if main or sharded:  # data.eval_sets: eval/<name>/...
+            out.update(evaluate_sets(policy, eval_sets, task.reward, tracked_fork(task), cfg.eval,
+                                     sampling.max_new_tokens, seed=cfg.seed + step, answer_fn=task.extract_answer,
+                                     reward_timeout_s=cfg.data.reward_timeout_s))
         barrier(dist_info)
         return out
 

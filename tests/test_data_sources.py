@@ -191,3 +191,70 @@ def test_policy_prepends_system_prompt_in_chat_mode():
     chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
     policy.encode({"prompt": "c", "messages": chat})
     assert tok.messages == [{"role": "system", "content": "Be brief."}, *chat]
+
+
+# --------------------------------------------------------------------------- data.eval_sets
+
+
+def file_data(**kw):
+    return DataConfig(path="train.jsonl", reward="exact_match", **kw)
+
+
+def test_eval_sets_from_yaml_and_overrides(tmp_path):
+    from cispo.config import ConfigError, EvalSetConfig, apply_overrides, load_yaml, save_yaml
+
+    y = tmp_path / "c.yaml"
+    y.write_text("model:\n  path: /m\ndata:\n  path: train.jsonl\n  reward: math\n  eval_sets:\n"
+                 "    gsm8k: {path: gsm8k.jsonl, prompt_field: question, num_prompts: 50}\n"
+                 "    math500:\n      path: math500.parquet\n      answer_field: solution\n"
+                 "rollout:\n  max_new_tokens: 8\n")
+    cfg = load_yaml(Config, y)
+    assert cfg.data.eval_sets == {
+        "gsm8k": EvalSetConfig(path="gsm8k.jsonl", prompt_field="question", num_prompts=50),
+        "math500": EvalSetConfig(path="math500.parquet", answer_field="solution")}
+    save_yaml(cfg, tmp_path / "again.yaml")
+    assert load_yaml(Config, tmp_path / "again.yaml") == cfg
+    cfg2 = apply_overrides(cfg, ["data.eval_sets.gsm8k.split=test", "data.eval_sets.aime={path: aime.jsonl}"])
+    assert cfg2.data.eval_sets["gsm8k"].split == "test" and cfg2.data.eval_sets["gsm8k"].prompt_field == "question"
+    assert cfg2.data.eval_sets["aime"] == EvalSetConfig(path="aime.jsonl")
+    with pytest.raises(ConfigError, match=r"data\.eval_sets\.gsm8k\.promt_field.*unknown key"):
+        apply_overrides(cfg, ["data.eval_sets.gsm8k.promt_field=q"])
+    with pytest.raises(ConfigError, match=r"data\.eval_sets\.x\.path"):
+        apply_overrides(cfg, ["data.eval_sets.x={prompt_field: q}"])  # path is required
+    with pytest.raises(ConfigError, match=r"data\.eval_sets\.a/b is not a usable set name"):
+        apply_overrides(cfg, ["data.eval_sets.a/b={path: x.jsonl}"])
+    with pytest.raises(ConfigError, match=r"data\.eval_sets\.gsm8k\.num_prompts must be >= 1"):
+        apply_overrides(cfg, ["data.eval_sets.gsm8k.num_prompts=0"])
+    with pytest.raises(ValueError, match=r"data\.eval_sets needs data\.path"):
+        Config(data=DataConfig(eval_sets={"g": EvalSetConfig(path="g.jsonl")}))
+
+
+def test_load_eval_sets_each_with_its_own_fields(tmp_path):
+    from cispo.config import EvalSetConfig
+    from cispo.data import load_eval_sets
+
+    write_jsonl(tmp_path / "g.jsonl", [{"question": f"g{i}", "answer": str(i)} for i in range(5)])
+    write_jsonl(tmp_path / "m" / "0.jsonl", [{"problem": "m0", "solution": "x", "level": 3}])
+    cfg = file_data(eval_sets={
+        "gsm8k": EvalSetConfig(path=str(tmp_path / "g.jsonl"), prompt_field="question", num_prompts=2),
+        "math": EvalSetConfig(path=str(tmp_path / "m"), prompt_field="problem", answer_field="solution",
+                              extra_fields=["level"])})
+    assert load_eval_sets(cfg) == {"gsm8k": [{"prompt": "g0", "answer": "0"}, {"prompt": "g1", "answer": "1"}],
+                                   "math": [{"prompt": "m0", "answer": "x", "level": 3}]}
+    assert load_eval_sets(file_data()) == {}
+    bad = file_data(eval_sets={"g": EvalSetConfig(path=str(tmp_path / "g.jsonl"), prompt_field="q")})
+    with pytest.raises(DataError, match=r"g\.jsonl: line 1: field 'q': missing prompt field"):
+        load_eval_sets(bad)
+
+
+def test_evaluate_sets_names_metrics_per_set(monkeypatch):
+    from cispo import evaluation
+
+    def fake_evaluate(policy, samples, *a, **kw):
+        return {"eval/accuracy": float(len(samples)), "eval/accuracy_pass_at_4": 1.0}
+
+    monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
+    out = evaluation.evaluate_sets(None, {"gsm8k": [{}] * 3, "math500": [{}]}, None, None, None, 8, seed=0)
+    assert out == {"eval/gsm8k/accuracy": 3.0, "eval/gsm8k/accuracy_pass_at_4": 1.0,
+                   "eval/math500/accuracy": 1.0, "eval/math500/accuracy_pass_at_4": 1.0}
+    assert evaluation.evaluate_sets(None, {}, None, None, None, 8, seed=0) == {}

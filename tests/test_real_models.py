@@ -100,3 +100,44 @@ def test_bad_data_file_names_file_line_and_field(qwen_dir, tmp_path, capsys):
                  "progress=false"]) == 2  # one line on stderr, no traceback
     err = capsys.readouterr().err
     assert "bad.jsonl: line 2: field 'question': missing prompt field" in err and "Traceback" not in err
+
+
+def test_shards_eval_sets_and_system_prompt_in_a_run(qwen_dir, tmp_path, monkeypatch, capsys):
+    """data.path a folder of shards, two named eval sets with their own fields (eval/<name>/...
+    next to the held-out eval/...), and a system prompt, through the CLI."""
+    from cispo.policy import Policy
+
+    encoded, encode = [], Policy.encode
+    monkeypatch.setattr(Policy, "encode", lambda self, s: encoded.append(self.tokenizer.decode(encode(self, s)))
+                        or encode(self, s))
+    rows = [{"question": f"What is {a} + {b}?", "solution": str(a + b)} for a in range(5) for b in range(4)]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(2):
+        (shards / f"part-{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[i::2]))
+    (tmp_path / "other.jsonl").write_text("".join(json.dumps({"q": f"{i} + 1 =", "a": str(i + 1)}) + "\n"
+                                                  for i in range(3)))
+    out = tmp_path / "runs"
+    rc = main([
+        "train", f"model.path={qwen_dir}", "model.chat_template=true", "model.device=cpu",
+        f"data.path={shards}", "data.prompt_field=question", "data.answer_field=solution", "data.reward=exact_match",
+        "data.system_prompt=Answer with a number.", f"data.eval_sets.same={{path: {shards}, prompt_field: question, "
+        "answer_field: solution, num_prompts: 2}", f"data.eval_sets.other.path={tmp_path / 'other.jsonl'}",
+        "data.eval_sets.other.prompt_field=q", "data.eval_sets.other.answer_field=a",
+        "max_new_tokens=4", "steps=1", "prompts_per_step=2", "group_size=2", "updates_per_batch=1",
+        "dynamic_sampling=false", "num_eval_prompts=2", "eval.num_samples=1", "eval.every=1", f"out_dir={out}",
+        "progress=false", "run_name=sets",
+    ])
+    assert rc == 0
+    rows0 = read_metrics(out / "sets" / "metrics.jsonl")[0]
+    for prefix in ("eval/", "eval/same/", "eval/other/"):
+        assert 0.0 <= rows0[prefix + "accuracy_greedy"] <= 1.0
+        assert rows0[prefix + "reward_errors"] == 0.0
+    assert encoded and all(t.startswith("<|im_start|>system\nAnswer with a number.<|im_end|>\n") for t in encoded)
+    assert not [k for k in rows0 if k.startswith("eval/") and k.count("/") == 2
+                and k.split("/")[1] not in ("same", "other")]
+    # cispo eval on the checkpoint (the run's config: its eval sets) reports them too
+    capsys.readouterr()
+    assert main(["eval", "--model", str(out / "sets" / "checkpoints" / "step_000001" / "model")]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert {"eval/accuracy_greedy", "eval/same/accuracy_greedy", "eval/other/accuracy_greedy"} <= set(metrics)
