@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -372,8 +373,9 @@ KNOWN_SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
 def shard_files(path: Path, split: str | None) -> list[Path]:
     """The JSONL / Parquet shards under folder ``path`` (recursively, sorted by relative path),
     those of ``split`` only when given. Shards named after more than one split need ``split``."""
-    shards = sorted((f for f in path.rglob("*") if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
-                     and f.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES), key=lambda f: f.relative_to(path).as_posix())
+    shards = sorted((f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES
+                     and not any(p.startswith(".") for p in f.relative_to(path).parts)),
+                    key=lambda f: f.relative_to(path).as_posix())
     if not shards:
         raise DataError(path, "a directory with no shards (no "
                               f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)} files) and not a datasets folder "
@@ -399,10 +401,10 @@ def _read_shards(path: Path, spec: _Spec, split: str | None) -> Iterator[tuple[P
 
 
 def _looks_like_hub_id(text: str) -> bool:
-    """``name`` or ``owner/name`` of hub-id characters (no path syntax such as ``./`` or ``~``)."""
-    import re
-
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text) is not None and not Path(text).suffix.lower() in JSONL_SUFFIXES + PARQUET_SUFFIXES
+    """``name`` or ``owner/name`` of hub-id characters (no path syntax such as ``./`` or ``~``),
+    not ending in a data file's suffix (a missing ``train.jsonl`` is a missing file)."""
+    return (re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text) is not None
+            and Path(text).suffix.lower() not in JSONL_SUFFIXES + PARQUET_SUFFIXES)
 
 
 def _read_hub(hub_id: str, spec: _Spec, split: str | None, name: str | None) -> Iterator[tuple[str, Any]]:
