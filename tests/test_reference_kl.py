@@ -123,3 +123,22 @@ def test_ref_path_loads_a_different_model(tiny_model, dense_task, tmp_path, monk
     train(small_config(tiny_model, tmp_path / "run", KL, f"model.ref_path={other}", "steps=1", "eval.every=0",
                        "checkpoint_every=0"))
     assert seen[0] > 0.01  # a different pi_ref: KL > 0 from the first update
+
+
+def test_ref_path_with_another_vocabulary_is_refused(tiny_model, dense_task, tmp_path):
+    tok = build_tokenizer(arithmetic.ALPHABET + "xyz")
+    other = tmp_path / "other"
+    save_policy(build_model(tok, size="tiny", seed=1), tok, other)
+    with pytest.raises(ValueError, match="model.ref_path=.*tokenizer differs from the policy's"):
+        train(small_config(tiny_model, tmp_path / "run", KL, f"model.ref_path={other}", "steps=1"))
+
+
+def test_resume_keeps_the_initial_policy_as_reference(tiny_model, dense_task, tmp_path):
+    """The reference is read from model.path again on --resume, not from the checkpoint: the
+    resumed run's metrics (objective/kl among them) equal the uninterrupted run's."""
+    full = train(small_config(tiny_model, tmp_path / "full", KL, "steps=3"))
+    train(small_config(tiny_model, tmp_path / "cut", KL, "steps=2"))
+    resumed = train(small_config(tiny_model, tmp_path / "cut", KL, "steps=3"), resume=True)
+    rows = [[{k: v for k, v in r.items() if not k.startswith("perf/")}
+             for r in read_metrics(x.run_dir / "metrics.jsonl")] for x in (full, resumed)]
+    assert rows[0] == rows[1] and rows[0][-1]["objective/kl"] > 0
