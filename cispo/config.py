@@ -67,6 +67,10 @@ class ModelConfig:
     keep FP32 parameters, gradients and AdamW state and compute under torch.autocast in that
     dtype (mixed precision). False: the parameters themselves are low precision (less memory;
     small updates are rounded away — a warning says so)."""
+    ref_path: str | None = None
+    """With ``algo.objective_overrides.kl_coef > 0``: local Hugging Face causal-LM folder of the
+    frozen reference policy pi_ref (same tokenizer as the policy). None: a frozen copy of the
+    initial policy (``model.path`` or the built-in model)."""
 
 
 @dataclass
@@ -351,6 +355,16 @@ class TrainConfig:
         from cispo.tracking import check_sink_kinds
 
         check_sink_kinds(self.trackers)  # unknown name -> ValueError with a suggestion
-        if preset(a.objective, **a.objective_overrides).kl_coef > 0:  # unknown name / field / bad value
-            raise ValueError("algo.objective_overrides.kl_coef: a KL penalty to a reference model is not "
-                             "supported yet (the trainer keeps no reference model); leave it at 0")
+        kl_coef = preset(a.objective, **a.objective_overrides).kl_coef  # unknown name / field / bad value
+        ref_checks = [
+            ("model.ref_path", self.model.ref_path is None or kl_coef > 0,
+             "is set but algo.objective_overrides.kl_coef is 0: the reference model would be unused"),
+            ("algo.objective_overrides.kl_coef", kl_coef == 0 or self.model.lora_rank == 0,
+             "> 0 cannot be combined with model.lora_rank > 0 (a reference model next to LoRA adapters "
+             "is not supported yet)"),
+            ("algo.objective_overrides.kl_coef", kl_coef == 0 or not self.model.fsdp,
+             "> 0 cannot be combined with model.fsdp (the reference model is not sharded)"),
+        ]
+        for name, ok, why in ref_checks:
+            if not ok:
+                raise ValueError(f"{name} {why}")

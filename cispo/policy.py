@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # cispo.rollout's torch sampler uses this module's decoder / 
 
 @dataclass
 class Policy:
-    """The model being trained, its tokenizer and its sampler."""
+    """The model being trained, its tokenizer and its sampler; with a KL penalty
+    (``kl_coef > 0``) also the frozen reference policy pi_ref (eval mode, no gradients)."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -32,6 +33,7 @@ class Policy:
     chat_template: bool = False
     system_prompt: str | None = None  # data.system_prompt: a system message before the chat messages
     autocast: torch.dtype | None = None  # mixed precision: compute dtype over FP32 master weights
+    ref_model: torch.nn.Module | None = None  # pi_ref of the KL penalty, run under the same ``compute()``
 
     def compute(self):
         """The context of every forward pass: ``torch.autocast`` in ``autocast``, or nothing."""

@@ -105,6 +105,30 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
                   system_prompt=cfg.data.system_prompt, autocast=autocast)
 
 
+def load_reference(cfg: TrainConfig, task, device: torch.device, tokenizer) -> torch.nn.Module:
+    """The frozen reference policy pi_ref of the KL penalty: ``model.ref_path``, else the initial
+    policy (``model.path`` or the built-in model, read again, so a resumed run keeps the same
+    reference). Loaded like the policy (same parameter dtype; the policy's autocast applies to
+    its forward), in eval mode with ``requires_grad`` off. ValueError when ``model.ref_path``'s
+    tokenizer differs from the policy's ``tokenizer`` (its log-probs would be of other tokens)."""
+    from cispo.builtin_model import ensure_builtin_model
+    from cispo.models import load_policy, precision, saved_dtype
+
+    policy_path = cfg.model.path or ensure_builtin_model(task.name, progress=cfg.progress)
+    param_dtype, _ = precision(cfg.model.dtype, saved_dtype(policy_path), cfg.model.master_weights)
+    path = cfg.model.ref_path or policy_path
+    model, ref_tokenizer = load_policy(path, dtype=param_dtype or saved_dtype(policy_path), device=device,
+                                       dropout=False)
+    if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"model.ref_path={path}: its tokenizer differs from the policy's ({policy_path}); "
+                         "the reference model must share the policy's vocabulary")
+    if all(p.dtype in (torch.float32, torch.float64) for p in model.parameters()):
+        check_head(model, path)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
 HEAD_TOLERANCE = 1e-3  # nats; float32 rounding gives ~1e-6
 
 
@@ -202,6 +226,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     sharded = cfg.model.fsdp and dist_info.enabled
     policy = load_policy_for(cfg, task, device, torch.device("cpu") if sharded else None)
     broadcast_parameters(policy.model, dist_info)
+    if obj.kl_coef > 0:  # every rank holds the whole reference (config refuses FSDP with it)
+        policy.ref_model = load_reference(cfg, task, device, policy.tokenizer)
     if sharded:  # FSDP2: every rank keeps 1/N of the weights, gradients and optimizer state
         shard_model(policy.model, dist_info, device)
         policy.sampler.lock_step(lambda done: not any_rank(not done, dist_info))

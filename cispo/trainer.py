@@ -7,6 +7,7 @@ One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penal
     2. group-relative advantages (``cispo.advantages``);
     3. log pi_old of every response token, recomputed once in train mode (``logp_old``;
        dropout is off unless ``model.dropout``, so this is the sampler's distribution);
+       with a KL penalty (``kl_coef > 0``) also log pi_ref of the frozen reference model;
        the sampler's own log-probs are kept to measure the train / rollout mismatch;
     4. split the batch into K mini-batches; for each, one optimizer step on the unified
        objective (``cispo.objective``), normalised by the mini-batch's global token count,
@@ -103,11 +104,13 @@ def build_experience(groups: list[list[Completion]], policy: Policy, group_size:
 @torch.no_grad()
 def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo = DistInfo()) -> torch.Tensor:
     """log pi_old of every response token, in train mode, once per generation batch. Also
-    stores the per-token entropy in ``exp.extras["entropy"]``.  -> [B, T]"""
+    stores the per-token entropy in ``exp.extras["entropy"]`` and, when the policy has a
+    reference model, log pi_ref in ``exp.extras["logp_ref"]`` (same micro-batches).  -> [B, T]"""
     policy.model.train()
     T = exp.response_mask.shape[1]
     logp_old = torch.zeros_like(exp.logp_rollout)
     entropy = torch.zeros_like(exp.logp_rollout)
+    logp_ref = torch.zeros_like(exp.logp_rollout) if policy.ref_model is not None else None
     micros = micro_batches(exp, torch.arange(len(exp), device=exp.input_ids.device), cfg.algo)
     for _ in range(idle_passes(len(micros), policy, dist_info)):
         idle_pass(policy, cfg, backward=False)
@@ -118,8 +121,21 @@ def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo =
         t = lp.shape[1]
         logp_old[rows, :t] = lp.float()
         entropy[rows, :t] = ent.float()
+        if logp_ref is not None:
+            logp_ref[rows, :t] = reference_logprobs(policy, sub, cfg)
     exp.extras["entropy"] = entropy * exp.response_mask
+    if logp_ref is not None:
+        exp.extras["logp_ref"] = logp_ref[:, :T] * exp.response_mask
     return logp_old[:, :T] * exp.response_mask
+
+
+@torch.no_grad()
+def reference_logprobs(policy: Policy, exp: Experience, cfg) -> torch.Tensor:
+    """log pi_ref of every response token of ``exp`` from the frozen reference model, under the
+    policy's autocast and LM-head precision.  -> [B, t] float32"""
+    with policy.compute():
+        lp = policy_logprobs(policy.ref_model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+    return lp.float()
 
 
 def lr_at(update: int, optim: OptimConfig) -> float:
@@ -174,8 +190,11 @@ def update_policy(
                 advantages = sub.advantages  # [b]
                 if "tis" in sub.extras:  # per-token truncated IS weight   [b, T]
                     advantages = advantages[:, None] * sub.extras["tis"][:, : sub.response_mask.shape[1]]
+                logp_ref = sub.extras.get("logp_ref")  # [b, T] log pi_ref, with a KL penalty
+                if logp_ref is not None:
+                    logp_ref = logp_ref[:, : sub.response_mask.shape[1]]
                 loss, s = policy_loss(logp_new, sub.logp_old, advantages, sub.response_mask, obj,
-                                      num_tokens=num_tokens, num_seqs=num_seqs)
+                                      logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
                 loss.backward()
                 add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
                 parts.append((s, fork_drop_counts(sub, s.ppo_dropped, fork_ids)))
@@ -216,6 +235,7 @@ def merge_stats(parts: list[tuple[ObjectiveStats, tuple[int, int]]], grad_norm: 
     return {
         "loss": merged.loss,
         "pg_loss": merged.pg_loss,
+        "kl": merged.kl,
         **merged.to_dict(keys=ObjectiveStats.DIAGNOSTICS),
         "frac_ppo_dropped_fork": sum(f[1] for _, f in parts) / n_fork if n_fork else float("nan"),
         "grad_norm": grad_norm,

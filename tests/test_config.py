@@ -182,8 +182,8 @@ def test_override_errors_name_the_key(overrides, expected):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["objective_overrides.kl_coef=0.1"], "algo.objective_overrides.kl_coef: a KL penalty to a reference model "
-                                              "is not supported yet"),
+        (["objective_overrides.kl_coef=0.1", "model.lora_rank=4"],
+         "algo.objective_overrides.kl_coef > 0 cannot be combined with model.lora_rank > 0"),
         (["rollout.temperature=0"], "rollout.temperature must be > 0"),
         (["rollout.temperature=-1"], "rollout.temperature must be > 0"),
         (["top_p=0"], "rollout.top_p must be in (0, 1]"),
