@@ -359,7 +359,7 @@ def no_update_reason(metrics: dict) -> str:
 
 
 def _quiet(message: str) -> None:
-    pass
+    """A checkpoint warning on a rank other than the main one: the main rank prints it."""
 
 
 def samples_logger(cfg: TrainConfig, step: int, task, sample_file: SampleFile | None, sink):
