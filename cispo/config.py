@@ -214,6 +214,14 @@ class AlgoConfig:
     tis_cap: float | None = None
     """Truncated importance sampling for the rollout/trainer mismatch: each token's advantage
     is multiplied by min(pi_old / pi_rollout, tis_cap) (Yao et al. 2025 use 2). None: off."""
+    fused_head: bool = False
+    """Compute the LM head and the objective in one chunked pass in the updates
+    (``cispo.fused_head``): each chunk's gradient is formed in the forward while its logits
+    exist, so the backward recomputes no logits (one large matmul fewer; docs/performance.md).
+    The same gradient up to float rounding; the statistics come from the detached log-probs.
+    Only for objectives whose per-token weight is known token by token: refused at config time
+    for a sequence-level ratio (GSPO: a token's weight depends on its whole sequence) and with
+    ``model.fsdp`` (not tested under sharding)."""
 
 
 @dataclass
@@ -355,7 +363,8 @@ class TrainConfig:
         from cispo.tracking import check_sink_kinds
 
         check_sink_kinds(self.trackers)  # unknown name -> ValueError with a suggestion
-        kl_coef = preset(a.objective, **a.objective_overrides).kl_coef  # unknown name / field / bad value
+        obj = preset(a.objective, **a.objective_overrides)  # unknown name / field / bad value
+        kl_coef = obj.kl_coef
         ref_checks = [
             ("model.ref_path", self.model.ref_path is None or kl_coef > 0,
              "is set but algo.objective_overrides.kl_coef is 0: the reference model would be unused"),
@@ -364,6 +373,11 @@ class TrainConfig:
              "is not supported yet)"),
             ("algo.objective_overrides.kl_coef", kl_coef == 0 or not self.model.fsdp,
              "> 0 cannot be combined with model.fsdp (the reference model is not sharded)"),
+            ("algo.fused_head", not a.fused_head or obj.ratio_level == "token",
+             f"needs a token-level ratio; algo.objective={a.objective} has ratio_level={obj.ratio_level!r} "
+             "(a token's weight depends on its whole sequence, unknown chunk by chunk): set algo.fused_head=false"),
+            ("algo.fused_head", not (a.fused_head and self.model.fsdp),
+             "cannot be combined with model.fsdp yet (the fused head is not tested under sharding)"),
         ]
         for name, ok, why in ref_checks:
             if not ok:

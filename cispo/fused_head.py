@@ -21,8 +21,9 @@ chunked path (a few [chunk, V] blocks; grad_h [N, H] and grad_W [V, H] are outpu
 makes, held from the forward instead of allocated in the backward).
 
 Not for GSPO's sequence-level ratio (a token's weight depends on its whole sequence, so it is
-not known chunk by chunk: ``token_objective`` raises). Not wired into the trainer yet: see
-docs/performance.md ("The head without the recompute") for how it would be used.
+not known chunk by chunk: ``token_objective`` raises). The trainer uses it with
+``algo.fused_head=true`` (``cispo.policy.policy_fused_loss``; docs/performance.md, "The head
+without the recompute").
 """
 
 from __future__ import annotations

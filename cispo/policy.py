@@ -15,6 +15,7 @@ import torch
 
 from cispo.distributed import sharded_call
 from cispo.experience import Experience
+from cispo.fused_head import TokenLoss, fused_head_loss
 from cispo.logprobs import lm_logits, logit_transform, token_logprobs
 
 if TYPE_CHECKING:  # cispo.rollout's torch sampler uses this module's decoder / lm_head
@@ -93,8 +94,9 @@ def policy_logprobs(
     return sharded_call(model, lambda: _policy_logprobs(model, exp, temperature, fp32_head, with_entropy, chunk_size))
 
 
-def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool, with_entropy: bool,
-                     chunk_size: int):
+def _response_hidden(model, exp: Experience) -> torch.Tensor:
+    """The decoder's states that predict the response tokens of ``exp`` (one forward over
+    prompt + response, the last token left out: it predicts nothing).  -> [B, T, H]"""
     T = exp.response_mask.shape[1]
     P = exp.input_ids.shape[1] - T
     attention_mask = exp.attention_mask  # [B, P+T]
@@ -105,7 +107,12 @@ def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool
         position_ids=position_ids[:, :-1],
         use_cache=False,
     ).last_hidden_state  # [B, P+T-1, H]
-    hidden = hidden[:, P - 1 :]  # states that predict the response tokens   [B, T, H]
+    return hidden[:, P - 1 :]  # [B, T, H]
+
+
+def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool, with_entropy: bool,
+                     chunk_size: int):
+    hidden = _response_hidden(model, exp)  # [B, T, H]
     head = lm_head(model)
     return token_logprobs(
         hidden,
@@ -118,6 +125,23 @@ def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool
         with_entropy=with_entropy,
         transform=logit_transform(model.config),
     )
+
+
+def policy_fused_loss(model, exp: Experience, token_loss: TokenLoss, temperature: float = 1.0,
+                      fp32_head: bool = True, chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder forward of ``policy_logprobs``, then the LM head and the objective
+    ``token_loss`` (``cispo.fused_head.token_objective``) in one chunked pass whose gradients
+    are formed in the forward (``cispo.fused_head.fused_head_loss``).
+    -> (loss [], logp [B, T] detached, the log-probs ``policy_logprobs`` returns)"""
+    def run():
+        head = lm_head(model)
+        loss, logp, _ = fused_head_loss(_response_hidden(model, exp), head.weight, exp.response_ids, token_loss,
+                                        bias=getattr(head, "bias", None), temperature=temperature,
+                                        fp32_head=fp32_head, chunk_size=chunk_size,
+                                        transform=logit_transform(model.config))
+        return loss, logp
+
+    return sharded_call(model, run)
 
 
 @torch.no_grad()

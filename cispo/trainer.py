@@ -34,7 +34,8 @@ from cispo.distributed import DistInfo, all_reduce_sum, any_rank, is_sharded, ma
 from cispo.experience import Completion, Experience, collate, is_informative
 from cispo.metrics import rollout_metrics, update_metrics
 from cispo.objective import ObjectiveConfig, ObjectiveStats, policy_loss
-from cispo.policy import Policy, policy_logprobs
+from cispo.fused_head import token_objective
+from cispo.policy import Policy, policy_fused_loss, policy_logprobs
 from cispo.rewards import overlong_penalty, score_rewards
 from cispo.rollout import SamplingConfig, truncated_is_weights
 from cispo.samples import add_token_counts, start_token_counts
@@ -185,16 +186,7 @@ def update_policy(
                 idle_pass(policy, cfg, backward=True)
             for micro in micros:  # the same gradient whatever the split
                 sub = exp.select(micro)
-                with policy.compute():
-                    logp_new = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head)
-                advantages = sub.advantages  # [b]
-                if "tis" in sub.extras:  # per-token truncated IS weight   [b, T]
-                    advantages = advantages[:, None] * sub.extras["tis"][:, : sub.response_mask.shape[1]]
-                logp_ref = sub.extras.get("logp_ref")  # [b, T] log pi_ref, with a KL penalty
-                if logp_ref is not None:
-                    logp_ref = logp_ref[:, : sub.response_mask.shape[1]]
-                loss, s = policy_loss(logp_new, sub.logp_old, advantages, sub.response_mask, obj,
-                                      logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
+                loss, s = micro_batch_loss(policy, sub, obj, cfg, num_tokens, num_seqs)
                 loss.backward()
                 add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
                 parts.append((s, fork_drop_counts(sub, s.ppo_dropped, fork_ids)))
@@ -210,6 +202,35 @@ def update_policy(
             if parts:
                 stats.append(merge_stats(parts, float(grad_norm), finite))
     return stats, update_count
+
+
+def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg, num_tokens, num_seqs
+                     ) -> tuple[torch.Tensor, ObjectiveStats]:
+    """One micro-batch's share of the mini-batch objective (normalised by the mini-batch's
+    global ``num_tokens`` / ``num_seqs``) and its statistics. The advantages carry the
+    truncated-IS weight (``tis``) when there is one; ``logp_ref`` the KL term's pi_ref.
+
+    ``algo.fused_head``: the LM head and the objective in one pass (``policy_fused_loss``,
+    the gradient formed in the forward); the statistics are ``policy_loss``'s on its detached
+    log-probs, so both paths log the same numbers."""
+    T = sub.response_mask.shape[1]
+    advantages = sub.advantages  # [b]
+    if "tis" in sub.extras:  # per-token truncated IS weight   [b, T]
+        advantages = advantages[:, None] * sub.extras["tis"][:, :T]
+    logp_ref = sub.extras.get("logp_ref")  # [b, T] log pi_ref, with a KL penalty
+    if logp_ref is not None:
+        logp_ref = logp_ref[:, :T]
+    args = (sub.logp_old, advantages, sub.response_mask)
+    if not cfg.algo.fused_head:
+        with policy.compute():
+            logp_new = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+        return policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
+    objective = token_objective(obj, *args, num_tokens=num_tokens, num_seqs=num_seqs, logp_ref=logp_ref)
+    with policy.compute():
+        loss, logp_new = policy_fused_loss(policy.model, sub, objective, cfg.rollout.temperature,
+                                           cfg.model.fp32_lm_head)
+    _, stats = policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, stats
 
 
 def fork_tokens(exp: Experience, fork_ids: torch.Tensor) -> torch.Tensor:
