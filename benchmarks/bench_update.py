@@ -3,6 +3,7 @@
     python benchmarks/bench_update.py                       # default-size Llama, B=256, P=12, T=46, K=16
     python benchmarks/bench_update.py --tiny
     python benchmarks/bench_update.py --size small --updates 4 --threads 2
+    python benchmarks/bench_update.py --fused-head --no-profile   # also algo.fused_head=true, interleaved
 
 What is timed: ``cispo.trainer.update_policy`` on one generation batch, i.e. the K optimizer
 steps (per mini-batch: ``policy_logprobs`` forward, ``policy_loss``, backward, grad clipping,
@@ -27,6 +28,7 @@ the FLOP/s achieved inside the matmuls themselves.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -117,6 +119,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--fused-head", action="store_true",
+                   help="also time the update with algo.fused_head=true (cispo.fused_head), interleaved")
     p.add_argument("--tiny", action="store_true", help="tiny model, 16 rows, K=2, 2 repeats")
     args = p.parse_args(argv)
     if args.tiny:
@@ -132,7 +136,11 @@ def main(argv=None) -> None:
     run = lambda: update_policy(policy, opt, exp, obj, cfg, shuffle, 0, None)  # noqa: E731
     n = args.mm_size
     a, b = torch.randn(n, n), torch.randn(n, n)
-    times = interleaved({"update": run, "mm": lambda: torch.mm(a, b)}, args.repeats, warmup=1)
+    fns = {"update": run, "mm": lambda: torch.mm(a, b)}
+    if args.fused_head:
+        fused_cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, fused_head=True))
+        fns["fused"] = lambda: update_policy(policy, opt, exp, obj, fused_cfg, shuffle, 0, None)
+    times = interleaved(fns, args.repeats, warmup=1)
     flops = useful_flops(policy.model, args.rows, args.prompt_len, args.response_len)
     upd_rate = flops["total"] / median(times["update"])
     mm_rate = 2 * n**3 / median(times["mm"])
@@ -143,8 +151,14 @@ def main(argv=None) -> None:
     print(table(["what", "s (median)", "range", "GFLOP/s", "fraction of matmul rate"], [
         [f"K={args.updates} update passes", median(times["update"]), spread(times["update"]), upd_rate / 1e9,
          f"{upd_rate / mm_rate:.1%}"],
+        *([[f"K={args.updates} update passes, fused head", median(times["fused"]), spread(times["fused"]),
+            flops["total"] / median(times["fused"]) / 1e9,
+            f"{flops['total'] / median(times['fused']) / mm_rate:.1%}"]] if args.fused_head else []),
         [f"torch.mm {n}x{n} fp32", median(times["mm"]), spread(times["mm"]), mm_rate / 1e9, "100%"],
     ]))
+    if args.fused_head:
+        pairs = sorted(f / u for f, u in zip(times["fused"], times["update"]))
+        print(f"fused / chunked update time: median of pairs {median(pairs):.3f} (range {pairs[0]:.3f}-{pairs[-1]:.3f})")
     if not args.no_profile:
         prof = profile_once(run)
         w = prof["wall"]
