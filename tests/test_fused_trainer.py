@@ -107,3 +107,23 @@ def test_fused_head_refuses_a_sequence_level_ratio_and_fsdp():
         apply_overrides(TrainConfig(), ["algo.fused_head=true", "model.fsdp=true"])
     assert apply_overrides(TrainConfig(), ["objective=grpo", "algo.fused_head=true"]).algo.fused_head
     assert not TrainConfig().algo.fused_head
+
+
+@pytest.mark.parametrize("options", [
+    ("model.lora_rank=4",),  # frozen LM head: no weight gradient asked of the fused pass
+    ("model.dtype=bfloat16",),  # mixed precision: bf16 autocast over fp32 master weights
+    ("model.gradient_checkpointing=true", "algo.tis_cap=2.0"),
+])
+def test_fused_head_trains_with_model_options(tiny_model, dense_task, tmp_path, fused_calls, options):
+    if "model.lora_rank=4" in options:
+        pytest.importorskip("peft")
+    rows = {}
+    for fused in ("false", "true"):
+        result = train(small_config(tiny_model, tmp_path / fused, "steps=1", "eval.every=0",
+                                    f"algo.fused_head={fused}", *options))
+        rows[fused] = read_metrics(result.run_dir / "metrics.jsonl")[-1]
+    assert fused_calls
+    assert rows["true"]["optim/updates"] == 4 and rows["true"]["optim/skipped"] == 0
+    tol = 1e-2 if "model.dtype=bfloat16" in options else 1e-4  # bf16: summation order shows
+    for k in ("objective/loss", "optim/grad_norm", "objective/ratio_mean"):
+        assert math.isclose(rows["true"][k], rows["false"][k], rel_tol=tol, abs_tol=1e-6), (k, rows)
