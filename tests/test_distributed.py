@@ -62,6 +62,7 @@ def _worker(rank, world, port, objective, out_path, split_cost):
     params = run_update(policy, cfg, exp.select(rows), DistInfo(rank, world, 0))
     if rank == 0:
         torch.save(params, out_path)
+    dist.barrier()  # neither rank tears gloo down while its peer still talks (a SIGABRT seen once under load)
     dist.destroy_process_group()
 
 
@@ -157,6 +158,7 @@ def _fsdp_worker(rank, world, port, out_path):
     params = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"params": params, "grad_norm": stats[0]["grad_norm"], "updates": updates}, out_path)
+    dist.barrier()  # neither rank tears gloo down while its peer still talks (a SIGABRT seen once under load)
     dist.destroy_process_group()
 
 
