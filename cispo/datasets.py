@@ -340,14 +340,7 @@ def _read_datasets_dir(path: Path, spec: _Spec, split: str | None) -> Iterator[t
         ds = ds[split]
     elif split is not None:
         raise DataError(path, f"split={split!r} given, but the folder holds a single Dataset (no splits)")
-    cols = _columns(spec, list(ds.column_names))
-    if cols is not None:
-        ds = ds.select_columns(cols)
-    i = 0
-    for table in ds.with_format("arrow").iter(batch_size=1024):
-        for row in table.to_pylist():
-            yield f"row {i}", row
-            i += 1
+    yield from _dataset_rows(ds, spec)
 
 
 DATASETS_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
@@ -422,14 +415,7 @@ def _read_hub(hub_id: str, spec: _Spec, split: str | None, name: str | None) -> 
     except Exception as e:
         raise DataError(hub_id, f"no such file or directory, and datasets.load_dataset failed: "
                                 f"{type(e).__name__}: {e}") from e
-    cols = _columns(spec, list(ds.column_names))
-    if cols is not None:
-        ds = ds.select_columns(cols)
-    i = 0
-    for table in ds.with_format("arrow").iter(batch_size=1024):
-        for row in table.to_pylist():
-            yield f"row {i}", row
-            i += 1
+    yield from _dataset_rows(ds, spec)
 
 
 def _rows(path: Path, spec: _Spec, split: str | None, name: str | None = None) -> Iterator[tuple[Path | str, str, Any]]:
@@ -537,3 +523,16 @@ def load_prompts(
     if report.skipped:
         logger.warning("%s", report)
     return samples
+
+
+def _dataset_rows(ds, spec):
+    """``("row i", row dict)`` for each row of a `datasets.Dataset`, reading only the columns
+    ``spec`` needs (all when it names none), 1,024 rows at a time."""
+    cols = _columns(spec, list(ds.column_names))
+    if cols is not None:
+        ds = ds.select_columns(cols)
+    i = 0
+    for table in ds.with_format("arrow").iter(batch_size=1024):
+        for row in table.to_pylist():
+            yield f"row {i}", row
+            i += 1
