@@ -8,6 +8,9 @@
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model
     cispo compare --quick                         # GRPO vs DAPO vs CISPO, 3 seeds
     cispo sweep ks=[1,4,16]                       # the gap vs the number of off-policy updates K
+    cispo compare arms=[dapo,cispo,cispo_seqmean] # named arms: presets, ablations, arm_defs.NAME...
+    cispo study-data runs/study -o docs/results/study.csv.gz   # every run's curves in one CSV
+    cispo study-report docs/results/study.csv.gz -o docs/results/study --check-doc docs/results.md
     cispo plot runs/a runs/b -o runs/ab.html      # overlay runs' curves: ab.png + ab.html
 """
 
@@ -134,6 +137,41 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_study_data(args) -> int:
+    from cispo.experiments.study_data import collect
+
+    try:
+        path, runs, rows = collect(args.runs, args.output)
+    except FileNotFoundError as e:
+        print(f"cispo study-data: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{path}: {runs} runs, {rows} rows, {path.stat().st_size / 1e6:.2f} MB")
+    return 0
+
+
+def cmd_study_report(args) -> int:
+    from cispo.experiments.study_report import check_doc, report, update_doc
+
+    try:
+        out = report(args.data, args.output, args.reference, args.contrast, args.floor, args.tune_score)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"cispo study-report: error: {e}", file=sys.stderr)
+        return 2
+    print(out["compute"])
+    print(f"tables and figures: {args.output}")
+    if args.update_doc:
+        doc = Path(args.update_doc)
+        doc.write_text(update_doc(doc.read_text(), out))
+        print(f"updated the quoted tables and numbers of {doc}")
+    if args.check_doc:
+        problems = check_doc(Path(args.check_doc).read_text(), out, args.check_doc)
+        for p in problems:
+            print(p, file=sys.stderr)
+        print(f"{args.check_doc}: {len(problems)} quoted value(s) differ from the data")
+        return 1 if problems else 0
+    return 0
+
+
 def cmd_plot(args) -> int:
     from cispo.plotting import plot_runs
 
@@ -185,6 +223,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("sweep", "the comparison for each K (off-policy updates per batch): CISPO - DAPO / GRPO gaps",
             SweepConfig, cmd_compare)
     p.add_argument("--quick", action="store_true", help="the quick size for every K")
+    p = sub.add_parser("study-data", help="collect run folders' curves and key metrics into one CSV (the raw data)",
+                       description="Every run folder (with metrics.jsonl) below RUN_DIR: its evaluation curve and "
+                       "per-step key metrics, with its arm, K, seed, learning rate, role and wall time, into one CSV "
+                       "(gzip if OUTPUT ends in .gz). Schema: cispo.experiments.study_data.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders or folders of runs (a comparison's out_dir)")
+    p.add_argument("-o", "--output", default="docs/results/study.csv.gz", help="output CSV (default %(default)s)")
+    p.set_defaults(fn=cmd_study_data)
+    p = sub.add_parser("study-report", help="regenerate every table and figure of the study from the raw-data CSV",
+                       description="Tables (markdown), figures and quoted numbers from the CSV alone; the statistics "
+                       "are stated in cispo.experiments.study_report. --check-doc exits 1 when a value quoted in the "
+                       "doc between <!-- study:NAME --> markers differs from the data.")
+    p.add_argument("data", help="the CSV of `cispo study-data`")
+    p.add_argument("-o", "--output", default="docs/results/study", help="folder for the tables and figures")
+    p.add_argument("--reference", default="dapo", help="arm whose final accuracy is the target (default dapo)")
+    p.add_argument("--contrast", default="cispo", help="arm compared with every other (default cispo)")
+    p.add_argument("--floor", type=float, help="a run whose peak accuracy is <= this never learned "
+                   "(left out of the collapse fraction; default cispo.experiments.stats.COLLAPSE_FLOOR, 0.1)")
+    p.add_argument("--tune-score", choices=["mean_accuracy", "final_accuracy"], default="mean_accuracy")
+    p.add_argument("--check-doc", metavar="MD", help="check the values quoted in this markdown file")
+    p.add_argument("--update-doc", metavar="MD", help="rewrite the values quoted in this markdown file")
+    p.set_defaults(fn=cmd_study_report)
     p = sub.add_parser("plot", help="overlay runs' curves (metrics.jsonl) into one PNG and a self-contained HTML page",
                        description="Overlay the curves of any runs into OUTPUT.png and OUTPUT.html (the page embeds "
                        "the PNG and a table of each run's final metrics; it needs no network or script).")

@@ -2,7 +2,8 @@
 intervals and corrections the study reports (issue 14).
 
 A *curve* is ``{step: held-out accuracy}`` (``eval/accuracy``, mean@k), step 0 the base model.
-Every function is pure; the t and normal quantiles come from scipy.
+Every function is pure; the t quantiles and the binomial interval come from scipy (imported
+on first use: ``cispo --help`` does not pay for it).
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scipy import stats as _st
+
+def _scipy_stats():
+    from scipy import stats
+
+    return stats
 
 # --------------------------------------------------------------------------------------
 # Per-run measures
@@ -81,7 +86,7 @@ def collapsed(curve: dict[int, float], floor: float = COLLAPSE_FLOOR) -> bool | 
 
 def t_quantile(level: float, df: int) -> float:
     """Two-sided Student-t quantile: P(|T_df| <= q) = level."""
-    return float(_st.t.ppf(0.5 + level / 2, df))
+    return float(_scipy_stats().t.ppf(0.5 + level / 2, df))
 
 
 def mean_band(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
@@ -122,7 +127,7 @@ def paired_t(diffs: list[float], level: float = 0.95) -> Paired:
     elif std == 0:
         p = 1.0 if mean == 0 else 0.0
     else:
-        p = float(2 * _st.t.sf(abs(mean) / (std / math.sqrt(n)), n - 1))
+        p = float(2 * _scipy_stats().t.sf(abs(mean) / (std / math.sqrt(n)), n - 1))
     return Paired(n, mean, half, p)
 
 
@@ -143,7 +148,7 @@ def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion k / n; (0, 1) when n = 0."""
     if n == 0:
         return 0.0, 1.0
-    ci = _st.binomtest(k, n).proportion_ci(confidence_level=level, method="wilson")
+    ci = _scipy_stats().binomtest(k, n).proportion_ci(confidence_level=level, method="wilson")
     return float(ci.low), float(ci.high)
 
 
