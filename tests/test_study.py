@@ -108,7 +108,7 @@ def test_ratio_collapse_tuning_and_compute(study):
     assert out["ratio/main/chain/K16"] == f"{r:.2f} [{lo:.2f}, {hi:.2f}]"
     assert out["target/main/chain/K16"] == "0.800"
     verdict = "yes" if hi <= 0.5 else "no" if lo > 0.5 else "unclear"
-    assert f"| chain | 16 | 0.800 | 3 | 4.0 (3/3) | 8.7 (2/3) | 0.46 |" in out["ratio/main"]
+    assert "| chain | 16 | 0.800 | 3 | 4.0 (3/3) | 8.7 (2/3) | 0.46 |" in out["ratio/main"]
     assert out["ratio/main"].splitlines()[2].endswith(f"| {verdict} |")
     # grpo: 1 collapsed of the 2 that learned; Wilson(1, 2) = 0.5 ± 1.96·sqrt(0.125 + z²/16) / (1 + z²/2)
     assert "| chain | 16 | grpo | 0.0001 | 2 | 1 | 0.50 | [0.09, 0.91] | 1 |" in out["collapse/main"]
@@ -172,3 +172,30 @@ def test_paired_t_matches_scipy():
     t = paired_t(d)
     assert t.p == pytest.approx(res.pvalue) and (t.lo, t.hi) == pytest.approx((ci.low, ci.high))
     assert not math.isnan(t.half)
+
+
+@pytest.mark.slow
+def test_one_command_sweep_then_data_then_report(tiny_model, dense_task, tmp_path, capsys):
+    """`cispo sweep` with arms, per-K tuning and the fairness options on a tiny model; then the
+    raw data and the tables from it."""
+    out = tmp_path / "ksweep"
+    assert main(["sweep", "arms=[dapo,cispo_seqmean]", "ks=[1,2]", "seeds=[0,1]", "tune_seeds=[100]",
+                 "tune_lrs=[1e-4,1e-3]", "tune_per_k=true", "minibatch_prompts=2", "warmup_fraction=0.5", "workers=1",
+                 f"out_dir={out}", f"model.path={tiny_model}", "model.device=cpu", "steps=2", "group_size=4",
+                 "max_new_tokens=8", "num_train_prompts=32", "num_eval_prompts=4", "eval.num_samples=1", "eval.every=1",
+                 "checkpoint_every=1"]) == 0
+    chosen = json.loads((out / "tuning.json").read_text())["chosen"]
+    assert set(chosen) == {"dapo@1", "dapo@2", "cispo_seqmean@1", "cispo_seqmean@2"}
+    csv_path, n_runs, _ = collect([out], tmp_path / "s.csv.gz")
+    assert n_runs == 2 * 2 * 2 + 2 * 2 * 2  # tuning: arms x lrs x K; eval: arms x seeds x K
+    for r in read_csv(csv_path):
+        k = int(r["K"])
+        assert int(r["prompts_per_step"]) == 2 * k and int(r["warmup_updates"]) == math.ceil(0.5 * 2 * k)
+        assert float(r["wall_s"]) > 0 and r["part"] == "ksweep"
+        if r["role"] == "eval":
+            assert float(r["lr"]) == pytest.approx(chosen[f"{r['arm']}@{k}"])
+            assert r["spec"] == ("cispo(aggregation=seq-mean-token-mean)" if r["arm"] == "cispo_seqmean" else "dapo")
+    tables = report(csv_path, tmp_path / "rep", contrast="cispo_seqmean")
+    assert "| ksweep | 8 | 8 |" in tables["compute"]
+    assert {ln.split(" | ")[1] for ln in tables["tuning/ksweep"].splitlines()[2:6]} == {"1", "2"}
+    assert "cispo_seqmean − dapo" in tables["comparisons/ksweep"] and (tmp_path / "rep" / "gaps_ksweep.png").exists()
