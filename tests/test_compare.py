@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import pytest
 
+from cispo.config import ConfigError
+
 from cispo.experiments.compare import CompareConfig, SweepConfig, compare, run_configs, sweep, tune, tuning_configs
 from cispo.experiments.stats import mean_band, steps_to_target
 from cispo.experiments.tables import analyse, format_sweep, format_table, sweep_gaps
@@ -94,6 +96,8 @@ def test_tune_picks_each_arms_best_lr_by_area_under_curve(tmp_path, monkeypatch)
                           out_dir=str(tmp_path / "other"))
     assert tuning_configs(tune(other)) == {}
     assert {r.arm: r.config.optim.lr for r in run_configs(tune(other))} == {"grpo": 5e-5, "cispo_cap2": 3e-4}
+    with pytest.raises(ConfigError, match=r"has no rate for cispo_cap2@4, grpo@4"):
+        tune(replace(other, learning_rates={}, train=["updates_per_batch=4"]))
 
 
 def test_tuning_per_k_tunes_each_k_and_flags_an_interior_choice(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from cispo.config import TrainConfig, apply_overrides
+from cispo.config import ConfigError, TrainConfig, apply_overrides
 from cispo.experiments.arms import ArmConfig, describe, resolve_arms
 from cispo.experiments.stats import final_accuracy, mean_accuracy
 from cispo.experiments.tables import (analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep,
@@ -63,7 +63,9 @@ class CompareConfig:
     An arm with a rate here for the K at hand is not tuned there."""
     tuning_from: str | None = None
     """Folder of an earlier comparison or sweep whose ``tuning.json`` chosen rates fill in
-    `learning_rates` (those set explicitly win): reuse the tuned rates, e.g. with `lr_scale`."""
+    `learning_rates` (an explicit ``ARM`` replaces every loaded ``ARM@K``, an explicit
+    ``ARM@K`` its own): reuse the tuned rates, e.g. with `lr_scale`. An arm and K it has no
+    rate for is an error (no tuning happens here then)."""
     lr_scale: float = 1.0
     """Every run's learning rate (tuned or fixed) times this, e.g. 3 for the stability runs
     at 3× the tuned rate. Tuning runs are not scaled."""
@@ -260,6 +262,10 @@ def tune(cfg: CompareConfig, ks: list[int] | None = None) -> CompareConfig:
         runs = tuning_configs(cfg, k)
         if not runs:
             continue
+        if cfg.tuning_from:  # reuse was asked for: tuning here instead would spend compute unasked
+            missing = sorted({f"{a}@{k}" for a, _, _ in runs})
+            raise ConfigError(f"tuning_from={cfg.tuning_from}: its tuning.json has no rate for {', '.join(missing)}; "
+                              "tune them there, or set learning_rates")
         run_all(list(runs.values()), cfg.workers)
         for arm in dict.fromkeys(a for a, _, _ in runs):
             per_lr = {lr: nan_mean(tuning_score(read_metrics(runs[(arm, lr, s)].dir / "metrics.jsonl"), cfg.tune_score)
