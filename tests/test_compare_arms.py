@@ -105,3 +105,20 @@ def test_fieller_ratio_and_censoring():
     assert fieller_ratio([1.0, 2.0], [-1.0, 1.0])[1:] == (-math.inf, math.inf)  # denominator not away from 0
     assert censored_steps({0: 0.1, 2: 0.5, 4: 0.7}, 0.6) == (4.0, True)
     assert censored_steps({0: 0.1, 2: 0.5, 4: 0.55}, 0.6) == (6.0, False)  # last step + one interval
+
+
+def test_arms_from_a_yaml_file_and_an_error_naming_its_line(tmp_path):
+    from cispo.config import load_yaml
+
+    good = tmp_path / "study.yaml"
+    good.write_text("arms: [dapo, cap3]\narm_defs:\n  cap3:\n    objective: cispo\n    objective_overrides:\n"
+                    "      eps_high_is: 3.0\n    train: [rollout.dynamic_sampling=false]\n")
+    cfg = load_yaml(CompareConfig, good)
+    [dapo, cap3] = run_configs(cfg)[::3]
+    assert cap3.arm == "cap3" and cap3.config.algo.objective_overrides == {"eps_high_is": 3.0}
+    assert cap3.config.rollout.dynamic_sampling is False and dapo.config.rollout.dynamic_sampling is True
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("arms: [cap3]\narm_defs:\n  cap3:\n    objective: cispo\n    objective_overrides:\n"
+                   "      eps_hihg_is: 3.0\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: .*no field 'eps_hihg_is'"):
+        load_yaml(CompareConfig, bad)
