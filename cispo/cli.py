@@ -119,7 +119,8 @@ def _split_overrides(cls, overrides: list[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_compare(args) -> int:
-    from cispo.experiments.compare import CompareConfig, SweepConfig, compare, format_sweep, format_table, sweep
+    from cispo.experiments.compare import CompareConfig, SweepConfig, compare, sweep
+    from cispo.experiments.tables import format_sweep, format_table
 
     cls = SweepConfig if args.command == "sweep" else CompareConfig
     mine, rest = _split_overrides(cls, args.overrides)
