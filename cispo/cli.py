@@ -123,6 +123,11 @@ def cmd_compare(args) -> int:
     from cispo.experiments.tables import format_sweep, format_table
 
     cls = SweepConfig if args.command == "sweep" else CompareConfig
+    from cispo.experiments.compare import RENAMED
+
+    for o in args.overrides:
+        if (key := o.split("=", 1)[0]) in RENAMED:
+            raise ConfigError(f"override {o!r}: {key} is now {RENAMED[key]}")
     mine, rest = _split_overrides(cls, args.overrides)
     cfg = _build_config(cls, args.config, mine)
     from dataclasses import replace

@@ -122,3 +122,12 @@ def test_arms_from_a_yaml_file_and_an_error_naming_its_line(tmp_path):
                    "      eps_hihg_is: 3.0\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:\d+: .*no field 'eps_hihg_is'"):
         load_yaml(CompareConfig, bad)
+
+
+def test_the_old_keys_say_what_replaced_them(capsys):
+    from cispo.cli import main
+
+    assert main(["compare", "algorithms=[grpo,cispo]"]) == 2
+    assert "algorithms is now arms" in capsys.readouterr().err
+    assert main(["sweep", "tune_seed=7"]) == 2
+    assert "tune_seed is now tune_seeds" in capsys.readouterr().err

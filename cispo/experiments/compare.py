@@ -125,6 +125,9 @@ class CompareConfig:
         resolve_arms(self.arms, self.arm_defs)  # unknown / repeated / unusable names
 
 
+# Keys of the comparison before arms (2026-12-01), with what replaced them.
+RENAMED = {"algorithms": "arms (named arms: the presets and more)", "tune_seed": "tune_seeds (a list)"}
+
 # Every comparison run: short, evaluated often (steps-to-target needs a fine grid).
 COMPARE_OVERRIDES = ["steps=16", "prompts_per_step=16", "eval.every=2", "num_eval_prompts=100", "eval.num_samples=4"]
 QUICK_OVERRIDES = ["steps=8", "eval.every=4", "num_eval_prompts=50"]
