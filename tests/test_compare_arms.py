@@ -131,3 +131,5 @@ def test_the_old_keys_say_what_replaced_them(capsys):
     assert "algorithms is now arms" in capsys.readouterr().err
     assert main(["sweep", "tune_seed=7"]) == 2
     assert "tune_seed is now tune_seeds" in capsys.readouterr().err
+    assert main(["compare", "tuning_from=/nonexistent", "out_dir=/tmp/nothing_here"]) == 2
+    assert "tuning_from: cannot read the chosen rates from /nonexistent/tuning.json" in capsys.readouterr().err

@@ -245,7 +245,7 @@ def load_tuning(folder: str | Path) -> dict[str, float]:
     try:
         return {k: float(v) for k, v in json.loads(path.read_text())["chosen"].items()}
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"tuning_from: cannot read the chosen rates from {path}: {e}") from None
+        raise ConfigError(f"tuning_from: cannot read the chosen rates from {path}: {e}") from None
 
 
 def tune(cfg: CompareConfig, ks: list[int] | None = None) -> CompareConfig:
