@@ -66,7 +66,7 @@ def test_tune_picks_each_arms_best_lr_by_area_under_curve(tmp_path, monkeypatch)
     import cispo.experiments.compare as cmp
 
     cfg = CompareConfig(arms=["grpo", "cispo_cap2"], learning_rates={"dapo": 1e-5}, tune_lrs=[1e-4, 3e-4],
-                        tune_seeds=[100, 101], out_dir=str(tmp_path))
+                        tune_seeds=[100, 101], tune_extend=False, tune_tie=0.0, out_dir=str(tmp_path))
     runs = tuning_configs(cfg)
     assert set(runs) == {(a, lr, s) for a in ("grpo", "cispo_cap2") for lr in (1e-4, 3e-4) for s in (100, 101)}
     assert all(r.role == "tune" and r.config.run_name.startswith("tune_lr") for r in runs.values())
@@ -96,27 +96,64 @@ def test_tune_picks_each_arms_best_lr_by_area_under_curve(tmp_path, monkeypatch)
                           out_dir=str(tmp_path / "other"))
     assert tuning_configs(tune(other)) == {}
     assert {r.arm: r.config.optim.lr for r in run_configs(tune(other))} == {"grpo": 5e-5, "cispo_cap2": 3e-4}
-    with pytest.raises(ConfigError, match=r"has no rate for cispo_cap2@4, grpo@4"):
-        tune(replace(other, learning_rates={}, train=["updates_per_batch=4"]))
+    # at a K it has no rate for, the arms are tuned here
+    at4 = replace(other, learning_rates={}, train=["updates_per_batch=4"])
+    assert {a for a, _, _ in tuning_configs(cmp.with_tuning_from(at4))} == {"grpo", "cispo_cap2"}
+    with pytest.raises(ConfigError, match="cannot read the chosen rates"):
+        cmp.with_tuning_from(replace(at4, tuning_from=str(tmp_path / "nowhere")))
 
 
-def test_tuning_per_k_tunes_each_k_and_flags_an_interior_choice(tmp_path, monkeypatch):
+def test_tuning_per_k_extends_an_edge_choice_once(tmp_path, monkeypatch):
     import cispo.experiments.compare as cmp
 
     cfg = SweepConfig(arms=["dapo"], ks=[1, 4], tune_per_k=True, tune_lrs=[1e-5, 1e-4, 1e-3], seeds=[0],
                       out_dir=str(tmp_path))
-    peak = {1: 1e-3, 4: 1e-4}  # best rate per K
+    peak = {1: 1e-3, 4: 1e-4}  # best rate of the grid per K: at K = 1 the edge
     for k in (1, 4):
         for (arm, lr, seed), r in tuning_configs(cfg, k).items():
             assert r.config.algo.updates_per_batch == k and r.config.run_name.endswith(f"__K{k}__seed100")
             _write_metrics(r, [0.0] + [0.9 if lr == peak[k] else 0.3] * 3)
-    monkeypatch.setattr(cmp, "run_all", lambda configs, workers: None)
+    [(key, beyond)] = tuning_configs(cfg, 1, [3.16e-3], ["dapo"]).items()  # 1e-3 × √10, 3 digits
+    assert beyond.config.run_name == "tune_lr0.00316__dapo__addition__K1__seed100"
+    _write_metrics(beyond, [0.0, 0.95, 0.95, 0.95])  # better still: chosen, and again at the edge
+    trained = []
+    monkeypatch.setattr(cmp, "run_all", lambda runs, workers: trained.extend(r.config.run_name for r in runs))
     tuned = tune(cfg, [1, 4])
-    assert tuned.learning_rates == {"dapo@1": 1e-3, "dapo@4": 1e-4}
+    assert trained[3] == beyond.config.run_name and len(trained) == 3 + 1 + 3  # K=1 grid, its extension, K=4 grid
+    assert tuned.learning_rates == {"dapo@1": 3.16e-3, "dapo@4": 1e-4}
     table = (tmp_path / "tuning.md").read_text()
-    assert "| dapo | 1 | 0.300 | 0.300 | 0.900 | 0.001 | yes |" in table
-    assert "| dapo | 4 | 0.300 | 0.900 | 0.300 | 0.0001 | no |" in table
-    assert [r.config.optim.lr for r in run_configs(tuned, 1) + run_configs(tuned, 4)] == [1e-3, 1e-4]
+    assert "| dapo | 1 | 0.300 | 0.300 | 0.900 | 0.950 | 0.00316 | yes |" in table
+    assert "| dapo | 4 | 0.300 | 0.900 | 0.300 | n/a | 0.0001 | no |" in table
+    assert [r.config.optim.lr for r in run_configs(tuned, 1) + run_configs(tuned, 4)] == [3.16e-3, 1e-4]
+
+
+def test_pick_lr_breaks_near_ties_towards_the_smaller_rate():
+    from cispo.experiments.compare import pick_lr
+
+    assert pick_lr({1e-5: 0.5, 3e-5: 0.503, 1e-4: 0.51}, tie=0.005) == 1e-4  # 0.007 apart: no tie
+    assert pick_lr({1e-5: 0.5, 3e-5: 0.507, 1e-4: 0.51}, tie=0.005) == 3e-5  # 0.003 apart: tie, smaller wins
+    assert pick_lr({1e-5: 0.51, 3e-5: 0.51}) == 1e-5
+    assert pick_lr({1e-5: float("nan"), 3e-5: 0.2}) == 3e-5 and pick_lr({1e-5: float("nan")}) == 1e-5
+
+
+def test_ablation_arms_take_cispos_rate(tmp_path, monkeypatch):
+    import cispo.experiments.compare as cmp
+
+    cfg = CompareConfig(arms=["cispo", "cispo_seqmean", "cispo_cap2"], tune_lrs=[1e-4, 3e-4], tune_extend=False,
+                        lr_from={"cispo_seqmean": "cispo", "cispo_cap2": "cispo"}, seeds=[0], out_dir=str(tmp_path))
+    runs = tuning_configs(cfg)
+    assert {a for a, _, _ in runs} == {"cispo"}
+    for (_, lr, _), r in runs.items():
+        _write_metrics(r, [0.0, 0.5, 0.6] if lr == 3e-4 else [0.0, 0.2, 0.3])
+    monkeypatch.setattr(cmp, "run_all", lambda runs, workers: None)
+    assert {r.arm: r.config.optim.lr for r in run_configs(tune(cfg))} == {
+        "cispo": 3e-4, "cispo_seqmean": 3e-4, "cispo_cap2": 3e-4}
+    with pytest.raises(ConfigError, match="lr_from: cispo_seqmean takes the rate of cispo at K = 16, which has none"):
+        run_configs(CompareConfig(arms=["cispo_seqmean"], lr_from={"cispo_seqmean": "cispo"}))
+    with pytest.raises(ValueError, match="lr_from has a cycle"):
+        CompareConfig(arms=["cispo", "dapo"], lr_from={"cispo": "dapo", "dapo": "cispo"})
+    with pytest.raises(ValueError, match="lr_from names arms that are not compared"):
+        CompareConfig(arms=["cispo"], lr_from={"ppo": "cispo"})
 
 
 @pytest.mark.slow

@@ -78,8 +78,22 @@ class CompareConfig:
     rate was picked on). The score of a rate is its mean over these seeds."""
     tune_score: Literal["mean_accuracy", "final_accuracy"] = "mean_accuracy"
     """Tuning score of one run, fixed in advance: ``mean_accuracy``, held-out accuracy averaged
-    over the evaluations after step 0 (area under the curve); ``final_accuracy``, at the last
-    step. The highest mean over `tune_seeds` wins (a tie: the smaller rate)."""
+    over the evaluations after step 0 (area under the curve); ``final_accuracy``, the mean of
+    the last `final_evals` evaluations. The highest mean over `tune_seeds` wins."""
+    tune_tie: float = 0.005
+    """Scores within this of the best one tie, and a tie goes to the smallest rate (the study
+    protocol: |Δ| < 0.005). 0: only equal scores tie."""
+    tune_extend: bool = True
+    """Bracketing: when an arm's choice is at an edge of the grid, try one more rate beyond it
+    (the edge ×/÷ √10, 3 significant digits) on the same tuning seeds and choose again — once.
+    ``tuning.md`` still flags a choice at the edge of the extended grid."""
+    lr_from: dict[str, str] = field(default_factory=dict)
+    """Arms that are not tuned but take another arm's rate at the same K (tuned here, fixed, or
+    from `tuning_from`), e.g. ``{cispo_seqmean: cispo, cispo_cap2: cispo}``: the ablations
+    use CISPO's tuned rate. A rate of the arm's own in `learning_rates` wins."""
+    final_evals: int = 1
+    """Final held-out accuracy = mean of the run's last this many evaluations (also the target
+    of steps-to-target). 1: the last one (the 2026-11-30 runs); the study protocol: 2."""
     minibatch_prompts: int | None = None
     """K-sweep fairness: hold the mini-batch constant across K. Set, every run samples
     ``rollout.prompts_per_step = K * minibatch_prompts`` prompts per step, so each of its K
@@ -115,6 +129,11 @@ class CompareConfig:
             ("tune_lrs", all(lr > 0 for lr in self.tune_lrs), "must all be > 0"),
             ("learning_rates", all(v > 0 for v in self.learning_rates.values()), "must all be > 0"),
             ("lr_scale", self.lr_scale > 0, "must be > 0"),
+            ("tune_tie", self.tune_tie >= 0, "must be >= 0"),
+            ("final_evals", self.final_evals >= 1, "must be >= 1"),
+            ("lr_from", all(a in self.arms for a in self.lr_from),
+             f"names arms that are not compared: {sorted(set(self.lr_from) - set(self.arms))}"),
+            ("lr_from", not _has_cycle(self.lr_from), "has a cycle (an arm takes its rate from itself)"),
             ("minibatch_prompts", self.minibatch_prompts is None or self.minibatch_prompts >= 1, "must be >= 1 or None"),
             ("warmup_fraction", self.warmup_fraction is None or 0 < self.warmup_fraction <= 1,
              "must be in (0, 1] or None"),
@@ -123,6 +142,19 @@ class CompareConfig:
             if not ok:
                 raise ValueError(f"{name} {why}")
         resolve_arms(self.arms, self.arm_defs)  # unknown / repeated / unusable names
+
+
+def _has_cycle(links: dict[str, str]) -> bool:
+    for start in links:
+        seen, arm = {start}, links[start]
+        while arm in links:
+            if arm in seen:
+                return True
+            seen.add(arm)
+            arm = links[arm]
+        if arm == start:
+            return True
+    return False
 
 
 # Keys of the comparison before arms (2026-12-01), with what replaced them.
@@ -198,8 +230,10 @@ def one_run(base: TrainConfig, arm_name: str, arm: ArmConfig, seed: int, lr: flo
 
 
 def lr_for(cfg: CompareConfig, arm: str, k: int) -> float | None:
-    """The fixed or tuned learning rate of `arm` at `k` (``ARM@K`` before ``ARM``), or None."""
-    return cfg.learning_rates.get(f"{arm}@{k}", cfg.learning_rates.get(arm))
+    """The fixed or tuned learning rate of `arm` at `k` (``ARM@K`` before ``ARM``), else that of
+    the arm it takes its rate from (`lr_from`), or None."""
+    own = cfg.learning_rates.get(f"{arm}@{k}", cfg.learning_rates.get(arm))
+    return lr_for(cfg, cfg.lr_from[arm], k) if own is None and arm in cfg.lr_from else own
 
 
 def run_configs(cfg: CompareConfig, k: int | None = None) -> list[Run]:
@@ -208,35 +242,58 @@ def run_configs(cfg: CompareConfig, k: int | None = None) -> list[Run]:
     for name, arm in arms.items():
         base = replace(base_config(cfg, arm, k), out_dir=cfg.out_dir)
         lr = lr_for(cfg, name, base.algo.updates_per_batch)
+        if lr is None and name in cfg.lr_from:
+            raise ConfigError(f"lr_from: {name} takes the rate of {cfg.lr_from[name]} at K = "
+                              f"{base.algo.updates_per_batch}, which has none (tune it in this comparison, or give "
+                              "learning_rates / tuning_from)")
         lr = (lr if lr is not None else base.optim.lr) * cfg.lr_scale
         out += [one_run(base, name, arm, seed, lr, "eval", part_name(cfg)) for seed in cfg.seeds]
     return out
 
 
-def tuning_configs(cfg: CompareConfig, k: int | None = None) -> dict[tuple[str, float, int], Run]:
-    """(arm, lr, tuning seed) -> its tuning run at `k`, for every arm without a fixed rate there."""
+def tuning_configs(cfg: CompareConfig, k: int | None = None, lrs: list[float] | None = None,
+                   only: list[str] | None = None) -> dict[tuple[str, float, int], Run]:
+    """(arm, lr, tuning seed) -> its tuning run at `k` over `lrs` (None: the grid), for every
+    arm (of `only`, if given) without a fixed rate there and not in `lr_from`."""
     if cfg.quick or not cfg.tune_lrs:
         return {}
     out = {}
     for name, arm in resolve_arms(cfg.arms, cfg.arm_defs).items():
         base = replace(base_config(cfg, arm, k), out_dir=cfg.out_dir)
-        if lr_for(cfg, name, base.algo.updates_per_batch) is not None:
+        if lr_for(cfg, name, base.algo.updates_per_batch) is not None or name in cfg.lr_from or (
+                only is not None and name not in only):
             continue
-        for lr in cfg.tune_lrs:
+        for lr in lrs or cfg.tune_lrs:
             for seed in cfg.tune_seeds:
                 out[(name, lr, seed)] = one_run(base, name, arm, seed, lr, "tune", part_name(cfg), prefix=f"tune_lr{lr:g}__")
     return out
 
 
-def tuning_score(rows: list[dict], score: str = "mean_accuracy") -> float:
+def tuning_score(rows: list[dict], score: str = "mean_accuracy", final_evals: int = 1) -> float:
     """The tuning score of one run (`CompareConfig.tune_score`) from its metrics rows."""
     acc = curve(rows, "eval/accuracy")
-    return mean_accuracy(acc) if score == "mean_accuracy" else final_accuracy(acc)
+    return mean_accuracy(acc) if score == "mean_accuracy" else final_accuracy(acc, final_evals)
 
 
-def pick_lr(scores: dict[float, float]) -> float:
-    """The rate with the highest score (NaN scores lose; a tie: the smaller rate)."""
-    return max(sorted(scores), key=lambda lr: (scores[lr] == scores[lr], scores[lr] if scores[lr] == scores[lr] else 0))
+def pick_lr(scores: dict[float, float], tie: float = 0.0) -> float:
+    """The smallest rate whose score is within `tie` of the best (|Δ| < tie) or equal to it;
+    NaN scores never win (all NaN: the smallest rate)."""
+    finite = {lr: v for lr, v in scores.items() if v == v}
+    if not finite:
+        return min(scores)
+    best = max(finite.values())
+    return min(lr for lr, v in finite.items() if v == best or best - v < tie)
+
+
+def at_edge(lr: float, grid) -> bool:
+    """Is `lr` the smallest or the largest of a grid of >= 2 rates?"""
+    grid = list(grid)
+    return len(grid) > 1 and lr in (min(grid), max(grid))
+
+
+def beyond_edge(lr: float, grid) -> float:
+    """The rate one step (×/÷ √10) past the edge `lr` of `grid`, to 3 significant digits."""
+    return float(f"{lr / math.sqrt(10) if lr == min(grid) else lr * math.sqrt(10):.3g}")
 
 
 def load_tuning(folder: str | Path) -> dict[str, float]:
@@ -252,9 +309,7 @@ def tune(cfg: CompareConfig, ks: list[int] | None = None) -> CompareConfig:
     """Run the tuning grid at every K of `ks` (None: the comparison's K) — resumable — and
     return `cfg` with each arm's chosen rate as ``learning_rates["ARM@K"]``; writes
     ``tuning.md`` / ``tuning.json`` (every tuned K, merged with an earlier file's)."""
-    if cfg.tuning_from:  # an explicit ARM rate replaces every loaded ARM@K one; ARM@K just its own
-        loaded = {k: v for k, v in load_tuning(cfg.tuning_from).items() if k.split("@")[0] not in cfg.learning_rates}
-        cfg = replace(cfg, learning_rates={**loaded, **cfg.learning_rates})
+    cfg = with_tuning_from(cfg)
     if cfg.quick:
         return replace(cfg, learning_rates={**QUICK_LRS, **cfg.learning_rates})
     out = Path(cfg.out_dir)
@@ -265,16 +320,22 @@ def tune(cfg: CompareConfig, ks: list[int] | None = None) -> CompareConfig:
         runs = tuning_configs(cfg, k)
         if not runs:
             continue
-        if cfg.tuning_from:  # reuse was asked for: tuning here instead would spend compute unasked
-            missing = sorted({f"{a}@{k}" for a, _, _ in runs})
-            raise ConfigError(f"tuning_from={cfg.tuning_from}: its tuning.json has no rate for {', '.join(missing)}; "
-                              "tune them there, or set learning_rates")
+        if cfg.tuning_from:
+            print(f"cispo: tuning {', '.join(sorted({a for a, _, _ in runs}))} at K = {k} here: "
+                  f"{cfg.tuning_from}/tuning.json has no rate for them", file=sys.stderr)
         run_all(list(runs.values()), cfg.workers)
-        for arm in dict.fromkeys(a for a, _, _ in runs):
-            per_lr = {lr: nan_mean(tuning_score(read_metrics(runs[(arm, lr, s)].dir / "metrics.jsonl"), cfg.tune_score)
-                                   for s in cfg.tune_seeds) for lr in cfg.tune_lrs}
+        per_arm = {arm: _scores(cfg, runs, arm, cfg.tune_lrs) for arm in dict.fromkeys(a for a, _, _ in runs)}
+        if cfg.tune_extend:  # bracketing: one more rate past an edge choice, once
+            extra = {}
+            for arm, per_lr in per_arm.items():
+                if at_edge(best := pick_lr(per_lr, cfg.tune_tie), per_lr):
+                    extra.update(tuning_configs(cfg, k, [beyond_edge(best, per_lr)], [arm]))
+            run_all(list(extra.values()), cfg.workers)
+            for arm in dict.fromkeys(a for a, _, _ in extra):
+                per_arm[arm].update(_scores(cfg, extra, arm, [lr for a, lr, _ in extra if a == arm][:1]))
+        for arm, per_lr in per_arm.items():
             scores.update({f"{arm}@{k}@{lr:g}": v for lr, v in per_lr.items()})
-            chosen[f"{arm}@{k}"] = pick_lr(per_lr)
+            chosen[f"{arm}@{k}"] = pick_lr(per_lr, cfg.tune_tie)
     if scores:
         out.mkdir(parents=True, exist_ok=True)
         (out / "tuning.json").write_text(json.dumps({"score": cfg.tune_score, "seeds": cfg.tune_seeds,
@@ -282,6 +343,21 @@ def tune(cfg: CompareConfig, ks: list[int] | None = None) -> CompareConfig:
                                                     indent=1))
         (out / "tuning.md").write_text(format_tuning(scores, cfg) + "\n")
     return replace(cfg, learning_rates=chosen)
+
+
+def with_tuning_from(cfg: CompareConfig) -> CompareConfig:
+    """`cfg` with the chosen rates of `tuning_from` in `learning_rates` (an explicit ``ARM``
+    replaces every loaded ``ARM@K``, an explicit ``ARM@K`` just its own)."""
+    if not cfg.tuning_from:
+        return cfg
+    loaded = {k: v for k, v in load_tuning(cfg.tuning_from).items() if k.split("@")[0] not in cfg.learning_rates}
+    return replace(cfg, learning_rates={**loaded, **cfg.learning_rates})
+
+
+def _scores(cfg: CompareConfig, runs: dict[tuple[str, float, int], Run], arm: str, lrs: list[float]) -> dict[float, float]:
+    """lr -> the arm's tuning score at that rate, mean over the tuning seeds."""
+    return {lr: nan_mean(tuning_score(read_metrics(runs[(arm, lr, s)].dir / "metrics.jsonl"), cfg.tune_score,
+                                      cfg.final_evals) for s in cfg.tune_seeds) for lr in lrs}
 
 
 def format_tuning(scores: dict[str, float], cfg: CompareConfig) -> str:
@@ -295,14 +371,16 @@ def format_tuning(scores: dict[str, float], cfg: CompareConfig) -> str:
         arm, k = ak.rsplit("@", 1)
         per = {lr: scores.get(f"{ak}@{lr:g}") for lr in lrs}
         got = {lr: v for lr, v in per.items() if v is not None}
-        best = pick_lr(got)
-        edge = "yes" if best in (min(got), max(got)) and len(got) > 1 else "no"
+        best = pick_lr(got, cfg.tune_tie)
+        edge = "yes" if at_edge(best, got) else "no"
         lines.append(f"| {arm} | {k} | " + " | ".join("n/a" if v is None else f"{v:.3f}" for v in per.values())
                      + f" | {best:g} | {edge} |")
     what = "mean held-out accuracy over the evaluations after step 0" if cfg.tune_score == "mean_accuracy" \
         else "final held-out accuracy"
     lines += ["", f"Score: {what}, mean over tuning seeds {cfg.tune_seeds} (one run per seed and cell); the highest "
-              "wins. \"At grid edge\": the optimum may lie outside the grid."]
+              f"wins, scores within {cfg.tune_tie:g} of it tie and a tie goes to the smallest rate. \"At grid edge\": "
+              "the optimum may lie outside the grid" + (" (already extended once past an edge choice)." if cfg.tune_extend
+                                                        else ".")]
     return "\n".join(lines)
 
 
@@ -357,7 +435,7 @@ def compare(cfg: CompareConfig) -> dict:
     configs = run_configs(cfg)
     run_all(configs, cfg.workers)
     runs = load_runs(configs)
-    table = analyse(runs, cfg.reference)
+    table = analyse(runs, cfg.reference, cfg.final_evals)
     table["learning_rates"] = {r.arm: r.config.optim.lr for r in configs}
     out = Path(cfg.out_dir)
     (out / "table.json").write_text(json.dumps(table, indent=1))
@@ -405,7 +483,7 @@ def sweep(cfg: SweepConfig) -> dict:
         configs = run_configs(cfg, k)
         run_all(configs, cfg.workers)
         per_k[k] = load_runs(configs)
-    gaps = sweep_gaps(per_k, cfg.reference, cfg.contrast)
+    gaps = sweep_gaps(per_k, cfg.reference, cfg.contrast, cfg.final_evals)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(gaps, indent=1))

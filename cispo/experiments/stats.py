@@ -22,9 +22,11 @@ def _scipy_stats():
 # --------------------------------------------------------------------------------------
 
 
-def final_accuracy(curve: dict[int, float]) -> float:
-    """Held-out accuracy at the last evaluated step."""
-    return curve[max(curve)] if curve else float("nan")
+def final_accuracy(curve: dict[int, float], last: int = 1) -> float:
+    """Held-out accuracy at the last evaluated step; with ``last = n``, the mean of the last n
+    evaluations (the study protocol: 2, which halves one evaluation's noise)."""
+    steps = sorted(curve)[-last:]
+    return sum(curve[s] for s in steps) / len(steps) if steps else float("nan")
 
 
 def mean_accuracy(curve: dict[int, float]) -> float:
@@ -53,30 +55,42 @@ def censored_steps(curve: dict[int, float], target: float) -> tuple[float, bool]
     return float(steps[-1] + (steps[-1] - steps[-2] if len(steps) > 1 else 1)), False
 
 
+def steps_to_own_fraction(curve: dict[int, float], fraction: float = 0.9, last: int = 1) -> int | None:
+    """First evaluated step > 0 at which held-out accuracy is >= `fraction` × the run's own
+    final accuracy (`final_accuracy(curve, last)`): how early the curve flattens."""
+    return steps_to_target(curve, fraction * final_accuracy(curve, last))
+
+
+def mean_over_last_steps(values: dict[int, float], n: int = 5) -> float:
+    """Mean of a per-step metric over the run's last `n` steps that recorded it."""
+    steps = sorted(values)[-n:]
+    return sum(values[s] for s in steps) / len(steps) if steps else float("nan")
+
+
 COLLAPSE_FLOOR = 0.1
-"""Runs whose peak held-out accuracy is <= this never learned: they are neither collapsed nor
-stable, and the collapse fraction leaves them out (counted apart as "never learned")."""
+"""A run whose peak held-out accuracy is below this never learned: it is neither collapsed nor
+stable, and the collapse fraction leaves it out (counted apart as "never learned")."""
 
 
 def collapsed(curve: dict[int, float], floor: float = COLLAPSE_FLOOR) -> bool | None:
-    """Did the run collapse? Let the peak be the highest held-out accuracy at an evaluation
-    after step 0, reached first at step s_peak. The run collapsed when, after s_peak, its
-    accuracy falls below peak / 2 and stays below peak / 2 at every later evaluation up to the
-    last one. As "stays below until the end" must hold at the last evaluation and the
-    evaluations after the first such one, this is the same as: the last evaluation (which is
-    after s_peak unless the peak is at the end) is below peak / 2.
+    """Did the run collapse (the study protocol's definition)? Let P be the peak held-out
+    accuracy, the maximum over all its evaluations (step 0 included), reached first at
+    s_peak. The run collapsed when some evaluation after s_peak is below P / 2 and every later
+    evaluation up to the end of the run is below P / 2 too ("falls below half its peak and
+    stays there"). As that must hold at the last evaluation, and then holds from the first
+    evaluation of the final run of values below P / 2, it is the same as: the last evaluation
+    comes after s_peak and is below P / 2.
 
-    None when the peak is <= ``floor`` (the run never learned; nothing to collapse from) or
-    the run has no evaluation after step 0."""
-    after = {s: v for s, v in curve.items() if s > 0}
-    if not after:
+    None when P < ``floor`` (the run never learned: nothing to collapse from) or the run has
+    fewer than two evaluations."""
+    if len(curve) < 2:
         return None
-    peak = max(after.values())
-    if peak <= floor:
+    peak = max(curve.values())
+    if peak < floor:
         return None
-    s_peak = min(s for s, v in after.items() if v == peak)
-    last = max(after)
-    return last > s_peak and after[last] < peak / 2
+    s_peak = min(s for s, v in curve.items() if v == peak)
+    last = max(curve)
+    return last > s_peak and curve[last] < peak / 2
 
 
 # --------------------------------------------------------------------------------------
@@ -150,6 +164,14 @@ def wilson(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
         return 0.0, 1.0
     ci = _scipy_stats().binomtest(k, n).proportion_ci(confidence_level=level, method="wilson")
     return float(ci.low), float(ci.high)
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys on xs (NaN with fewer than two distinct xs)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else float("nan")
 
 
 def fieller_ratio(num: list[float], den: list[float], level: float = 0.95) -> tuple[float, float, float]:

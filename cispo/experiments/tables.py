@@ -18,12 +18,13 @@ def curve(rows: list[dict], key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in rows if r.get(key) is not None}
 
 
-def analyse(runs: dict[str, list[list[dict]]], reference: str) -> dict[str, Any]:
-    """The comparison table: final accuracy, steps-to-target, collapses, mechanism metrics."""
+def analyse(runs: dict[str, list[list[dict]]], reference: str, final_evals: int = 1) -> dict[str, Any]:
+    """The comparison table: final accuracy (mean of the last `final_evals` evaluations),
+    steps-to-target, collapses, mechanism metrics."""
     acc = {a: [curve(rows, "eval/accuracy") for rows in rs] for a, rs in runs.items()}
-    final = {a: [final_accuracy(c) for c in cs] for a, cs in acc.items()}
+    final = {a: [final_accuracy(c, final_evals) for c in cs] for a, cs in acc.items()}
     target = mean_band(final[reference])[0] if reference in final else None
-    table = {"target": target, "reference": reference, "arms": {}}
+    table = {"target": target, "reference": reference, "final_evals": final_evals, "arms": {}}
     for algo, rs in runs.items():
         reached = [steps_to_target(c, target) for c in acc[algo]] if target is not None else []
         reached90 = [steps_to_target(c, 0.9 * target) for c in acc[algo]] if target is not None else []
@@ -82,7 +83,9 @@ def format_table(table: dict) -> str:
             f"| {fmt(row['frac_ppo_dropped_fork'])} | {fmt(row['frac_capped'])} | {fmt(row['entropy'])} |"
         )
     lines.append("")
-    lines.append("mean ± std over seeds; steps averaged over the seeds that reached the level; mean over training: "
+    last = table.get("final_evals", 1)
+    lines.append((f"final: mean of the last {last} evaluations; " if last > 1 else "")
+                 + "mean ± std over seeds; steps averaged over the seeds that reached the level; mean over training: "
                  "held-out accuracy averaged over the evaluations after step 0 (area under the curve); collapsed: "
                  f"runs whose accuracy fell below half its peak and stayed there (`stats.collapsed`), of those whose "
                  f"peak passed {COLLAPSE_FLOOR}, with a Wilson interval.")
@@ -121,20 +124,21 @@ def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -
     return save_figure(fig, path, title)
 
 
-def sweep_gaps(per_k: dict[int, dict[str, list[list[dict]]]], reference: str, contrast: str = "cispo") -> dict:
+def sweep_gaps(per_k: dict[int, dict[str, list[list[dict]]]], reference: str, contrast: str = "cispo",
+               final_evals: int = 1) -> dict:
     """Per K and baseline: contrast − baseline in final accuracy (paired by seed), mean
     accuracy over training and steps-to-target (target: the reference's final accuracy at that
     K; a run that never reaches it counts as its last step + one evaluation interval, a
     censored value: `stats.censored_steps`)."""
     out = {}
     for k, runs in per_k.items():
-        target = analyse(runs, reference)["target"]
+        target = analyse(runs, reference, final_evals)["target"]
         row = {"target": target, "contrast": contrast}
         for base in [a for a in runs if a != contrast]:
             if contrast not in runs:
                 continue
             pairs = [(curve(c, "eval/accuracy"), curve(b, "eval/accuracy")) for c, b in zip(runs[contrast], runs[base])]
-            acc_gap = [final_accuracy(c) - final_accuracy(b) for c, b in pairs]
+            acc_gap = [final_accuracy(c, final_evals) - final_accuracy(b, final_evals) for c, b in pairs]
             auc_gap = [mean_accuracy(c) - mean_accuracy(b) for c, b in pairs]
             row[base] = {"final_accuracy_gap": mean_band(acc_gap), "mean_accuracy_gap": mean_band(auc_gap)}
             if target is not None:
