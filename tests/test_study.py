@@ -38,8 +38,9 @@ def _write_run(folder: Path, accs: list[float], meta: dict | None, wall_s: float
             r.update({"rollout/response_length": 10.0 + step, "objective/frac_capped": 0.01, "perf/step_s": 20.0})
         rows.append(r)
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "meta.json").write_text(json.dumps({"git_commit": "0123456789abcdef0123", "seed": 0}))
     if meta is not None:
-        (folder / "study.json").write_text(json.dumps({**meta, "wall_s": wall_s}))
+        (folder / "study.json").write_text(json.dumps({**meta, "wall_s": wall_s, "base_model": "builtin:feedc0ffee12"}))
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,8 @@ def test_the_csv_holds_every_run_and_step_and_is_reproducible(study):
     cispo1 = [r for r in rows if r["run"] == "cispo__chain__K16__seed1"]
     assert [r["eval/accuracy"] for r in cispo1] == ["0", "", "0.8", "", "0.8", "", "0.9", "", "0.9"]
     assert cispo1[3]["rollout/response_length"] == "13" and cispo1[0]["rollout/response_length"] == ""
-    assert {(r["arm"], r["K"], r["seed"], r["lr"], r["wall_s"], r["role"]) for r in cispo1} == {
-        ("cispo", "16", "1", "0.0001", "3600", "eval")}
+    assert {(r["arm"], r["K"], r["seed"], r["lr"], r["wall_s"], r["role"], r["commit"], r["base_model"])
+            for r in cispo1} == {("cispo", "16", "1", "0.0001", "3600", "eval", "0123456789ab", "builtin:feedc0ffee12")}
     plain = [r for r in rows if r["part"] == "extra"]
     assert {(r["arm"], r["K"], r["role"], r["wall_s"], r["eval_k"]) for r in plain} == {("cispo(eps_high_is=2)", "4", "eval", "", "4")}
     again, _, _ = collect([root], root / "again.csv.gz")
@@ -191,7 +192,7 @@ def test_one_command_sweep_then_data_then_report(tiny_model, dense_task, tmp_pat
     for r in read_csv(csv_path):
         k = int(r["K"])
         assert int(r["prompts_per_step"]) == 2 * k and int(r["warmup_updates"]) == math.ceil(0.5 * 2 * k)
-        assert float(r["wall_s"]) > 0 and r["part"] == "ksweep"
+        assert float(r["wall_s"]) > 0 and r["part"] == "ksweep" and r["base_model"] == str(tiny_model)
         if r["role"] == "eval":
             assert float(r["lr"]) == pytest.approx(chosen[f"{r['arm']}@{k}"])
             assert r["spec"] == ("cispo(aggregation=seq-mean-token-mean)" if r["arm"] == "cispo_seqmean" else "dapo")

@@ -384,19 +384,31 @@ def format_tuning(scores: dict[str, float], cfg: CompareConfig) -> str:
     return "\n".join(lines)
 
 
+def base_model_id(c: TrainConfig) -> str:
+    """``builtin:<first 12 hex of the sha256 of its SHA256SUMS>`` for the built-in base model
+    (which weights the run started from), else ``model.path``."""
+    if c.model.path is not None:
+        return str(c.model.path)
+    from cispo.builtin_model import CHECKSUMS, ensure_builtin_model, file_sha256
+
+    return "builtin:" + file_sha256(ensure_builtin_model(c.data.task, progress=False) / CHECKSUMS)[:12]
+
+
 def _is_finished(run: Run) -> bool:
     return (run.dir / "summary.json").exists()
 
 
 def _run_one(run: Run) -> str:
-    """Train (or resume) `run`; then write ``study.json``: its meta and the wall time of this
-    call (a run resumed after an interruption counts only the part that finished it)."""
+    """Train (or resume) `run`; then write ``study.json``: its meta, the base model it started
+    from and the wall time of this call (a run resumed after an interruption counts only the
+    part that finished it)."""
     from cispo.runner import train
 
     started = time.perf_counter()
     train(run.config, resume=run.dir.exists())
     wall = time.perf_counter() - started
-    (run.dir / "study.json").write_text(json.dumps({**run.meta(), "wall_s": round(wall, 2)}, indent=1))
+    (run.dir / "study.json").write_text(json.dumps({**run.meta(), "base_model": base_model_id(run.config),
+                                                    "wall_s": round(wall, 2)}, indent=1))
     return f"{run.config.run_name}: {wall:.0f} s"
 
 

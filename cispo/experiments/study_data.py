@@ -11,7 +11,10 @@ One row per (run, step) with at least one recorded metric. Columns (``COLUMNS``)
   ``lr`` (peak learning rate), ``prompts_per_step``, ``group_size``, ``warmup_updates``,
   ``steps`` (planned RL steps), ``eval_k`` (samples per held-out prompt: ``eval/accuracy``
   is mean@eval_k), ``run`` (run folder name), ``wall_s`` (seconds the run took, from
-  ``study.json``; empty for a folder trained outside ``cispo compare``);
+  ``study.json``; empty for a folder trained outside ``cispo compare``), ``commit`` (first
+  12 hex digits of the git commit the run started at, from ``meta.json``), ``base_model``
+  (``builtin:`` + 12 hex digits of the sha256 of the built-in model's ``SHA256SUMS``, or the
+  ``model.path``; from ``study.json``);
 * step: ``step``, then the metrics of ``METRICS`` under their ``metrics.jsonl`` names
   (docs/metrics.md), empty where the step did not record one (``eval/*`` only at evaluated
   steps; ``rollout/*``, ``objective/*``, ``optim/*`` only at steps with an update).
@@ -31,7 +34,7 @@ from pathlib import Path
 from cispo.tracking import read_metrics
 
 RUN_COLUMNS = ["part", "role", "arm", "spec", "objective", "task", "K", "seed", "lr", "prompts_per_step", "group_size",
-               "warmup_updates", "steps", "eval_k", "run", "wall_s"]
+               "warmup_updates", "steps", "eval_k", "run", "wall_s", "commit", "base_model"]
 METRICS = [
     "eval/accuracy", "eval/accuracy_greedy", "eval/fork_rate", "eval/response_length",
     "rollout/accuracy", "rollout/response_length", "rollout/fork_rate", "rollout/fork_tokens_per_response",
@@ -67,6 +70,8 @@ def run_meta(run_dir: Path) -> dict:
                     objective=c.algo.objective, task=c.data.task, K=c.algo.updates_per_batch, seed=c.seed, lr=c.optim.lr,
                     prompts_per_step=c.rollout.prompts_per_step, group_size=c.rollout.group_size,
                     warmup_updates=c.optim.warmup_updates, steps=c.steps, eval_k=c.eval.num_samples)
+    if (run_dir / "meta.json").exists():
+        meta["commit"] = (json.loads((run_dir / "meta.json").read_text()).get("git_commit") or "")[:12]
     if (run_dir / "study.json").exists():
         meta.update({k: v for k, v in json.loads((run_dir / "study.json").read_text()).items() if k in RUN_COLUMNS})
     return meta
