@@ -156,10 +156,12 @@ def cmd_study_data(args) -> int:
 
 
 def cmd_study_report(args) -> int:
-    from cispo.experiments.study_report import check_doc, report, update_doc
+    from cispo.experiments.study_report import Settings, check_doc, report, update_doc
 
+    given = {k: v for k, v in vars(args).items() if k in ("reference", "contrast", "floor", "final_evals", "tune_score",
+                                                          "tune_tie") and v is not None}
     try:
-        out = report(args.data, args.output, args.reference, args.contrast, args.floor, args.tune_score)
+        out = report(args.data, args.output, Settings(**given))
     except (FileNotFoundError, ValueError) as e:
         print(f"cispo study-report: error: {e}", file=sys.stderr)
         return 2
@@ -242,11 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "doc between <!-- study:NAME --> markers differs from the data.")
     p.add_argument("data", help="the CSV of `cispo study-data`")
     p.add_argument("-o", "--output", default="docs/results/study", help="folder for the tables and figures")
-    p.add_argument("--reference", default="dapo", help="arm whose final accuracy is the target (default dapo)")
-    p.add_argument("--contrast", default="cispo", help="arm compared with every other (default cispo)")
-    p.add_argument("--floor", type=float, help="a run whose peak accuracy is <= this never learned "
-                   "(left out of the collapse fraction; default cispo.experiments.stats.COLLAPSE_FLOOR, 0.1)")
-    p.add_argument("--tune-score", choices=["mean_accuracy", "final_accuracy"], default="mean_accuracy")
+    p.add_argument("--reference", help="arm whose final accuracy is the target (default dapo)")
+    p.add_argument("--contrast", help="arm compared with the others (default cispo)")
+    p.add_argument("--floor", type=float, help="a run whose peak accuracy is below this never learned "
+                   "(left out of the collapse fraction; default 0.1)")
+    p.add_argument("--final-evals", type=int, help="final accuracy = mean of the last N evaluations (default 2)")
+    p.add_argument("--tune-score", choices=["mean_accuracy", "final_accuracy"], help="default mean_accuracy")
+    p.add_argument("--tune-tie", type=float, help="tuning scores within this of the best tie (default 0.005)")
     p.add_argument("--check-doc", metavar="MD", help="check the values quoted in this markdown file")
     p.add_argument("--update-doc", metavar="MD", help="rewrite the values quoted in this markdown file")
     p.set_defaults(fn=cmd_study_report)

@@ -128,7 +128,7 @@ def test_tuning_per_k_extends_an_edge_choice_once(tmp_path, monkeypatch):
 
 
 def test_pick_lr_breaks_near_ties_towards_the_smaller_rate():
-    from cispo.experiments.compare import pick_lr
+    from cispo.experiments.stats import pick_lr
 
     assert pick_lr({1e-5: 0.5, 3e-5: 0.503, 1e-4: 0.51}, tie=0.005) == 1e-4  # 0.007 apart: no tie
     assert pick_lr({1e-5: 0.5, 3e-5: 0.507, 1e-4: 0.51}, tie=0.005) == 3e-5  # 0.003 apart: tie, smaller wins

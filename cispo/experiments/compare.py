@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from cispo.config import ConfigError, TrainConfig, apply_overrides
 from cispo.experiments.arms import ArmConfig, describe, resolve_arms
-from cispo.experiments.stats import final_accuracy, mean_accuracy
+from cispo.experiments.stats import at_edge, final_accuracy, mean_accuracy, pick_lr
 from cispo.experiments.tables import (analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep,
                                       sweep_gaps)
 from cispo.metrics import nan_mean
@@ -273,22 +273,6 @@ def tuning_score(rows: list[dict], score: str = "mean_accuracy", final_evals: in
     """The tuning score of one run (`CompareConfig.tune_score`) from its metrics rows."""
     acc = curve(rows, "eval/accuracy")
     return mean_accuracy(acc) if score == "mean_accuracy" else final_accuracy(acc, final_evals)
-
-
-def pick_lr(scores: dict[float, float], tie: float = 0.0) -> float:
-    """The smallest rate whose score is within `tie` of the best (|Δ| < tie) or equal to it;
-    NaN scores never win (all NaN: the smallest rate)."""
-    finite = {lr: v for lr, v in scores.items() if v == v}
-    if not finite:
-        return min(scores)
-    best = max(finite.values())
-    return min(lr for lr, v in finite.items() if v == best or best - v < tie)
-
-
-def at_edge(lr: float, grid) -> bool:
-    """Is `lr` the smallest or the largest of a grid of >= 2 rates?"""
-    grid = list(grid)
-    return len(grid) > 1 and lr in (min(grid), max(grid))
 
 
 def beyond_edge(lr: float, grid) -> float:

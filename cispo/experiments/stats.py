@@ -67,6 +67,22 @@ def mean_over_last_steps(values: dict[int, float], n: int = 5) -> float:
     return sum(values[s] for s in steps) / len(steps) if steps else float("nan")
 
 
+def pick_lr(scores: dict[float, float], tie: float = 0.0) -> float:
+    """The smallest rate whose score is within `tie` of the best (|Δ| < tie) or equal to it;
+    NaN scores never win (all NaN: the smallest rate)."""
+    finite = {lr: v for lr, v in scores.items() if v == v}
+    if not finite:
+        return min(scores)
+    best = max(finite.values())
+    return min(lr for lr, v in finite.items() if v == best or best - v < tie)
+
+
+def at_edge(lr: float, grid) -> bool:
+    """Is `lr` the smallest or the largest of a grid of >= 2 rates?"""
+    grid = list(grid)
+    return len(grid) > 1 and lr in (min(grid), max(grid))
+
+
 COLLAPSE_FLOOR = 0.1
 """A run whose peak held-out accuracy is below this never learned: it is neither collapsed nor
 stable, and the collapse fraction leaves it out (counted apart as "never learned")."""

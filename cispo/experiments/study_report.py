@@ -1,32 +1,44 @@
 """Every table and figure of the study, regenerated from the raw-data CSV alone
-(``cispo.experiments.study_data``; ``cispo study-report``), and the check that the numbers
-quoted in docs/results.md are the ones this script prints.
+(``cispo.experiments.study_data``; ``cispo study-report``), and the check that the values
+quoted in docs/results.md are the ones this script prints. The definitions are those of
+docs/results/protocol.md (the preregistered protocol); `Settings` holds its choices.
 
 Measures, per evaluation run (``role = eval``), on its held-out accuracy curve:
 
-* **final accuracy** (last evaluation), **mean accuracy over training** (the evaluations
-  after step 0);
+* **final accuracy**: mean of the last `final_evals` evaluations (protocol: 2); **greedy
+  final** the same of ``eval/accuracy_greedy`` (reported, never decides);
+* **mean accuracy over training**: the evaluations after step 0;
 * **steps to target**: target = the `reference` arm's (DAPO's) final accuracy, mean over its
   seeds, per (part, task, K); the first evaluated step at or above it; a run that never
   reaches it is censored at its last step + one evaluation interval (`stats.censored_steps`);
-* **collapsed**: `stats.collapsed` (below half its peak from some point after the peak to the
-  end; runs whose peak is <= `floor` never learned and are left out).
+* **steps to 90%** of the run's own final accuracy (how early the curve flattens);
+* **response length** and **fork (W) tokens per response**, means over the last 5 steps;
+* the mechanism metrics (PPO-dropped fork tokens, capped IS weights, entropy), means over
+  the steps, descriptive only;
+* **collapsed**: `stats.collapsed` (peak P over all evaluations; below P / 2 from some
+  evaluation after the peak to the end; P below `floor` = never learned, left out).
 
 Statistics:
 
-* arms are compared to the `contrast` arm (CISPO) **paired by seed** (the seeds both ran):
-  mean difference, two-sided 95% t-interval, paired t-test p-value; **Holm's correction**
-  over the family = every comparison of one measure within one part (all its tasks, K values
-  and baselines); "significant" = Holm-adjusted p <= 0.05;
-* **the "≤ 50% of the steps" criterion**: R = mean steps-to-target of the contrast arm /
-  mean steps-to-target of the reference arm (censored values included), paired by seed, with
-  Fieller's 95% interval (`stats.fieller_ratio`) and a Bonferroni one over the part's m
-  ratios (level 1 − 0.05/m). *Yes*: the 95% interval's upper end <= 0.5; *no*: its lower end
-  > 0.5; else *unclear*. Censoring at the run's end biases R towards 1 when the reference is
-  censored more often (against the claim) and away from it when the contrast is;
-* **collapse fraction** per arm: collapsed / runs that learned, with Wilson's 95% interval;
-* **tuning** (``role = tune``): per (part, task, K, arm) and learning rate, the score
-  (`tune_score`) averaged over tuning seeds; the chosen rate; whether it sits at the grid's edge;
+* differences are **paired by seed** (the seeds both arms ran): mean difference, two-sided
+  95% t-interval, paired t-test p-value;
+* **Holm's correction** over each family (`Family`; per part and task): the protocol's for the
+  parts named ``main`` (all pairs × final accuracy, mean accuracy, steps to 90%: 9 tests),
+  ``ksweep`` (CISPO − DAPO and CISPO − GRPO × every K × final accuracy and steps to target)
+  and ``ablation`` (each arm − CISPO × final and mean accuracy); any other part: CISPO − each
+  arm, one family per measure. "Significant" = Holm-adjusted p <= 0.05;
+* **Q1, "≤ 50% of the steps"**: d_s = T_contrast,s − 0.5 · T_other,s (steps to target,
+  censored as above); *yes* if the 95% t-interval of mean d lies below 0, *no* if above,
+  *unclear* otherwise — one pre-specified test, no correction (against the reference arm;
+  the other arms as secondary). Beside it: the ratio of mean steps with Fieller's 95%
+  interval (`stats.fieller_ratio`) and the censored counts;
+* **"grows with K"**: per seed, the least-squares slope of the gap (contrast − other, mean
+  accuracy over training) on log2 K; t-interval over seeds; *yes* only if it lies above 0;
+* **collapse fraction** per arm: collapsed / runs that learned, Wilson's 95% interval (two
+  arms differ only where the intervals do not overlap);
+* **tuning** (``role = tune``): per (part, task, K, arm) and rate, the score averaged over the
+  tuning seeds; the choice (`stats.pick_lr`: near ties within `tune_tie` to the smaller
+  rate) and whether it sits at the grid's edge;
 * **compute**: wall hours per part (``wall_s``; a run without it counts the sum of its
   ``perf/step_s``, which leaves out evaluation time — the table says how many did).
 """
@@ -39,12 +51,48 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from cispo.experiments.stats import (COLLAPSE_FLOOR, censored_steps, collapsed, fieller_ratio, final_accuracy, holm,
-                                     mean_accuracy, mean_band, paired_t, wilson)
+from cispo.experiments.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, collapsed, fieller_ratio, final_accuracy,
+                                     holm, mean_accuracy, mean_band, mean_over_last_steps, paired_t, pick_lr, slope,
+                                     steps_to_own_fraction, wilson)
 from cispo.experiments.study_data import METRICS, read_csv
 
-MEASURES = ("mean_accuracy", "final_accuracy", "steps_to_target")
+
+@dataclass(frozen=True)
+class Family:
+    """A family of paired comparisons, Holm-corrected together (per part and task)."""
+
+    pairs: Literal["contrast_vs_each", "each_vs_contrast", "all_pairs"]
+    """``contrast_vs_each``: contrast − arm; ``each_vs_contrast``: arm − contrast;
+    ``all_pairs``: every pair, contrast first, then the reference, then by name."""
+    measures: tuple[str, ...]
+    """Names of `measure`."""
+    pooled: bool = True
+    """One family over all its measures; False: one family per measure."""
+    others: tuple[str, ...] | None = None
+    """Only these other arms (None: every arm of the group)."""
+
+
+PROTOCOL_FAMILIES = {
+    "main": Family("all_pairs", ("final_accuracy", "mean_accuracy", "steps_to_90")),
+    "ksweep": Family("contrast_vs_each", ("final_accuracy", "steps_to_target"), others=("dapo", "grpo")),
+    "ablation": Family("each_vs_contrast", ("final_accuracy", "mean_accuracy")),
+}
+DEFAULT_FAMILY = Family("contrast_vs_each", ("final_accuracy", "mean_accuracy", "steps_to_target"), pooled=False)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The protocol's choices the tables depend on."""
+
+    reference: str = "dapo"
+    contrast: str = "cispo"
+    floor: float = COLLAPSE_FLOOR
+    final_evals: int = 2
+    tune_score: str = "mean_accuracy"
+    tune_tie: float = 0.005
+    families: dict[str, Family] = field(default_factory=lambda: dict(PROTOCOL_FAMILIES))
 
 
 @dataclass
@@ -82,28 +130,49 @@ Groups = dict[tuple[str, str, int], dict[str, dict[int, RunData]]]
 
 
 def group_eval_runs(runs: list[RunData]) -> Groups:
-    """(part, task, K) -> arm -> seed -> run, for the evaluation runs."""
+    """(part, task, K) -> arm -> seed -> run, for the evaluation runs. Two runs of one arm and
+    seed in a group (e.g. two batch sizes at one K in one part) are an error: use two parts."""
     out: Groups = defaultdict(lambda: defaultdict(dict))
     for r in runs:
         if r.meta["role"] == "eval":
-            out[(r.meta["part"], r.meta["task"], int(r.meta["K"]))][r.meta["arm"]][int(r.meta["seed"])] = r
+            m = r.meta
+            cell = out[(m["part"], m["task"], int(m["K"]))][m["arm"]]
+            if int(m["seed"]) in cell:
+                raise ValueError(f"part {m['part']}, task {m['task']}, K {m['K']}: arm {m['arm']} has seed {m['seed']} "
+                                 f"twice ({cell[int(m['seed'])].meta['run']} and {m['run']}); put them in separate parts")
+            cell[int(m["seed"])] = r
     return out
 
 
-def target_of(arms: dict[str, dict[int, RunData]], reference: str) -> float | None:
+def target_of(arms: dict[str, dict[int, RunData]], st: Settings) -> float | None:
     """The reference arm's final held-out accuracy, mean over its seeds (None: not run)."""
-    if reference not in arms:
+    if st.reference not in arms:
         return None
-    return mean_band([final_accuracy(r.curve()) for r in arms[reference].values()])[0]
+    return mean_band([final_accuracy(r.curve(), st.final_evals) for r in arms[st.reference].values()])[0]
 
 
-def measure(run: RunData, name: str, target: float | None) -> float:
+def measure(run: RunData, name: str, target: float | None, st: Settings) -> float:
+    """One per-run measure by name (module docstring)."""
     c = run.curve()
     if name == "mean_accuracy":
         return mean_accuracy(c)
     if name == "final_accuracy":
-        return final_accuracy(c)
-    return censored_steps(c, target)[0] if target is not None else float("nan")
+        return final_accuracy(c, st.final_evals)
+    if name == "greedy_final":
+        return final_accuracy(run.curve("eval/accuracy_greedy"), st.final_evals)
+    if name == "steps_to_target":
+        return censored_steps(c, target)[0] if target is not None else float("nan")
+    if name == "steps_to_90":
+        s = steps_to_own_fraction(c, 0.9, st.final_evals)
+        return float("nan") if s is None else float(s)
+    if name in ("rollout/response_length", "rollout/fork_tokens_per_response"):
+        return mean_over_last_steps(run.curve(name), 5)
+    vals = list(run.curve(name).values())  # a mechanism metric: mean over the steps
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _label(name: str) -> str:
+    return name.replace("_", " ").replace("steps to 90", "steps to 90% of own final")
 
 
 # --------------------------------------------------------------------------------------
@@ -111,7 +180,11 @@ def measure(run: RunData, name: str, target: float | None) -> float:
 # --------------------------------------------------------------------------------------
 
 
-def _pm(mb: tuple[float, float, float], p: int = 3) -> str:
+def _pm(values: list[float], p: int = 3) -> str:
+    values = [v for v in values if v == v]
+    if not values:
+        return "n/a"
+    mb = mean_band(values)
     return f"{mb[0]:.{p}f} ± {mb[2]:.{p}f}"
 
 
@@ -124,128 +197,186 @@ def _lrs(runs: dict[int, RunData]) -> str:
     return ", ".join(sorted({f"{float(r.meta['lr']):g}" for r in runs.values()}))
 
 
-def summary_table(groups: Groups, part: str, reference: str, floor: float) -> str:
-    lines = ["| task | K | arm | lr | seeds | final | mean over training | steps to target | reached | collapsed |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for (p, task, k), arms in sorted(groups.items()):
-        if p != part:
-            continue
-        target = target_of(arms, reference)
+def _groups_of(groups: Groups, part: str):
+    return [(task, k, arms) for (p, task, k), arms in sorted(groups.items()) if p == part]
+
+
+def summary_table(groups: Groups, part: str, st: Settings) -> str:
+    lines = ["| task | K | arm | lr | seeds | final | greedy final | mean over training | steps to target | reached "
+             "| steps to 90% of own final | response length | W per response | collapsed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for task, k, arms in _groups_of(groups, part):
+        target = target_of(arms, st)
         for arm, runs in arms.items():
-            curves = [r.curve() for r in runs.values()]
-            stt = [censored_steps(c, target) for c in curves] if target is not None else []
-            flags = [f for f in (collapsed(c, floor) for c in curves) if f is not None]
-            lines.append(f"| {task} | {k} | {arm} | {_lrs(runs)} | {len(runs)} | {_pm(mean_band([final_accuracy(c) for c in curves]))} "
-                         f"| {_pm(mean_band([mean_accuracy(c) for c in curves]))} "
-                         f"| {_pm(mean_band([s for s, _ in stt]), 1) if stt else 'n/a'} "
-                         f"| {sum(hit for _, hit in stt)}/{len(stt)} | {sum(flags)}/{len(flags)} |")
-    lines += ["", f"mean ± 95% t half-width over seeds. Steps to target: target = {reference}'s final held-out accuracy "
-              "(mean over its seeds) at that task and K; a run that never reaches it counts as its last step + one "
-              f"evaluation interval. Collapsed: of the runs whose peak passed {floor:g}."]
+            m = lambda name, p=3: _pm([measure(r, name, target, st) for r in runs.values()], p)  # noqa: E731
+            hits = [censored_steps(r.curve(), target)[1] for r in runs.values()] if target is not None else []
+            flags = [f for f in (collapsed(r.curve(), st.floor) for r in runs.values()) if f is not None]
+            lines.append(f"| {task} | {k} | {arm} | {_lrs(runs)} | {len(runs)} | {m('final_accuracy')} | {m('greedy_final')} "
+                         f"| {m('mean_accuracy')} | {m('steps_to_target', 1)} | {sum(hits)}/{len(hits)} "
+                         f"| {m('steps_to_90', 1)} | {m('rollout/response_length', 1)} "
+                         f"| {m('rollout/fork_tokens_per_response', 2)} | {sum(flags)}/{len(flags)} |")
+    lines += ["", f"mean ± 95% t half-width over seeds. Final: mean of the last {st.final_evals} evaluations. Steps to "
+              f"target: target = {st.reference}'s final held-out accuracy (mean over its seeds) at that task and K; a run "
+              "that never reaches it counts as its last step + one evaluation interval. Response length and W (fork) "
+              f"tokens per response: means over the last 5 steps. Collapsed: of the runs whose peak reached {st.floor:g}."]
     return "\n".join(lines)
 
 
-def comparisons(groups: Groups, part: str, reference: str, contrast: str) -> list[dict]:
-    """Every paired comparison of the part: contrast − baseline per (task, K, baseline, measure),
-    with Holm-adjusted p-values over each measure's family."""
+MECHANISM = ("objective/frac_ppo_dropped_fork", "objective/frac_capped", "objective/entropy")
+
+
+def mechanism_table(groups: Groups, part: str, st: Settings) -> str:
+    lines = ["| task | K | arm | PPO-dropped fork tokens | IS weight capped | entropy |", "|---|---|---|---|---|---|"]
+    for task, k, arms in _groups_of(groups, part):
+        for arm, runs in arms.items():
+            lines.append(f"| {task} | {k} | {arm} | "
+                         + " | ".join(_pm([measure(r, m, None, st) for r in runs.values()]) for m in MECHANISM) + " |")
+    lines += ["", "Means over each run's steps, then mean ± 95% t half-width over seeds; descriptive only."]
+    return "\n".join(lines)
+
+
+def _pairs(arms: list[str], fam: Family, st: Settings) -> list[tuple[str, str]]:
+    if st.contrast not in arms and fam.pairs != "all_pairs":
+        return []
+    others = [a for a in arms if a != st.contrast and (fam.others is None or a in fam.others)]
+    if fam.pairs == "contrast_vs_each":
+        return [(st.contrast, a) for a in others]
+    if fam.pairs == "each_vs_contrast":
+        return [(a, st.contrast) for a in others]
+    order = sorted(arms, key=lambda a: (a != st.contrast, a != st.reference, a))
+    return [(a, b) for i, a in enumerate(order) for b in order[i + 1:]]
+
+
+def comparisons(groups: Groups, part: str, st: Settings) -> list[dict]:
+    """Every paired comparison of the part's family, with Holm-adjusted p-values (a family per
+    task, and per measure unless the family is pooled)."""
+    fam = st.families.get(part, DEFAULT_FAMILY)
     rows = []
-    for (p, task, k), arms in sorted(groups.items()):
-        if p != part or contrast not in arms:
-            continue
-        target = target_of(arms, reference)
-        for base in (a for a in arms if a != contrast):
-            seeds = sorted(set(arms[contrast]) & set(arms[base]))
-            for name in MEASURES:
-                diffs = [measure(arms[contrast][s], name, target) - measure(arms[base][s], name, target) for s in seeds]
+    for task, k, arms in _groups_of(groups, part):
+        target = target_of(arms, st)
+        for a, b in _pairs(list(arms), fam, st):
+            seeds = sorted(set(arms[a]) & set(arms[b]))
+            for name in fam.measures:
+                diffs = [measure(arms[a][s], name, target, st) - measure(arms[b][s], name, target, st) for s in seeds]
                 if len(diffs) >= 2 and all(d == d for d in diffs):
-                    rows.append({"task": task, "K": k, "base": base, "measure": name, "t": paired_t(diffs)})
-    for name in MEASURES:
-        family = [r for r in rows if r["measure"] == name]
+                    rows.append({"task": task, "K": k, "a": a, "b": b, "measure": name, "t": paired_t(diffs)})
+    for key in {(r["task"], None if fam.pooled else r["measure"]) for r in rows}:
+        family = [r for r in rows if (r["task"], None if fam.pooled else r["measure"]) == key]
         for r, adj in zip(family, holm([r["t"].p for r in family])):
             r["holm_p"], r["family"] = adj, len(family)
     return rows
 
 
-def comparisons_table(rows: list[dict], contrast: str) -> str:
-    lines = [f"| task | K | measure | {contrast} − baseline | seeds | difference | 95% CI | p | Holm p | significant |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+def comparisons_table(rows: list[dict], fam: Family) -> str:
+    lines = ["| task | K | measure | difference | seeds | mean | 95% CI | p | Holm p | family | significant |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        t, p = r["t"], (1 if r["measure"] == "steps_to_target" else 3)
-        lines.append(f"| {r['task']} | {r['K']} | {r['measure'].replace('_', ' ')} | {contrast} − {r['base']} | {t.n} "
-                     f"| {t.mean:+.{p}f} | {_ci(t.lo, t.hi, p)} | {t.p:.3g} | {r['holm_p']:.3g} "
+        t, p = r["t"], (1 if r["measure"].startswith("steps") else 3)
+        lines.append(f"| {r['task']} | {r['K']} | {_label(r['measure'])} | {r['a']} − {r['b']} | {t.n} | {t.mean:+.{p}f} "
+                     f"| {_ci(t.lo, t.hi, p)} | {t.p:.3g} | {r['holm_p']:.3g} | {r['family']} "
                      f"| {'yes' if r['holm_p'] <= 0.05 else 'no'} |")
-    fam = {r["measure"]: r["family"] for r in rows}
-    lines += ["", "Paired by seed; two-sided t-intervals and paired t-tests; Holm's correction over each measure's "
-              "family within this part (" + ", ".join(f"{m.replace('_', ' ')}: {n}" for m, n in fam.items())
-              + " comparisons); significant: Holm p <= 0.05."]
+    what = "over all its measures" if fam.pooled else "per measure"
+    lines += ["", f"Paired by seed; two-sided 95% t-intervals (unadjusted) and paired t-tests; Holm's correction within "
+              f"each task's family {what} (family = its number of tests); significant: Holm p <= 0.05."]
     return "\n".join(lines)
 
 
-def ratio_rows(groups: Groups, part: str, reference: str, contrast: str) -> list[dict]:
+def q1_rows(groups: Groups, part: str, st: Settings) -> list[dict]:
+    """The "≤ 50% of the steps" rule of the contrast arm against the reference (and the others)."""
     rows = []
-    for (p, task, k), arms in sorted(groups.items()):
-        if p != part or contrast not in arms or reference not in arms:
+    for task, k, arms in _groups_of(groups, part):
+        target = target_of(arms, st)
+        if st.contrast not in arms or target is None:
             continue
-        target = target_of(arms, reference)
-        seeds = sorted(set(arms[contrast]) & set(arms[reference]))
-        if not seeds:
-            continue
-        c = [censored_steps(arms[contrast][s].curve(), target) for s in seeds]
-        d = [censored_steps(arms[reference][s].curve(), target) for s in seeds]
-        rows.append({"task": task, "K": k, "target": target, "n": len(seeds), "c": c, "d": d,
-                     "ratio": fieller_ratio([s for s, _ in c], [s for s, _ in d])})
-    for r in rows:
-        r["bonferroni"] = fieller_ratio([s for s, _ in r["c"]], [s for s, _ in r["d"]], 1 - 0.05 / len(rows))
+        for base in sorted((a for a in arms if a != st.contrast), key=lambda a: (a != st.reference, a)):
+            seeds = sorted(set(arms[st.contrast]) & set(arms[base]))
+            if len(seeds) < 2:
+                continue
+            c = [censored_steps(arms[st.contrast][s].curve(), target) for s in seeds]
+            d = [censored_steps(arms[base][s].curve(), target) for s in seeds]
+            rows.append({"task": task, "K": k, "base": base, "target": target, "c": c, "d": d,
+                         "ratio": fieller_ratio([x for x, _ in c], [x for x, _ in d]),
+                         "rule": paired_t([x - 0.5 * y for (x, _), (y, _) in zip(c, d)])})
     return rows
 
 
-def verdict(lo: float, hi: float) -> str:
-    """The "≤ 50% of the steps" criterion on the ratio's interval."""
-    return "yes" if hi <= 0.5 else "no" if lo > 0.5 else "unclear"
+def verdict(t) -> str:
+    """Yes if the 95% interval of mean d lies below 0, no if above, else unclear."""
+    return "yes" if t.hi < 0 else "no" if t.lo > 0 else "unclear"
 
 
-def ratio_table(rows: list[dict], reference: str, contrast: str) -> str:
-    m = len(rows)
-    lines = [f"| task | K | target | seeds | {contrast} steps (reached) | {reference} steps (reached) | ratio "
-             f"| 95% CI | Bonferroni CI (m = {m}) | ≤ 50% of the steps |", "|---|---|---|---|---|---|---|---|---|---|"]
+def q1_table(rows: list[dict], st: Settings) -> str:
+    c = st.contrast
+    lines = [f"| task | K | {c} vs | target | seeds | {c} steps (censored) | its steps (censored) | ratio | Fieller 95% CI "
+             f"| T_{c} − 0.5·T_other | 95% CI | ≤ 50% of the steps |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        (rat, lo, hi), (_, blo, bhi) = r["ratio"], r["bonferroni"]
-        cm, dm = (sum(s for s, _ in x) / len(x) for x in (r["c"], r["d"]))
-        lines.append(f"| {r['task']} | {r['K']} | {r['target']:.3f} | {r['n']} | {cm:.1f} ({sum(h for _, h in r['c'])}/{r['n']}) "
-                     f"| {dm:.1f} ({sum(h for _, h in r['d'])}/{r['n']}) | {rat:.2f} | {_ci(lo, hi, 2)} "
-                     f"| {_ci(blo, bhi, 2)} | {verdict(lo, hi)} |")
-    lines += ["", f"ratio = mean steps to target of {contrast} / of {reference} (target: {reference}'s final held-out "
-              "accuracy, mean over seeds; censored runs count as their last step + one evaluation interval), paired by "
-              "seed, Fieller's interval. ≤ 50%: yes if the 95% interval's upper end is <= 0.5, no if its lower end "
-              "is > 0.5, else unclear."]
+        (rat, lo, hi), t, n = r["ratio"], r["rule"], len(r["c"])
+        cm, dm = (sum(x for x, _ in v) / n for v in (r["c"], r["d"]))
+        lines.append(f"| {r['task']} | {r['K']} | {r['base']} | {r['target']:.3f} | {n} "
+                     f"| {cm:.1f} ({n - sum(h for _, h in r['c'])}) | {dm:.1f} ({n - sum(h for _, h in r['d'])}) "
+                     f"| {rat:.2f} | {_ci(lo, hi, 2)} | {t.mean:+.1f} | {_ci(t.lo, t.hi, 1)} | {verdict(t)} |")
+    lines += ["", f"Target: {st.reference}'s final held-out accuracy (mean over seeds of the mean of its last "
+              f"{st.final_evals} evaluations). Steps to target per run, censored at the last step + one evaluation "
+              f"interval (censored runs in brackets). Rule: d = T_{c} − 0.5·T_other paired by seed; yes if the 95% "
+              f"t-interval of mean d lies below 0, no if above, else unclear. Against {st.reference}: the primary, "
+              "uncorrected test; the other rows are secondary. Ratio of mean steps with Fieller's interval: descriptive."]
     return "\n".join(lines)
 
 
-def collapse_table(groups: Groups, part: str, floor: float) -> str:
+def slope_rows(groups: Groups, part: str, st: Settings) -> list[dict]:
+    """Per task and other arm: per seed, the slope of the mean-accuracy gap on log2 K."""
+    gaps: dict[tuple[str, str], dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for task, k, arms in _groups_of(groups, part):
+        if st.contrast not in arms:
+            continue
+        for base in (a for a in arms if a != st.contrast):
+            for s in set(arms[st.contrast]) & set(arms[base]):
+                gap = mean_accuracy(arms[st.contrast][s].curve()) - mean_accuracy(arms[base][s].curve())
+                gaps[(task, base)][s].append((math.log2(k), gap))
+    rows = []
+    for (task, base), per_seed in sorted(gaps.items()):
+        slopes = [slope([x for x, _ in pts], [y for _, y in pts]) for pts in per_seed.values() if len(pts) >= 2]
+        slopes = [v for v in slopes if v == v]
+        if len(slopes) >= 2 and len({x for pts in per_seed.values() for x, _ in pts}) >= 2:
+            rows.append({"task": task, "base": base, "t": paired_t(slopes)})
+    return rows
+
+
+def slope_table(rows: list[dict], st: Settings) -> str:
+    lines = ["| task | gap | seeds | slope per doubling of K | 95% CI | grows with K |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["t"]
+        lines.append(f"| {r['task']} | {st.contrast} − {r['base']} | {t.n} | {t.mean:+.4f} | {_ci(t.lo, t.hi, 4)} "
+                     f"| {'yes' if t.lo > 0 else 'no'} |")
+    lines += ["", "Gap: mean held-out accuracy over training, paired by seed; per seed the least-squares slope on "
+              "log2 K over the K values that seed ran; t-interval over seeds. Grows: only if the interval lies above 0."]
+    return "\n".join(lines)
+
+
+def collapse_table(groups: Groups, part: str, st: Settings) -> str:
     lines = ["| task | K | arm | lr | runs that learned | collapsed | fraction | Wilson 95% CI | never learned |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for (p, task, k), arms in sorted(groups.items()):
-        if p != part:
-            continue
+    for task, k, arms in _groups_of(groups, part):
         for arm, runs in arms.items():
-            flags = [collapsed(r.curve(), floor) for r in runs.values()]
+            flags = [collapsed(r.curve(), st.floor) for r in runs.values()]
             learned = [f for f in flags if f is not None]
             lo, hi = wilson(sum(learned), len(learned))
             frac = f"{sum(learned) / len(learned):.2f}" if learned else "n/a"
             lines.append(f"| {task} | {k} | {arm} | {_lrs(runs)} | {len(learned)} | {sum(learned)} | {frac} "
                          f"| [{lo:.2f}, {hi:.2f}] | {len(flags) - len(learned)} |")
-    lines += ["", f"Collapsed: held-out accuracy below half its peak from some evaluation after the peak to the last "
-              f"one; \"never learned\": peak <= {floor:g} (left out of the fraction)."]
+    lines += ["", "Collapsed: held-out accuracy below half its peak P (over all evaluations) from some evaluation after "
+              f"the peak to the last one; never learned: P < {st.floor:g} (left out of the fraction). Two arms differ "
+              "only where their intervals do not overlap."]
     return "\n".join(lines)
 
 
-def tuning_table(runs: list[RunData], part: str, score: str) -> str | None:
+def tuning_table(runs: list[RunData], part: str, st: Settings) -> str | None:
     cells: dict[tuple[str, int, str], dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
         if r.meta["role"] == "tune" and r.meta["part"] == part:
             c = r.curve()
             cells[(r.meta["task"], int(r.meta["K"]), r.meta["arm"])][float(r.meta["lr"])].append(
-                mean_accuracy(c) if score == "mean_accuracy" else final_accuracy(c))
+                mean_accuracy(c) if st.tune_score == "mean_accuracy" else final_accuracy(c, st.final_evals))
     if not cells:
         return None
     lrs = sorted({lr for per in cells.values() for lr in per})
@@ -253,11 +384,11 @@ def tuning_table(runs: list[RunData], part: str, score: str) -> str | None:
              "|---|---|---|" + "---|" * (len(lrs) + 2)]
     for (task, k, arm), per in sorted(cells.items()):
         mean = {lr: sum(v) / len(v) for lr, v in per.items()}
-        best = max(sorted(mean), key=lambda lr: mean[lr])
-        edge = "yes" if best in (min(mean), max(mean)) and len(mean) > 1 else "no"
+        best = pick_lr(mean, st.tune_tie)
         lines.append(f"| {task} | {k} | {arm} | " + " | ".join(f"{mean[lr]:.3f}" if lr in mean else "n/a" for lr in lrs)
-                     + f" | {best:g} | {edge} |")
-    lines += ["", f"Score: {score.replace('_', ' ')} (mean over the tuning seeds); the highest wins."]
+                     + f" | {best:g} | {'yes' if at_edge(best, mean) else 'no'} |")
+    lines += ["", f"Score: {st.tune_score.replace('_', ' ')} (mean over the tuning seeds); the highest wins, scores within "
+              f"{st.tune_tie:g} of it tie and a tie goes to the smallest rate."]
     return "\n".join(lines)
 
 
@@ -283,78 +414,19 @@ def compute_table(runs: list[RunData]) -> tuple[str, dict[str, float]]:
 
 
 # --------------------------------------------------------------------------------------
-# Figures
-# --------------------------------------------------------------------------------------
-
-
-def plot_curves(groups: Groups, part: str, path: Path) -> Path | None:
-    """Held-out accuracy vs step, mean ± 95% band over seeds, one panel per (task, K)."""
-    keys = sorted(k for k in groups if k[0] == part)
-    if not keys:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from cispo.plotting import fill_band, save_figure, style_axis
-
-    cols = min(3, len(keys))
-    fig, axes = plt.subplots(math.ceil(len(keys) / cols), cols, figsize=(5 * cols, 3.6 * math.ceil(len(keys) / cols)),
-                             squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        for arm, runs in groups[key].items():
-            curves = [r.curve() for r in runs.values()]
-            steps = sorted(set.intersection(*(set(c) for c in curves)))
-            bands = [mean_band([c[s] for c in curves]) for s in steps]
-            ax.plot(steps, [b[0] for b in bands], label=arm)
-            fill_band(ax, steps, [b[0] - b[2] for b in bands], [b[0] + b[2] for b in bands], "eval/accuracy", alpha=0.2)
-        style_axis(ax, f"{key[1]}, K = {key[2]}: held-out accuracy")
-    for ax in list(axes.flat)[len(keys):]:
-        ax.set_visible(False)
-    return save_figure(fig, path, f"{part}: mean ± 95% band over seeds")
-
-
-def plot_gaps(rows: list[dict], part: str, contrast: str, path: Path) -> Path | None:
-    """contrast − baseline mean accuracy over training vs K, with 95% intervals (parts with > 1 K)."""
-    rows = [r for r in rows if r["measure"] == "mean_accuracy"]
-    if len({r["K"] for r in rows}) < 2:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for task, base in sorted({(r["task"], r["base"]) for r in rows}):
-        pts = sorted((r["K"], r["t"]) for r in rows if (r["task"], r["base"]) == (task, base))
-        ax.errorbar([k for k, _ in pts], [t.mean for _, t in pts], yerr=[t.half for _, t in pts], marker="o", capsize=3,
-                    label=f"{task}: {contrast} − {base}")
-    ax.set_xscale("log", base=2)
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set_xlabel("K (off-policy updates per generation batch)")
-    ax.set_title(f"{part}: mean held-out accuracy over training, paired gap (95% CI)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
-
-
-# --------------------------------------------------------------------------------------
 # The report and the doc check
 # --------------------------------------------------------------------------------------
 
 
-def report(csv_path: str | Path, out_dir: str | Path | None = None, reference: str = "dapo", contrast: str = "cispo",
-           floor: float | None = None, tune_score: str = "mean_accuracy") -> dict[str, str]:
-    """name -> text of every table (``summary/PART``, ``comparisons/PART``, ``ratio/PART``,
-    ``collapse/PART``, ``tuning/PART``, ``compute``) and quoted number (``ratio/PART/TASK/K16``
-    "0.52 [0.41, 0.66]", ``target/PART/TASK/K16``, ``hours/PART``, ``hours/total``). With
-    `out_dir`: each table as ``NAME.md`` (``/`` -> ``_``), the numbers in ``numbers.json``, and
-    the figures ``curves_PART.png`` / ``gaps_PART.png``. `floor` None: ``COLLAPSE_FLOOR``."""
-    floor = COLLAPSE_FLOOR if floor is None else floor
+def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings = Settings()) -> dict[str, str]:
+    """name -> text of every table (``summary/PART``, ``mechanism/PART``, ``comparisons/PART``,
+    ``q1/PART``, ``slope/PART``, ``collapse/PART``, ``tuning/PART``, ``compute``) and quoted
+    value (``target/PART/TASK/K16``; ``ratio/PART/TASK/K16/ARM`` "0.52 [0.41, 0.66]";
+    ``q1/PART/TASK/K16/ARM`` yes / no / unclear; ``slope/PART/TASK/ARM``; ``hours/PART``,
+    ``hours/total``). With `out_dir`: each table as ``NAME.md`` (``/`` -> ``_``), the values
+    in ``numbers.json``, and the figures ``curves_PART.png`` / ``gaps_PART.png``."""
+    from cispo.experiments.study_figures import plot_curves, plot_gaps
+
     runs = load_study(csv_path)
     groups = group_eval_runs(runs)
     if out_dir is not None:
@@ -362,23 +434,27 @@ def report(csv_path: str | Path, out_dir: str | Path | None = None, reference: s
     out: dict[str, str] = {}
     for part in sorted({r.meta["part"] for r in runs}):
         if any(k[0] == part for k in groups):
-            out[f"summary/{part}"] = summary_table(groups, part, reference, floor)
-            comp = comparisons(groups, part, reference, contrast)
-            if comp:
-                out[f"comparisons/{part}"] = comparisons_table(comp, contrast)
-            rat = ratio_rows(groups, part, reference, contrast)
-            if rat:
-                out[f"ratio/{part}"] = ratio_table(rat, reference, contrast)
-            for r in rat:
-                (v, lo, hi), tag = r["ratio"], f"{part}/{r['task']}/K{r['K']}"
-                out[f"ratio/{tag}"] = f"{v:.2f} {_ci(lo, hi, 2)}".replace("+", "")
+            out[f"summary/{part}"] = summary_table(groups, part, st)
+            out[f"mechanism/{part}"] = mechanism_table(groups, part, st)
+            if comp := comparisons(groups, part, st):
+                out[f"comparisons/{part}"] = comparisons_table(comp, st.families.get(part, DEFAULT_FAMILY))
+            if q1 := q1_rows(groups, part, st):
+                out[f"q1/{part}"] = q1_table(q1, st)
+            for r in q1:
+                tag = f"{part}/{r['task']}/K{r['K']}"
+                (v, lo, hi) = r["ratio"]
                 out[f"target/{tag}"] = f"{r['target']:.3f}"
-            out[f"collapse/{part}"] = collapse_table(groups, part, floor)
+                out[f"ratio/{tag}/{r['base']}"] = f"{v:.2f} {_ci(lo, hi, 2)}".replace("+", "")
+                out[f"q1/{tag}/{r['base']}"] = verdict(r["rule"])
+            if slopes := slope_rows(groups, part, st):
+                out[f"slope/{part}"] = slope_table(slopes, st)
+                for r in slopes:
+                    out[f"slope/{part}/{r['task']}/{r['base']}"] = f"{r['t'].mean:+.4f} {_ci(r['t'].lo, r['t'].hi, 4)}"
+            out[f"collapse/{part}"] = collapse_table(groups, part, st)
             if out_dir is not None:
                 plot_curves(groups, part, Path(out_dir) / f"curves_{part}.png")
-                plot_gaps(comp, part, contrast, Path(out_dir) / f"gaps_{part}.png")
-        tuning = tuning_table(runs, part, tune_score)
-        if tuning:
+                plot_gaps(groups, part, st.contrast, Path(out_dir) / f"gaps_{part}.png")
+        if tuning := tuning_table(runs, part, st):
             out[f"tuning/{part}"] = tuning
     out["compute"], hours = compute_table(runs)
     out.update({f"hours/{p}": f"{h:.2f}" for p, h in hours.items()})
