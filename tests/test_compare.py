@@ -164,11 +164,17 @@ def test_tiny_comparison_writes_table_and_plots(tiny_model, dense_task, tmp_path
     cfg = CompareConfig(seeds=[0, 1], workers=1, out_dir=str(tmp_path), train=train, tune_lrs=[1e-4, 3e-4])
     table = compare(cfg)
     assert set(table["arms"]) == {"grpo", "dapo", "cispo"}
-    assert set(table["learning_rates"].values()) <= {1e-4, 3e-4}
+    assert set(table["learning_rates"].values()) <= {3.16e-5, 1e-4, 3e-4, 9.49e-4}  # the grid, or one past an edge
     for name in ("table.md", "table.json", "comparison.png", "tuning.md"):
         assert (tmp_path / name).stat().st_size > 0
-    # resuming a finished comparison trains nothing and gives the same table
+    study = json.loads((tmp_path / "cispo__addition__K2__seed1" / "study.json").read_text())
+    assert study["arm"] == "cispo" and study["role"] == "eval" and study["wall_s"] > 0
+    # resuming a finished comparison trains nothing and gives the same table; a finished run
+    # without study.json (an older comparison's) gets one, with no wall time
+    (tmp_path / "cispo__addition__K2__seed1" / "study.json").unlink()
     again = compare(cfg)
     assert again["arms"] == table["arms"]
+    study = json.loads((tmp_path / "cispo__addition__K2__seed1" / "study.json").read_text())
+    assert study["arm"] == "cispo" and study["wall_s"] is None
     gaps = sweep(SweepConfig(seeds=[0], ks=[1, 2], workers=1, out_dir=str(tmp_path / "sweep"), train=train))
     assert set(gaps) == {1, 2} and (tmp_path / "sweep" / "sweep.png").exists()

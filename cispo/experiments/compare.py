@@ -400,6 +400,9 @@ def run_all(runs: list[Run], workers: int) -> None:
     """Train every unfinished run, ``workers`` at a time (resuming half-finished ones)."""
     todo = [r for r in runs if not _is_finished(r)]
     print(f"cispo: {len(runs) - len(todo)} of {len(runs)} runs already finished", file=sys.stderr)
+    for r in runs:  # finished before study.json existed (or lost it): its labels, wall time unknown
+        if r not in todo and not (r.dir / "study.json").exists():
+            (r.dir / "study.json").write_text(json.dumps({**r.meta(), "wall_s": None}, indent=1))
     if not todo:
         return
     from cispo.builtin_model import ensure_builtin_model
