@@ -189,7 +189,7 @@ def _pm(values: list[float], p: int = 3) -> str:
 
 
 def _ci(lo: float, hi: float, p: int = 3) -> str:
-    f = lambda v: "∞" if v == math.inf else "−∞" if v == -math.inf else f"{v:+.{p}f}"  # noqa: E731
+    f = lambda v: "inf" if v == math.inf else "-inf" if v == -math.inf else f"{v:+.{p}f}"  # noqa: E731
     return f"[{f(lo)}, {f(hi)}]"
 
 

@@ -88,7 +88,7 @@ def format_table(table: dict) -> str:
                  + "mean ± std over seeds; steps averaged over the seeds that reached the level; mean over training: "
                  "held-out accuracy averaged over the evaluations after step 0 (area under the curve); collapsed: "
                  f"runs whose accuracy fell below half its peak and stayed there (`stats.collapsed`), of those whose "
-                 f"peak passed {COLLAPSE_FLOOR}, with a Wilson interval.")
+                 f"peak reached {COLLAPSE_FLOOR}, with a Wilson interval.")
     return "\n".join(lines)
 
 
