@@ -1,17 +1,22 @@
 """The paper's controlled comparison in miniature (MiniMax-M1 Figure 2), and a K sweep.
 
-``compare``: GRPO, DAPO and CISPO (GSPO and REINFORCE selectable) trained from the same
-base model on the same prompts with the same compute, over several seeds. Reports
-held-out accuracy vs step (mean +- 95% band), *steps-to-target* — the first step at which
-an algorithm reaches DAPO's final accuracy (the paper's "50% of the steps" measure) — and
-the mechanism: fork-token rate, the fraction of fork tokens a PPO mask drops, the fraction
-of capped IS weights, and entropy.
+``compare``: named *arms* (``cispo.experiments.arms``: GRPO, DAPO and CISPO by default;
+any preset, an ablation such as ``cispo_seqmean`` or ``cispo_cap2``, or one defined in
+``arm_defs``) trained from the same base model on the same prompts with the same compute,
+over several seeds, each arm's learning rate tuned on seeds of its own. Reports held-out
+accuracy vs step (mean +- 95% band), *steps-to-target* — the first step at which an arm
+reaches the reference's (DAPO's) final accuracy (the paper's "50% of the steps" measure) —
+the collapse rate, and the mechanism: fork-token rate, the fraction of fork tokens a PPO
+mask drops, the fraction of capped IS weights, and entropy.
 
-``sweep``: the same over the number of off-policy updates K, reporting the CISPO − DAPO
-and CISPO − GRPO gaps (the paper used K = 16 only).
+``sweep``: the same over the number of off-policy updates K, reporting the gaps of the
+``contrast`` arm (CISPO) to the others (the paper used K = 16 only), with the learning rate
+tuned per K (``tune_per_k``), the mini-batch held constant (``minibatch_prompts``) and the
+warm-up a fraction of each run's optimizer steps (``warmup_fraction``) if asked.
 
-Every run is an ordinary ``cispo train`` run folder; a half-finished comparison resumes
-its unfinished runs and skips the finished ones.
+Every run is an ordinary ``cispo train`` run folder plus ``study.json`` (its arm, K, seed,
+learning rate, role and wall time; ``cispo study-data`` collects them); a half-finished
+comparison resumes its unfinished runs and skips the finished ones.
 """
 
 from __future__ import annotations
@@ -23,35 +28,89 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from cispo.config import TrainConfig, apply_overrides
+from cispo.config import ConfigError, TrainConfig, apply_overrides
+from cispo.experiments.arms import ArmConfig, describe, resolve_arms
+from cispo.experiments.stats import at_edge, final_accuracy, mean_accuracy, pick_lr
+from cispo.experiments.tables import (analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep,
+                                      sweep_gaps)
 from cispo.metrics import nan_mean
 from cispo.tracking import read_metrics
-
-# Two-sided 95% Student-t quantiles for n - 1 degrees of freedom (n seeds).
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
 @dataclass
 class CompareConfig:
-    """A controlled comparison: same base model, prompts and compute for every algorithm."""
+    """A controlled comparison: same base model, prompts and compute for every arm."""
 
-    algorithms: list[str] = field(default_factory=lambda: ["grpo", "dapo", "cispo"])
-    """Objective presets to compare."""
+    arms: list[str] = field(default_factory=lambda: ["grpo", "dapo", "cispo"])
+    """Arms to compare, by name: the built-in ones (the presets ``cispo``, ``ppo``, ``grpo``,
+    ``dapo``, ``gspo``, ``reinforce``; ``cispo_seqmean``: CISPO with sequence-mean
+    aggregation; ``cispo_cap0.2`` / ``cispo_cap1`` / ``cispo_cap2`` / ``cispo_cap4`` /
+    ``cispo_cap8``: CISPO with eps_high_is = 0.2 ... 8) or those of ``arm_defs``. The name
+    names the run folders and the table rows."""
+    arm_defs: dict[str, ArmConfig] = field(default_factory=dict)
+    """More arms (or built-in names redefined): ``arm_defs.NAME.objective=cispo
+    arm_defs.NAME.objective_overrides.eps_high_is=3``, or the same as a YAML mapping."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    """Seeds per algorithm (sampling, shuffling, prompt order)."""
+    """Evaluation seeds per arm (sampling, shuffling, prompt order); the reported runs."""
     reference: str = "dapo"
-    """Algorithm whose final accuracy is the steps-to-target target."""
+    """Arm whose final accuracy (mean over seeds) is the steps-to-target target."""
+    contrast: str = "cispo"
+    """Arm whose paired gaps to every other arm the sweep reports (CISPO − baseline)."""
     learning_rates: dict[str, float] = field(default_factory=dict)
-    """Per-algorithm learning rate; an algorithm listed here is not tuned."""
+    """Fixed learning rates: ``ARM`` (every K) or ``ARM@K`` (that K only; wins over ``ARM``).
+    An arm with a rate here for the K at hand is not tuned there."""
+    tuning_from: str | None = None
+    """Folder of an earlier comparison or sweep whose ``tuning.json`` chosen rates fill in
+    `learning_rates` (an explicit ``ARM`` replaces every loaded ``ARM@K``, an explicit
+    ``ARM@K`` its own): reuse the tuned rates, e.g. with `lr_scale`. An arm and K it has no
+    rate for is an error (no tuning happens here then)."""
+    lr_scale: float = 1.0
+    """Every run's learning rate (tuned or fixed) times this, e.g. 3 for the stability runs
+    at 3× the tuned rate. Tuning runs are not scaled."""
     tune_lrs: list[float] = field(default_factory=lambda: [3e-5, 1e-4, 3e-4])
-    """Learning rates tried for every algorithm not in `learning_rates` — the same tuning
-    budget for each — on `tune_seed`; the one with the highest mean held-out accuracy over
-    the evaluations after step 0 (area under the curve) is used. Empty: ``optim.lr``."""
-    tune_seed: int = 100
-    """Seed of the tuning runs (kept apart from `seeds`, so the reported runs are not the
-    ones the learning rate was picked on)."""
+    """Learning-rate grid tried for every arm (and every K it is tuned at) without a fixed
+    rate — the same tuning budget for each; use >= 4 log-spaced values that bracket the
+    optimum (the tuning table flags a choice at the edge of the grid). Empty: ``optim.lr``."""
+    tune_seeds: list[int] = field(default_factory=lambda: [100])
+    """Seeds of the tuning runs, disjoint from `seeds` (the reported runs are not the ones the
+    rate was picked on). The score of a rate is its mean over these seeds."""
+    tune_score: Literal["mean_accuracy", "final_accuracy"] = "mean_accuracy"
+    """Tuning score of one run, fixed in advance: ``mean_accuracy``, held-out accuracy averaged
+    over the evaluations after step 0 (area under the curve); ``final_accuracy``, the mean of
+    the last `final_evals` evaluations. The highest mean over `tune_seeds` wins."""
+    tune_tie: float = 0.005
+    """Scores within this of the best one tie, and a tie goes to the smallest rate (the study
+    protocol: |Δ| < 0.005). 0: only equal scores tie."""
+    tune_extend: bool = True
+    """Bracketing: when an arm's choice is at an edge of the grid, try one more rate beyond it
+    (the edge ×/÷ √10, 3 significant digits) on the same tuning seeds and choose again — once.
+    ``tuning.md`` still flags a choice at the edge of the extended grid."""
+    lr_from: dict[str, str] = field(default_factory=dict)
+    """Arms that are not tuned but take another arm's rate at the same K (tuned here, fixed, or
+    from `tuning_from`), e.g. ``{cispo_seqmean: cispo, cispo_cap2: cispo}``: the ablations
+    use CISPO's tuned rate. A rate of the arm's own in `learning_rates` wins."""
+    final_evals: int = 1
+    """Final held-out accuracy = mean of the run's last this many evaluations (also the target
+    of steps-to-target). 1: the last one (the 2026-11-30 runs); the study protocol: 2."""
+    minibatch_prompts: int | None = None
+    """K-sweep fairness: hold the mini-batch constant across K. Set, every run samples
+    ``rollout.prompts_per_step = K * minibatch_prompts`` prompts per step, so each of its K
+    mini-batches holds ``minibatch_prompts * group_size`` responses at every K (before dynamic
+    sampling drops uninformative groups). The trade: a step at larger K samples and trains on
+    K times the responses, so the runs' sampling compute grows with K while the number of
+    steps (generation batches) is the same. None: ``prompts_per_step`` fixed, so the
+    mini-batch shrinks as 1/K (the 2026-11-30 sweep: ~4 responses per mini-batch at K = 32)."""
+    warmup_fraction: float | None = None
+    """Warm-up that cannot swallow a short run: each run's ``optim.warmup_updates`` becomes
+    min(optim.warmup_updates, ceil(warmup_fraction * steps * K * epochs)), i.e. at most this
+    fraction of its optimizer steps, capped at the configured count (16 by default). E.g. 0.1:
+    K = 1 with 16 steps warms up over 2 of its 16 updates, K = 16 over 16 of 256. None: the
+    configured count for every run (a 16-update warm-up covers a whole 16-step K = 1 run)."""
+    part: str | None = None
+    """Name of this part of a study (``main``, ``ksweep``, ``ablation``, ``stability``),
+    recorded in each run's ``study.json`` and the raw-data file. None: `out_dir`'s name."""
     workers: int = 2
     """Runs in parallel (one torch thread each)."""
     out_dir: str = "runs/compare"
@@ -61,6 +120,45 @@ class CompareConfig:
     train: list[str] = field(default_factory=list)
     """``key=value`` overrides for every run's TrainConfig (e.g. ``steps=40``)."""
 
+    def __post_init__(self) -> None:
+        checks = [
+            ("seeds", len(self.seeds) >= 1 and len(set(self.seeds)) == len(self.seeds), "must be distinct, >= 1 of them"),
+            ("tune_seeds", not set(self.tune_seeds) & set(self.seeds),
+             f"must be disjoint from seeds (shared: {sorted(set(self.tune_seeds) & set(self.seeds))})"),
+            ("tune_seeds", len(self.tune_seeds) >= 1 or not self.tune_lrs, "must hold >= 1 seed when tune_lrs is set"),
+            ("tune_lrs", all(lr > 0 for lr in self.tune_lrs), "must all be > 0"),
+            ("learning_rates", all(v > 0 for v in self.learning_rates.values()), "must all be > 0"),
+            ("lr_scale", self.lr_scale > 0, "must be > 0"),
+            ("tune_tie", self.tune_tie >= 0, "must be >= 0"),
+            ("final_evals", self.final_evals >= 1, "must be >= 1"),
+            ("lr_from", all(a in self.arms for a in self.lr_from),
+             f"names arms that are not compared: {sorted(set(self.lr_from) - set(self.arms))}"),
+            ("lr_from", not _has_cycle(self.lr_from), "has a cycle (an arm takes its rate from itself)"),
+            ("minibatch_prompts", self.minibatch_prompts is None or self.minibatch_prompts >= 1, "must be >= 1 or None"),
+            ("warmup_fraction", self.warmup_fraction is None or 0 < self.warmup_fraction <= 1,
+             "must be in (0, 1] or None"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why}")
+        resolve_arms(self.arms, self.arm_defs)  # unknown / repeated / unusable names
+
+
+def _has_cycle(links: dict[str, str]) -> bool:
+    for start in links:
+        seen, arm = {start}, links[start]
+        while arm in links:
+            if arm in seen:
+                return True
+            seen.add(arm)
+            arm = links[arm]
+        if arm == start:
+            return True
+    return False
+
+
+# Keys of the comparison before arms (2026-12-01), with what replaced them.
+RENAMED = {"algorithms": "arms (named arms: the presets and more)", "tune_seed": "tune_seeds (a list)"}
 
 # Every comparison run: short, evaluated often (steps-to-target needs a fine grid).
 COMPARE_OVERRIDES = ["steps=16", "prompts_per_step=16", "eval.every=2", "num_eval_prompts=100", "eval.num_samples=4"]
@@ -69,94 +167,250 @@ QUICK_OVERRIDES = ["steps=8", "eval.every=4", "num_eval_prompts=50"]
 QUICK_LRS: dict[str, float] = {"grpo": 1e-4, "dapo": 1e-4, "cispo": 1e-4}
 
 
-def base_config(cfg: CompareConfig, extra: list[str] = ()) -> TrainConfig:
-    """The TrainConfig every run of the comparison starts from."""
-    overrides = COMPARE_OVERRIDES + (QUICK_OVERRIDES if cfg.quick else []) + list(cfg.train) + list(extra)
-    return apply_overrides(TrainConfig(), overrides)
+@dataclass(frozen=True)
+class Run:
+    """One training run of a comparison and what ``study.json`` records about it."""
+
+    config: TrainConfig
+    arm: str
+    role: Literal["eval", "tune"]
+    part: str
+    spec: str = ""  # the arm in words (`arms.describe`)
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.config.out_dir) / self.config.run_name
+
+    def meta(self) -> dict[str, Any]:
+        c = self.config
+        return {"part": self.part, "role": self.role, "arm": self.arm, "spec": self.spec, "objective": c.algo.objective,
+                "objective_overrides": dict(c.algo.objective_overrides), "task": c.data.task,
+                "K": c.algo.updates_per_batch, "seed": c.seed, "lr": c.optim.lr,
+                "prompts_per_step": c.rollout.prompts_per_step, "group_size": c.rollout.group_size,
+                "warmup_updates": c.optim.warmup_updates, "steps": c.steps}
 
 
-def one_run(base: TrainConfig, algo: str, seed: int, out_dir: str, lr: float | None = None,
-            prefix: str = "") -> TrainConfig:
-    """The run of `algo` with `seed` (and `lr`, if given) in `out_dir`."""
-    c = replace(base, seed=seed, out_dir=out_dir, threads=1, progress=False,
-                run_name=f"{prefix}{algo}__{base.data.task}__K{base.algo.updates_per_batch}__seed{seed}",
-                algo=replace(base.algo, objective=algo))
-    return c if lr is None else replace(c, optim=replace(c.optim, lr=lr))
+def part_name(cfg: CompareConfig) -> str:
+    return cfg.part or Path(cfg.out_dir).name
 
 
-def run_configs(cfg: CompareConfig, extra: list[str] = ()) -> list[TrainConfig]:
-    """One TrainConfig per (algorithm, seed), all in ``cfg.out_dir``."""
-    base = base_config(cfg, extra)
-    return [one_run(base, algo, seed, cfg.out_dir, cfg.learning_rates.get(algo))
-            for algo in cfg.algorithms for seed in cfg.seeds]
+def base_k(cfg: CompareConfig) -> int:
+    """K of the comparison's runs (``algo.updates_per_batch`` after `train`; default 16)."""
+    return base_config(cfg).algo.updates_per_batch
 
 
-def tuning_configs(cfg: CompareConfig) -> dict[tuple[str, float], TrainConfig]:
-    """(algorithm, lr) -> its tuning run, for every algorithm without a fixed learning rate."""
+def base_config(cfg: CompareConfig, arm: ArmConfig | None = None, k: int | None = None) -> TrainConfig:
+    """The TrainConfig every run of `arm` at `k` starts from: the comparison's overrides, the
+    arm's, K, then the fairness options (`minibatch_prompts`, `warmup_fraction`)."""
+    overrides = (COMPARE_OVERRIDES + (QUICK_OVERRIDES if cfg.quick else []) + list(cfg.train)
+                 + (list(arm.train) if arm else []) + ([f"algo.updates_per_batch={k}"] if k else []))
+    c = apply_overrides(TrainConfig(), overrides)
+    k = c.algo.updates_per_batch
+    fair = []
+    if cfg.minibatch_prompts is not None:
+        fair.append(f"rollout.prompts_per_step={k * cfg.minibatch_prompts}")
+    if cfg.warmup_fraction is not None:
+        fair.append(f"optim.warmup_updates={warmup_updates(c.optim.warmup_updates, cfg.warmup_fraction, c.steps * k * c.algo.epochs)}")
+    return apply_overrides(c, fair)
+
+
+def warmup_updates(cap: int, fraction: float, total_updates: int) -> int:
+    """min(cap, ceil(fraction * total_updates)): the warm-up of `warmup_fraction`."""
+    return min(cap, math.ceil(fraction * total_updates - 1e-9))
+
+
+def one_run(base: TrainConfig, arm_name: str, arm: ArmConfig, seed: int, lr: float | None, role: str, part: str,
+            prefix: str = "") -> Run:
+    """The run of `arm` with `seed` (and `lr`, if given), named ``{prefix}{arm}__{task}__K{K}__seed{seed}``."""
+    c = replace(base, seed=seed, threads=1, progress=False,
+                run_name=f"{prefix}{arm_name}__{base.data.task}__K{base.algo.updates_per_batch}__seed{seed}",
+                algo=replace(base.algo, objective=arm.objective, objective_overrides=dict(arm.objective_overrides)))
+    c = c if lr is None else replace(c, optim=replace(c.optim, lr=lr))
+    return Run(c, arm_name, role, part, describe(arm))
+
+
+def lr_for(cfg: CompareConfig, arm: str, k: int) -> float | None:
+    """The fixed or tuned learning rate of `arm` at `k` (``ARM@K`` before ``ARM``), else that of
+    the arm it takes its rate from (`lr_from`), or None."""
+    own = cfg.learning_rates.get(f"{arm}@{k}", cfg.learning_rates.get(arm))
+    return lr_for(cfg, cfg.lr_from[arm], k) if own is None and arm in cfg.lr_from else own
+
+
+def run_configs(cfg: CompareConfig, k: int | None = None) -> list[Run]:
+    """One evaluation run per (arm, seed) at `k` (None: the comparison's K), in ``cfg.out_dir``."""
+    arms, out = resolve_arms(cfg.arms, cfg.arm_defs), []
+    for name, arm in arms.items():
+        base = replace(base_config(cfg, arm, k), out_dir=cfg.out_dir)
+        lr = lr_for(cfg, name, base.algo.updates_per_batch)
+        if lr is None and name in cfg.lr_from:
+            raise ConfigError(f"lr_from: {name} takes the rate of {cfg.lr_from[name]} at K = "
+                              f"{base.algo.updates_per_batch}, which has none (tune it in this comparison, or give "
+                              "learning_rates / tuning_from)")
+        lr = (lr if lr is not None else base.optim.lr) * cfg.lr_scale
+        out += [one_run(base, name, arm, seed, lr, "eval", part_name(cfg)) for seed in cfg.seeds]
+    return out
+
+
+def tuning_configs(cfg: CompareConfig, k: int | None = None, lrs: list[float] | None = None,
+                   only: list[str] | None = None) -> dict[tuple[str, float, int], Run]:
+    """(arm, lr, tuning seed) -> its tuning run at `k` over `lrs` (None: the grid), for every
+    arm (of `only`, if given) without a fixed rate there and not in `lr_from`."""
     if cfg.quick or not cfg.tune_lrs:
         return {}
-    base = base_config(cfg)
-    return {(algo, lr): one_run(base, algo, cfg.tune_seed, cfg.out_dir, lr, prefix=f"tune_lr{lr:g}__")
-            for algo in cfg.algorithms if algo not in cfg.learning_rates for lr in cfg.tune_lrs}
+    out = {}
+    for name, arm in resolve_arms(cfg.arms, cfg.arm_defs).items():
+        base = replace(base_config(cfg, arm, k), out_dir=cfg.out_dir)
+        if lr_for(cfg, name, base.algo.updates_per_batch) is not None or name in cfg.lr_from or (
+                only is not None and name not in only):
+            continue
+        for lr in lrs or cfg.tune_lrs:
+            for seed in cfg.tune_seeds:
+                out[(name, lr, seed)] = one_run(base, name, arm, seed, lr, "tune", part_name(cfg), prefix=f"tune_lr{lr:g}__")
+    return out
 
 
-def tuning_score(rows: list[dict]) -> float:
-    """Mean held-out accuracy over the evaluations after step 0 (area under the curve)."""
-    return nan_mean(v for s, v in curve(rows, "eval/accuracy").items() if s > 0)
+def tuning_score(rows: list[dict], score: str = "mean_accuracy", final_evals: int = 1) -> float:
+    """The tuning score of one run (`CompareConfig.tune_score`) from its metrics rows."""
+    acc = curve(rows, "eval/accuracy")
+    return mean_accuracy(acc) if score == "mean_accuracy" else final_accuracy(acc, final_evals)
 
 
-def tune(cfg: CompareConfig) -> CompareConfig:
-    """Run the tuning grid (resumable) and return `cfg` with every algorithm's chosen
-    learning rate in `learning_rates`; writes ``tuning.md`` / ``tuning.json``."""
-    runs = tuning_configs(cfg)
-    if not runs:
-        lrs = {**QUICK_LRS, **cfg.learning_rates} if cfg.quick else dict(cfg.learning_rates)
-        return replace(cfg, learning_rates=lrs)
-    run_all(list(runs.values()), cfg.workers)
-    scores = {key: tuning_score(read_metrics(Path(c.out_dir) / c.run_name / "metrics.jsonl")) for key, c in runs.items()}
-    chosen = dict(cfg.learning_rates)
-    for algo in {a for a, _ in scores}:
-        chosen[algo] = max((lr for a, lr in scores if a == algo), key=lambda lr: scores[(algo, lr)])
-    lines = ["| algorithm | " + " | ".join(f"lr {lr:g}" for lr in cfg.tune_lrs) + " | chosen |",
-             "|---|" + "---|" * (len(cfg.tune_lrs) + 1)]
-    for algo in cfg.algorithms:
-        if any(a == algo for a, _ in scores):
-            lines.append(f"| {algo} | " + " | ".join(f"{scores[(algo, lr)]:.3f}" for lr in cfg.tune_lrs)
-                         + f" | {chosen[algo]:g} |")
-    lines += ["", f"Mean held-out accuracy over the evaluations after step 0, seed {cfg.tune_seed} (one run per cell)."]
+def beyond_edge(lr: float, grid) -> float:
+    """The rate one step (×/÷ √10) past the edge `lr` of `grid`, to 3 significant digits."""
+    return float(f"{lr / math.sqrt(10) if lr == min(grid) else lr * math.sqrt(10):.3g}")
+
+
+def load_tuning(folder: str | Path) -> dict[str, float]:
+    """The chosen rates (``ARM@K`` / ``ARM`` -> lr) of a comparison's ``tuning.json``."""
+    path = Path(folder) / "tuning.json"
+    try:
+        return {k: float(v) for k, v in json.loads(path.read_text())["chosen"].items()}
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"tuning_from: cannot read the chosen rates from {path}: {e}") from None
+
+
+def tune(cfg: CompareConfig, ks: list[int] | None = None) -> CompareConfig:
+    """Run the tuning grid at every K of `ks` (None: the comparison's K) — resumable — and
+    return `cfg` with each arm's chosen rate as ``learning_rates["ARM@K"]``; writes
+    ``tuning.md`` / ``tuning.json`` (every tuned K, merged with an earlier file's)."""
+    cfg = with_tuning_from(cfg)
+    if cfg.quick:
+        return replace(cfg, learning_rates={**QUICK_LRS, **cfg.learning_rates})
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tuning.md").write_text("\n".join(lines) + "\n")
-    (out / "tuning.json").write_text(json.dumps({f"{a}@{lr:g}": v for (a, lr), v in scores.items()}
-                                                | {"chosen": chosen}, indent=1))
+    previous = json.loads((out / "tuning.json").read_text()) if (out / "tuning.json").exists() else {}
+    scores: dict[str, float] = dict(previous.get("scores", {}))  # "ARM@K@LR" -> mean over tuning seeds
+    chosen = dict(cfg.learning_rates)
+    for k in ks or [base_k(cfg)]:
+        runs = tuning_configs(cfg, k)
+        if not runs:
+            continue
+        if cfg.tuning_from:
+            print(f"cispo: tuning {', '.join(sorted({a for a, _, _ in runs}))} at K = {k} here: "
+                  f"{cfg.tuning_from}/tuning.json has no rate for them", file=sys.stderr)
+        run_all(list(runs.values()), cfg.workers)
+        per_arm = {arm: _scores(cfg, runs, arm, cfg.tune_lrs) for arm in dict.fromkeys(a for a, _, _ in runs)}
+        if cfg.tune_extend:  # bracketing: one more rate past an edge choice, once
+            extra = {}
+            for arm, per_lr in per_arm.items():
+                if at_edge(best := pick_lr(per_lr, cfg.tune_tie), per_lr):
+                    extra.update(tuning_configs(cfg, k, [beyond_edge(best, per_lr)], [arm]))
+            run_all(list(extra.values()), cfg.workers)
+            for arm in dict.fromkeys(a for a, _, _ in extra):
+                per_arm[arm].update(_scores(cfg, extra, arm, [lr for a, lr, _ in extra if a == arm][:1]))
+        for arm, per_lr in per_arm.items():
+            scores.update({f"{arm}@{k}@{lr:g}": v for lr, v in per_lr.items()})
+            chosen[f"{arm}@{k}"] = pick_lr(per_lr, cfg.tune_tie)
+    if scores:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tuning.json").write_text(json.dumps({"score": cfg.tune_score, "seeds": cfg.tune_seeds,
+                                                     "scores": scores, "chosen": {**previous.get("chosen", {}), **chosen}},
+                                                    indent=1))
+        (out / "tuning.md").write_text(format_tuning(scores, cfg) + "\n")
     return replace(cfg, learning_rates=chosen)
 
 
-def _is_finished(c: TrainConfig) -> bool:
-    return (Path(c.out_dir) / c.run_name / "summary.json").exists()
+def with_tuning_from(cfg: CompareConfig) -> CompareConfig:
+    """`cfg` with the chosen rates of `tuning_from` in `learning_rates` (an explicit ``ARM``
+    replaces every loaded ``ARM@K``, an explicit ``ARM@K`` just its own)."""
+    if not cfg.tuning_from:
+        return cfg
+    loaded = {k: v for k, v in load_tuning(cfg.tuning_from).items() if k.split("@")[0] not in cfg.learning_rates}
+    return replace(cfg, learning_rates={**loaded, **cfg.learning_rates})
 
 
-def _run_one(c: TrainConfig) -> str:
+def _scores(cfg: CompareConfig, runs: dict[tuple[str, float, int], Run], arm: str, lrs: list[float]) -> dict[float, float]:
+    """lr -> the arm's tuning score at that rate, mean over the tuning seeds."""
+    return {lr: nan_mean(tuning_score(read_metrics(runs[(arm, lr, s)].dir / "metrics.jsonl"), cfg.tune_score,
+                                      cfg.final_evals) for s in cfg.tune_seeds) for lr in lrs}
+
+
+def format_tuning(scores: dict[str, float], cfg: CompareConfig) -> str:
+    """Markdown: one row per (arm, K), one column per rate, the choice and an edge flag."""
+    keys = [k.rsplit("@", 1) for k in scores]
+    lrs = sorted({float(lr) for _, lr in keys})
+    rows = list(dict.fromkeys(ak for ak, _ in keys))
+    lines = ["| arm | K | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen | at grid edge |",
+             "|---|---|" + "---|" * (len(lrs) + 2)]
+    for ak in rows:
+        arm, k = ak.rsplit("@", 1)
+        per = {lr: scores.get(f"{ak}@{lr:g}") for lr in lrs}
+        got = {lr: v for lr, v in per.items() if v is not None}
+        best = pick_lr(got, cfg.tune_tie)
+        edge = "yes" if at_edge(best, got) else "no"
+        lines.append(f"| {arm} | {k} | " + " | ".join("n/a" if v is None else f"{v:.3f}" for v in per.values())
+                     + f" | {best:g} | {edge} |")
+    what = "mean held-out accuracy over the evaluations after step 0" if cfg.tune_score == "mean_accuracy" \
+        else "final held-out accuracy"
+    lines += ["", f"Score: {what}, mean over tuning seeds {cfg.tune_seeds} (one run per seed and cell); the highest "
+              f"wins, scores within {cfg.tune_tie:g} of it tie and a tie goes to the smallest rate. \"At grid edge\": "
+              "the optimum may lie outside the grid" + (" (already extended once past an edge choice)." if cfg.tune_extend
+                                                        else ".")]
+    return "\n".join(lines)
+
+
+def base_model_id(c: TrainConfig) -> str:
+    """``builtin:<first 12 hex of the sha256 of its SHA256SUMS>`` for the built-in base model
+    (which weights the run started from), else ``model.path``."""
+    if c.model.path is not None:
+        return str(c.model.path)
+    from cispo.builtin_model import CHECKSUMS, ensure_builtin_model, file_sha256
+
+    return "builtin:" + file_sha256(ensure_builtin_model(c.data.task, progress=False) / CHECKSUMS)[:12]
+
+
+def _is_finished(run: Run) -> bool:
+    return (run.dir / "summary.json").exists()
+
+
+def _run_one(run: Run) -> str:
+    """Train (or resume) `run`; then write ``study.json``: its meta, the base model it started
+    from and the wall time of this call (a run resumed after an interruption counts only the
+    part that finished it)."""
     from cispo.runner import train
 
-    run_dir = Path(c.out_dir) / c.run_name
     started = time.perf_counter()
-    train(c, resume=run_dir.exists())
-    return f"{c.run_name}: {time.perf_counter() - started:.0f} s"
+    train(run.config, resume=run.dir.exists())
+    wall = time.perf_counter() - started
+    (run.dir / "study.json").write_text(json.dumps({**run.meta(), "base_model": base_model_id(run.config),
+                                                    "wall_s": round(wall, 2)}, indent=1))
+    return f"{run.config.run_name}: {wall:.0f} s"
 
 
-def run_all(configs: list[TrainConfig], workers: int) -> None:
+def run_all(runs: list[Run], workers: int) -> None:
     """Train every unfinished run, ``workers`` at a time (resuming half-finished ones)."""
-    todo = [c for c in configs if not _is_finished(c)]
-    print(f"cispo: {len(configs) - len(todo)} of {len(configs)} runs already finished", file=sys.stderr)
+    todo = [r for r in runs if not _is_finished(r)]
+    print(f"cispo: {len(runs) - len(todo)} of {len(runs)} runs already finished", file=sys.stderr)
+    for r in runs:  # finished before study.json existed (or lost it): its labels, wall time unknown
+        if r not in todo and not (r.dir / "study.json").exists():
+            (r.dir / "study.json").write_text(json.dumps({**r.meta(), "wall_s": None}, indent=1))
     if not todo:
         return
     from cispo.builtin_model import ensure_builtin_model
 
-    ensure_builtin_model(todo[0].data.task)  # once, before the workers race for it
+    ensure_builtin_model(todo[0].config.data.task)  # once, before the workers race for it
     if workers <= 1:
-        for c in todo:
-            print("cispo:", _run_one(c), file=sys.stderr)
+        for r in todo:
+            print("cispo:", _run_one(r), file=sys.stderr)
         return
     import multiprocessing as mp
 
@@ -165,133 +419,12 @@ def run_all(configs: list[TrainConfig], workers: int) -> None:
             print("cispo:", msg, file=sys.stderr)
 
 
-# ---------------------------------------------------------------------------------------
-# Analysis
-# ---------------------------------------------------------------------------------------
-
-
-def mean_band(values: list[float]) -> tuple[float, float, float]:
-    """(mean, std, half-width of the 95% t-interval) of ``values``."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0, 0.0
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, std, _T95.get(n - 1, 1.96) * std / math.sqrt(n)
-
-
-def curve(rows: list[dict], key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in rows if r.get(key) is not None}
-
-
-def steps_to_target(acc_curve: dict[int, float], target: float) -> int | None:
-    """First evaluated step whose held-out accuracy is >= target (None: never)."""
-    for step in sorted(acc_curve):
-        if step > 0 and acc_curve[step] >= target:
-            return step
-    return None
-
-
-def load_runs(configs: list[TrainConfig]) -> dict[str, list[list[dict]]]:
-    """algorithm -> list (over seeds) of metrics rows."""
-    runs: dict[str, list[list[dict]]] = {}
-    for c in configs:
-        rows = read_metrics(Path(c.out_dir) / c.run_name / "metrics.jsonl")
-        runs.setdefault(c.algo.objective, []).append(rows)
-    return runs
-
-
-def analyse(runs: dict[str, list[list[dict]]], reference: str) -> dict[str, Any]:
-    """The comparison table: final accuracy, steps-to-target, mechanism metrics."""
-    final = {a: [curve(rows, "eval/accuracy")[max(curve(rows, "eval/accuracy"))] for rows in rs] for a, rs in runs.items()}
-    target = mean_band(final[reference])[0] if reference in final else None
-    table = {"target": target, "reference": reference, "algorithms": {}}
-    for algo, rs in runs.items():
-        reached = [steps_to_target(curve(rows, "eval/accuracy"), target) for rows in rs] if target is not None else []
-        reached90 = [steps_to_target(curve(rows, "eval/accuracy"), 0.9 * target) for rows in rs] if target is not None else []
-        hit = [s for s in reached if s is not None]
-        mean_of = lambda key: mean_band([nan_mean(curve(rows, key).values()) for rows in rs])  # noqa: E731
-        table["algorithms"][algo] = {
-            "seeds": len(rs),
-            "final_accuracy": mean_band(final[algo]),
-            "initial_accuracy": mean_band([curve(rows, "eval/accuracy")[0] for rows in rs]),
-            "steps_to_target": mean_band(hit) if hit else None,
-            "reached_target": f"{len(hit)}/{len(rs)}",
-            # the target itself sits at the plateau, where one evaluation's noise decides
-            # whether a run "reaches" it; 90% of it measures the climb
-            "steps_to_90": mean_band(hit90) if (hit90 := [s for s in reached90 if s is not None]) else None,
-            "reached_90": f"{len(hit90)}/{len(rs)}",
-            "mean_accuracy": mean_band([tuning_score(rows) for rows in rs]),
-            "final_fork_rate": mean_band([_last(curve(rows, "eval/fork_rate")) for rows in rs]),
-            "frac_ppo_dropped_fork": mean_of("objective/frac_ppo_dropped_fork"),
-            "frac_capped": mean_of("objective/frac_capped"),
-            "entropy": mean_of("objective/entropy"),
-        }
-    return table
-
-
-def _last(c: dict[int, float]) -> float:
-    return c[max(c)] if c else float("nan")
-
-
-def _fmt_lr(lr) -> str:
-    return "n/a" if lr is None else f"{lr:g}"
-
-
-def format_table(table: dict) -> str:
-    """Markdown."""
-    fmt = lambda mb, p=3: "n/a" if mb is None else f"{mb[0]:.{p}f} ± {mb[1]:.{p}f}"  # noqa: E731
-    lines = [
-        f"Target: {table['reference']}'s final held-out accuracy = "
-        + ("n/a" if table["target"] is None else f"{table['target']:.3f}"),
-        "",
-        "| algorithm | lr | seeds | held-out acc. start | final | mean over training | steps to target | reached "
-        "| steps to 90% of target | reached | final fork rate | PPO-dropped fork tokens | IS weight capped | entropy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for algo, row in table["algorithms"].items():
-        lines.append(
-            f"| {algo} | {_fmt_lr(table.get('learning_rates', {}).get(algo))} | {row['seeds']} | {fmt(row['initial_accuracy'])} | {fmt(row['final_accuracy'])} "
-            f"| {fmt(row.get('mean_accuracy'))} | {fmt(row['steps_to_target'], 1)} | {row['reached_target']} "
-            f"| {fmt(row.get('steps_to_90'), 1)} | {row.get('reached_90', 'n/a')} | {fmt(row['final_fork_rate'])} "
-            f"| {fmt(row['frac_ppo_dropped_fork'])} | {fmt(row['frac_capped'])} | {fmt(row['entropy'])} |"
-        )
-    lines.append("")
-    lines.append("mean ± std over seeds; steps averaged over the seeds that reached the level; mean over training: "
-                 "held-out accuracy averaged over the evaluations after step 0 (area under the curve).")
-    return "\n".join(lines)
-
-
-PLOTS = [
-    ("eval/accuracy", "held-out accuracy (mean@k)"),
-    ("rollout/fork_rate", "fork-token rate (training samples)"),
-    ("objective/frac_ppo_dropped_fork", "fork tokens a PPO mask drops"),
-    ("objective/frac_capped", "IS weights capped"),
-    ("objective/entropy", "policy entropy"),
-    ("rollout/accuracy", "training accuracy"),
-]
-
-
-def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -> Path:
-    """Mean ± 95% band over seeds (clamped to [0, 1] for fractions), one curve per algorithm,
-    one panel per metric."""
-    import matplotlib.pyplot as plt
-
-    from cispo.plotting import fill_band, save_figure, style_axis
-
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
-    for ax, (key, name) in zip(axes.flat, PLOTS):
-        for algo, rs in runs.items():
-            curves = [curve(rows, key) for rows in rs]
-            steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-            if not steps:
-                continue
-            stats = [mean_band([c[s] for c in curves]) for s in steps]
-            m = [s[0] for s in stats]
-            ax.plot(steps, m, label=algo)
-            fill_band(ax, steps, [a - s[2] for a, s in zip(m, stats)], [a + s[2] for a, s in zip(m, stats)], key, alpha=0.2)
-        style_axis(ax, name)
-    return save_figure(fig, path, title)
+def load_runs(runs: list[Run]) -> dict[str, list[list[dict]]]:
+    """arm -> list (over seeds, in `runs` order) of metrics rows."""
+    out: dict[str, list[list[dict]]] = {}
+    for r in runs:
+        out.setdefault(r.arm, []).append(read_metrics(r.dir / "metrics.jsonl"))
+    return out
 
 
 def compare(cfg: CompareConfig) -> dict:
@@ -301,12 +434,12 @@ def compare(cfg: CompareConfig) -> dict:
     configs = run_configs(cfg)
     run_all(configs, cfg.workers)
     runs = load_runs(configs)
-    table = analyse(runs, cfg.reference)
-    table["learning_rates"] = {a: cfg.learning_rates.get(a, configs[0].optim.lr) for a in cfg.algorithms}
+    table = analyse(runs, cfg.reference, cfg.final_evals)
+    table["learning_rates"] = {r.arm: r.config.optim.lr for r in configs}
     out = Path(cfg.out_dir)
     (out / "table.json").write_text(json.dumps(table, indent=1))
     (out / "table.md").write_text(format_table(table) + "\n")
-    plot_comparison(runs, out / "comparison.png", f"{', '.join(cfg.algorithms)} — {len(cfg.seeds)} seeds")
+    plot_comparison(runs, out / "comparison.png", f"{', '.join(cfg.arms)} — {len(cfg.seeds)} seeds")
     table["wall_s"] = time.perf_counter() - started
     return table
 
@@ -324,18 +457,32 @@ class SweepConfig(CompareConfig):
     """Values of K (``algo.updates_per_batch``)."""
     out_dir: str = "runs/sweep"
     """The sweep's folder."""
+    tune_per_k: bool = False
+    """Tune every arm's learning rate at each K (the grid, seeds and score of the comparison;
+    ``ARM@K`` in ``tuning.json``). False: tune once, at the K of `train` (default 16), and use
+    that rate at every K (the 2026-11-30 sweep)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.ks or any(k < 1 for k in self.ks) or len(set(self.ks)) != len(self.ks):
+            raise ValueError(f"ks must be distinct values >= 1, got {self.ks}")
 
 
 def sweep(cfg: SweepConfig) -> dict:
-    """For each K: the comparison; then the CISPO − DAPO and CISPO − GRPO gaps vs K."""
-    cfg = tune(cfg)  # once, at the K of `train` (default 16); the same rates for every K
+    """For each K: the comparison; then the gaps of the `contrast` arm (CISPO) to the others vs K."""
+    if cfg.tune_per_k:
+        cfg = tune(cfg, list(cfg.ks))
+    else:  # once, at the K of `train` (default 16); the same rates for every K
+        k0 = base_k(cfg)
+        cfg = tune(cfg, [k0])
+        once = {key.rsplit("@", 1)[0]: v for key, v in cfg.learning_rates.items() if key.endswith(f"@{k0}")}
+        cfg = replace(cfg, learning_rates={**once, **cfg.learning_rates})
     per_k = {}
     for k in cfg.ks:
-        sub = replace(cfg, train=list(cfg.train) + [f"algo.updates_per_batch={k}"])
-        configs = run_configs(sub)
+        configs = run_configs(cfg, k)
         run_all(configs, cfg.workers)
         per_k[k] = load_runs(configs)
-    gaps = sweep_gaps(per_k, cfg.reference)
+    gaps = sweep_gaps(per_k, cfg.reference, cfg.contrast, cfg.final_evals)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(gaps, indent=1))
@@ -343,87 +490,4 @@ def sweep(cfg: SweepConfig) -> dict:
     plot_sweep(gaps, out / "sweep.png")
     return gaps
 
-
-def sweep_gaps(per_k: dict[int, dict[str, list[list[dict]]]], reference: str) -> dict:
-    """Per K and baseline: CISPO − baseline in final accuracy (paired by seed) and in
-    steps-to-target (target: the reference's final accuracy at that K; a run that never
-    reaches it counts as its last step + one evaluation interval, a censored value)."""
-    out = {}
-    for k, runs in per_k.items():
-        table = analyse(runs, reference)
-        target = table["target"]
-        row = {"target": target}
-        for base in [a for a in runs if a != "cispo"]:
-            if "cispo" not in runs:
-                continue
-            acc_gap = [_last(curve(c, "eval/accuracy")) - _last(curve(b, "eval/accuracy"))
-                       for c, b in zip(runs["cispo"], runs[base])]
-            stt_gap = [_censored_steps(c, target) - _censored_steps(b, target) for c, b in zip(runs["cispo"], runs[base])]
-            auc_gap = [tuning_score(c) - tuning_score(b) for c, b in zip(runs["cispo"], runs[base])]
-            row[base] = {"final_accuracy_gap": mean_band(acc_gap), "steps_to_target_gap": mean_band(stt_gap),
-                         "mean_accuracy_gap": mean_band(auc_gap)}
-        out[k] = row
-    return out
-
-
-def _censored_steps(rows: list[dict], target: float) -> float:
-    c = curve(rows, "eval/accuracy")
-    s = steps_to_target(c, target)
-    if s is not None:
-        return float(s)
-    steps = sorted(c)
-    return float(steps[-1] + (steps[-1] - steps[-2] if len(steps) > 1 else 1))
-
-
-def format_sweep(gaps: dict) -> str:
-    bases = sorted({b for row in gaps.values() for b in row if b != "target"})
-    head = "| K | " + " | ".join(f"CISPO − {b.upper()} final acc. | CISPO − {b.upper()} mean acc. over training "
-                                 f"| CISPO − {b.upper()} steps to target" for b in bases)
-    lines = [head + " |", "|---|" + "---|---|---|" * len(bases)]
-    for k, row in sorted(gaps.items()):
-        cells = []
-        for b in bases:
-            g = row.get(b)
-            if g is None:
-                cells += ["n/a", "n/a", "n/a"]
-                continue
-            a, m, s = g["final_accuracy_gap"], g.get("mean_accuracy_gap"), g["steps_to_target_gap"]
-            cells += [f"{a[0]:+.3f} ± {a[2]:.3f}", "n/a" if m is None else f"{m[0]:+.3f} ± {m[2]:.3f}",
-                      f"{s[0]:+.1f} ± {s[2]:.1f}"]
-        lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines.append("mean ± 95% half-width over seeds (paired by seed); negative steps = CISPO reaches the target sooner.")
-    return "\n".join(lines)
-
-
-def plot_sweep(gaps: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ks = sorted(gaps)
-    bases = sorted({b for row in gaps.values() for b in row if b != "target"})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for b in bases:
-        for ax, key, name in ((axes[0], "final_accuracy_gap", "final held-out accuracy gap"),
-                              (axes[1], "mean_accuracy_gap", "mean held-out accuracy over training, gap"),
-                              (axes[2], "steps_to_target_gap", "steps-to-target gap")):
-            pts = [(k, gaps[k][b][key]) for k in ks if b in gaps[k] and key in gaps[k][b]]
-            if not pts:
-                continue
-            x = [p[0] for p in pts]
-            m = [p[1][0] for p in pts]
-            h = [p[1][2] for p in pts]
-            ax.errorbar(x, m, yerr=h, marker="o", capsize=3, label=f"CISPO − {b.upper()}")
-            ax.set_xscale("log", base=2)
-            ax.axhline(0, color="k", lw=0.5)
-            ax.set_xlabel("K (off-policy updates per generation batch)")
-            ax.set_title(name, fontsize=10)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
 

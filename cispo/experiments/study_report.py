@@ -1,0 +1,499 @@
+"""Every table and figure of the study, regenerated from the raw-data CSV alone
+(``cispo.experiments.study_data``; ``cispo study-report``), and the check that the values
+quoted in docs/results.md are the ones this script prints. The definitions are those of
+docs/results/protocol.md (the preregistered protocol); `Settings` holds its choices.
+
+Measures, per evaluation run (``role = eval``), on its held-out accuracy curve:
+
+* **final accuracy**: mean of the last `final_evals` evaluations (protocol: 2); **greedy
+  final** the same of ``eval/accuracy_greedy`` (reported, never decides);
+* **mean accuracy over training**: the evaluations after step 0;
+* **steps to target**: target = the `reference` arm's (DAPO's) final accuracy, mean over its
+  seeds, per (part, task, K); the first evaluated step at or above it; a run that never
+  reaches it is censored at its last step + one evaluation interval (`stats.censored_steps`);
+* **steps to 90%** of the run's own final accuracy (how early the curve flattens);
+* **response length** and **fork (W) tokens per response**, means over the last 5 steps;
+* the mechanism metrics (PPO-dropped fork tokens, capped IS weights, entropy), means over
+  the steps, descriptive only;
+* **collapsed**: `stats.collapsed` (peak P over all evaluations; below P / 2 from some
+  evaluation after the peak to the end; P below `floor` = never learned, left out).
+
+Statistics:
+
+* differences are **paired by seed** (the seeds both arms ran): mean difference, two-sided
+  95% t-interval, paired t-test p-value;
+* **Holm's correction** over each family (`Family`; per part and task): the protocol's for the
+  parts named ``main`` (all pairs × final accuracy, mean accuracy, steps to 90%: 9 tests),
+  ``ksweep`` (CISPO − DAPO and CISPO − GRPO × every K × final accuracy and steps to target)
+  and ``ablation`` (each arm − CISPO × final and mean accuracy); any other part: CISPO − each
+  arm, one family per measure. "Significant" = Holm-adjusted p <= 0.05;
+* **Q1, "≤ 50% of the steps"**: d_s = T_contrast,s − 0.5 · T_other,s (steps to target,
+  censored as above); *yes* if the 95% t-interval of mean d lies below 0, *no* if above,
+  *unclear* otherwise — one pre-specified test, no correction (against the reference arm;
+  the other arms as secondary). Beside it: the ratio of mean steps with Fieller's 95%
+  interval (`stats.fieller_ratio`) and the censored counts;
+* **"grows with K"**: per seed, the least-squares slope of the gap (contrast − other, mean
+  accuracy over training) on log2 K; t-interval over seeds; *yes* only if it lies above 0;
+* **collapse fraction** per arm: collapsed / runs that learned, Wilson's 95% interval (two
+  arms differ only where the intervals do not overlap);
+* **tuning** (``role = tune``): per (part, task, K, arm) and rate, the score averaged over the
+  tuning seeds; the choice (`stats.pick_lr`: near ties within `tune_tie` to the smaller
+  rate) and whether it sits at the grid's edge;
+* **compute**: wall hours per part (``wall_s``; a run without it counts the sum of its
+  ``perf/step_s``, which leaves out evaluation time — the table says how many did).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cispo.experiments.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, collapsed, fieller_ratio, final_accuracy,
+                                     holm, mean_accuracy, mean_band, mean_over_last_steps, paired_t, pick_lr, slope,
+                                     steps_to_own_fraction, wilson)
+from cispo.experiments.study_data import METRICS, read_csv
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family of paired comparisons, Holm-corrected together (per part and task)."""
+
+    pairs: Literal["contrast_vs_each", "each_vs_contrast", "all_pairs"]
+    """``contrast_vs_each``: contrast − arm; ``each_vs_contrast``: arm − contrast;
+    ``all_pairs``: every pair, contrast first, then the reference, then by name."""
+    measures: tuple[str, ...]
+    """Names of `measure`."""
+    pooled: bool = True
+    """One family over all its measures; False: one family per measure."""
+    others: tuple[str, ...] | None = None
+    """Only these other arms (None: every arm of the group)."""
+
+
+PROTOCOL_FAMILIES = {
+    "main": Family("all_pairs", ("final_accuracy", "mean_accuracy", "steps_to_90")),
+    "ksweep": Family("contrast_vs_each", ("final_accuracy", "steps_to_target"), others=("dapo", "grpo")),
+    "ablation": Family("each_vs_contrast", ("final_accuracy", "mean_accuracy")),
+}
+DEFAULT_FAMILY = Family("contrast_vs_each", ("final_accuracy", "mean_accuracy", "steps_to_target"), pooled=False)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The protocol's choices the tables depend on."""
+
+    reference: str = "dapo"
+    contrast: str = "cispo"
+    floor: float = COLLAPSE_FLOOR
+    final_evals: int = 2
+    tune_score: str = "mean_accuracy"
+    tune_tie: float = 0.005
+    families: dict[str, Family] = field(default_factory=lambda: dict(PROTOCOL_FAMILIES))
+
+
+@dataclass
+class RunData:
+    """One run of the CSV: its run columns and its per-step metrics."""
+
+    meta: dict[str, str]
+    steps: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def curve(self, key: str = "eval/accuracy") -> dict[int, float]:
+        return {s: m[key] for s, m in sorted(self.steps.items()) if key in m}
+
+    @property
+    def wall_s(self) -> tuple[float, bool]:
+        """(seconds, measured): ``wall_s``, or the sum of ``perf/step_s`` (measured = False)."""
+        if self.meta.get("wall_s"):
+            return float(self.meta["wall_s"]), True
+        return sum(m.get("perf/step_s", 0.0) for m in self.steps.values()), False
+
+
+def load_study(path: str | Path) -> list[RunData]:
+    """The CSV's runs (keyed by part and run folder name), in file order."""
+    runs: dict[tuple[str, str], RunData] = {}
+    for i, row in enumerate(read_csv(path), start=2):
+        key = (row["part"], row["run"])
+        run = runs.setdefault(key, RunData({c: row[c] for c in row if c not in METRICS and c != "step"}))
+        try:
+            run.steps[int(row["step"])] = {m: float(row[m]) for m in METRICS if row.get(m)}
+        except ValueError as e:
+            raise ValueError(f"{path}:{i}: {e}") from None
+    return list(runs.values())
+
+
+Groups = dict[tuple[str, str, int], dict[str, dict[int, RunData]]]
+
+
+def group_eval_runs(runs: list[RunData]) -> Groups:
+    """(part, task, K) -> arm -> seed -> run, for the evaluation runs. Two runs of one arm and
+    seed in a group (e.g. two batch sizes at one K in one part) are an error: use two parts."""
+    out: Groups = defaultdict(lambda: defaultdict(dict))
+    for r in runs:
+        if r.meta["role"] == "eval":
+            m = r.meta
+            cell = out[(m["part"], m["task"], int(m["K"]))][m["arm"]]
+            if int(m["seed"]) in cell:
+                raise ValueError(f"part {m['part']}, task {m['task']}, K {m['K']}: arm {m['arm']} has seed {m['seed']} "
+                                 f"twice ({cell[int(m['seed'])].meta['run']} and {m['run']}); put them in separate parts")
+            cell[int(m["seed"])] = r
+    return out
+
+
+def target_of(arms: dict[str, dict[int, RunData]], st: Settings) -> float | None:
+    """The reference arm's final held-out accuracy, mean over its seeds (None: not run)."""
+    if st.reference not in arms:
+        return None
+    return mean_band([final_accuracy(r.curve(), st.final_evals) for r in arms[st.reference].values()])[0]
+
+
+def measure(run: RunData, name: str, target: float | None, st: Settings) -> float:
+    """One per-run measure by name (module docstring)."""
+    c = run.curve()
+    if name == "mean_accuracy":
+        return mean_accuracy(c)
+    if name == "final_accuracy":
+        return final_accuracy(c, st.final_evals)
+    if name == "greedy_final":
+        return final_accuracy(run.curve("eval/accuracy_greedy"), st.final_evals)
+    if name == "steps_to_target":
+        return censored_steps(c, target)[0] if target is not None else float("nan")
+    if name == "steps_to_90":
+        s = steps_to_own_fraction(c, 0.9, st.final_evals)
+        return float("nan") if s is None else float(s)
+    if name in ("rollout/response_length", "rollout/fork_tokens_per_response"):
+        return mean_over_last_steps(run.curve(name), 5)
+    vals = list(run.curve(name).values())  # a mechanism metric: mean over the steps
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _label(name: str) -> str:
+    return name.replace("_", " ").replace("steps to 90", "steps to 90% of own final")
+
+
+# --------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------
+
+
+def _pm(values: list[float], p: int = 3) -> str:
+    values = [v for v in values if v == v]
+    if not values:
+        return "n/a"
+    mb = mean_band(values)
+    return f"{mb[0]:.{p}f} ± {mb[2]:.{p}f}"
+
+
+def _ci(lo: float, hi: float, p: int = 3) -> str:
+    f = lambda v: "inf" if v == math.inf else "-inf" if v == -math.inf else f"{v:+.{p}f}"  # noqa: E731
+    return f"[{f(lo)}, {f(hi)}]"
+
+
+def _lrs(runs: dict[int, RunData]) -> str:
+    return ", ".join(sorted({f"{float(r.meta['lr']):g}" for r in runs.values()}))
+
+
+def _groups_of(groups: Groups, part: str):
+    return [(task, k, arms) for (p, task, k), arms in sorted(groups.items()) if p == part]
+
+
+def summary_table(groups: Groups, part: str, st: Settings) -> str:
+    lines = ["| task | K | arm | lr | seeds | final | greedy final | mean over training | steps to target | reached "
+             "| steps to 90% of own final | response length | W per response | collapsed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for task, k, arms in _groups_of(groups, part):
+        target = target_of(arms, st)
+        for arm, runs in arms.items():
+            m = lambda name, p=3: _pm([measure(r, name, target, st) for r in runs.values()], p)  # noqa: E731
+            hits = [censored_steps(r.curve(), target)[1] for r in runs.values()] if target is not None else []
+            flags = [f for f in (collapsed(r.curve(), st.floor) for r in runs.values()) if f is not None]
+            lines.append(f"| {task} | {k} | {arm} | {_lrs(runs)} | {len(runs)} | {m('final_accuracy')} | {m('greedy_final')} "
+                         f"| {m('mean_accuracy')} | {m('steps_to_target', 1)} | {sum(hits)}/{len(hits)} "
+                         f"| {m('steps_to_90', 1)} | {m('rollout/response_length', 1)} "
+                         f"| {m('rollout/fork_tokens_per_response', 2)} | {sum(flags)}/{len(flags)} |")
+    lines += ["", f"mean ± 95% t half-width over seeds. Final: mean of the last {st.final_evals} evaluations. Steps to "
+              f"target: target = {st.reference}'s final held-out accuracy (mean over its seeds) at that task and K; a run "
+              "that never reaches it counts as its last step + one evaluation interval. Response length and W (fork) "
+              f"tokens per response: means over the last 5 steps. Collapsed: of the runs whose peak reached {st.floor:g}."]
+    return "\n".join(lines)
+
+
+MECHANISM = ("objective/frac_ppo_dropped_fork", "objective/frac_capped", "objective/entropy")
+
+
+def mechanism_table(groups: Groups, part: str, st: Settings) -> str:
+    lines = ["| task | K | arm | PPO-dropped fork tokens | IS weight capped | entropy |", "|---|---|---|---|---|---|"]
+    for task, k, arms in _groups_of(groups, part):
+        for arm, runs in arms.items():
+            lines.append(f"| {task} | {k} | {arm} | "
+                         + " | ".join(_pm([measure(r, m, None, st) for r in runs.values()]) for m in MECHANISM) + " |")
+    lines += ["", "Means over each run's steps, then mean ± 95% t half-width over seeds; descriptive only."]
+    return "\n".join(lines)
+
+
+def _pairs(arms: list[str], fam: Family, st: Settings) -> list[tuple[str, str]]:
+    if st.contrast not in arms and fam.pairs != "all_pairs":
+        return []
+    others = [a for a in arms if a != st.contrast and (fam.others is None or a in fam.others)]
+    if fam.pairs == "contrast_vs_each":
+        return [(st.contrast, a) for a in others]
+    if fam.pairs == "each_vs_contrast":
+        return [(a, st.contrast) for a in others]
+    order = sorted(arms, key=lambda a: (a != st.contrast, a != st.reference, a))
+    return [(a, b) for i, a in enumerate(order) for b in order[i + 1:]]
+
+
+def comparisons(groups: Groups, part: str, st: Settings) -> list[dict]:
+    """Every paired comparison of the part's family, with Holm-adjusted p-values (a family per
+    task, and per measure unless the family is pooled)."""
+    fam = st.families.get(part, DEFAULT_FAMILY)
+    rows = []
+    for task, k, arms in _groups_of(groups, part):
+        target = target_of(arms, st)
+        for a, b in _pairs(list(arms), fam, st):
+            seeds = sorted(set(arms[a]) & set(arms[b]))
+            for name in fam.measures:
+                diffs = [measure(arms[a][s], name, target, st) - measure(arms[b][s], name, target, st) for s in seeds]
+                if len(diffs) >= 2 and all(d == d for d in diffs):
+                    rows.append({"task": task, "K": k, "a": a, "b": b, "measure": name, "t": paired_t(diffs)})
+    for key in {(r["task"], None if fam.pooled else r["measure"]) for r in rows}:
+        family = [r for r in rows if (r["task"], None if fam.pooled else r["measure"]) == key]
+        for r, adj in zip(family, holm([r["t"].p for r in family])):
+            r["holm_p"], r["family"] = adj, len(family)
+    return rows
+
+
+def comparisons_table(rows: list[dict], fam: Family) -> str:
+    lines = ["| task | K | measure | difference | seeds | mean | 95% CI | p | Holm p | family | significant |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, p = r["t"], (1 if r["measure"].startswith("steps") else 3)
+        lines.append(f"| {r['task']} | {r['K']} | {_label(r['measure'])} | {r['a']} − {r['b']} | {t.n} | {t.mean:+.{p}f} "
+                     f"| {_ci(t.lo, t.hi, p)} | {t.p:.3g} | {r['holm_p']:.3g} | {r['family']} "
+                     f"| {'yes' if r['holm_p'] <= 0.05 else 'no'} |")
+    what = "over all its measures" if fam.pooled else "per measure"
+    lines += ["", f"Paired by seed; two-sided 95% t-intervals (unadjusted) and paired t-tests; Holm's correction within "
+              f"each task's family {what} (family = its number of tests); significant: Holm p <= 0.05."]
+    return "\n".join(lines)
+
+
+def q1_rows(groups: Groups, part: str, st: Settings) -> list[dict]:
+    """The "≤ 50% of the steps" rule of the contrast arm against the reference (and the others)."""
+    rows = []
+    for task, k, arms in _groups_of(groups, part):
+        target = target_of(arms, st)
+        if st.contrast not in arms or target is None:
+            continue
+        for base in sorted((a for a in arms if a != st.contrast), key=lambda a: (a != st.reference, a)):
+            seeds = sorted(set(arms[st.contrast]) & set(arms[base]))
+            if len(seeds) < 2:
+                continue
+            c = [censored_steps(arms[st.contrast][s].curve(), target) for s in seeds]
+            d = [censored_steps(arms[base][s].curve(), target) for s in seeds]
+            rows.append({"task": task, "K": k, "base": base, "target": target, "c": c, "d": d,
+                         "ratio": fieller_ratio([x for x, _ in c], [x for x, _ in d]),
+                         "rule": paired_t([x - 0.5 * y for (x, _), (y, _) in zip(c, d)])})
+    return rows
+
+
+def verdict(t) -> str:
+    """Yes if the 95% interval of mean d lies below 0, no if above, else unclear."""
+    return "yes" if t.hi < 0 else "no" if t.lo > 0 else "unclear"
+
+
+def q1_table(rows: list[dict], st: Settings) -> str:
+    c = st.contrast
+    lines = [f"| task | K | {c} vs | target | seeds | {c} steps (censored) | its steps (censored) | ratio | Fieller 95% CI "
+             f"| T_{c} − 0.5·T_other | 95% CI | ≤ 50% of the steps |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        (rat, lo, hi), t, n = r["ratio"], r["rule"], len(r["c"])
+        cm, dm = (sum(x for x, _ in v) / n for v in (r["c"], r["d"]))
+        lines.append(f"| {r['task']} | {r['K']} | {r['base']} | {r['target']:.3f} | {n} "
+                     f"| {cm:.1f} ({n - sum(h for _, h in r['c'])}) | {dm:.1f} ({n - sum(h for _, h in r['d'])}) "
+                     f"| {rat:.2f} | {_ci(lo, hi, 2)} | {t.mean:+.1f} | {_ci(t.lo, t.hi, 1)} | {verdict(t)} |")
+    lines += ["", f"Target: {st.reference}'s final held-out accuracy (mean over seeds of the mean of its last "
+              f"{st.final_evals} evaluations). Steps to target per run, censored at the last step + one evaluation "
+              f"interval (censored runs in brackets). Rule: d = T_{c} − 0.5·T_other paired by seed; yes if the 95% "
+              f"t-interval of mean d lies below 0, no if above, else unclear. Against {st.reference}: the primary, "
+              "uncorrected test; the other rows are secondary. Ratio of mean steps with Fieller's interval: descriptive."]
+    return "\n".join(lines)
+
+
+def slope_rows(groups: Groups, part: str, st: Settings) -> list[dict]:
+    """Per task and other arm: per seed, the slope of the mean-accuracy gap on log2 K."""
+    gaps: dict[tuple[str, str], dict[int, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for task, k, arms in _groups_of(groups, part):
+        if st.contrast not in arms:
+            continue
+        for base in (a for a in arms if a != st.contrast):
+            for s in set(arms[st.contrast]) & set(arms[base]):
+                gap = mean_accuracy(arms[st.contrast][s].curve()) - mean_accuracy(arms[base][s].curve())
+                gaps[(task, base)][s].append((math.log2(k), gap))
+    rows = []
+    for (task, base), per_seed in sorted(gaps.items()):
+        slopes = [slope([x for x, _ in pts], [y for _, y in pts]) for pts in per_seed.values() if len(pts) >= 2]
+        slopes = [v for v in slopes if v == v]
+        if len(slopes) >= 2 and len({x for pts in per_seed.values() for x, _ in pts}) >= 2:
+            rows.append({"task": task, "base": base, "t": paired_t(slopes)})
+    return rows
+
+
+def slope_table(rows: list[dict], st: Settings) -> str:
+    lines = ["| task | gap | seeds | slope per doubling of K | 95% CI | grows with K |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["t"]
+        lines.append(f"| {r['task']} | {st.contrast} − {r['base']} | {t.n} | {t.mean:+.4f} | {_ci(t.lo, t.hi, 4)} "
+                     f"| {'yes' if t.lo > 0 else 'no'} |")
+    lines += ["", "Gap: mean held-out accuracy over training, paired by seed; per seed the least-squares slope on "
+              "log2 K over the K values that seed ran; t-interval over seeds. Grows: only if the interval lies above 0."]
+    return "\n".join(lines)
+
+
+def collapse_table(groups: Groups, part: str, st: Settings) -> str:
+    lines = ["| task | K | arm | lr | runs that learned | collapsed | fraction | Wilson 95% CI | never learned |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for task, k, arms in _groups_of(groups, part):
+        for arm, runs in arms.items():
+            flags = [collapsed(r.curve(), st.floor) for r in runs.values()]
+            learned = [f for f in flags if f is not None]
+            lo, hi = wilson(sum(learned), len(learned))
+            frac = f"{sum(learned) / len(learned):.2f}" if learned else "n/a"
+            lines.append(f"| {task} | {k} | {arm} | {_lrs(runs)} | {len(learned)} | {sum(learned)} | {frac} "
+                         f"| [{lo:.2f}, {hi:.2f}] | {len(flags) - len(learned)} |")
+    lines += ["", "Collapsed: held-out accuracy below half its peak P (over all evaluations) from some evaluation after "
+              f"the peak to the last one; never learned: P < {st.floor:g} (left out of the fraction). Two arms differ "
+              "only where their intervals do not overlap."]
+    return "\n".join(lines)
+
+
+def tuning_table(runs: list[RunData], part: str, st: Settings) -> str | None:
+    cells: dict[tuple[str, int, str], dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        if r.meta["role"] == "tune" and r.meta["part"] == part:
+            c = r.curve()
+            cells[(r.meta["task"], int(r.meta["K"]), r.meta["arm"])][float(r.meta["lr"])].append(
+                mean_accuracy(c) if st.tune_score == "mean_accuracy" else final_accuracy(c, st.final_evals))
+    if not cells:
+        return None
+    lrs = sorted({lr for per in cells.values() for lr in per})
+    lines = ["| task | K | arm | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen | at grid edge |",
+             "|---|---|---|" + "---|" * (len(lrs) + 2)]
+    for (task, k, arm), per in sorted(cells.items()):
+        mean = {lr: sum(v) / len(v) for lr, v in per.items()}
+        best = pick_lr(mean, st.tune_tie)
+        lines.append(f"| {task} | {k} | {arm} | " + " | ".join(f"{mean[lr]:.3f}" if lr in mean else "n/a" for lr in lrs)
+                     + f" | {best:g} | {'yes' if at_edge(best, mean) else 'no'} |")
+    lines += ["", f"Score: {st.tune_score.replace('_', ' ')} (mean over the tuning seeds); the highest wins, scores within "
+              f"{st.tune_tie:g} of it tie and a tie goes to the smallest rate."]
+    return "\n".join(lines)
+
+
+def compute_table(runs: list[RunData]) -> tuple[str, dict[str, float]]:
+    per: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in runs:
+        s, measured = r.wall_s
+        p = per[r.meta["part"]]
+        p[f"{r.meta['role']}_runs"] += 1
+        p[f"{r.meta['role']}_h"] += s / 3600
+        p["unmeasured"] += not measured
+    lines = ["| part | eval runs | tuning runs | eval hours | tuning hours | total hours | runs without wall_s |",
+             "|---|---|---|---|---|---|---|"]
+    hours = {}
+    for part, p in sorted(per.items()):
+        hours[part] = p["eval_h"] + p["tune_h"]
+        lines.append(f"| {part} | {p['eval_runs']:.0f} | {p['tune_runs']:.0f} | {p['eval_h']:.2f} | {p['tune_h']:.2f} "
+                     f"| {hours[part]:.2f} | {p['unmeasured']:.0f} |")
+    lines.append(f"| total | | | | | {sum(hours.values()):.2f} | |")
+    lines += ["", "Wall-clock hours of the runs (each run's `wall_s`; one without it counts its summed `perf/step_s`, "
+              "evaluation time left out). Runs ran `workers` at a time, so elapsed time is shorter."]
+    return "\n".join(lines), hours
+
+
+# --------------------------------------------------------------------------------------
+# The report and the doc check
+# --------------------------------------------------------------------------------------
+
+
+def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings = Settings()) -> dict[str, str]:
+    """name -> text of every table (``summary/PART``, ``mechanism/PART``, ``comparisons/PART``,
+    ``q1/PART``, ``slope/PART``, ``collapse/PART``, ``tuning/PART``, ``compute``) and quoted
+    value (``target/PART/TASK/K16``; ``ratio/PART/TASK/K16/ARM`` "0.52 [0.41, 0.66]";
+    ``q1/PART/TASK/K16/ARM`` yes / no / unclear; ``slope/PART/TASK/ARM``; ``hours/PART``,
+    ``hours/total``). With `out_dir`: each table as ``NAME.md`` (``/`` -> ``_``), the values
+    in ``numbers.json``, and the figures ``curves_PART.png`` / ``gaps_PART.png``."""
+    from cispo.experiments.study_figures import plot_curves, plot_gaps
+
+    runs = load_study(csv_path)
+    groups = group_eval_runs(runs)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    out: dict[str, str] = {}
+    for part in sorted({r.meta["part"] for r in runs}):
+        if any(k[0] == part for k in groups):
+            out[f"summary/{part}"] = summary_table(groups, part, st)
+            out[f"mechanism/{part}"] = mechanism_table(groups, part, st)
+            if comp := comparisons(groups, part, st):
+                out[f"comparisons/{part}"] = comparisons_table(comp, st.families.get(part, DEFAULT_FAMILY))
+            if q1 := q1_rows(groups, part, st):
+                out[f"q1/{part}"] = q1_table(q1, st)
+            for r in q1:
+                tag = f"{part}/{r['task']}/K{r['K']}"
+                (v, lo, hi) = r["ratio"]
+                out[f"target/{tag}"] = f"{r['target']:.3f}"
+                out[f"ratio/{tag}/{r['base']}"] = f"{v:.2f} {_ci(lo, hi, 2)}".replace("+", "")
+                out[f"q1/{tag}/{r['base']}"] = verdict(r["rule"])
+            if slopes := slope_rows(groups, part, st):
+                out[f"slope/{part}"] = slope_table(slopes, st)
+                for r in slopes:
+                    out[f"slope/{part}/{r['task']}/{r['base']}"] = f"{r['t'].mean:+.4f} {_ci(r['t'].lo, r['t'].hi, 4)}"
+            out[f"collapse/{part}"] = collapse_table(groups, part, st)
+            if out_dir is not None:
+                plot_curves(groups, part, Path(out_dir) / f"curves_{part}.png")
+                plot_gaps(groups, part, st.contrast, Path(out_dir) / f"gaps_{part}.png")
+        if tuning := tuning_table(runs, part, st):
+            out[f"tuning/{part}"] = tuning
+    out["compute"], hours = compute_table(runs)
+    out.update({f"hours/{p}": f"{h:.2f}" for p, h in hours.items()})
+    out["hours/total"] = f"{sum(hours.values()):.2f}"
+    if out_dir is not None:
+        d = Path(out_dir)
+        for name, text in out.items():
+            if "\n" in text:
+                (d / (name.replace("/", "_") + ".md")).write_text(text + "\n")
+        (d / "numbers.json").write_text(json.dumps({k: v for k, v in out.items() if "\n" not in v}, indent=1) + "\n")
+    return out
+
+
+MARKER = re.compile(r"<!-- study:(?P<name>\S+) -->(?P<body>.*?)<!-- /study:(?P=name) -->", re.S)
+"""A quoted table or number in a doc: ``<!-- study:ratio/main/chain/K16 -->0.52 [0.41, 0.66]<!-- /study:ratio/main/chain/K16 -->``;
+a table sits on its own lines between the two markers."""
+
+
+def check_doc(text: str, outputs: dict[str, str], where: str = "doc") -> list[str]:
+    """Every quoted block of `text` that differs from the report's output (or names no output),
+    as ``where:line: name: ...``; [] when all agree. A doc with no marker has nothing to check."""
+    problems = []
+    for m in MARKER.finditer(text):
+        line, name = text.count("\n", 0, m.start()) + 1, m["name"]
+        if name not in outputs:
+            problems.append(f"{where}:{line}: {name}: not an output of the report")
+        elif m["body"].strip() != outputs[name].strip():
+            problems.append(f"{where}:{line}: {name}: the doc says {m['body'].strip()[:200]!r}, the data give "
+                            f"{outputs[name].strip()[:200]!r}")
+    return problems
+
+
+def update_doc(text: str, outputs: dict[str, str]) -> str:
+    """`text` with every quoted block replaced by the report's output (unknown names kept)."""
+    def fill(m: re.Match) -> str:
+        if m["name"] not in outputs:
+            return m[0]
+        body = outputs[m["name"]].strip()
+        body = f"\n{body}\n" if "\n" in body or m["body"].startswith("\n") else body
+        return f"<!-- study:{m['name']} -->{body}<!-- /study:{m['name']} -->"
+
+    return MARKER.sub(fill, text)
