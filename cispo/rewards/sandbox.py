@@ -15,14 +15,12 @@ import functools
 import json
 import os
 import select
-import selectors
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,93 +191,65 @@ def _memfd(data: bytes) -> int:
     return fd
 
 
-def _feed(stdin, data: bytes) -> None:
-    """Write ``data`` to the harness's stdin and close it (from a thread: it may exceed the pipe buffer)."""
-    with contextlib.suppress(OSError):  # the harness died before reading its input
-        with stdin:
-            stdin.write(data)
+def _readable(fd, timeout: float) -> bool:
+    """Wait until ``fd`` is readable (or hung up), at most ``timeout`` seconds (poll: any fd number)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
 def execute(cfg: SandboxConfig, payload: dict) -> tuple[SandboxResult, bytes]:
     """Run the harness on ``payload`` (JSON on its stdin) in a fresh sandbox: the result, and the bytes
-    the harness wrote to its result pipe (its argv[2])."""
+    the harness wrote to its result file (its argv[2])."""
     if not sys.platform.startswith("linux"):
         raise SandboxUnavailable(f"the code sandbox needs Linux namespaces; this is {sys.platform}")
     as_root = os.geteuid() == 0
     python, binds = _python(cfg.python, as_root)
-    (status_r, status_w), (result_r, result_w) = os.pipe(), os.pipe()
-    child = {"status": status_w, "result": result_w, "seccomp": _memfd(_seccomp_filter()),
-             "harness": _memfd(HARNESS.read_bytes())}
-    proc = pidfd = killed = None
-    bufs = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray(), "result": bytearray()}
-    caps = {"stdout": cfg.max_output_bytes, "stderr": cfg.max_output_bytes, "status": 1 << 16, "result": 1 << 16}
-    start = time.monotonic()
-
-    def kill() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            if pidfd is not None:  # the namespace's init: the kernel kills every process in it
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        if proc is not None:
-            proc.kill()  # bwrap; with --die-with-parent, the init dies with it
-
-    try:
+    status_r, status_w = os.pipe()
+    # stdout, stderr and the result file are host files: the program's RLIMIT_FSIZE bounds them.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as res, \
+            open(status_r, "rb") as status:
+        child = {"status": status_w, "result": res.fileno(), "seccomp": _memfd(_seccomp_filter()),
+                 "harness": _memfd(HARNESS.read_bytes())}
+        start, pidfd, killed = time.monotonic(), None, None
         try:
-            proc = subprocess.Popen(_argv(cfg, python, binds, child), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, pass_fds=list(child.values()), start_new_session=True,
-                                    env=_ENV, **(dict(user=cfg.uid, group=cfg.uid, extra_groups=[]) if as_root else {}))
+            proc = subprocess.Popen(_argv(cfg, python, binds, child), stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    pass_fds=list(child.values()), start_new_session=True, env=_ENV,
+                                    **(dict(user=cfg.uid, group=cfg.uid, extra_groups=[]) if as_root else {}))
         finally:
-            for fd in child.values():
+            for fd in (status_w, child["seccomp"], child["harness"]):
                 os.close(fd)
-        threading.Thread(target=_feed, args=(proc.stdin, json.dumps(payload).encode("utf-8", "surrogatepass")),
-                         daemon=True).start()
-        streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_r: "status",
-                   result_r: "result"}
-        deadline = start + cfg.timeout_s  # then, once killed, the end of the tear-down grace
-        with selectors.DefaultSelector() as sel:
-            for fd in streams:
-                sel.register(fd, selectors.EVENT_READ)
-            while sel.get_map():
-                events = sel.select(max(0.0, deadline - time.monotonic()))
-                if not events and killed is not None:  # the tear-down grace ran out
-                    break
-                if not events:
-                    killed, deadline = "timeout", time.monotonic() + _TEARDOWN_S
-                    kill()
-                for key, _ in events:
-                    data, name = os.read(key.fd, 1 << 16), streams[key.fd]
-                    if not data:
-                        sel.unregister(key.fd)
-                    room = caps[name] - len(bufs[name])
-                    bufs[name] += data[: max(room, 0)]
-                    if len(data) > room and killed is None:
-                        killed, deadline = "output_limit", time.monotonic() + _TEARDOWN_S
-                        kill()
-                    if name == "status" and pidfd is None and b"\n" in bufs["status"]:
-                        pidfd = os.pidfd_open(json.loads(bufs["status"].split(b"\n")[0])["child-pid"])
-                        if killed is not None:
-                            kill()
-    finally:
-        kill()  # always: nothing of the run survives it
-        for fd in (status_r, result_r):
-            os.close(fd)
-        if proc is not None:
-            proc.stdout.close()
-            proc.stderr.close()
-            proc.wait()
-        if pidfd is not None:  # the init's exit means every process of the namespace is gone
-            select.select([pidfd], [], [], _TEARDOWN_S)
+        with proc:  # on leaving: stdin closed, bwrap waited for
+            try:
+                first = status.readline() if _readable(status, cfg.timeout_s) else b""
+                if first.endswith(b"\n"):  # bwrap reports the pid before the init may run: no pid reuse here
+                    pidfd = os.pidfd_open(json.loads(first)["child-pid"])
+                proc.communicate(json.dumps(payload).encode("utf-8", "surrogatepass"),
+                                 timeout=max(0.0, start + cfg.timeout_s - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                killed = "timeout"
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    if pidfd is not None:  # the namespace's init: the kernel kills every process in it, bwrap exits
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                if pidfd is None:
+                    proc.kill()  # bwrap, which never reported the init; --die-with-parent takes the init with it
+        if pidfd is not None:  # readable once the init, and so every process of the run, is gone
+            _readable(pidfd, _TEARDOWN_S)
             os.close(pidfd)
-    returncode = None
-    if killed is None:
-        exit_codes = [line for line in bufs["status"].splitlines() if b'"exit-code"' in line]
-        if pidfd is None or not exit_codes:  # bwrap failed before it started the program
-            message = bufs["stderr"].decode("utf-8", "replace").strip()[-500:]
-            raise SandboxUnavailable(f"bwrap could not create the sandbox (exit {proc.returncode}): {message}")
-        returncode = proc.returncode if proc.returncode <= 128 else 128 - proc.returncode  # bwrap: 128 + signal
-    out, err = (bufs[name].decode("utf-8", "replace") for name in ("stdout", "stderr"))
+        exited = b'"exit-code"' in status.read()  # bwrap (now gone) was the only writer
+        stdout, stderr = (os.pread(f.fileno(), cfg.max_output_bytes + 1, 0) for f in (out, err))
+        channel = os.pread(res.fileno(), 1 << 16, 0)
+    if killed is None and (pidfd is None or not exited):  # bwrap failed before the program ran
+        message = stderr.decode("utf-8", "replace").strip()[-500:]
+        raise SandboxUnavailable(f"bwrap could not create the sandbox (exit {proc.returncode}): {message}")
+    truncated = max(len(stdout), len(stderr)) > cfg.max_output_bytes
+    killed = killed or ("output_limit" if truncated else None)
+    returncode = None if killed else proc.returncode if proc.returncode <= 128 else 128 - proc.returncode
     reason = killed or (_KILLED.get(returncode, f"signal:{-returncode}") if returncode and returncode < 0 else None)
+    out, err = (s[: cfg.max_output_bytes].decode("utf-8", "replace") for s in (stdout, stderr))
     return SandboxResult(returncode, out, err, timed_out=killed == "timeout", killed_reason=reason,
-                         wall_s=time.monotonic() - start, truncated=killed == "output_limit"), bytes(bufs["result"])
+                         wall_s=time.monotonic() - start, truncated=truncated), channel
 
 
 def run_sandboxed(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
