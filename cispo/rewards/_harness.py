@@ -47,9 +47,10 @@ def _harden():
     sys.addaudithook(hook)
 
 
-def _runner(source, compiled, safe, box, done):
-    """The worker thread: run the solution, then each compiled case with the saved builtins ``safe``."""
-    exec_, type_, str_, base_exception = safe["exec"], safe["type"], safe["str"], safe["BaseException"]
+def _runner(source, tests, safe, box, done):
+    """The worker thread: run the solution, then each test case with the saved builtins ``safe``."""
+    exec_, compile_, type_, str_ = safe["exec"], safe["compile"], safe["type"], safe["str"]
+    base_exception = safe["BaseException"]
     excepthook, exc_info = sys.__excepthook__, sys.exc_info
 
     def failed():
@@ -62,17 +63,16 @@ def _runner(source, compiled, safe, box, done):
     try:
         ns = {"__name__": "solution", "__builtins__": sys.modules["builtins"]}
         try:
-            exec_(safe["compile"](source, "solution.py", "exec"), ns)
+            exec_(compile_(source, "solution.py", "exec"), ns)
         except base_exception:
             failed()
             return
         tests_ns = {k: v for k, v in ns.items() if type_(k) is str_ and k not in safe}  # shadowed builtins left out
         tests_ns["__builtins__"] = safe
-        for code in compiled:
+        for i, test in enumerate(tests):
             try:
-                if code is not None:
-                    exec_(code, tests_ns)
-                    passed += 1
+                exec_(compile_(test, "<test %d>" % i, "exec"), tests_ns)
+                passed += 1
             except base_exception:
                 failed()
     finally:
@@ -91,21 +91,13 @@ def _tests(payload, result_fd):
     payload.clear()  # the caller's reference too: the nonce and the cases are nowhere but here
     del nonce
     write, exit_, flush_out, flush_err = os.write, os._exit, sys.stdout.flush, sys.stderr.flush
-    compiled = []
-    for i, test in enumerate(tests):
-        try:
-            compiled.append(compile(test, "<test %d>" % i, "exec"))
-        except SyntaxError:
-            compiled.append(None)
-            sys.__excepthook__(*sys.exc_info())
-    del tests
     safe = dict(builtins.__dict__)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # _thread.interrupt_main() then does nothing
     _harden()
     box, done = [0], _thread.allocate_lock()
     done.acquire()
-    _thread.start_new_thread(_runner, (source, compiled, safe, box, done))
-    del source, compiled, safe
+    _thread.start_new_thread(_runner, (source, tests, safe, box, done))
+    del source, tests, safe
     # From here the main thread only calls C functions: no code of the solution runs on this stack.
     done.acquire()
     flush_out()

@@ -1,10 +1,6 @@
-"""Run untrusted Python under bubblewrap (``bwrap``) with rlimits and a seccomp filter (Linux).
+"""Run untrusted Python under bubblewrap (``bwrap``) with rlimits and a seccomp filter (Linux): ``run_sandboxed(code)``.
 
-    >>> run_sandboxed("print(6 * 7)").stdout
-    '42\\n'
-
-The program is `_harness.py`, which sets the rlimits on itself and reads its input from stdin.
-Limits, isolation, what the host needs and what is not contained: docs/code-sandbox.md.
+How it works, the limits, what the host needs and what is not contained: docs/code-sandbox.md.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ __all__ = ["SandboxConfig", "SandboxResult", "SandboxError", "SandboxUnavailable
            "run_sandboxed", "execute"]
 
 HARNESS = Path(__file__).resolve().with_name("_harness.py")
-_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp"}
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp"}  # all bwrap passes on
 _TEARDOWN_S = 5.0
 # EPERM for the program and its children: kernel attack surface a test solution never needs.
 _DENIED_SYSCALLS = (
@@ -157,7 +153,7 @@ def _python(configured: str | None, as_root: bool) -> tuple[str, tuple[str, ...]
 def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str, int]) -> list[str]:
     """The ``bwrap`` command line: namespaces, the read-only minimal file system, then the harness."""
     argv = [_bwrap(cfg, os.geteuid() == 0), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop",
-            "ALL", "--uid", "65534", "--gid", "65534", "--die-with-parent", "--new-session", "--clearenv",
+            "ALL", "--uid", "65534", "--gid", "65534", "--die-with-parent", "--new-session",
             "--ro-bind", "/usr", "/usr"]
     if cfg.network == "allow":
         argv.append("--share-net")
@@ -176,8 +172,6 @@ def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str
              "--size", tmp, "--tmpfs", "/dev/shm", "--symlink", "../tmp", "/var/tmp", "--dir", "/run",
              "--symlink", "../run", "/var/run", "--remount-ro", "/", "--chdir", "/tmp",
              "--seccomp", str(fds["seccomp"]), "--json-status-fd", str(fds["status"])]
-    for key, value in _ENV.items():
-        argv += ["--setenv", key, value]
     limits = {"AS": cfg.memory_mb << 20, "CPU": cfg.cpu_s, "FSIZE": cfg.max_file_mb << 20,
               "NPROC": cfg.max_processes, "CORE": 0, "NOFILE": 256}
     return argv + ["--", python, "-I", "-S", "/sandbox/harness.py", json.dumps(limits), str(fds["result"])]
