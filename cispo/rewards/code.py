@@ -53,16 +53,14 @@ def run_tests(code: str, tests: str | Sequence[str], cfg: SandboxConfig | None =
     """Run ``code``, then each test case, in the sandbox; a case passes if it runs without raising.
     The count is trusted only from the harness's HMAC line (key: a nonce drawn here)."""
     cases = _normalize_tests(tests)
-    nonce = secrets.token_bytes(16)
+    n, nonce = len(cases), secrets.token_bytes(16)
     result, channel = execute(cfg or SandboxConfig(), {"mode": "tests", "code": code, "tests": cases,
                                                        "nonce": nonce.hex()})
-    if result.ok:
-        for match in re.finditer(rb"^(\d+) (\d+) ([0-9a-f]{64})$", channel, re.M):
-            k, total = int(match.group(1)), int(match.group(2))
-            expected = hmac.new(nonce, b"%d %d" % (k, total), "sha256").hexdigest().encode()
-            if total == len(cases) and k <= total and hmac.compare_digest(expected, match.group(3)):
-                return TestReport(passed=k, total=len(cases), verified=True, result=result)
-    return TestReport(passed=0, total=len(cases), verified=False, result=result)
+    # The harness's line for each count k (the program is gone: a plain lookup is no timing oracle).
+    signed = {b"%d %d %s" % (k, n, hmac.new(nonce, b"%d %d" % (k, n), "sha256").hexdigest().encode()): k
+              for k in range(n + 1)}
+    counts = [signed[line] for line in channel.splitlines() if line in signed] if result.ok else []
+    return TestReport(passed=counts[0] if counts else 0, total=n, verified=bool(counts), result=result)
 
 
 def extract_code(completion: str) -> str:

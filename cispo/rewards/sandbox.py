@@ -144,9 +144,8 @@ def _python(configured: str | None, as_root: bool) -> tuple[str, tuple[str, ...]
         exe = "/usr/bin/python3"
     prefix = subprocess.run([exe, "-I", "-S", "-c", "import sys; print(sys.base_prefix)"], capture_output=True,
                             text=True, timeout=60, check=True).stdout.strip()
-    dirs = {os.path.dirname(exe), os.path.realpath(prefix)}
-    inside = lambda d, top: d.startswith(top.rstrip("/") + "/")  # noqa: E731
-    return exe, tuple(sorted(d for d in dirs if d != "/usr" and not any(inside(d, t) for t in dirs | {"/usr"})))
+    dirs = {os.path.dirname(exe), os.path.realpath(prefix)}  # bound in this order, so a nested one is a no-op
+    return exe, tuple(sorted(d for d in dirs if not (d + "/").startswith("/usr/")))
 
 
 def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str, int]) -> list[str]:
