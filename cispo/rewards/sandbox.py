@@ -215,17 +215,18 @@ def execute(cfg: SandboxConfig, payload: dict) -> tuple[SandboxResult, bytes]:
                 first = status.readline() if _readable(status, cfg.timeout_s) else b""
                 if first.endswith(b"\n"):  # bwrap reports the pid before the init may run: no pid reuse here
                     pidfd = os.pidfd_open(json.loads(first)["child-pid"])
-                proc.communicate(json.dumps(payload).encode("utf-8", "surrogatepass"),
-                                 timeout=max(0.0, start + cfg.timeout_s - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                killed = "timeout"
+                with contextlib.suppress(BrokenPipeError), proc.stdin:  # the harness reads it all first thing
+                    proc.stdin.write(json.dumps(payload).encode("utf-8", "surrogatepass"))
+                # The init's exit, and with it the end of every process of the run, makes the pidfd readable.
+                if pidfd is not None and not _readable(pidfd, start + cfg.timeout_s - time.monotonic()):
+                    killed = "timeout"
             finally:
                 with contextlib.suppress(ProcessLookupError):
                     if pidfd is not None:  # the namespace's init: the kernel kills every process in it, bwrap exits
                         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 if pidfd is None:
                     proc.kill()  # bwrap, which never reported the init; --die-with-parent takes the init with it
-        if pidfd is not None:  # readable once the init, and so every process of the run, is gone
+        if pidfd is not None:
             _readable(pidfd, _TEARDOWN_S)
             os.close(pidfd)
         exited = b'"exit-code"' in status.read()  # bwrap (now gone) was the only writer
