@@ -58,7 +58,7 @@ class SandboxConfig:
     cpu_s: int = 5  # RLIMIT_CPU per process: SIGXCPU at cpu_s, SIGKILL at cpu_s + 1
     memory_mb: int = 512  # RLIMIT_AS per process, MiB
     max_processes: int = 64  # RLIMIT_NPROC: processes + threads of the run (bwrap's init and the harness count)
-    max_output_bytes: int = 64_000  # cap on stdout and on stderr each; past it the run is killed
+    max_output_bytes: int = 64_000  # kept of stdout and of stderr each; more voids the run ("output_limit")
     max_file_mb: int = 16  # RLIMIT_FSIZE, MiB
     tmp_mb: int = 64  # size of each private tmpfs (/tmp, the working directory, and /dev/shm), MiB
     network: Literal["none", "allow"] = "none"  # "none": a new network namespace; "allow": the host's network
