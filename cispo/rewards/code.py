@@ -41,11 +41,9 @@ class TestReport:
 
 def _normalize_tests(tests: str | Sequence[str] | None) -> list[str]:
     """The test cases as a non-empty list (a string is one case); missing tests are a data error."""
-    if tests is None:
-        raise ValueError("code_reward needs the tests (a string of assert statements or a list of them)")
-    tests = [tests] if isinstance(tests, str) else [str(t) for t in tests]
+    tests = [tests] if isinstance(tests, str) else [str(t) for t in tests or ()]
     if not tests:
-        raise ValueError("code_reward got an empty list of tests")
+        raise ValueError("code_reward needs the tests: a string of assert statements or a non-empty list of them")
     return tests
 
 
