@@ -255,7 +255,7 @@ def check_sandbox(cfg: SandboxConfig | None = None) -> None:
     """Raise `SandboxUnavailable` (with the reason) unless ``cfg``'s sandbox runs a trivial program here."""
     try:
         result = run_sandboxed("import sys\nprint('sandbox-ok', sys.version_info[0])\n", cfg)
-    except (OSError, subprocess.SubprocessError) as exc:  # no interpreter, bwrap not executable, no pidfd_open, ...
+    except (OSError, ValueError, LookupError, subprocess.SubprocessError) as exc:  # no interpreter, no pidfd_open, ...
         raise SandboxUnavailable(f"the code sandbox does not work here: {type(exc).__name__}: {exc}") from exc
     if not (result.ok and result.stdout.startswith("sandbox-ok 3")):
         raise SandboxUnavailable(f"the code sandbox does not work here: returncode={result.returncode}, "
