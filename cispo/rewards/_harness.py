@@ -1,12 +1,18 @@
 """What `cispo.rewards.sandbox` runs inside bwrap: ``python -I -S harness.py LIMITS RESULT_FD``.
 
-Standard library only, never imported by cispo; how it works: docs/code-sandbox.md ("The test harness").
+Standard library only; cispo imports only `signed_lines`. How it works: docs/code-sandbox.md ("The test harness").
 """
 
+import hmac
 import json
 import os
-import resource
 import sys
+
+
+def signed_lines(nonce, n):
+    """The verdict line ``k n HMAC-SHA256(nonce, "k n")`` for each count k of n cases (code.py checks it)."""
+    return tuple(b"%d %d %s\n" % (k, n, hmac.new(nonce, b"%d %d" % (k, n), "sha256").hexdigest().encode())
+                 for k in range(n + 1))
 
 
 def _harden():
@@ -80,12 +86,9 @@ def _runner(source, tests, safe, box, done):
 
 def _tests(payload, result_fd):
     """Run the solution and the cases in a worker thread; write the signed line for its count to ``result_fd``."""
-    import builtins, hmac, signal, _thread  # noqa: E401
+    import builtins, signal, _thread  # noqa: E401
     nonce, tests, source = bytes.fromhex(payload["nonce"]), payload["tests"], payload["code"]
-    total = len(tests)
-    # One authenticated line per possible outcome; the nonce itself is never written anywhere.
-    markers = tuple(b"%d %d %s\n" % (k, total, hmac.new(nonce, b"%d %d" % (k, total), "sha256").hexdigest().encode())
-                    for k in range(total + 1))
+    markers = signed_lines(nonce, len(tests))  # the nonce itself is never written anywhere
     payload.clear()  # the caller's reference too: the nonce and the cases are nowhere but here
     del nonce
     write, exit_, flush_out, flush_err = os.write, os._exit, sys.stdout.flush, sys.stderr.flush
@@ -106,6 +109,7 @@ def _tests(payload, result_fd):
 
 def _main():
     """Set the rlimits, read the input and put /dev/null on stdin, then run the code or the tests."""
+    import resource
     for name, value in json.loads(sys.argv[1]).items():
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value + 1 if name == "CPU" else value))
     payload = json.loads(sys.stdin.buffer.read())

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from cispo.rewards._harness import signed_lines
 from cispo.rewards.sandbox import (SandboxConfig, SandboxError, SandboxResult, SandboxUnavailable, check_sandbox,
                                    execute, run_sandboxed)
 
@@ -55,9 +55,8 @@ def run_tests(code: str, tests: str | Sequence[str], cfg: SandboxConfig | None =
     result, channel = execute(cfg or SandboxConfig(), {"mode": "tests", "code": code, "tests": cases,
                                                        "nonce": nonce.hex()})
     # The harness's line for each count k (the program is gone: a plain lookup is no timing oracle).
-    signed = {b"%d %d %s" % (k, n, hmac.new(nonce, b"%d %d" % (k, n), "sha256").hexdigest().encode()): k
-              for k in range(n + 1)}
-    counts = [signed[line] for line in channel.splitlines() if line in signed] if result.ok else []
+    signed = {line: k for k, line in enumerate(signed_lines(nonce, n))}
+    counts = [signed[line] for line in channel.splitlines(keepends=True) if line in signed] if result.ok else []
     return TestReport(passed=counts[0] if counts else 0, total=n, verified=bool(counts), result=result)
 
 
