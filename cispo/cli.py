@@ -198,8 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name, help_text, cls, fn):
-        from cispo.pretrain import PretrainConfig  # noqa: F401  (import check for help)
-
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=format_help(cls),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see below)")

@@ -39,7 +39,7 @@ _LORA_PARAM_KEYS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", 
 def _peft():
     try:
         import peft
-        from peft.tuners.lora import LoraLayer  # noqa: F401
+        import peft.tuners.lora  # noqa: F401  (the LoRA tuner itself, so a broken install fails here with the hint)
     except ImportError as e:
         raise ImportError(INSTALL_HINT) from e
     return peft

@@ -222,6 +222,14 @@ def test_ordinary_stdlib_use_still_passes(cfg):
     assert "logging works in the sandbox" in report.result.stderr
 
 
+def test_an_input_larger_than_the_pipe_buffer_reaches_the_harness(cfg):
+    """The input is written to the harness's stdin before the wait: 2 MB of code and 200 cases
+    (far over a pipe's 64 KiB) get through, within the deadline."""
+    solution = f"BLOB = {'x' * (2 << 20)!r}\ndef add(a, b):\n    return a + b\n"
+    report = run_tests(solution, [f"assert add({i}, 1) == {i + 1} and len(BLOB) == {2 << 20}" for i in range(200)], cfg)
+    assert report.all_passed and report.total == 200 and report.result.wall_s < 4, report.result.stderr[-500:]
+
+
 def test_concurrent_calls_use_separate_sandboxes(cfg):
     with ThreadPoolExecutor(4) as pool:
         scores = list(pool.map(lambda _: code_reward("p", ADD, tests=ADD_TESTS, config=cfg), range(4)))

@@ -90,3 +90,41 @@ def test_no_import_circle_in_cispo():
     graph = import_graph()
     assert "cispo.trainer" in graph and "cispo.objective" in graph["cispo.trainer"]
     assert cycles(graph) == []
+
+
+def documented_layers() -> list[str]:
+    """The modules of docs/api.md's "Layers" table, top to bottom and left to right
+    (``rollout/``: the package and its modules)."""
+    text = (PACKAGE.parent / "docs" / "api.md").read_text()
+    table = text.split("## Layers: the modules as they stand", 1)[1]
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| ") and "`" in line]
+    return [name.strip(" `") for row in rows for name in row[2].split(",")]
+
+
+def layer_violations(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    """'a -> b' for every import of a module placed after it in ``order`` (its unit: a
+    top-level module, or a package given as ``name/``), plus the modules ``order`` misses."""
+    def unit(module: str) -> str:
+        parts = module.split(".")[1:]
+        return parts[0] + "/" if len(parts) > 1 or f"{parts[0]}/" in order else parts[0]
+
+    position = {name: i for i, name in enumerate(order)}
+    out = [f"{m} is not in the table" for m in graph if m != "cispo" and unit(m) not in position]
+    for module, deps in graph.items():
+        if module != "cispo" and unit(module) in position:
+            here = position[unit(module)]
+            out += [f"{module} -> {d}" for d in deps if d != "cispo" and position.get(unit(d), -1) > here]
+    return sorted(out)
+
+
+def test_the_layer_checker_finds_an_import_to_the_right():
+    graph = {"cispo.a": set(), "cispo.b": {"cispo.a"}, "cispo.p.x": {"cispo.b"}, "cispo.c": set()}
+    assert layer_violations(graph, ["a", "b", "p/"]) == ["cispo.c is not in the table"]
+    assert layer_violations(graph, ["b", "a", "p/", "c"]) == ["cispo.b -> cispo.a"]
+    assert layer_violations(graph, ["p/", "a", "b", "c"]) == ["cispo.p.x -> cispo.b"]
+
+
+def test_the_documented_layers_hold():
+    order = documented_layers()
+    assert order[:2] == ["suggest", "distributed"] and order[-1] == "__main__" and len(set(order)) == len(order)
+    assert layer_violations(import_graph(), order) == []

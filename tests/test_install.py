@@ -79,6 +79,20 @@ def test_install_hints_name_the_documented_route():
         assert route in docs, route
 
 
+def test_every_extra_an_install_hint_names_exists():
+    """Each ``cispo[x]`` / ``".[x]"`` that the package, the benchmarks or the docs tell users to
+    install is an optional-dependency of pyproject.toml."""
+    import re
+
+    extras = set(_pyproject()["project"]["optional-dependencies"])
+    files = [*(REPO / "cispo").rglob("*.py"), *(REPO / "benchmarks").glob("*.py"), *(REPO / "docs").glob("*.md"),
+             REPO / "README.md"]
+    named = {(f.relative_to(REPO).as_posix(), x) for f in files
+             for m in re.finditer(r"(?:cispo|[\"']\.)\[([a-z0-9_,-]+)\]", f.read_text()) for x in m.group(1).split(",")}
+    assert len(named) > 10 and {x for _, x in named} >= {"code", "vllm", "lora", "math", "data"}
+    assert sorted((f, x) for f, x in named if x not in extras) == []
+
+
 def _entry_points_from_pyproject(group: str) -> dict[str, str]:
     return _pyproject()["project"].get("entry-points", {}).get(group, {})
 

