@@ -114,7 +114,11 @@ def has_cxx_compiler() -> bool:
 
 class CompiledDecoder:
     """The decoder under ``torch.compile(dynamic=True)``, falling back to ``eager`` (the same
-    module, uncompiled) for good after the first compile error, with one warning."""
+    module, uncompiled) for good after the first compile error, with one warning.
+
+    A micro-batch of one row runs eager: dynamic shapes still specialise a size of 1 (and a
+    one-row view counts as contiguous whatever its row stride), so it would compile a graph
+    of its own (~10-20 s on a CPU) for a call that costs milliseconds."""
 
     def __init__(self, eager: torch.nn.Module):
         self.eager = eager
@@ -122,7 +126,7 @@ class CompiledDecoder:
         self.failed: str | None = None  # why it fell back to eager
 
     def __call__(self, **kwargs):
-        if self.failed is None:
+        if self.failed is None and kwargs["input_ids"].shape[0] >= 2:  # one row: eager (see below)
             # contiguous inputs: a view's row stride would be guarded (trimmed micro-batches and
             # the [:, :-1] slice give other strides at the same sizes, i.e. recompiles)
             inputs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}

@@ -75,7 +75,7 @@ def _check_compiled_matches_eager(dtype, tol):
     model.train()
     body = compiled_decoder(model, tok.pad_token_id)
     assert isinstance(body, CompiledDecoder) and body.failed is None
-    for shape in ((5, 6, 7), (3, 4, 9)):
+    for shape in ((5, 6, 7), (3, 4, 9), (1, 5, 5)):  # one row: run eager, not recompiled
         exp = _batch(tok, *shape)
         exp.response_mask = exp.response_mask.to(dtype)
         eager = _logp_and_grads(model, exp, None)
@@ -86,6 +86,10 @@ def _check_compiled_matches_eager(dtype, tol):
         for name, g in eager[2].items():
             assert (compiled[2][name] - g).abs().max() <= tol * max(1.0, float(g.abs().max())), name
     assert body.failed is None  # no fallback happened along the way
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    _logp_and_grads(model, _batch(tok, 4, 7, 3), body)  # other shapes again: no new graph
+    _logp_and_grads(model, _batch(tok, 1, 3, 4), body)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames
 
 
 def test_compiled_matches_eager_float32():
@@ -181,3 +185,22 @@ def test_seeded_compiled_runs_reproduce(tiny_model, tmp_path, dense_task, monkey
         for k, v in e.items():
             if isinstance(v, float) and v == v and k.startswith("objective/") and "ratio" not in k:
                 assert abs(a[k] - v) <= 1e-4 * max(1.0, abs(v)), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [("model.gradient_checkpointing=true",), ("model.lora_rank=4",)],
+                         ids=["gradient checkpointing", "LoRA"])
+def test_compiled_run_with(tiny_model, tmp_path, dense_task, monkeypatch, capsys, extra):
+    """model.compile=on next to gradient checkpointing or LoRA adapters: the run completes, compiled
+    (or, should inductor refuse, eager after one warning: never a crash), its losses within float32
+    rounding of the eager run's."""
+    if "model.lora_rank=4" in extra:
+        pytest.importorskip("peft")
+    runs = []
+    for name, mode in (("c", "on"), ("e", "off")):
+        cfg = small_config(tiny_model, tmp_path, f"run_name={name}", f"model.compile={mode}", "steps=2",
+                           "eval.every=0", "checkpoint_every=0", *extra)
+        runs.append([r for r in _metrics(train(cfg).run_dir) if "objective/loss" in r])
+    assert capsys.readouterr().err.count("model.compile: torch.compile failed") <= 1
+    for c, e in zip(*runs):
+        assert abs(c["objective/loss"] - e["objective/loss"]) <= 1e-4 * max(1.0, abs(e["objective/loss"]))
