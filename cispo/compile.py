@@ -47,11 +47,12 @@ if TYPE_CHECKING:
 CompileMode = Literal["auto", "on", "off"]
 
 # ``auto``: compile only where it was measured to pay off. Measured on the 2-core CPU this was
-# written on (docs/performance.md, "Compiled model step"), built-in models: the compiled decoder
-# saves ~0.15 s per default-size RL step (update passes ~0.85x, logp_old ~0.7x the eager time)
-# and costs ~15-25 s to compile with a warm cache, ~40-60 s cold; so it pays from a few hundred
-# steps, not in the default 60-step run. No GPU was measured: auto stays eager there.
-AUTO_MIN_STEPS = 300
+# written on, under load (docs/performance.md, "Compiled model step"), built-in default-size
+# model: the compiled decoder saves ~0.1-0.15 s per RL step (update passes ~0.85x, logp_old
+# ~0.85x the eager time; sampling untouched) and costs ~10-15 s to compile with a warm cache,
+# 75-100 s cold (the first run on a machine); so it is repaid after ~100 steps warm, ~700 cold,
+# never in the default 60-step run. No GPU was measured: auto stays eager there.
+AUTO_MIN_STEPS = 1000
 """``model.compile=auto`` compiles on a CPU (with a C++ compiler) for runs of at least this many steps."""
 
 
