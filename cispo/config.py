@@ -73,7 +73,7 @@ class ModelConfig:
     cispo cache folder (``cispo.compile``). ``on``; ``off`` (eager); ``auto``: where it was
     measured to pay off: on a CPU with a C++ compiler for runs of at least
     ``cispo.compile.AUTO_MIN_STEPS`` (1000) steps (on the built-in models it saves a little per
-    step and costs 15-60 s to compile; docs/performance.md), eager otherwise (no GPU measured).
+    step and costs 10-100 s to compile; docs/performance.md), eager otherwise (no GPU measured).
     A compile that fails falls back to eager with a warning. Not with ``model.fsdp``."""
     ref_path: str | None = None
     """With ``algo.objective_overrides.kl_coef > 0``: local Hugging Face causal-LM folder of the
