@@ -170,6 +170,7 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
 
     import cispo.setup as setup_mod
     import cispo.trainer as trainer_mod
+    from cispo.compile import train_body
     from cispo.config import TrainConfig, apply_overrides
     from cispo.data import PromptStream
     from cispo.models import build_model, build_tokenizer, load_policy
@@ -190,7 +191,8 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     ])
     eos = len(tok) if suppress_eos else tok.eos_token_id  # an id outside the vocab is never sampled
     sampler = TimedSampler(TorchSampler(model, eos, tok.pad_token_id))
-    policy = Policy(model, tok, sampler, torch.device("cpu"))
+    policy = Policy(model, tok, sampler, torch.device("cpu"),
+                    train_body=train_body(cfg.model, model, torch.device("cpu"), tok.pad_token_id))
     sampling = setup_mod.sampling_config(cfg.rollout, setup_mod.default_max_new_tokens(task))
     if suppress_eos:
         from dataclasses import replace

@@ -192,7 +192,8 @@ def fp32_sampler_head(model, on: bool):
 class CompiledDecoder(torch.nn.Module):
     """The policy as the trainer sees it (``experience.decoder`` / ``lm_head``), with the decoder
     under ``torch.compile``; the sampler keeps the eager model. Benchmark-only shim: the
-    trainer has no compile option yet."""
+    trainer had no compile option when it was written (now ``model.compile``, ``cispo.compile``;
+    not switched over here without a GPU to check it)."""
 
     def __init__(self, model, backend: str):
         super().__init__()

@@ -4,12 +4,16 @@ on the same tiny model, prompts, reward, G, K and lengths, one thread each.
     /work/venv-int/bin/python benchmarks/bench_trl.py            # needs trl (pip install 'cispo[bench]')
     /work/venv-int/bin/python benchmarks/bench_trl.py --tiny
     python benchmarks/bench_trl.py --size small --prompts 16 --group-size 8 --updates 4 --max-new-tokens 32
+    python benchmarks/bench_trl.py --prompts 8 --updates 1 --epochs 4 --steps 5 --rounds 5 --threads default
 
 Both sides: the built-in ``--size`` Llama (``cispo.models.build_model``, random init, seed 0) with
 the addition task's character tokenizer; the addition task's train prompts; its verifier as the
 reward; temperature 1, top-p 1, no top-k; fp32; no KL (TRL ``beta=0``); AdamW with our defaults
 (lr 1e-4, betas (0.9, 0.95), eps 1e-15, no weight decay, grad-norm clip 1, constant lr);
-``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS=1``. What one RL step is, on each side:
+``--threads`` torch threads each (default 1; ``default``: ours by the ``threads`` rule, TRL torch's
+default). ``--epochs E`` passes over each batch (TRL ``num_iterations``); issue 13's workload is
+``--prompts 8 --updates 1 --epochs 4`` (4 full-batch updates per generation batch). What one RL
+step is, on each side:
 
 ==========================  =================================  ==========================================
                             ours                               TRL 1.16 ``GRPOConfig``
@@ -21,10 +25,12 @@ group size                  ``group_size`` = G                 ``num_generations
 optimizer steps per batch   ``updates_per_batch`` = K          ``steps_per_generation`` = K with
                                                                ``gradient_accumulation_steps`` = 1
 rows per optimizer step     B / K                              ``per_device_train_batch_size`` = B / K
-passes over the batch       ``epochs`` = 1                     ``num_iterations`` = 1 (TRL's mu: passes,
+passes over the batch       ``epochs`` = E (``--epochs``)      ``num_iterations`` = E (TRL's mu: passes,
                                                                not K)
 response length             ``max_new_tokens`` = L             ``max_completion_length`` = L
-logp_old                    one no-grad pass per batch         computed, because GA (1) is not a multiple
+logp_old                    one no-grad pass per batch, less   computed, because GA (1) is not a multiple
+                            the first update's rows
+                            (``logp_old_from_update``)
                                                                of steps_per_generation x num_iterations
 objective                   ``preset("cispo")``                ``loss_type="cispo"``, ``epsilon_high=5``
 extra                       dynamic sampling off               ``gradient_checkpointing=False`` (TRL
@@ -66,13 +72,28 @@ LR, BETAS, EPS = 1e-4, (0.9, 0.95), 1e-15  # our TrainConfig defaults
 # --------------------------------------------------------------------------- ours
 
 
-def worker_ours(a) -> list[dict]:
-    from _common import ours_setup, ours_steps, set_threads
+def worker_threads(a, side: str) -> int:
+    """``--threads``: N for both sides, or each side's own default: ours the ``threads`` rule
+    (``cispo.threads.auto_threads``), TRL torch's default (one per core)."""
+    import torch
 
-    set_threads(1)
+    if a.threads != "default":
+        torch.set_num_threads(int(a.threads))
+    elif side == "ours":
+        from cispo.threads import auto_threads
+
+        torch.set_num_threads(auto_threads(None))
+    return torch.get_num_threads()
+
+
+def worker_ours(a) -> list[dict]:
+    from _common import ours_setup, ours_steps
+
+    threads = worker_threads(a, "ours")
     s = ours_setup(a.size, a.group_size, a.updates, a.prompts, a.max_new_tokens, a.seed,
-                   suppress_eos=a.eos == "suppressed", extra=(f"lr={LR}", "warmup_updates=0", *a.ours_set))
-    return ours_steps(s, a.steps)[1:]
+                   suppress_eos=a.eos == "suppressed",
+                   extra=(f"lr={LR}", "warmup_updates=0", f"algo.epochs={a.epochs}", *a.ours_set))
+    return [{**row, "threads": threads} for row in ours_steps(s, a.steps)[1:]]
 
 
 # --------------------------------------------------------------------------- TRL
@@ -87,7 +108,7 @@ def worker_trl(a) -> list[dict]:
     from cispo.models import build_model, build_tokenizer
     from cispo.tasks import get_task
 
-    torch.set_num_threads(1)
+    threads = worker_threads(a, "trl")
     task = get_task("addition")
     tok = build_tokenizer(task.alphabet)
     model = build_model(tok, size=a.size, seed=a.seed)
@@ -103,8 +124,8 @@ def worker_trl(a) -> list[dict]:
     gen_kwargs = {"suppress_tokens": [tok.eos_token_id]} if a.eos == "suppressed" else None
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=B // K,
-        gradient_accumulation_steps=1, steps_per_generation=K, num_iterations=1, num_generations=a.group_size,
-        max_completion_length=a.max_new_tokens, max_steps=K * a.steps, loss_type="cispo", epsilon_high=5.0, beta=0.0,
+        gradient_accumulation_steps=1, steps_per_generation=K, num_iterations=a.epochs, num_generations=a.group_size,
+        max_completion_length=a.max_new_tokens, max_steps=K * a.epochs * a.steps, loss_type="cispo", epsilon_high=5.0, beta=0.0,
         temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
         adam_epsilon=EPS, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
         gradient_checkpointing=False, bf16=False, use_cpu=True, report_to="none", logging_steps=K,
@@ -150,7 +171,7 @@ def worker_trl(a) -> list[dict]:
             acc["optim"] += time.perf_counter() - state["t_opt"]
 
         def on_step_end(self, args_, st, *_, **__):
-            if st.global_step % K == 0:
+            if st.global_step % (K * a.epochs) == 0:
                 marks.append((time.perf_counter(), dict(acc)))
 
     trainer.add_callback(Marks())
@@ -165,6 +186,7 @@ def worker_trl(a) -> list[dict]:
                "response_len": lengths[i] if i < len(lengths) else float("nan"), "rows": B}
         row["overhead"] = row["wall"] - sum(row[p] for p in PHASES[:4])
         row["tokens"] = row["response_len"] * B
+        row["threads"] = threads
         rows.append(row)
     return rows
 
@@ -177,8 +199,13 @@ def run_worker(a, side: str) -> list[dict]:
         return json.loads(json.dumps(worker_ours(a) if side == "ours" else worker_trl(a)))
     cmd = [sys.executable, __file__, "--worker", side, "--size", a.size, "--prompts", str(a.prompts), "--group-size",
            str(a.group_size), "--updates", str(a.updates), "--max-new-tokens", str(a.max_new_tokens), "--steps",
-           str(a.steps), "--eos", a.eos, "--seed", str(a.seed)] + [x for kv in a.ours_set for x in ("--ours-set", kv)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+           str(a.steps), "--eos", a.eos, "--seed", str(a.seed), "--epochs", str(a.epochs), "--threads", a.threads
+           ] + [x for kv in a.ours_set for x in ("--ours-set", kv)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.pop(k, None)
+        if a.threads != "default":
+            env[k] = a.threads
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{side} worker failed:\n{out.stderr[-3000:]}")
@@ -192,6 +219,12 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--updates", type=int, default=4, help="K")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=1,
+                   help="passes over each generation batch: ours algo.epochs, TRL num_iterations (issue 13's workload: "
+                        "--prompts 8 --updates 1 --epochs 4)")
+    p.add_argument("--threads", default="1",
+                   help="torch threads of both sides (default 1), or 'default': each side's own default (ours: the "
+                        "cispo.threads rule, TRL: torch's)")
     p.add_argument("--steps", type=int, default=4, help="RL steps per worker (the first is dropped)")
     p.add_argument("--rounds", type=int, default=2, help="ours/TRL worker pairs, alternating")
     p.add_argument("--eos", choices=("suppressed", "natural"), default="suppressed")
@@ -214,7 +247,7 @@ def main(argv=None) -> None:
     except ImportError:
         raise SystemExit("bench_trl needs trl (pip install 'cispo[bench]'); e.g. run it with /work/venv-int/bin/python")
 
-    print(machine_note(1) + f"; trl {trl.__version__}")
+    print(machine_note(int(a.threads) if a.threads != "default" else 0) + f"; trl {trl.__version__}")
     t0 = time.perf_counter()
     runs = {"ours": [], "TRL": []}
     for r in range(a.rounds):
@@ -229,7 +262,9 @@ def main(argv=None) -> None:
     desc = model_desc(build_model(build_tokenizer(get_task("addition").alphabet), size=a.size))
     ours_with = f"; ours with {' '.join(a.ours_set)}" if a.ours_set else ""
     print(f"built-in '{a.size}' = {desc}; B = {a.prompts} prompts x G={a.group_size} = {B} rows, K = {a.updates} optimizer "
-          f"steps of {B // a.updates} rows, L = {a.max_new_tokens} tokens, EOS {a.eos}; {a.rounds} round(s) x "
+          f"steps of {B // a.updates} rows x {a.epochs} epoch(s), L = {a.max_new_tokens} tokens, EOS {a.eos}; threads "
+          f"ours {sorted({s['threads'] for s in runs['ours']})}, TRL {sorted({s['threads'] for s in runs['TRL']})}; "
+          f"{a.rounds} round(s) x "
           f"{a.steps - 1} measured steps per side{ours_with}")
     rows = []
     med = {}
@@ -242,7 +277,12 @@ def main(argv=None) -> None:
                        for ph in PHASES])
     print(table(["trainer", "steps", "s/step (median)", "steps/s", "tokens/s", "resp len"]
                 + [f"{ph} s (share)" for ph in PHASES], rows))
-    print(f"\nours / TRL: steps/s x{med['TRL'][0] / med['ours'][0]:.2f}, tokens/s x{med['ours'][1] / med['TRL'][1]:.2f}"
+    per = a.steps - 1  # measured steps per worker: round r's pair is runs[side][r * per:(r + 1) * per]
+    pairs = sorted(median(s["wall"] for s in runs["TRL"][r * per:(r + 1) * per])
+                   / median(s["wall"] for s in runs["ours"][r * per:(r + 1) * per]) for r in range(a.rounds))
+    print(f"\nours / TRL steps/s by round (each round's two workers ran back to back): median {median(pairs):.2f}, "
+          f"range {pairs[0]:.2f}-{pairs[-1]:.2f}")
+    print(f"ours / TRL: steps/s x{med['TRL'][0] / med['ours'][0]:.2f}, tokens/s x{med['ours'][1] / med['TRL'][1]:.2f}"
           f"; took {time.perf_counter() - t0:.0f} s; 1-min load average at end {load_average():.2f}")
 
 

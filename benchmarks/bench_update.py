@@ -4,6 +4,7 @@
     python benchmarks/bench_update.py --tiny
     python benchmarks/bench_update.py --size small --updates 4 --threads 2
     python benchmarks/bench_update.py --fused-head --no-profile   # also algo.fused_head=true, interleaved
+    python benchmarks/bench_update.py --compile --no-profile      # also model.compile=on, interleaved
 
 What is timed: ``cispo.trainer.update_policy`` on one generation batch, i.e. the K optimizer
 steps (per mini-batch: ``policy_logprobs`` forward, ``policy_loss``, backward, grad clipping,
@@ -121,6 +122,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--fused-head", action="store_true",
                    help="also time the update with algo.fused_head=true (cispo.fused_head), interleaved")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the update and the logp_old pass with the decoder compiled (model.compile=on), "
+                        "interleaved with eager")
     p.add_argument("--tiny", action="store_true", help="tiny model, 16 rows, K=2, 2 repeats")
     args = p.parse_args(argv)
     if args.tiny:
@@ -140,6 +144,20 @@ def main(argv=None) -> None:
     if args.fused_head:
         fused_cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, fused_head=True))
         fns["fused"] = lambda: update_policy(policy, opt, exp, obj, fused_cfg, shuffle, 0, None)
+    compile_s = None
+    if args.compile:
+        from cispo.compile import compiled_decoder
+        from cispo.trainer import compute_logp_old
+
+        t0 = time.perf_counter()
+        body = compiled_decoder(policy.model, policy.pad_id)
+        compile_s = time.perf_counter() - t0
+        if body is None:
+            raise SystemExit("--compile: torch.compile failed here (see the warning above)")
+        compiled = dataclasses.replace(policy, train_body=body)
+        fns["compiled"] = lambda: update_policy(compiled, opt, exp, obj, cfg, shuffle, 0, None)
+        fns["logp_old"] = lambda: compute_logp_old(policy, exp, cfg)
+        fns["logp_old compiled"] = lambda: compute_logp_old(compiled, exp, cfg)
     times = interleaved(fns, args.repeats, warmup=1)
     flops = useful_flops(policy.model, args.rows, args.prompt_len, args.response_len)
     upd_rate = flops["total"] / median(times["update"])
@@ -154,8 +172,17 @@ def main(argv=None) -> None:
         *([[f"K={args.updates} update passes, fused head", median(times["fused"]), spread(times["fused"]),
             flops["total"] / median(times["fused"]) / 1e9,
             f"{flops['total'] / median(times['fused']) / mm_rate:.1%}"]] if args.fused_head else []),
+        *([[f"K={args.updates} update passes, compiled decoder", median(times["compiled"]),
+            spread(times["compiled"]), flops["total"] / median(times["compiled"]) / 1e9,
+            f"{flops['total'] / median(times['compiled']) / mm_rate:.1%}"]] if args.compile else []),
         [f"torch.mm {n}x{n} fp32", median(times["mm"]), spread(times["mm"]), mm_rate / 1e9, "100%"],
     ]))
+    if args.compile:
+        for name, base in (("compiled", "update"), ("logp_old compiled", "logp_old")):
+            pairs = sorted(c / e for c, e in zip(times[name], times[base]))
+            print(f"{name} / eager {base} time: median of pairs {median(pairs):.3f} (range {pairs[0]:.3f}-"
+                  f"{pairs[-1]:.3f}); eager {base} {median(times[base]):.3f} s")
+        print(f"compile at set-up (probe batch, both graphs): {compile_s:.1f} s")
     if args.fused_head:
         pairs = sorted(f / u for f, u in zip(times["fused"], times["update"]))
         print(f"fused / chunked update time: median of pairs {median(pairs):.3f} (range {pairs[0]:.3f}-{pairs[-1]:.3f})")

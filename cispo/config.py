@@ -67,6 +67,14 @@ class ModelConfig:
     keep FP32 parameters, gradients and AdamW state and compute under torch.autocast in that
     dtype (mixed precision). False: the parameters themselves are low precision (less memory;
     small updates are rounded away — a warning says so)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """Run the decoder of the trainer's passes (logp_old and the updates' forward + backward)
+    under ``torch.compile`` with dynamic shapes, its compiled graphs cached on disk under the
+    cispo cache folder (``cispo.compile``). ``on``; ``off`` (eager); ``auto``: where it was
+    measured to pay off: on a CPU with a C++ compiler for runs of at least
+    ``cispo.compile.AUTO_MIN_STEPS`` (1000) steps (on the built-in models it saves a little per
+    step and costs 10-100 s to compile; docs/performance.md), eager otherwise (no GPU measured).
+    A compile that fails falls back to eager with a warning. Not with ``model.fsdp``."""
     ref_path: str | None = None
     """With ``algo.objective_overrides.kl_coef > 0``: local Hugging Face causal-LM folder of the
     frozen reference policy pi_ref (same tokenizer as the policy). None: a frozen copy of the
@@ -211,6 +219,14 @@ class AlgoConfig:
     most ``micro_batch_size`` rows and trimmed to its longest row. The mini-batches and the
     gradient are unchanged (up to float summation order). None: rows in random order, cut only
     by ``micro_batch_size``."""
+    logp_old_from_update: bool = True
+    """Take logp_old of the first update's rows (the first of the K mini-batches; with K = 1 the
+    whole first epoch) from that update's own forward, detached, instead of a separate no-grad
+    pass: it runs on the same weights over the same micro-batches, so the numbers are bitwise
+    those of the separate pass, one forward fewer over 1/K of the batch. Applies only where
+    exact: not with dropout (``model.dropout``, ``model.lora_dropout``), ``fused_head``,
+    ``tis_cap`` or FSDP (``cispo.trainer.logp_old_from_update``). False: a separate pass over
+    every row."""
     tis_cap: float | None = None
     """Truncated importance sampling for the rollout/trainer mismatch: each token's advantage
     is multiplied by min(pi_old / pi_rollout, tis_cap) (Yao et al. 2025 use 2). None: off."""
@@ -311,6 +327,8 @@ class TrainConfig:
             ("threads", self.threads is None or self.threads >= 1, "must be >= 1 or None (by load)"),
             ("max_bad_steps", self.max_bad_steps >= 1, "must be >= 1"),
             ("model.lora_rank", self.model.lora_rank >= 0, "must be >= 0"),
+            ("model.compile", not (self.model.compile == "on" and self.model.fsdp),
+             "=on cannot be combined with model.fsdp (sharded units are not compiled): use auto or off"),
             ("model.fsdp", not (self.model.fsdp and r.engine == "vllm"),
              "cannot be combined with rollout.engine=vllm (the engine needs the full weights)"),
             ("data.num_train_prompts", d.num_train_prompts >= 1, "must be >= 1"),

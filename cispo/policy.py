@@ -9,6 +9,7 @@ own distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,7 @@ class Policy:
     system_prompt: str | None = None  # data.system_prompt: a system message before the chat messages
     autocast: torch.dtype | None = None  # mixed precision: compute dtype over FP32 master weights
     ref_model: torch.nn.Module | None = None  # pi_ref of the KL penalty, run under the same ``compute()``
+    train_body: Callable | None = None  # the decoder of the trainer's passes (``model.compile``); None: decoder(model)
 
     def compute(self):
         """The context of every forward pass: ``torch.autocast`` in ``autocast``, or nothing."""
@@ -80,6 +82,7 @@ def policy_logprobs(
     fp32_head: bool = True,
     with_entropy: bool = False,
     chunk_size: int = 4096,
+    body: Callable | None = None,
 ):
     """log pi(o_it | q, o_i<t) / temperature-scaled, for every response token of ``exp``.
 
@@ -89,19 +92,22 @@ def policy_logprobs(
     Granite's scaling), so the result is ``log_softmax(model(...).logits / temperature)``
     of the response tokens. -> [B, T] (, [B, T])
     On a model sharded with FSDP2 it runs inside the root's forward hooks (``sharded_call``),
-    which gather the embeddings and the LM head it uses.
+    which gather the embeddings and the LM head it uses. ``body``: the decoder to run
+    (``Policy.train_body``, e.g. compiled by ``cispo.compile``); None: ``decoder(model)``.
     """
-    return sharded_call(model, lambda: _policy_logprobs(model, exp, temperature, fp32_head, with_entropy, chunk_size))
+    return sharded_call(model, lambda: _policy_logprobs(model, exp, temperature, fp32_head, with_entropy, chunk_size,
+                                                        body))
 
 
-def _response_hidden(model, exp: Experience) -> torch.Tensor:
+def _response_hidden(model, exp: Experience, body: Callable | None = None) -> torch.Tensor:
     """The decoder's states that predict the response tokens of ``exp`` (one forward over
-    prompt + response, the last token left out: it predicts nothing).  -> [B, T, H]"""
+    prompt + response, the last token left out: it predicts nothing), from ``body`` (None:
+    ``decoder(model)``).  -> [B, T, H]"""
     T = exp.response_mask.shape[1]
     P = exp.input_ids.shape[1] - T
     attention_mask = exp.attention_mask  # [B, P+T]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
-    hidden = decoder(model)(
+    hidden = (body or decoder(model))(
         input_ids=exp.input_ids[:, :-1],
         attention_mask=attention_mask[:, :-1],
         position_ids=position_ids[:, :-1],
@@ -111,8 +117,8 @@ def _response_hidden(model, exp: Experience) -> torch.Tensor:
 
 
 def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool, with_entropy: bool,
-                     chunk_size: int):
-    hidden = _response_hidden(model, exp)  # [B, T, H]
+                     chunk_size: int, body: Callable | None = None):
+    hidden = _response_hidden(model, exp, body)  # [B, T, H]
     head = lm_head(model)
     return token_logprobs(
         hidden,
@@ -128,14 +134,15 @@ def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool
 
 
 def policy_fused_loss(model, exp: Experience, token_loss: TokenLoss, temperature: float = 1.0,
-                      fp32_head: bool = True, chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                      fp32_head: bool = True, chunk_size: int = 4096, body: Callable | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder forward of ``policy_logprobs``, then the LM head and the objective
     ``token_loss`` (``cispo.fused_head.token_objective``) in one chunked pass whose gradients
-    are formed in the forward (``cispo.fused_head.fused_head_loss``).
+    are formed in the forward (``cispo.fused_head.fused_head_loss``); ``body`` as there.
     -> (loss [], logp [B, T] detached, the log-probs ``policy_logprobs`` returns)"""
     def run():
         head = lm_head(model)
-        loss, logp, _ = fused_head_loss(_response_hidden(model, exp), head.weight, exp.response_ids, token_loss,
+        loss, logp, _ = fused_head_loss(_response_hidden(model, exp, body), head.weight, exp.response_ids, token_loss,
                                         bias=getattr(head, "bias", None), temperature=temperature,
                                         fp32_head=fp32_head, chunk_size=chunk_size,
                                         transform=logit_transform(model.config))

@@ -27,6 +27,7 @@ from cispo.rollout import TorchSampler
 from cispo.runfolder import check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
 from cispo.samples import SampleFile, sample_records
 from cispo.threads import auto_threads
+from cispo.compile import train_body
 from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate, evaluate_sets
 from cispo.metrics import is_nan, nan_mean
@@ -102,7 +103,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
         sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode)
     return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template,
-                  system_prompt=cfg.data.system_prompt, autocast=autocast)
+                  system_prompt=cfg.data.system_prompt, autocast=autocast,
+                  train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps))
 
 
 def load_reference(cfg: TrainConfig, task, device: torch.device, tokenizer) -> torch.nn.Module:

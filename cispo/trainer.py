@@ -6,7 +6,9 @@ One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penal
        drop groups whose rewards are all equal and sample more (dynamic sampling);
     2. group-relative advantages (``cispo.advantages``);
     3. log pi_old of every response token, recomputed once in train mode (``logp_old``;
-       dropout is off unless ``model.dropout``, so this is the sampler's distribution);
+       dropout is off unless ``model.dropout``, so this is the sampler's distribution); the
+       rows of the first update come from that update's own forward, detached, where that is
+       exact (``logp_old_from_update``);
        with a KL penalty (``kl_coef > 0``) also log pi_ref of the frozen reference model;
        the sampler's own log-probs are kept to measure the train / rollout mismatch;
     4. split the batch into K mini-batches; for each, one optimizer step on the unified
@@ -103,31 +105,59 @@ def build_experience(groups: list[list[Completion]], policy: Policy, group_size:
 
 
 @torch.no_grad()
-def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo = DistInfo()) -> torch.Tensor:
+def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo = DistInfo(),
+                     first_rows: torch.Tensor | None = None, from_update: bool = False) -> torch.Tensor:
     """log pi_old of every response token, in train mode, once per generation batch. Also
     stores the per-token entropy in ``exp.extras["entropy"]`` and, when the policy has a
-    reference model, log pi_ref in ``exp.extras["logp_ref"]`` (same micro-batches).  -> [B, T]"""
+    reference model, log pi_ref in ``exp.extras["logp_ref"]`` (same micro-batches).  -> [B, T]
+
+    ``first_rows``: the rows of the first update's mini-batch, run as the micro-batches that
+    update will use (``micro_batches``: a row's log-prob depends on its micro-batch's shape by
+    float rounding), the other rows as micro-batches of their own. ``from_update``: leave
+    those rows' log-probs and entropy at 0 for the first update to fill in from its own forward
+    (``logp_old_from_update``: bitwise the same numbers); their pi_ref is still computed here."""
     policy.model.train()
     T = exp.response_mask.shape[1]
     logp_old = torch.zeros_like(exp.logp_rollout)
     entropy = torch.zeros_like(exp.logp_rollout)
     logp_ref = torch.zeros_like(exp.logp_rollout) if policy.ref_model is not None else None
-    micros = micro_batches(exp, torch.arange(len(exp), device=exp.input_ids.device), cfg.algo)
-    for _ in range(idle_passes(len(micros), policy, dist_info)):
+    all_rows = torch.arange(len(exp), device=exp.input_ids.device)
+    if first_rows is None:
+        first, rest = [], micro_batches(exp, all_rows, cfg.algo)
+    else:
+        first = micro_batches(exp, first_rows, cfg.algo)
+        rest = micro_batches(exp, all_rows[~torch.isin(all_rows, first_rows)], cfg.algo)
+    policy_micros = rest if from_update else first + rest
+    for _ in range(idle_passes(len(policy_micros), policy, dist_info)):
         idle_pass(policy, cfg, backward=False)
-    for rows in micros:
+    for rows in policy_micros:
         sub = exp.select(rows)
         with policy.compute():
-            lp, ent = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head, True)
+            lp, ent = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head, True,
+                                      body=policy.train_body)
         t = lp.shape[1]
         logp_old[rows, :t] = lp.float()
         entropy[rows, :t] = ent.float()
-        if logp_ref is not None:
-            logp_ref[rows, :t] = reference_logprobs(policy, sub, cfg)
+    if logp_ref is not None:
+        for rows in first + rest:
+            sub = exp.select(rows)
+            logp_ref[rows, :sub.response_mask.shape[1]] = reference_logprobs(policy, sub, cfg)
     exp.extras["entropy"] = entropy * exp.response_mask
     if logp_ref is not None:
         exp.extras["logp_ref"] = logp_ref[:, :T] * exp.response_mask
     return logp_old[:, :T] * exp.response_mask
+
+
+def logp_old_from_update(cfg, policy: Policy) -> bool:
+    """Whether the first update's detached log-probs can stand in for its rows' logp_old pass
+    (``algo.logp_old_from_update``, issue 13 item 4). Exact (bitwise) when that update runs on
+    the weights that logp_old is taken at, over the same micro-batches, deterministically: not
+    with dropout in the passes (``model.dropout``, ``model.lora_dropout``: two passes draw
+    different masks), not with the fused head (its objective needs logp_old before its forward),
+    nor truncated IS (``algo.tis_cap``: the weights of every row are formed before the first
+    update), nor FSDP (not tested sharded)."""
+    return (cfg.algo.logp_old_from_update and not cfg.model.dropout and not cfg.model.lora_dropout
+            and not cfg.algo.fused_head and not cfg.algo.tis_cap and not is_sharded(policy.model))
 
 
 @torch.no_grad()
@@ -155,9 +185,16 @@ def update_policy(
     update_count: int,
     fork_ids: torch.Tensor | None,
     dist_info: DistInfo = DistInfo(),
+    first_order: torch.Tensor | None = None,
+    fill_logp_old: bool = False,
 ) -> tuple[list[dict], int]:
     """K optimizer steps (per epoch) on random mini-batches of ``exp``. Returns the per-step
     stats and the new optimizer-step count.
+
+    ``first_order``: the first epoch's row order (drawn from ``generator`` by the caller, before
+    the logp_old pass). ``fill_logp_old``: the first mini-batch's logp_old and entropy are taken
+    from its own forward (detached) and written into ``exp`` (``compute_logp_old(...,
+    from_update=True)`` left them out).
 
     Each mini-batch runs as micro-batches (``micro_batches``: by default its rows sorted by
     length and cut into length-homogeneous parts, each trimmed to its own longest row); the
@@ -171,9 +208,11 @@ def update_policy(
     device = exp.input_ids.device
     params = [p for p in policy.model.parameters() if p.requires_grad]
     stats = []
-    for _ in range(cfg.algo.epochs):
-        order = torch.randperm(len(exp), generator=generator).to(device)
-        for rows in order.tensor_split(cfg.algo.updates_per_batch):
+    for epoch in range(cfg.algo.epochs):
+        order = first_order if epoch == 0 and first_order is not None else \
+            torch.randperm(len(exp), generator=generator).to(device)
+        for k, rows in enumerate(order.tensor_split(cfg.algo.updates_per_batch)):
+            fill = fill_logp_old and epoch == 0 and k == 0
             mask = exp.response_mask[rows]  # [b, T]
             num_tokens = all_reduce_sum(mask.sum(), dist_info)  # sum_i |o_i|, whole mini-batch
             num_seqs = all_reduce_sum((mask.sum(-1) > 0).sum(), dist_info)
@@ -186,7 +225,11 @@ def update_policy(
                 idle_pass(policy, cfg, backward=True)
             for micro in micros:  # the same gradient whatever the split
                 sub = exp.select(micro)
-                loss, s = micro_batch_loss(policy, sub, obj, cfg, num_tokens, num_seqs)
+                loss, s = micro_batch_loss(policy, sub, obj, cfg, num_tokens, num_seqs, old_from_new=fill)
+                if fill:  # the logp_old pass left these rows to this forward
+                    t = sub.response_mask.shape[1]
+                    exp.logp_old[micro, :t] = sub.logp_old
+                    exp.extras["entropy"][micro, :t] = sub.extras["entropy"]
                 loss.backward()
                 add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
                 parts.append((s, fork_drop_counts(sub, s.ppo_dropped, fork_ids)))
@@ -204,15 +247,19 @@ def update_policy(
     return stats, update_count
 
 
-def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg, num_tokens, num_seqs
-                     ) -> tuple[torch.Tensor, ObjectiveStats]:
+def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg, num_tokens, num_seqs,
+                     old_from_new: bool = False) -> tuple[torch.Tensor, ObjectiveStats]:
     """One micro-batch's share of the mini-batch objective (normalised by the mini-batch's
     global ``num_tokens`` / ``num_seqs``) and its statistics. The advantages carry the
     truncated-IS weight (``tis``) when there is one; ``logp_ref`` the KL term's pi_ref.
 
     ``algo.fused_head``: the LM head and the objective in one pass (``policy_fused_loss``,
     the gradient formed in the forward); the statistics are ``policy_loss``'s on its detached
-    log-probs, so both paths log the same numbers."""
+    log-probs, so both paths log the same numbers.
+
+    ``old_from_new``: ``sub`` runs on the weights logp_old is taken at (the first update, see
+    ``logp_old_from_update``): its ``logp_old`` and ``extras["entropy"]`` are set from this
+    forward, detached, as the separate pass would have computed them (the ratio is then 1)."""
     T = sub.response_mask.shape[1]
     advantages = sub.advantages  # [b]
     if "tis" in sub.extras:  # per-token truncated IS weight   [b, T]
@@ -220,15 +267,21 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
     logp_ref = sub.extras.get("logp_ref")  # [b, T] log pi_ref, with a KL penalty
     if logp_ref is not None:
         logp_ref = logp_ref[:, :T]
-    args = (sub.logp_old, advantages, sub.response_mask)
     if not cfg.algo.fused_head:
         with policy.compute():
-            logp_new = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+            out = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head,
+                                  with_entropy=old_from_new, body=policy.train_body)
+        logp_new = out[0] if old_from_new else out  # [b, T]
+        if old_from_new:  # as compute_logp_old stores them
+            sub.logp_old = logp_new.detach().float() * sub.response_mask
+            sub.extras["entropy"] = out[1].detach().float() * sub.response_mask
+        args = (sub.logp_old, advantages, sub.response_mask)
         return policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
+    args = (sub.logp_old, advantages, sub.response_mask)
     objective = token_objective(obj, *args, num_tokens=num_tokens, num_seqs=num_seqs, logp_ref=logp_ref)
     with policy.compute():
         loss, logp_new = policy_fused_loss(policy.model, sub, objective, cfg.rollout.temperature,
-                                           cfg.model.fp32_lm_head)
+                                           cfg.model.fp32_lm_head, body=policy.train_body)
     _, stats = policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
     return loss, stats
 
@@ -308,13 +361,18 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
             start_token_counts(exp)
     if cfg.rollout.vllm_sleep:  # free the inference engine's memory for the updates (no-op for torch)
         policy.sampler.sleep()
-    exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info)
+    # the first epoch's order, drawn before the logp_old pass so that pass can run the first
+    # mini-batch as the first update will (the same draw the update would make: same stream)
+    first_order = torch.randperm(len(exp), generator=generators["shuffle"]).to(exp.input_ids.device)
+    first_rows = first_order.tensor_split(cfg.algo.updates_per_batch)[0]
+    from_update = logp_old_from_update(cfg, policy)
+    exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info, first_rows, from_update)
     if cfg.algo.tis_cap:  # truncated IS: the trainer's pi_old vs the sampler's own probabilities
         exp.extras["tis"] = truncated_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, cfg.algo.tis_cap)
     t2 = time.perf_counter()
     updates_before = update_count
     stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, fork_ids,
-                                        dist_info)
+                                        dist_info, first_order, fill_logp_old=from_update)
     policy.sampler.update_weights(policy.model)  # a separate inference engine samples the next batch
     t3 = time.perf_counter()
     if on_samples is not None and groups:
