@@ -100,7 +100,6 @@ def worker_ours(a) -> list[dict]:
 
 
 def worker_trl(a) -> list[dict]:
-    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
