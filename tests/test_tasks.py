@@ -405,14 +405,14 @@ def test_a_chain_run_logs_reflective_tokens_per_response(tmp_path, one_thread):
 def test_forced_recheck_policies_decide_only_right_after_a_direct_result():
     from cispo.pretrain import chain_recheck_policy
 
-    numbers = (32, 7, 8, 4)
+    numbers = (32, 7, 8, 2)
     carry = chain_recheck_policy(lambda i: numbers, "carry")
     never = chain_recheck_policy(lambda i: numbers, "never")
     always = chain_recheck_policy(lambda i: numbers, "always")
     assert carry(0, "32+7=39", ";") == ";" and carry(0, "32+7=39", "W") == ";"     # no carry: go on
     assert carry(0, "32+7=39;39+8=37", ";") == "W"                                # carry: recheck
     assert carry(0, "32+7=39;39+8=37", "<eos>") == "W"
-    assert carry(0, "32+7=39;39+8=47;47+4=51", "W") == "<eos>"                    # last step: stop
+    assert carry(0, "32+7=39;39+8=47;47+2=49", "W") == "<eos>"                    # last step: stop
     assert never(0, "32+7=39;39+8=37", "W") == ";" and always(0, "32+7=39", ";") == "W"
     inside = "32+7=39;39+8=37W9+8+0=17,3+0+1=04=47"                              # after a recheck
     for policy in (carry, never, always):
