@@ -29,7 +29,7 @@ def main(out: str, *run_dirs: str) -> None:
             ax.plot(x, y, marker="o" if len(x) < 15 else None, ms=3, label=Path(run).name)
     for ax, (title, _) in zip(axes, PANELS):
         style_axis(ax, title)
-    save_figure(fig, Path(out), "chain task: CISPO, 16 prompts x 8 samples per step")
+    save_figure(fig, Path(out), "chain task: one line per run (objective, seed), 16 prompts x 8 samples per step")
 
 
 if __name__ == "__main__":
