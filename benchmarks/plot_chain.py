@@ -22,11 +22,17 @@ def main(out: str, *run_dirs: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.6))
+    colors, seen = {}, {}
     for run in run_dirs:
+        name = Path(run).name
+        group = name.rsplit("_s", 1)[0]            # runs of one setting (e.g. chain_cispo) share a colour
+        color = colors.setdefault(group, f"C{len(colors)}")
+        style = ("-", "--", ":", "-.")[seen.setdefault(group, -1) + 1 & 3]
+        seen[group] += 1
         rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
         for ax, (_, key) in zip(axes, PANELS):
             x, y = series(rows, key)
-            ax.plot(x, y, marker="o" if len(x) < 15 else None, ms=3, label=Path(run).name)
+            ax.plot(x, y, style, color=color, marker="o" if len(x) < 15 else None, ms=3, label=name)
     for ax, (title, _) in zip(axes, PANELS):
         style_axis(ax, title)
     save_figure(fig, Path(out), "chain task: one line per run (objective, seed), 16 prompts x 8 samples per step")
