@@ -1,5 +1,7 @@
 """Curves of several `chain` runs (one line per run): held-out accuracy, reflective tokens
 per response and response length by step, from each run folder's ``metrics.jsonl``.
+Runs named ``<setting>_s<seed>`` (e.g. ``chain_cispo_s0``) share a colour per setting,
+one line style per seed.
 
     python benchmarks/plot_chain.py docs/results/chain_curves.png runs/chain_cispo_s0 runs/chain_cispo_s1 ...
 """
