@@ -197,9 +197,10 @@ def reference(numbers) -> str:
     return completion(numbers, recheck_after=set(carry_steps(numbers)))
 
 
-def length_budget(numbers) -> int:
-    """Longest completion (characters, EOS excluded) that can earn the reward."""
-    return len(reference(numbers)) + LENGTH_SLACK
+def length_budget(numbers, slack: int = LENGTH_SLACK) -> int:
+    """Longest completion (characters, EOS excluded) that can earn the reward: the shortest
+    correct one plus `slack` characters."""
+    return len(reference(numbers)) + slack
 
 
 # --------------------------------------------------------------------------- verifier
@@ -250,12 +251,13 @@ def count_reflections(completion_text: str) -> int:
     return strip_completion(completion_text).count(FORK_TOKEN)
 
 
-def reward(prompt: str, completion: str, answer: str | None = None, **sample) -> float:
+def reward(prompt: str, completion: str, answer: str | None = None, *, slack: int = LENGTH_SLACK,
+           **sample) -> float:
     """1.0 when the final answer is the sum of the prompt's numbers and the completion
-    (up to ``<eos>``) is at most `length_budget` characters long, else 0.0."""
+    (up to ``<eos>``) is at most `length_budget` (with `slack`) characters long, else 0.0."""
     numbers = parse_prompt(prompt)
     answer = str(sum(numbers)) if answer is None else str(answer)
-    if len(strip_completion(completion)) > length_budget(numbers):
+    if len(strip_completion(completion)) > length_budget(numbers, slack):
         return 0.0
     return 1.0 if extract_answer(completion) == answer else 0.0
 
