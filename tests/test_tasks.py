@@ -245,6 +245,8 @@ def test_chain_verifier():
     p6 = ch.make_prompt(n6)
     assert ch.reward(p6, one_more) == 1.0 and ch.reward(p6, everywhere) == 0.0
     assert ch.extract_answer(everywhere) == str(sum(n6))        # right answer, over budget
+    # a stricter budget (slack 0): only the shortest correct completion earns the reward
+    assert ch.reward(p6, ch.reference(n6), slack=0) == 1.0 and ch.reward(p6, one_more, slack=0) == 0.0
 
 
 def test_chain_task_samples_and_splits():
