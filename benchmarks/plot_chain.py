@@ -1,5 +1,7 @@
 """Curves of several `chain` runs (one line per run): held-out accuracy, reflective tokens
 per response and response length by step, from each run folder's ``metrics.jsonl``.
+Runs named ``<setting>_s<seed>`` (e.g. ``chain_cispo_s0``) share a colour per setting,
+one line style per seed.
 
     python benchmarks/plot_chain.py docs/results/chain_curves.png runs/chain_cispo_s0 runs/chain_cispo_s1 ...
 """
@@ -22,14 +24,20 @@ def main(out: str, *run_dirs: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.6))
+    colors, seen = {}, {}
     for run in run_dirs:
+        name = Path(run).name
+        group = name.rsplit("_s", 1)[0]            # runs of one setting (e.g. chain_cispo) share a colour
+        color = colors.setdefault(group, f"C{len(colors)}")
+        style = ("-", "--", ":", "-.")[seen.setdefault(group, -1) + 1 & 3]
+        seen[group] += 1
         rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
         for ax, (_, key) in zip(axes, PANELS):
             x, y = series(rows, key)
-            ax.plot(x, y, marker="o" if len(x) < 15 else None, ms=3, label=Path(run).name)
+            ax.plot(x, y, style, color=color, marker="o" if len(x) < 15 else None, ms=3, label=name)
     for ax, (title, _) in zip(axes, PANELS):
         style_axis(ax, title)
-    save_figure(fig, Path(out), "chain task: CISPO, 16 prompts x 8 samples per step")
+    save_figure(fig, Path(out), "chain task: one line per run (objective, seed), 16 prompts x 8 samples per step")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ class PretrainConfig:
     model_size: str = "default"
     """Key of `cispo.models.MODEL_SIZES` (``default``: hidden 96, 3 layers, 0.34M params)."""
     steps: int | None = None
-    """Optimizer steps. None: the task's default (`Task.pretrain_defaults`: addition 1000, chain 1200)."""
+    """Optimizer steps. None: the task's default (`Task.pretrain_defaults`: addition 1000, chain 1000)."""
     batch_size: int | None = None
     """Examples per step (direct and forked together). None: the task's default (addition 96, chain 48)."""
     lr: float = 3e-3
@@ -68,7 +68,7 @@ class PretrainConfig:
     """addition: fraction of examples that contain a derivation, the rest are direct answers
     (high, so the model learns the derivation well but the direct answer hardly at all, see
     docs/builtin-task.md); chain: probability of a recheck after each step. It does not change
-    how often the fork is chosen. None: the task's default (addition 0.8, chain 0.3)."""
+    how often the fork is chosen. None: the task's default (addition 0.8, chain 0.5)."""
     wrong_guess_fraction: float | None = None
     """addition: fraction of forked examples whose pre-fork guess has a corrupted digit;
     chain: fraction of steps with a carry written with the carry dropped. None: the task's

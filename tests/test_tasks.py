@@ -203,40 +203,50 @@ def test_chain_arithmetic_and_the_base_models_bug():
 
 
 def test_chain_reflection_format():
-    numbers = (37, 52, 91, 19)
-    assert ch.make_prompt(numbers) == "37+52+91+19=" and ch.parse_prompt("37+52+91+19=") == numbers
-    assert ch.carry_steps(numbers) == [1]                      # 89+91 carries; 37+52, 180+19 do not
+    numbers = (23, 7, 4, 8, 9)
+    assert ch.make_prompt(numbers) == "23+7+4+8+9=" and ch.parse_prompt("23+7+4+8+9=") == numbers
+    assert ch.carry_steps(numbers) == [0, 2, 3]                 # 23+7, 34+8, 42+9 carry; 30+4 does not
     base = ch.completion(numbers)
-    assert base == "37+52=89;89+91=70;70+19=89"                # the carry dropped, then propagated
+    assert base == "23+7=20;20+4=24;24+8=22;22+9=21"            # the carry dropped, then propagated
     ref = ch.reference(numbers)
-    assert ref == "37+52=89;89+91=70W9+1+0=10,8+9+1=18=180;180+19=199"
+    assert ref == ("23+7=20W3+7+0=10,2+0+1=03=30;30+4=34;34+8=32W4+8+0=12,3+0+1=04=42;"
+                   "42+9=41W2+9+0=11,4+0+1=05=51")
     steps = ch.parse_steps(ref)
-    assert [(s.a, s.b, s.result, s.value) for s in steps] == [(37, 52, 89, 89), (89, 91, 70, 180), (180, 19, 199, 199)]
-    assert steps[1].derivation == "9+1+0=10,8+9+1=18" and steps[0].derivation is None
+    assert [(s.a, s.b, s.result, s.value) for s in steps] == [(23, 7, 20, 30), (30, 4, 34, 34), (34, 8, 32, 42),
+                                                              (42, 9, 41, 51)]
+    assert steps[0].derivation == "3+7+0=10,2+0+1=03" and steps[1].derivation is None
+    assert len(ch.recheck(23, 7)) == 21 == ch.LENGTH_SLACK - 1    # every recheck derives two columns
     # a recheck after a correct step repeats its value
-    assert ch.completion(numbers, recheck_after={0}).startswith("37+52=89W7+2+0=09,3+5+0=08=89;89+91=")
-    assert ch.count_reflections(ref) == 1 and ch.used_fork(ref) and not ch.used_fork(base)
-    assert ch.count_reflections(ref + "<eos>W") == 1            # nothing after EOS counts
-    assert ch.parse_steps("37+52=89;8x") is None and ch.parse_steps(base + "<eos>junk") is not None
+    assert ch.completion(numbers, recheck_after={1}).startswith("23+7=20;20+4=24W0+4+0=04,2+0+0=02=24;24+8=")
+    assert ch.count_reflections(ref) == 3 and ch.used_fork(ref) and not ch.used_fork(base)
+    assert ch.count_reflections(ref + "<eos>W") == 3            # nothing after EOS counts
+    assert ch.parse_steps("23+7=20;8x") is None and ch.parse_steps(base + "<eos>junk") is not None
     with pytest.raises(ValueError):
-        ch.parse_prompt("37+52")
+        ch.parse_prompt("23+7")
 
 
 def test_chain_verifier():
-    numbers = (37, 52, 91, 19)
+    numbers = (23, 7, 4, 8, 9)
     prompt, ref = ch.make_prompt(numbers), ch.reference(numbers)
-    assert ch.reward(prompt, ref) == 1.0 and ch.reward(prompt, ref + "<eos>", answer="199") == 1.0
+    assert ch.reward(prompt, ref) == 1.0 and ch.reward(prompt, ref + "<eos>", answer="51") == 1.0
     assert ch.reward(prompt, ch.completion(numbers)) == 0.0    # the propagated error
-    assert ch.extract_answer(ref) == "199" and ch.extract_answer(ref[:-1]) == "19"
+    assert ch.reward(prompt, ch.completion(numbers, recheck_after={0, 2})) == 0.0   # one carrying step unchecked
+    assert ch.extract_answer(ref) == "51" and ch.extract_answer(ref[:-1]) == "5"
     assert ch.reward(prompt, ref[:-1]) == 0.0                   # cut off
-    assert ch.reward(prompt, ref[: ref.index("=18") + 3]) == 0.0  # stopped inside a derivation: "18" != 199
-    assert ch.extract_answer("37+52=89W7+2+0=09") is None      # leading zero: a derivation step, not an answer
+    assert ch.reward(prompt, ref[: ref.index("=05") + 3]) == 0.0  # stopped inside a derivation
+    assert ch.extract_answer("23+7=20W3+7+0=10,2+0+1=03") is None   # leading zero
     # length budget: the reference plus one more recheck fits, a recheck after every step does not
-    one_more = ch.completion(numbers, recheck_after={0, 1})
-    everywhere = ch.completion(numbers, recheck_after={0, 1, 2})
-    assert len(one_more) <= ch.length_budget(numbers) < len(everywhere)
-    assert ch.reward(prompt, one_more) == 1.0 and ch.reward(prompt, everywhere) == 0.0
-    assert ch.extract_answer(everywhere) == "199"               # right answer, over budget
+    one_more = ch.completion(numbers, recheck_after={0, 1, 2, 3})
+    assert ch.completion(numbers, recheck_after=range(4)) == one_more   # here that is every step
+    n6 = (11, 9, 4, 8, 9, 3, 9)                                 # 6 steps, 4 carry
+    assert ch.carry_steps(n6) == [0, 2, 3, 5]
+    one_more, everywhere = ch.completion(n6, recheck_after={0, 1, 2, 3, 5}), ch.completion(n6, recheck_after=range(6))
+    assert len(ch.reference(n6)) < len(one_more) <= ch.length_budget(n6) < len(everywhere)
+    p6 = ch.make_prompt(n6)
+    assert ch.reward(p6, one_more) == 1.0 and ch.reward(p6, everywhere) == 0.0
+    assert ch.extract_answer(everywhere) == str(sum(n6))        # right answer, over budget
+    # a stricter budget (slack 0): only the shortest correct completion earns the reward
+    assert ch.reward(p6, ch.reference(n6), slack=0) == 1.0 and ch.reward(p6, one_more, slack=0) == 0.0
 
 
 def test_chain_task_samples_and_splits():
@@ -249,6 +259,7 @@ def test_chain_task_samples_and_splits():
     for s in train + ev:
         numbers = ch.parse_prompt(s["prompt"])
         assert s["answer"] == str(sum(numbers)) and len(numbers) - 1 in ch.STEPS
+        assert 10 <= numbers[0] and all(1 <= b <= 9 for b in numbers[1:]) and sum(numbers) <= ch.MAX_SUM
         assert ch.is_heldout(numbers) == (s in ev)
         ref = ch.reference(numbers)
         assert task.reward(s["prompt"], ref, answer=s["answer"]) == 1.0
@@ -258,7 +269,8 @@ def test_chain_task_samples_and_splits():
         n_carry.append(len(ch.carry_steps(numbers)))
         assert n_carry[-1] < n_steps[-1]                          # never a recheck after every step
     mean_carry = sum(n_carry) / len(n_carry)
-    assert 2.6 < mean_carry < 3.2, mean_carry                    # the optimal policy rechecks ~3 times
+    assert 3.05 < mean_carry < 3.45, mean_carry                  # the optimal policy rechecks > 3 times
+    assert sum(1 for k in n_carry if k == 1) >= 10               # some prompts need one recheck only
     assert sum(n_steps) / len(n_steps) >= 4.5
 
 
@@ -395,18 +407,18 @@ def test_a_chain_run_logs_reflective_tokens_per_response(tmp_path, one_thread):
 def test_forced_recheck_policies_decide_only_right_after_a_direct_result():
     from cispo.pretrain import chain_recheck_policy
 
-    numbers = (37, 52, 91, 19)
+    numbers = (32, 7, 8, 2)
     carry = chain_recheck_policy(lambda i: numbers, "carry")
     never = chain_recheck_policy(lambda i: numbers, "never")
     always = chain_recheck_policy(lambda i: numbers, "always")
-    assert carry(0, "37+52=89", ";") == ";" and carry(0, "37+52=89", "W") == ";"   # no carry: go on
-    assert carry(0, "37+52=89;89+91=70", ";") == "W"                              # carry: recheck
-    assert carry(0, "37+52=89;89+91=70", "<eos>") == "W"
-    assert carry(0, "37+52=89;89+91=180;180+19=199", "W") == "<eos>"              # last step: stop
-    assert never(0, "37+52=89;89+91=70", "W") == ";" and always(0, "37+52=89", ";") == "W"
-    inside = "37+52=89;89+91=70W9+1+0=10,8+9+1=18=180"                           # after a recheck
+    assert carry(0, "32+7=39", ";") == ";" and carry(0, "32+7=39", "W") == ";"     # no carry: go on
+    assert carry(0, "32+7=39;39+8=37", ";") == "W"                                # carry: recheck
+    assert carry(0, "32+7=39;39+8=37", "<eos>") == "W"
+    assert carry(0, "32+7=39;39+8=47;47+2=49", "W") == "<eos>"                    # last step: stop
+    assert never(0, "32+7=39;39+8=37", "W") == ";" and always(0, "32+7=39", ";") == "W"
+    inside = "32+7=39;39+8=37W9+8+0=17,3+0+1=04=47"                              # after a recheck
     for policy in (carry, never, always):
-        assert policy(0, inside, ";") == ";" and policy(0, "37+5", "W") == "W" and policy(0, "37+52=8", "9") == "9"
+        assert policy(0, inside, ";") == ";" and policy(0, "32+", "W") == "W" and policy(0, "32+7=3", "9") == "9"
 
 
 def test_pretrain_rebuilds_even_when_a_copy_exists(tmp_path, monkeypatch, one_thread):

@@ -92,7 +92,7 @@ def _chain(steps: tuple[int, ...], name: str) -> Task:
         count_forks=chain.count_reflections,
         max_positions=384,
         stratified_corpus=False,
-        pretrain_defaults=dict(steps=1200, batch_size=48, fork_fraction=0.04, derivation_fraction=0.3, wrong_guess_fraction=1.0),
+        pretrain_defaults=dict(steps=1000, batch_size=48, fork_fraction=0.04, derivation_fraction=0.5, wrong_guess_fraction=1.0),
     )
 
 

@@ -3,12 +3,13 @@
 Where `addition` is one decision (fork once, after a guess), `chain` makes reflection
 recur inside a longer chain of thought, as in MiniMax-M1 (arXiv 2506.13585, section 3):
 
-    prompt        37+52+91+19=
-    completion    37+52=89;89+91=70W9+1+0=10,8+9+1=18=180;180+19=199
+    prompt        23+7+4+8+9=
+    completion    23+7=20W3+7+0=10,2+0+1=03=30;30+4=34;34+8=32W4+8+0=12,3+0+1=04=42;42+9=41W2+9+0=11,4+0+1=05=51
 
 * Every solution is a chain of `n` steps ``a+b=c`` (n from `STEPS`, the difficulty
-  knob), ``a`` the running sum so far, ``b`` the next number of the prompt.
-* The base model adds directly with a systematic bug: it **drops carries** (``89+91=70``
+  knob), ``a`` the running sum so far (two digits: it stays below 100), ``b`` the next
+  number of the prompt (one digit).
+* The base model adds directly with a systematic bug: it **drops carries** (``23+7=20``
   above: each column written as ``(x+y) mod 10``). A step
   without a carry is right, a step with one is wrong, and the error propagates: the next
   step starts from the written value.
@@ -20,7 +21,8 @@ recur inside a longer chain of thought, as in MiniMax-M1 (arXiv 2506.13585, sect
   *and* the completion fits the **length budget**: the length of the shortest correct
   completion (a recheck after exactly the steps with a carry) plus `LENGTH_SLACK`
   characters (one recheck's worth), so checking after every step is not free: a policy
-  must learn *where* a recheck helps.
+  must learn *where* a recheck helps. Steps carry with probability `CARRY_PROB` but
+  never all of them, so the shortest correct completion rechecks ~3.2 steps of 4-6.
 
 Splits: a prompt is held out when a fixed hash of its numbers falls in the lowest
 `HELDOUT_PERCENT` percent; train prompts and the pretraining corpus use the rest.
@@ -42,12 +44,15 @@ ALPHABET = "0123456789+=,;" + FORK_TOKEN
 
 STEPS = (4, 5, 6)
 """Default chain lengths (number of additions), drawn uniformly per prompt."""
-CARRY_PROB = 0.6
+CARRY_PROB = 0.7
 """Probability that a step involves a carry (so the base model gets it wrong)."""
+MAX_SUM = 99
+"""The running sum stays below 100, so every step is ``two digits + one digit`` and every
+recheck derives two columns."""
 HELDOUT_PERCENT = 10
-LENGTH_SLACK = 32
-"""Characters a completion may use beyond the shortest correct one (one 3-column recheck
-is 31 characters), so at most about one unneeded recheck fits the budget."""
+LENGTH_SLACK = 22
+"""Characters a completion may use beyond the shortest correct one (a recheck is 21
+characters, ``W3+7+0=10,2+0+1=03=30``), so one unneeded recheck fits the budget, two do not."""
 
 _NUMBER = re.compile(r"(0|[1-9][0-9]*)")
 _PROMPT = re.compile(r"[0-9]+(\+[0-9]+)+=")
@@ -99,7 +104,7 @@ def is_heldout(numbers) -> bool:
 
 
 def make_prompt(numbers) -> str:
-    """``"37+58+91+24="``."""
+    """``"23+7+4+8+9="``."""
     return "+".join(map(str, numbers)) + "="
 
 
@@ -111,25 +116,28 @@ def parse_prompt(prompt: str) -> tuple[int, ...]:
 
 
 def _draw_chain(rng: random.Random, steps: tuple[int, ...], carry_prob: float) -> tuple[int, ...]:
-    """Numbers for one prompt: a 2-digit start, then n numbers in 1..99 whose additions carry
-    with probability `carry_prob` each (at least one step never carries)."""
+    """Numbers for one prompt: a 2-digit start, then n one-digit numbers whose additions
+    carry with probability `carry_prob` each (at least one step never carries) and whose
+    running sum stays at most `MAX_SUM`. The carry pattern is drawn first; numbers that
+    cannot follow it are redrawn (so the number of carrying steps is binomial, not all)."""
     n = rng.choice(steps)
     while True:
         carries = [rng.random() < carry_prob for _ in range(n)]
         if not all(carries):
             break
-    numbers = [rng.randint(10, 99)]
-    total = numbers[0]
-    for carry in carries:
-        for _ in range(1000):
-            b = rng.randint(10, 99) if rng.random() < 0.9 else rng.randint(1, 9)
-            if has_carry(total, b) == carry:
+    while True:
+        numbers = [rng.randint(10, MAX_SUM)]
+        total = numbers[0]
+        for carry in carries:
+            units = total % 10
+            choices = range(10 - units, 10) if carry else range(1, 10 - units)   # carry iff units + b >= 10
+            if not choices:
                 break
-        else:  # e.g. no carry-free addend exists: take any
-            b = rng.randint(1, 99)
-        numbers.append(b)
-        total += b
-    return tuple(numbers)
+            b = rng.choice(choices)
+            numbers.append(b)
+            total += b
+        if len(numbers) == n + 1 and total <= MAX_SUM:
+            return tuple(numbers)
 
 
 def sample_chains(seed: int, n: int, split: str = "train", steps: tuple[int, ...] = STEPS,
@@ -148,7 +156,7 @@ def sample_chains(seed: int, n: int, split: str = "train", steps: tuple[int, ...
 
 def samples(seed: int, n: int, split: str = "train", steps: tuple[int, ...] = STEPS,
             carry_prob: float = CARRY_PROB) -> list[dict]:
-    """``{"prompt": "37+58+91+24=", "answer": "210"}`` dicts from `split`."""
+    """``{"prompt": "23+7+4+8+9=", "answer": "51"}`` dicts from `split`."""
     return [{"prompt": make_prompt(ns), "answer": str(sum(ns))}
             for ns in sample_chains(seed, n, split, steps, carry_prob)]
 
@@ -189,9 +197,10 @@ def reference(numbers) -> str:
     return completion(numbers, recheck_after=set(carry_steps(numbers)))
 
 
-def length_budget(numbers) -> int:
-    """Longest completion (characters, EOS excluded) that can earn the reward."""
-    return len(reference(numbers)) + LENGTH_SLACK
+def length_budget(numbers, slack: int = LENGTH_SLACK) -> int:
+    """Longest completion (characters, EOS excluded) that can earn the reward: the shortest
+    correct one plus `slack` characters."""
+    return len(reference(numbers)) + slack
 
 
 # --------------------------------------------------------------------------- verifier
@@ -242,22 +251,23 @@ def count_reflections(completion_text: str) -> int:
     return strip_completion(completion_text).count(FORK_TOKEN)
 
 
-def reward(prompt: str, completion: str, answer: str | None = None, **sample) -> float:
+def reward(prompt: str, completion: str, answer: str | None = None, *, slack: int = LENGTH_SLACK,
+           **sample) -> float:
     """1.0 when the final answer is the sum of the prompt's numbers and the completion
-    (up to ``<eos>``) is at most `length_budget` characters long, else 0.0."""
+    (up to ``<eos>``) is at most `length_budget` (with `slack`) characters long, else 0.0."""
     numbers = parse_prompt(prompt)
     answer = str(sum(numbers)) if answer is None else str(answer)
-    if len(strip_completion(completion)) > length_budget(numbers):
+    if len(strip_completion(completion)) > length_budget(numbers, slack):
         return 0.0
     return 1.0 if extract_answer(completion) == answer else 0.0
 
 
 def max_new_tokens(steps: tuple[int, ...] = STEPS) -> int:
-    """Tokens of the longest completion within budget (+ EOS): n steps of 3-digit sums,
-    all but one rechecked (3 columns each), plus the slack."""
+    """Tokens of the longest completion within budget (+ EOS): n steps ``99+9=99``, all but
+    one rechecked (2 columns each), plus the slack."""
     n = max(steps)
-    plain = n * len("999+99=999") + (n - 1)
-    checks = (n - 1) * len(recheck(999, 99))
+    plain = n * len("99+9=99") + (n - 1)
+    checks = (n - 1) * len(recheck(90, 9))
     return plain + checks + LENGTH_SLACK + 1
 
 
@@ -278,7 +288,7 @@ class CorpusExample:
         return str(sum(parse_prompt(self.prompt)))
 
 
-def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fraction: float = 0.3,
+def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fraction: float = 0.5,
            wrong_guess_fraction: float = 1.0, steps: tuple[int, ...] = STEPS,
            carry_prob: float = CARRY_PROB) -> list[CorpusExample]:
     """`n` seeded pretraining chains from the train split.
