@@ -1,8 +1,8 @@
 """End to end on CPU: our trainer vs TRL's ``GRPOTrainer`` (``loss_type="cispo"``, ``epsilon_high=5.0``)
 on the same tiny model, prompts, reward, G, K and lengths, one thread each.
 
-    /work/venv-int/bin/python benchmarks/bench_trl.py            # needs trl (pip install 'cispo[bench]')
-    /work/venv-int/bin/python benchmarks/bench_trl.py --tiny
+    python benchmarks/bench_trl.py            # needs trl (pip install 'cispo[bench]')
+    python benchmarks/bench_trl.py --tiny
     python benchmarks/bench_trl.py --size small --prompts 16 --group-size 8 --updates 4 --max-new-tokens 32
     python benchmarks/bench_trl.py --prompts 8 --updates 1 --epochs 4 --steps 5 --rounds 5 --threads default
 
@@ -244,7 +244,7 @@ def main(argv=None) -> None:
     try:
         import trl
     except ImportError:
-        raise SystemExit("bench_trl needs trl (pip install 'cispo[bench]'); e.g. run it with /work/venv-int/bin/python")
+        raise SystemExit("bench_trl needs trl (pip install 'cispo[bench]')")
 
     print(machine_note(int(a.threads) if a.threads != "default" else 0) + f"; trl {trl.__version__}")
     t0 = time.perf_counter()
