@@ -68,17 +68,28 @@ def plot_run(rows: list[dict], path: Path, title: str = "") -> Path:
     return save_figure(fig, path, title)
 
 
-def style_axis(ax, title: str) -> None:
-    """A panel's title, step axis, grid and legend (when it has labelled lines)."""
+def style_axis(ax, title: str, xlabel: str = "step") -> None:
+    """A panel's title, x label, grid and legend (when it has labelled lines)."""
     ax.set_title(title, fontsize=10)
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
 
 
+K_LABEL = "K (off-policy updates per generation batch)"
+
+
+def style_gap_vs_k(ax, title: str) -> None:
+    """A paired-gap-against-K panel: log2 K axis, the zero line, then `style_axis`."""
+    ax.set_xscale("log", base=2)
+    ax.axhline(0, color="k", lw=0.5)
+    style_axis(ax, title, K_LABEL)
+
+
 def save_figure(fig, path: Path, title: str = "") -> Path:
-    fig.suptitle(title)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -46,6 +46,8 @@ def plot_gaps(groups, part: str, contrast: str, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from cispo.plotting import save_figure, style_gap_vs_k
+
     lines: dict[tuple[str, str], list] = {}
     for _, task, k in keys:
         arms = groups[(part, task, k)]
@@ -58,13 +60,5 @@ def plot_gaps(groups, part: str, contrast: str, path: Path) -> Path | None:
     for (task, base), pts in sorted(lines.items()):
         ax.errorbar([k for k, _ in pts], [t.mean for _, t in pts], yerr=[t.half for _, t in pts], marker="o", capsize=3,
                     label=f"{task}: {contrast} − {base}")
-    ax.set_xscale("log", base=2)
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set_xlabel("K (off-policy updates per generation batch)")
-    ax.set_title(f"{part}: mean held-out accuracy over training, paired gap (95% CI)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    style_gap_vs_k(ax, f"{part}: mean held-out accuracy over training, paired gap (95% CI)")
+    return save_figure(fig, path)

@@ -181,6 +181,8 @@ def plot_sweep(gaps: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from cispo.plotting import save_figure, style_gap_vs_k
+
     ks = sorted(gaps)
     bases = _bases(gaps)
     c = next((row.get("contrast", "cispo") for row in gaps.values()), "cispo").upper()
@@ -196,14 +198,8 @@ def plot_sweep(gaps: dict, path: Path) -> Path:
             m = [p[1][0] for p in pts]
             h = [p[1][2] for p in pts]
             ax.errorbar(x, m, yerr=h, marker="o", capsize=3, label=f"{c} − {b.upper()}")
-            ax.set_xscale("log", base=2)
-            ax.axhline(0, color="k", lw=0.5)
-            ax.set_xlabel("K (off-policy updates per generation batch)")
-            ax.set_title(name, fontsize=10)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    for ax, name in zip(axes, ("final held-out accuracy gap", "mean held-out accuracy over training, gap",
+                               "steps-to-target gap")):
+        style_gap_vs_k(ax, name)
+    return save_figure(fig, path)
 

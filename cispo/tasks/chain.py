@@ -34,7 +34,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from cispo.tasks.arithmetic import _pair_hash, decision_keep_prob, derivation, strip_completion
+from cispo.tasks.arithmetic import CorpusExample, _pair_hash, decision_keep_prob, derivation, strip_completion
 
 FORK_TOKEN = "W"
 """The reflective ("wait, recheck that step") token."""
@@ -272,20 +272,6 @@ def max_new_tokens(steps: tuple[int, ...] = STEPS) -> int:
 
 
 # --------------------------------------------------------------------------- corpus
-
-
-@dataclass(frozen=True)
-class CorpusExample:
-    """One pretraining example; `loss_mask` has one entry per completion character + EOS."""
-
-    prompt: str
-    completion: str
-    loss_mask: tuple[int, ...]
-    forked: bool
-
-    @property
-    def answer(self) -> str:
-        return str(sum(parse_prompt(self.prompt)))
 
 
 def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fraction: float = 0.5,
