@@ -147,10 +147,12 @@ def cmd_study_data(args) -> int:
     from cispo.experiments.study_data import collect
 
     try:
-        path, runs, rows = collect(args.runs, args.output)
+        path, runs, rows, unfinished = collect(args.runs, args.output)
     except FileNotFoundError as e:
         print(f"cispo study-data: error: {e}", file=sys.stderr)
         return 2
+    for d in unfinished:
+        print(f"cispo study-data: left out {d} (unfinished: no summary.json)", file=sys.stderr)
     print(f"{path}: {runs} runs, {rows} rows, {path.stat().st_size / 1e6:.2f} MB")
     return 0
 

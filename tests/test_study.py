@@ -36,8 +36,11 @@ SWEEP = {
 }
 
 
-def _write_run(folder: Path, accs: list[float], meta: dict | None, wall_s: float | None = None) -> None:
+def _write_run(folder: Path, accs: list[float], meta: dict | None, wall_s: float | None = None,
+               finished: bool = True) -> None:
     folder.mkdir(parents=True)
+    if finished:
+        (folder / "summary.json").write_text("{}")
     rows = []
     for step in range(9):
         r = {"step": step}
@@ -73,7 +76,12 @@ def study(tmp_path_factory):
     _write_run(plain, [0.1, 0.2, 0.3, 0.4, 0.5], None)
     save_yaml(apply_overrides(TrainConfig(), ["seed=0", "updates_per_batch=4", "objective_overrides.eps_high_is=2"]),
               plain / "config.yaml")
-    csv_path, n_runs, n_rows = collect([root], root / "study.csv.gz")
+    # a run still going (no summary.json): its half curve must not enter the data
+    _write_run(root / "main" / "cispo__chain__K16__seed3", [0.0, 0.9, 0.9, 0.9, 0.9],
+               {**base, "role": "eval", "arm": "cispo", "spec": "cispo", "objective": "cispo", "seed": 3, "lr": 1e-4},
+               finished=False)
+    csv_path, n_runs, n_rows, unfinished = collect([root], root / "study.csv.gz")
+    assert unfinished == [root / "main" / "cispo__chain__K16__seed3"]
     return root, csv_path, n_runs, n_rows, report(csv_path, root / "report")
 
 
@@ -89,7 +97,7 @@ def test_the_csv_holds_every_run_and_step_and_is_reproducible(study):
             for r in cispo1} == {("cispo", "16", "1", "0.0001", "3600", "eval", "0123456789ab", "builtin:feedc0ffee12")}
     plain = [r for r in rows if r["part"] == "extra"]
     assert {(r["arm"], r["K"], r["role"], r["wall_s"], r["eval_k"]) for r in plain} == {("cispo(eps_high_is=2)", "4", "eval", "", "4")}
-    again, _, _ = collect([root], root / "again.csv.gz")
+    again, _, _, _ = collect([root], root / "again.csv.gz")
     assert again.read_bytes() == csv_path.read_bytes()  # no timestamp in the gzip stream
     assert gzip.decompress(csv_path.read_bytes()).decode().splitlines()[0] == ",".join(COLUMNS)
 
@@ -185,7 +193,8 @@ def test_doc_check_finds_a_wrong_quote_and_update_fixes_it(study):
 def test_cli_study_data_and_report_check_doc(study, tmp_path, capsys):
     root, *_ = study
     assert main(["study-data", str(root / "main"), "-o", str(tmp_path / "s.csv")]) == 0
-    assert "11 runs, 99 rows" in capsys.readouterr().out
+    got = capsys.readouterr()
+    assert "11 runs, 99 rows" in got.out and "left out" in got.err and "cispo__chain__K16__seed3" in got.err
     doc = tmp_path / "doc.md"
     doc.write_text("<!-- study:hours/main -->0<!-- /study:hours/main -->\n")
     assert main(["study-report", str(tmp_path / "s.csv"), "-o", str(tmp_path / "rep"), "--check-doc", str(doc)]) == 1
@@ -236,7 +245,7 @@ def test_one_command_sweep_then_data_then_report(tiny_model, dense_task, tmp_pat
     assert set(chosen) == {"dapo@1", "dapo@2", "cispo_seqmean@1", "cispo_seqmean@2"}
     # the grid has two rates, so each choice is at an edge and one more rate is tried past it
     assert len(tuning["scores"]) == 2 * 2 * 3
-    csv_path, n_runs, _ = collect([out], tmp_path / "s.csv.gz")
+    csv_path, n_runs, _, _ = collect([out], tmp_path / "s.csv.gz")
     assert n_runs == 2 * 3 * 2 + 2 * 2 * 2  # tuning: arms x (2 rates + 1 past the edge) x K; eval: arms x seeds x K
     for r in read_csv(csv_path):
         k = int(r["K"])

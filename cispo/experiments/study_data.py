@@ -99,10 +99,19 @@ def run_rows(run_dir: Path) -> list[list[str]]:
     return out
 
 
-def collect(paths: list[str | Path], out: str | Path) -> tuple[Path, int, int]:
-    """Write the CSV (gzip when `out` ends in ``.gz``) of every run below `paths`.
-    -> (path, runs, rows)."""
-    dirs = find_run_dirs(paths)
+def is_finished(run_dir: Path) -> bool:
+    """A run is finished when the trainer wrote its ``summary.json`` (``cispo compare`` writes
+    ``study.json`` only after that); a folder without it is still running or was stopped."""
+    return (run_dir / "summary.json").exists()
+
+
+def collect(paths: list[str | Path], out: str | Path) -> tuple[Path, int, int, list[Path]]:
+    """Write the CSV (gzip when `out` ends in ``.gz``) of every *finished* run below `paths`
+    (`is_finished`), so a part still running cannot slip half-curves into the data.
+    -> (path, runs, rows, the unfinished run folders left out)."""
+    found = find_run_dirs(paths)
+    dirs = [d for d in found if is_finished(d)]
+    unfinished = [d for d in found if not is_finished(d)]
     rows = [row for d in dirs for row in run_rows(d)]
     key = [COLUMNS.index(c) for c in ("part", "role", "task", "arm", "K", "lr", "seed", "run")]
     rows.sort(key=lambda r: ([r[i] for i in key], int(r[COLUMNS.index("step")])))
@@ -114,7 +123,7 @@ def collect(paths: list[str | Path], out: str | Path) -> tuple[Path, int, int]:
     out.parent.mkdir(parents=True, exist_ok=True)
     data = buf.getvalue().encode()
     out.write_bytes(gzip.compress(data, mtime=0) if out.suffix == ".gz" else data)
-    return out, len(dirs), len(rows)
+    return out, len(dirs), len(rows), unfinished
 
 
 def read_csv(path: str | Path) -> list[dict[str, str]]:
