@@ -24,7 +24,10 @@ def test_runs_are_named_and_configured_by_arm():
     cfg = CompareConfig(arms=["dapo", "cispo_cap8", "mine"], seeds=[0, 1], out_dir="/tmp/x",
                         arm_defs={"mine": ArmConfig(objective="gspo", objective_overrides={"eps_high": 1e-3},
                                                     train=["rollout.dynamic_sampling=false"])})
-    runs = {(r.arm, r.config.seed): r for r in run_configs(cfg)}
+    ordered = run_configs(cfg)
+    # seed by seed, so a comparison stopped early holds whole seeds (every arm paired)
+    assert [(r.arm, r.config.seed) for r in ordered] == [(a, s) for s in (0, 1) for a in ("dapo", "cispo_cap8", "mine")]
+    runs = {(r.arm, r.config.seed): r for r in ordered}
     assert len(runs) == 6
     r = runs[("cispo_cap8", 1)]
     assert r.config.run_name == "cispo_cap8__addition__K16__seed1" and r.config.out_dir == "/tmp/x"
@@ -116,7 +119,7 @@ def test_arms_from_a_yaml_file_and_an_error_naming_its_line(tmp_path):
     good.write_text("arms: [dapo, cap3]\narm_defs:\n  cap3:\n    objective: cispo\n    objective_overrides:\n"
                     "      eps_high_is: 3.0\n    train: [rollout.dynamic_sampling=false]\n")
     cfg = load_yaml(CompareConfig, good)
-    [dapo, cap3] = run_configs(cfg)[::3]
+    [dapo, cap3] = run_configs(cfg)[:2]
     assert cap3.arm == "cap3" and cap3.config.algo.objective_overrides == {"eps_high_is": 3.0}
     assert cap3.config.rollout.dynamic_sampling is False and dapo.config.rollout.dynamic_sampling is True
     bad = tmp_path / "bad.yaml"

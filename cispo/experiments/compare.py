@@ -237,7 +237,9 @@ def lr_for(cfg: CompareConfig, arm: str, k: int) -> float | None:
 
 
 def run_configs(cfg: CompareConfig, k: int | None = None) -> list[Run]:
-    """One evaluation run per (arm, seed) at `k` (None: the comparison's K), in ``cfg.out_dir``."""
+    """One evaluation run per (arm, seed) at `k` (None: the comparison's K), in ``cfg.out_dir``,
+    seed by seed (every arm of seed 0, then of seed 1, ...): a part stopped early holds whole
+    seeds, so every arm it ran is paired by seed."""
     arms, out = resolve_arms(cfg.arms, cfg.arm_defs), []
     for name, arm in arms.items():
         base = replace(base_config(cfg, arm, k), out_dir=cfg.out_dir)
@@ -248,7 +250,7 @@ def run_configs(cfg: CompareConfig, k: int | None = None) -> list[Run]:
                               "learning_rates / tuning_from)")
         lr = (lr if lr is not None else base.optim.lr) * cfg.lr_scale
         out += [one_run(base, name, arm, seed, lr, "eval", part_name(cfg)) for seed in cfg.seeds]
-    return out
+    return sorted(out, key=lambda r: cfg.seeds.index(r.config.seed))  # stable: arms keep their order
 
 
 def tuning_configs(cfg: CompareConfig, k: int | None = None, lrs: list[float] | None = None,
