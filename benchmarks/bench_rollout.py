@@ -5,6 +5,7 @@ on the same model and prompts, and our sampler with vs without its KV cache.
     python benchmarks/bench_rollout.py --tiny
     python benchmarks/bench_rollout.py --size small --batch-sizes 64 --new-tokens 64 --threads 2
     python benchmarks/bench_rollout.py --decode-pairs     # lean static-cache decode vs the forward path
+    python benchmarks/bench_rollout.py --profile --batch-sizes 128 --new-tokens 60   # where the decode's time goes
 
 ``--decode-pairs`` (issue 13): ``TorchSampler(decode="static")`` (cispo.rollout.static_cache) against
 ``decode="hf"`` (the model's forward with a DynamicCache, the sampler before it), same seed, same
@@ -119,6 +120,28 @@ def decode_pairs(args) -> list[list]:
     return rows
 
 
+def profile_decode(args, top: int = 8) -> list[list]:
+    """torch.profiler's operators by self CPU time over one ``generate`` of the default (static-cache)
+    decode, after a warm-up: [operator, calls, self ms, share of the total]."""
+    import torch
+    from torch.profiler import profile
+
+    from cispo.rollout import SamplingConfig, TorchSampler
+
+    task, tok, model = setup(args.size, args.seed)
+    ids = [tok.encode(s["prompt"]) for s in task.train_samples(args.seed, args.batch_sizes[0])]
+    sampler = TorchSampler(model, eos_token_id=len(tok), pad_token_id=tok.pad_token_id)  # EOS never sampled
+    cfg = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, repetition_stop_tokens=None)
+    sampler.generate(ids, cfg, torch.Generator().manual_seed(args.seed))
+    with profile() as prof:
+        sampler.generate(ids, cfg, torch.Generator().manual_seed(args.seed))
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops)
+    print(f"model: built-in '{args.size}' = {model_desc(model)}, random init; B = {len(ids)}, "
+          f"{args.new_tokens} new tokens; total self CPU {total / 1e3:.0f} ms; load {load_average():.1f}")
+    return [[e.key, e.count, e.self_cpu_time_total / 1e3, f"{e.self_cpu_time_total / total:.1%}"] for e in ops[:top]]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="default", help="built-in model size (tiny, small, default)")
@@ -135,6 +158,8 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="tiny,default", help="with --decode-pairs: built-in model sizes")
     p.add_argument("--new-tokens-list", default="32,128", help="with --decode-pairs: response lengths")
     p.add_argument("--pairs", type=int, default=7, help="with --decode-pairs: interleaved pairs (>= 5)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one static-cache generate (B = first --batch-sizes, --new-tokens): top operators")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.sizes = args.sizes.split(",")
@@ -145,6 +170,10 @@ def main(argv=None) -> None:
     threads = set_threads(args.threads)
     print(machine_note(threads))
     t0 = time.perf_counter()
+    if args.profile or args.tiny:
+        print(table(["operator", "calls", "self ms", "share"], profile_decode(args)))
+        if args.profile:
+            return
     if args.decode_pairs or args.tiny:
         rows = decode_pairs(args)
         print(table(["model", "shape", "B", "new tokens", "hf s (median)", "static s (median)",
