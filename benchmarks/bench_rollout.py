@@ -121,24 +121,53 @@ def decode_pairs(args) -> list[list]:
 
 
 def profile_decode(args, top: int = 8) -> list[list]:
-    """torch.profiler's operators by self CPU time over one ``generate`` of the default (static-cache)
-    decode, after a warm-up: [operator, calls, self ms, share of the total]."""
+    """Where one ``generate`` of the default (static-cache) decode spends its time, after a warm-up.
+
+    Prints the CPU seconds (``time.process_time``: descheduling under load does not count) of the
+    whole call and of its attention calls (``StaticDecoder``'s SDPA function, wrapped); returns
+    torch.profiler's operators by self time [operator, calls, self ms, share] (wall-clock per op,
+    so inflated under load; the shares are what to read)."""
     import torch
     from torch.profiler import profile
 
     from cispo.rollout import SamplingConfig, TorchSampler
+    from cispo.rollout.static_cache import StaticDecoder
 
     task, tok, model = setup(args.size, args.seed)
     ids = [tok.encode(s["prompt"]) for s in task.train_samples(args.seed, args.batch_sizes[0])]
     sampler = TorchSampler(model, eos_token_id=len(tok), pad_token_id=tok.pad_token_id)  # EOS never sampled
     cfg = SamplingConfig(max_new_tokens=args.new_tokens, temperature=1.0, repetition_stop_tokens=None)
-    sampler.generate(ids, cfg, torch.Generator().manual_seed(args.seed))
+    attention_s = [0.0]
+    plain_init = StaticDecoder.__init__
+
+    def timed_init(self, *a, **kw):  # wrap this decoder's attention function with a CPU-time counter
+        plain_init(self, *a, **kw)
+        attend = self._attention
+
+        def timed(*x, **y):
+            t = time.process_time()
+            out = attend(*x, **y)
+            attention_s[0] += time.process_time() - t
+            return out
+        self._attention = timed
+
+    StaticDecoder.__init__ = timed_init
+    try:
+        sampler.generate(ids, cfg, torch.Generator().manual_seed(args.seed))
+        attention_s[0] = 0.0
+        t = time.process_time()
+        sampler.generate(ids, cfg, torch.Generator().manual_seed(args.seed))
+        total_s = time.process_time() - t
+    finally:
+        StaticDecoder.__init__ = plain_init
     with profile() as prof:
         sampler.generate(ids, cfg, torch.Generator().manual_seed(args.seed))
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in ops)
     print(f"model: built-in '{args.size}' = {model_desc(model)}, random init; B = {len(ids)}, "
-          f"{args.new_tokens} new tokens; total self CPU {total / 1e3:.0f} ms; load {load_average():.1f}")
+          f"{args.new_tokens} new tokens; load {load_average():.1f}\n"
+          f"CPU time of one generate {total_s:.3f} s, of which attention (SDPA) {attention_s[0]:.3f} s "
+          f"({attention_s[0] / total_s:.0%})")
     return [[e.key, e.count, e.self_cpu_time_total / 1e3, f"{e.self_cpu_time_total / total:.1%}"] for e in ops[:top]]
 
 
