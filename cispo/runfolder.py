@@ -25,6 +25,7 @@ import yaml
 from cispo.config import ConfigError, TrainConfig, apply_overrides, from_dict, load_yaml, save_yaml, to_dict
 
 MARKER = ".cispo-run"
+SUMMARY = "summary.json"  # written by the trainer when a run ends: its presence marks the run finished
 MARKER_VERSION = 1
 
 RESUME_SAFE_FIELDS = {
@@ -78,6 +79,12 @@ def run_dir_of(cfg: TrainConfig) -> Path:
 
 def is_run_folder(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
+
+
+def is_finished(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` ran to its end (the trainer writes `SUMMARY` last); a folder
+    without it is still running or was stopped."""
+    return (Path(run_dir) / SUMMARY).exists()
 
 
 def write_marker(run_dir: Path) -> None:

@@ -24,7 +24,7 @@ from cispo.rewards import closing_reward_pools
 from cispo.rewards.loading import check_reward_fields
 from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_objects, init_distributed, shard_model
 from cispo.rollout import TorchSampler
-from cispo.runfolder import check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
+from cispo.runfolder import SUMMARY, check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
 from cispo.samples import SampleFile, sample_records
 from cispo.threads import auto_threads
 from cispo.compile import train_body
@@ -340,7 +340,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     summary = {}
     if main:
         summary = summarize(read_metrics(run_dir / "metrics.jsonl"))
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
         _plot(run_dir, cfg)
     barrier(dist_info)
     updates = update_count - first_update_count

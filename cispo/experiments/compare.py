@@ -36,6 +36,7 @@ from cispo.experiments.stats import at_edge, final_accuracy, mean_accuracy, pick
 from cispo.experiments.tables import (analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep,
                                       sweep_gaps)
 from cispo.metrics import nan_mean
+from cispo.runfolder import is_finished
 from cispo.tracking import read_metrics
 
 
@@ -380,10 +381,6 @@ def base_model_id(c: TrainConfig) -> str:
     return "builtin:" + file_sha256(ensure_builtin_model(c.data.task, progress=False) / CHECKSUMS)[:12]
 
 
-def _is_finished(run: Run) -> bool:
-    return (run.dir / "summary.json").exists()
-
-
 def _run_one(run: Run) -> str:
     """Train (or resume) `run`; then write ``study.json``: its meta, the base model it started
     from and the wall time of this call (a run resumed after an interruption counts only the
@@ -400,7 +397,7 @@ def _run_one(run: Run) -> str:
 
 def run_all(runs: list[Run], workers: int) -> None:
     """Train every unfinished run, ``workers`` at a time (resuming half-finished ones)."""
-    todo = [r for r in runs if not _is_finished(r)]
+    todo = [r for r in runs if not is_finished(r.dir)]
     print(f"cispo: {len(runs) - len(todo)} of {len(runs)} runs already finished", file=sys.stderr)
     for r in runs:  # finished before study.json existed (or lost it): its labels, wall time unknown
         if r not in todo and not (r.dir / "study.json").exists():

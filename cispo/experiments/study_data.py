@@ -31,6 +31,7 @@ import io
 import json
 from pathlib import Path
 
+from cispo.runfolder import is_finished
 from cispo.tracking import read_metrics
 
 RUN_COLUMNS = ["part", "role", "arm", "spec", "objective", "task", "K", "seed", "lr", "prompts_per_step", "group_size",
@@ -99,19 +100,13 @@ def run_rows(run_dir: Path) -> list[list[str]]:
     return out
 
 
-def is_finished(run_dir: Path) -> bool:
-    """A run is finished when the trainer wrote its ``summary.json`` (``cispo compare`` writes
-    ``study.json`` only after that); a folder without it is still running or was stopped."""
-    return (run_dir / "summary.json").exists()
-
-
 def collect(paths: list[str | Path], out: str | Path) -> tuple[Path, int, int, list[Path]]:
     """Write the CSV (gzip when `out` ends in ``.gz``) of every *finished* run below `paths`
-    (`is_finished`), so a part still running cannot slip half-curves into the data.
+    (`cispo.runfolder.is_finished`), so a part still running cannot slip half-curves into the data.
     -> (path, runs, rows, the unfinished run folders left out)."""
-    found = find_run_dirs(paths)
-    dirs = [d for d in found if is_finished(d)]
-    unfinished = [d for d in found if not is_finished(d)]
+    dirs, unfinished = [], []
+    for d in find_run_dirs(paths):
+        (dirs if is_finished(d) else unfinished).append(d)
     rows = [row for d in dirs for row in run_rows(d)]
     key = [COLUMNS.index(c) for c in ("part", "role", "task", "arm", "K", "lr", "seed", "run")]
     rows.sort(key=lambda r: ([r[i] for i in key], int(r[COLUMNS.index("step")])))
