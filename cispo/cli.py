@@ -34,6 +34,7 @@ def _build_config(cls, config_file: str | None, overrides: list[str]):
 
 
 def cmd_train(args) -> int:
+    from cispo.distributed import close_distributed
     from cispo.runfolder import resume_config
     from cispo.runner import format_summary, train
 
@@ -41,7 +42,10 @@ def cmd_train(args) -> int:
         cfg = resume_config(args.config, args.overrides)
     else:
         cfg = _build_config(TrainConfig, args.config, args.overrides)
-    result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    try:
+        result = train(cfg, resume=args.resume, overwrite=args.overwrite)
+    finally:  # under torchrun: leave the process group, also when the run fails or is stopped
+        close_distributed()
     print(format_summary(result.summary))
     print(f"run folder: {result.run_dir}  (metrics.jsonl, curves.png, checkpoints/)")
     if result.updates == 0:

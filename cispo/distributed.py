@@ -66,6 +66,13 @@ def init_distributed(device_type: str = "cpu") -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def close_distributed() -> None:
+    """Leave the process group `init_distributed` joined, if any (torch asks every process to
+    destroy it before exit; NCCL warns and may hang at exit otherwise)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def all_reduce_sum(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum of ``x`` over ranks (a new tensor; ``x`` is left alone)."""
     x = x.detach().clone()

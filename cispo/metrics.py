@@ -1,7 +1,8 @@
 """The metrics of one RL step, and the NaN-skipping mean every average over metrics uses.
 
 A metric that is not defined for a step (a fork rate on a task without a fork word, a
-fraction over zero tokens) is NaN; averages over optimizer steps and over ranks skip it.
+fraction over zero tokens) is NaN; averages over optimizer steps and over ranks skip it
+(`reduce_over_ranks`: counts are summed over ranks, the rest averaged).
 """
 
 from __future__ import annotations
@@ -21,6 +22,30 @@ def nan_mean(values) -> float:
     """The mean of ``values`` that are neither None nor NaN; NaN when none is left."""
     kept = [v for v in values if v is not None and not is_nan(v)]
     return sum(kept) / len(kept) if kept else float("nan")
+
+
+# Per-rank counts and rates: the step's value is their sum over ranks (each rank samples its
+# own groups); the largest length is the largest over ranks; every other metric is a mean.
+SUMMED_OVER_RANKS = frozenset({"rollout/groups_sampled", "rollout/groups_kept", "rollout/reward_errors",
+                               "rollout/repetition_stops", "perf/tokens_per_s"})
+MAXED_OVER_RANKS = frozenset({"rollout/response_length_max"})
+
+
+def reduce_over_ranks(per_rank: list[dict]) -> dict:
+    """One step's metrics from every rank's: summed for `SUMMED_OVER_RANKS`, max for
+    `MAXED_OVER_RANKS`, else `nan_mean` over the ranks that report the key."""
+    out = {}
+    for key in sorted({k for m in per_rank for k in m}):
+        values = [v for m in per_rank if (v := m.get(key)) is not None and not is_nan(v)]
+        if not values:
+            out[key] = float("nan")
+        elif key in SUMMED_OVER_RANKS:
+            out[key] = float(sum(values))
+        elif key in MAXED_OVER_RANKS:
+            out[key] = float(max(values))
+        else:
+            out[key] = sum(values) / len(values)
+    return out
 
 
 def pearson(x: torch.Tensor, y: torch.Tensor) -> float:

@@ -30,7 +30,7 @@ from cispo.threads import auto_threads
 from cispo.compile import train_body
 from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate, evaluate_sets
-from cispo.metrics import is_nan, nan_mean
+from cispo.metrics import is_nan, reduce_over_ranks
 from cispo.policy import Policy
 from cispo.setup import (default_max_new_tokens, fit_prompts, fork_token_ids, make_objective, make_optimizer,
                          sampling_config)
@@ -313,7 +313,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
             metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
                                             update_count, fork_ids, dist_info,
                                             on_samples=samples_logger(cfg, step, task, sample_file, sink))
-            metrics = mean_over_ranks(metrics, dist_info)
+            metrics = metrics_over_ranks(metrics, dist_info)
             bad_steps = bad_steps + 1 if metrics.get("optim/skipped", 0) >= cfg.algo.updates_per_batch else 0
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 metrics.update(evaluate_now(step))
@@ -379,13 +379,11 @@ def samples_logger(cfg: TrainConfig, step: int, task, sample_file: SampleFile | 
     return on_samples
 
 
-def mean_over_ranks(metrics: dict, info) -> dict:
-    """Each metric averaged over the ranks that report it (ranks hold different groups)."""
+def metrics_over_ranks(metrics: dict, info) -> dict:
+    """The step's metrics over all ranks (ranks hold different groups): `reduce_over_ranks`."""
     if not info.enabled:
         return metrics
-    everyone = gather_objects(metrics, info)
-    keys = sorted({k for m in everyone for k in m})
-    return {k: nan_mean(m.get(k) for m in everyone) for k in keys}
+    return reduce_over_ranks(gather_objects(metrics, info))
 
 
 class StopRequest:

@@ -1,6 +1,7 @@
 """Data parallelism on CPU with gloo: 2 ranks == 1 process on the same batch."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -107,6 +108,9 @@ def test_torchrun_cli_two_ranks(tmp_path):
     rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[-1]["optim/updates"] == 4
+    # counts are summed over the ranks: 2 groups each, 4 in the step (a mean would say 2)
+    assert [r["rollout/groups_sampled"] for r in rows[1:]] == [4.0, 4.0]
+    assert [r["rollout/groups_kept"] for r in rows[1:]] == [4.0, 4.0]
     state = json.loads((tmp_path / "ddp" / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and len(state["streams"]) == 2
 
@@ -269,3 +273,30 @@ def test_torchrun_cli_fsdp_resume_repeats_the_run(fsdp_run, tmp_path):
     first = read_metrics(root / "fsdp" / "metrics.jsonl")[-1]
     again = read_metrics(tmp_path / "again" / "metrics.jsonl")[-1]
     assert again["step"] == 2 and again["objective/loss"] == pytest.approx(first["objective/loss"], rel=1e-5)
+
+
+def test_reduce_over_ranks_sums_counts_and_averages_the_rest():
+    from cispo.metrics import reduce_over_ranks
+
+    nan = float("nan")
+    out = reduce_over_ranks([
+        {"rollout/reward_errors": 1.0, "rollout/groups_kept": 3.0, "rollout/response_length_max": 9.0,
+         "rollout/accuracy": 0.5, "rollout/fork_rate": nan, "perf/tokens_per_s": 100.0},
+        {"rollout/reward_errors": 2.0, "rollout/groups_kept": 1.0, "rollout/response_length_max": 4.0,
+         "rollout/accuracy": 0.25, "rollout/fork_rate": 0.5, "perf/tokens_per_s": 50.0, "only/here": 7.0},
+    ])
+    assert out["rollout/reward_errors"] == 3.0 and out["rollout/groups_kept"] == 4.0
+    assert out["perf/tokens_per_s"] == 150.0 and out["rollout/response_length_max"] == 9.0
+    assert out["rollout/accuracy"] == 0.375 and out["rollout/fork_rate"] == 0.5 and out["only/here"] == 7.0
+    undefined = reduce_over_ranks([{"rollout/fork_rate": nan, "rollout/reward_errors": nan}, {}])
+    assert math.isnan(undefined["rollout/fork_rate"]) and math.isnan(undefined["rollout/reward_errors"])
+
+
+def test_close_distributed_leaves_the_process_group(tmp_path):
+    from cispo.distributed import close_distributed
+
+    close_distributed()  # no group: a no-op
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    close_distributed()
+    assert not dist.is_initialized()
