@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 import cispo.tasks
 import cispo.trainer
 from cispo.cli import main
-from cispo.config import ConfigError, TrainConfig, apply_overrides
 from cispo.rewards import safe_reward
 from cispo.runner import train
 from cispo.tracking import read_metrics
