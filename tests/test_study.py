@@ -259,3 +259,31 @@ def test_one_command_sweep_then_data_then_report(tiny_model, dense_task, tmp_pat
     assert {ln.split(" | ")[1] for ln in tables["tuning/ksweep"].splitlines()[2:6]} == {"1", "2"}
     assert "| chain |" not in tables["summary/ksweep"] and "| addition | 2 | dapo |" in tables["summary/ksweep"]
     assert (tmp_path / "rep" / "gaps_ksweep.png").exists()
+
+
+def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
+    from cispo.experiments.study_report import RunData, borrow_contrast, collapse_table, summary_table
+
+    def run(part, arm, seed, accs):
+        meta = {"part": part, "role": "eval", "task": "chain", "K": "16", "arm": arm, "seed": str(seed), "lr": "3e-05",
+                "run": f"{arm}__chain__K16__seed{seed}"}
+        return RunData(meta, {2 * i: {"eval/accuracy": a} for i, a in enumerate(accs)})
+
+    runs = [run("main", "cispo", s, [0.0, 0.4, 0.6 + 0.1 * s]) for s in (0, 1, 2)]
+    runs += [run("main", "dapo", s, [0.0, 0.5, 0.7]) for s in (0, 1, 2)]
+    runs += [run("ablation", "ppo", s, [0.0, 0.2, 0.3 + 0.05 * s]) for s in (0, 1, 2)]
+    st = Settings()
+    groups = borrow_contrast(group_eval_runs(runs), st)
+    assert set(groups[("ablation", "chain", 16)]) == {"ppo", "cispo"}  # dapo is not lent, only the contrast
+    assert groups[("ablation", "chain", 16)]["cispo"] == groups[("main", "chain", 16)]["cispo"]
+    rows = comparisons(groups, "ablation", st)
+    final = next(r for r in rows if r["measure"] == "final_accuracy")
+    # finals (mean of the last 2 evaluations): ppo 0.25, 0.275, 0.3; cispo 0.5, 0.55, 0.6 -> −0.25, −0.275, −0.3
+    assert (final["a"], final["b"], final["t"].n) == ("ppo", "cispo", 3)
+    assert final["t"].mean == pytest.approx(-0.275) and {r["family"] for r in rows} == {2}
+    assert "| chain | 16 | cispo (main part's runs) | 3e-05 | 3 |" in summary_table(groups, "ablation", st)
+    assert "| chain | 16 | cispo (main part's runs) |" in collapse_table(groups, "ablation", st)
+    assert "| chain | 16 | cispo | 3e-05 | 3 |" in summary_table(groups, "main", st)
+    # a part with its own CISPO runs keeps them; without `contrast_from` nothing is lent
+    alone = borrow_contrast(group_eval_runs(runs), Settings(contrast_from={}))
+    assert set(alone[("ablation", "chain", 16)]) == {"ppo"} and comparisons(alone, "ablation", st) == []

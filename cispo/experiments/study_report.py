@@ -93,6 +93,10 @@ class Settings:
     tune_score: str = "mean_accuracy"
     tune_tie: float = 0.005
     families: dict[str, Family] = field(default_factory=lambda: dict(PROTOCOL_FAMILIES))
+    contrast_from: dict[str, str] = field(default_factory=lambda: {"ablation": "main"})
+    """PART -> OTHER: where PART has no `contrast` runs of its own at a task and K, it pairs
+    with OTHER's there (the `chain` ablations use part 1's CISPO runs: protocol amendment of
+    session 7). The tables label such an arm with the part its runs come from."""
 
 
 @dataclass
@@ -142,6 +146,22 @@ def group_eval_runs(runs: list[RunData]) -> Groups:
                                  f"twice ({cell[int(m['seed'])].meta['run']} and {m['run']}); put them in separate parts")
             cell[int(m["seed"])] = r
     return out
+
+
+def borrow_contrast(groups: Groups, st: Settings) -> Groups:
+    """`groups` with, for each part of `st.contrast_from` lacking the contrast arm at a (task,
+    K), the contrast arm's runs of the other part there (the runs keep their own ``part``)."""
+    for part, other in st.contrast_from.items():
+        for (p, task, k), arms in list(groups.items()):
+            if p == part and st.contrast not in arms and st.contrast in groups.get((other, task, k), {}):
+                arms[st.contrast] = dict(groups[(other, task, k)][st.contrast])
+    return groups
+
+
+def _arm_label(arm: str, runs: dict[int, RunData], part: str) -> str:
+    """The arm's name, plus where its runs come from when another part lent them."""
+    src = sorted({r.meta["part"] for r in runs.values()} - {part})
+    return f"{arm} ({', '.join(src)} part's runs)" if src else arm
 
 
 def target_of(arms: dict[str, dict[int, RunData]], st: Settings) -> float | None:
@@ -211,7 +231,8 @@ def summary_table(groups: Groups, part: str, st: Settings) -> str:
             m = lambda name, p=3: _pm([measure(r, name, target, st) for r in runs.values()], p)  # noqa: E731
             hits = [censored_steps(r.curve(), target)[1] for r in runs.values()] if target is not None else []
             flags = [f for f in (collapsed(r.curve(), st.floor) for r in runs.values()) if f is not None]
-            lines.append(f"| {task} | {k} | {arm} | {_lrs(runs)} | {len(runs)} | {m('final_accuracy')} | {m('greedy_final')} "
+            lines.append(f"| {task} | {k} | {_arm_label(arm, runs, part)} | {_lrs(runs)} | {len(runs)} "
+                         f"| {m('final_accuracy')} | {m('greedy_final')} "
                          f"| {m('mean_accuracy')} | {m('steps_to_target', 1)} | {sum(hits)}/{len(hits)} "
                          f"| {m('steps_to_90', 1)} | {m('rollout/response_length', 1)} "
                          f"| {m('rollout/fork_tokens_per_response', 2)} | {sum(flags)}/{len(flags)} |")
@@ -229,7 +250,7 @@ def mechanism_table(groups: Groups, part: str, st: Settings) -> str:
     lines = ["| task | K | arm | PPO-dropped fork tokens | IS weight capped | entropy |", "|---|---|---|---|---|---|"]
     for task, k, arms in _groups_of(groups, part):
         for arm, runs in arms.items():
-            lines.append(f"| {task} | {k} | {arm} | "
+            lines.append(f"| {task} | {k} | {_arm_label(arm, runs, part)} | "
                          + " | ".join(_pm([measure(r, m, None, st) for r in runs.values()]) for m in MECHANISM) + " |")
     lines += ["", "Means over each run's steps, then mean ± 95% t half-width over seeds; descriptive only."]
     return "\n".join(lines)
@@ -362,7 +383,8 @@ def collapse_table(groups: Groups, part: str, st: Settings) -> str:
             learned = [f for f in flags if f is not None]
             lo, hi = wilson(sum(learned), len(learned))
             frac = f"{sum(learned) / len(learned):.2f}" if learned else "n/a"
-            lines.append(f"| {task} | {k} | {arm} | {_lrs(runs)} | {len(learned)} | {sum(learned)} | {frac} "
+            lines.append(f"| {task} | {k} | {_arm_label(arm, runs, part)} | {_lrs(runs)} | {len(learned)} "
+                         f"| {sum(learned)} | {frac} "
                          f"| [{lo:.2f}, {hi:.2f}] | {len(flags) - len(learned)} |")
     lines += ["", "Collapsed: held-out accuracy below half its peak P (over all evaluations) from some evaluation after "
               f"the peak to the last one; never learned: P < {st.floor:g} (left out of the fraction). Two arms differ "
@@ -428,7 +450,7 @@ def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings
     from cispo.experiments.study_figures import plot_curves, plot_gaps
 
     runs = load_study(csv_path)
-    groups = group_eval_runs(runs)
+    groups = borrow_contrast(group_eval_runs(runs), st)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     out: dict[str, str] = {}
