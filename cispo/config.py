@@ -65,8 +65,9 @@ class ModelConfig:
     master_weights: bool = True
     """With a low-precision ``dtype`` (bfloat16, float16; or one saved in the checkpoint):
     keep FP32 parameters, gradients and AdamW state and compute under torch.autocast in that
-    dtype (mixed precision). False: the parameters themselves are low precision (less memory;
-    small updates are rounded away — a warning says so)."""
+    dtype (mixed precision; float16 adds dynamic loss scaling, ``cispo.policy.loss_scaler``).
+    False: the parameters themselves are low precision (less memory; small updates are rounded
+    away — a warning says so; float16 then has no loss scaling)."""
     compile: Literal["auto", "on", "off"] = "auto"
     """Run the decoder of the trainer's passes (logp_old and the updates' forward + backward)
     under ``torch.compile`` with dynamic shapes, its compiled graphs cached on disk under the
@@ -293,7 +294,8 @@ class TrainConfig:
     """Show a progress bar."""
     max_bad_steps: int = 3
     """Stop (with a checkpoint of the last good weights) after this many consecutive steps
-    whose every update had a non-finite gradient."""
+    whose every update had a non-finite gradient (under float16 loss scaling: once the loss
+    scale has backed off below 1, so the scaler's own overflow probing does not count)."""
     trackers: list[str] = field(default_factory=list)
     """Metric sinks besides metrics.jsonl: ``tensorboard``, ``wandb``, ``mlflow``
     (``pip install 'cispo[wandb]'`` etc.). W&B and MLflow read their usual environment

@@ -90,5 +90,5 @@ def update_metrics(stats: list[dict]) -> dict:
             agg = sum(values)
         else:
             agg = nan_mean(values)
-        out[f"objective/{key}" if key not in ("grad_norm", "skipped") else f"optim/{key}"] = agg
+        out[f"objective/{key}" if key not in ("grad_norm", "skipped", "loss_scale") else f"optim/{key}"] = agg
     return out

@@ -37,6 +37,12 @@ class Policy:
     autocast: torch.dtype | None = None  # mixed precision: compute dtype over FP32 master weights
     ref_model: torch.nn.Module | None = None  # pi_ref of the KL penalty, run under the same ``compute()``
     train_body: Callable | None = None  # the decoder of the trainer's passes (``model.compile``); None: decoder(model)
+    grad_scaler: torch.amp.GradScaler | None = None  # float16 autocast: dynamic loss scaling (`loss_scaler`)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on: times the loss scale S under float16 autocast (so
+        small gradients survive float16's range; ``unscale`` divides them by S again), else as is."""
+        return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
     def compute(self):
         """The context of every forward pass: ``torch.autocast`` in ``autocast``, or nothing."""
@@ -175,3 +181,14 @@ def head_mismatch(model, num_tokens: int = 8) -> float:
     finally:
         for m, training in modes:
             m.training = training
+
+
+def loss_scaler(autocast: torch.dtype | None, device: torch.device) -> torch.amp.GradScaler | None:
+    """Dynamic loss scaling for float16 mixed precision (FP32 master weights, float16 autocast):
+    gradients are computed for S * loss and divided by S before clipping and the step; an update
+    whose gradient overflows is skipped and S halves, and S doubles after 2000 clean updates
+    (``torch.amp.GradScaler``'s defaults, S0 = 2^16). float16's smallest normal number is 6e-5,
+    so without it the small activation gradients of a token-normalised loss flush to zero.
+    bfloat16 (float32's exponent range) and float32 need none: None."""
+    return torch.amp.GradScaler(device.type) if autocast == torch.float16 else None
+

@@ -31,7 +31,7 @@ from cispo.compile import train_body
 from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate, evaluate_sets
 from cispo.metrics import is_nan, reduce_over_ranks
-from cispo.policy import Policy
+from cispo.policy import Policy, loss_scaler
 from cispo.setup import (default_max_new_tokens, fit_prompts, fork_token_ids, make_objective, make_optimizer,
                          sampling_config)
 from cispo.trainer import rl_step, tracked_fork
@@ -64,6 +64,15 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ConfigError(f"model.device={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def all_skipped(metrics: dict, cfg: TrainConfig, policy: Policy) -> bool:
+    """Every update of the step had a non-finite gradient. Under float16 loss scaling an
+    overflow while the scale S is still large is the scaler finding its level (S halves and
+    the update is skipped), so such a step counts only once S has fallen below 1."""
+    if metrics.get("optim/skipped", 0) < cfg.algo.updates_per_batch:
+        return False
+    return policy.grad_scaler is None or policy.grad_scaler.get_scale() < 1.0
 
 
 def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None) -> Policy:
@@ -104,7 +113,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode)
     return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template,
                   system_prompt=cfg.data.system_prompt, autocast=autocast,
-                  train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps))
+                  train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps),
+                  grad_scaler=loss_scaler(autocast, device))
 
 
 def load_reference(cfg: TrainConfig, task, device: torch.device, tokenizer) -> torch.nn.Module:
@@ -271,6 +281,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
             raise ValueError(f"checkpoint {ckpt} was written by {state.get('world_size', 1)} processes; "
                              f"resume it with the same number (now {dist_info.world_size})")
         start, update_count = state["step"], state["update_count"]
+        if policy.grad_scaler is not None and "grad_scaler" in state:
+            policy.grad_scaler.load_state_dict(state["grad_scaler"])
         policy.sampler.update_weights(policy.model)  # a separate inference engine (vLLM) takes them
         stream.load_state_dict(state["streams"][dist_info.rank])
         for name, gen in generators.items():
@@ -299,6 +311,8 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
             fsync_file(run_dir / "metrics.jsonl")  # its rows up to `step` are committed by this checkpoint
             state = {"step": step, "update_count": update_count, "streams": streams,
                      "world_size": dist_info.world_size}
+            if policy.grad_scaler is not None:  # float16's loss scale, so a resume continues with it
+                state["grad_scaler"] = policy.grad_scaler.state_dict()
             tensors = {f"generator/{n}/{r}": t for r, g in enumerate(gens) for n, t in g.items()}
             save_checkpoint(run_dir, step, policy.model, policy.tokenizer, optimizer, state, tensors,
                             keep=cfg.keep_checkpoints, full_state=full_state)
@@ -314,7 +328,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
                                             update_count, fork_ids, dist_info,
                                             on_samples=samples_logger(cfg, step, task, sample_file, sink))
             metrics = metrics_over_ranks(metrics, dist_info)
-            bad_steps = bad_steps + 1 if metrics.get("optim/skipped", 0) >= cfg.algo.updates_per_batch else 0
+            bad_steps = bad_steps + 1 if all_skipped(metrics, cfg, policy) else 0
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 metrics.update(evaluate_now(step))
             if main:

@@ -230,10 +230,14 @@ def update_policy(
                     t = sub.response_mask.shape[1]
                     exp.logp_old[micro, :t] = sub.logp_old
                     exp.extras["entropy"][micro, :t] = sub.extras["entropy"]
-                loss.backward()
+                policy.scaled(loss).backward()
                 add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
                 parts.append((s, fork_drop_counts(sub, s.ppo_dropped, fork_ids)))
             sum_gradients(params, dist_info)
+            scaler = policy.grad_scaler
+            if scaler is not None:  # float16: the gradients of S * loss, back to those of the loss
+                scale = scaler.get_scale()
+                scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
             finite = bool(torch.isfinite(grad_norm))
             if finite:
@@ -241,9 +245,13 @@ def update_policy(
                     group["lr"] = lr_at(update_count, cfg.optim)
                 optimizer.step()
                 update_count += 1
+            if scaler is not None:
+                scaler.update()  # S halves after an overflow (this update skipped), grows after a clean run
             optimizer.zero_grad(set_to_none=True)
             if parts:
                 stats.append(merge_stats(parts, float(grad_norm), finite))
+                if scaler is not None:
+                    stats[-1]["loss_scale"] = scale
     return stats, update_count
 
 

@@ -121,3 +121,73 @@ def test_pure_bfloat16_only_on_request_and_loses_small_updates(llama_dir, capsys
 def test_float32_is_unchanged(llama_dir):
     pol, _ = policy(llama_dir)
     assert pol.autocast is None and all(p.dtype == torch.float32 for p in pol.model.parameters())
+
+
+def tiny_loss_update(pol, cfg, exp, scale):
+    """One `update_policy` step (K = 1) on `exp` with its advantages times `scale`; -> the
+    weight change and the step's stats."""
+    from cispo.objective import preset
+    from cispo.trainer import compute_logp_old, update_policy
+
+    exp.advantages = exp.advantages * scale
+    exp.logp_old = compute_logp_old(pol, exp, cfg)
+    opt = torch.optim.SGD(pol.model.parameters(), lr=1.0)  # the step is the gradient itself
+    before = [p.detach().clone() for p in pol.model.parameters()]
+    stats, n = update_policy(pol, opt, exp, preset("cispo"), cfg, torch.Generator().manual_seed(0), 0, None)
+    return [p.detach() - b for p, b in zip(pol.model.parameters(), before)], stats, n
+
+
+def test_float16_scales_the_loss_so_small_gradients_survive(llama_dir):
+    """SGD at lr 1: the update is the gradient. With advantages of 1e-4 the activation gradients
+    fall below float16's range; the loss scaler keeps them, and the update then equals the
+    float32 run's (within float16 rounding)."""
+    opts = ("optim.lr=1.0", "optim.warmup_updates=0", "optim.grad_clip=0", "algo.updates_per_batch=1")
+    ref, cfg32 = policy(llama_dir, *opts)
+    d32, _, _ = tiny_loss_update(ref, cfg32, batch(), 1e-4)
+    pol, cfg = policy(llama_dir, "model.dtype=float16", *opts)
+    assert pol.autocast == torch.float16 and pol.grad_scaler is not None and pol.grad_scaler.get_scale() == 2.0 ** 16
+    d16, stats, n = tiny_loss_update(pol, cfg, batch(), 1e-4)
+    assert n == 1 and stats[0]["skipped"] == 0.0 and stats[0]["loss_scale"] == 2.0 ** 16
+    num = sum(float((a - b).norm() ** 2) for a, b in zip(d16, d32)) ** 0.5
+    den = sum(float(b.norm() ** 2) for b in d32) ** 0.5
+    assert den > 0 and num / den < 0.01, num / den
+    # the same step unscaled: most of the gradient flushes to zero in float16
+    pol2, _ = policy(llama_dir, "model.dtype=float16", *opts)
+    pol2.grad_scaler = None
+    d_raw, _, _ = tiny_loss_update(pol2, cfg, batch(), 1e-4)
+    raw = sum(float((a - b).norm() ** 2) for a, b in zip(d_raw, d32)) ** 0.5
+    assert raw / den > 0.1, raw / den  # measured: 0.25 unscaled, 0.001 scaled
+
+
+def test_bfloat16_and_float32_have_no_loss_scaler(llama_dir):
+    assert policy(llama_dir, "model.dtype=bfloat16")[0].grad_scaler is None
+    assert policy(llama_dir)[0].grad_scaler is None
+    assert policy(llama_dir, "model.dtype=float16", "model.master_weights=false")[0].grad_scaler is None
+
+
+def test_float16_resume_continues_with_the_saved_loss_scale(tiny_model, dense_task, tmp_path):
+    import json
+    import shutil
+
+    from conftest import small_config
+
+    from cispo.checkpoint import list_checkpoints
+    from cispo.runner import train
+    from cispo.tracking import read_metrics
+
+    def rows(run):
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(run / "metrics.jsonl")]
+
+    full = train(small_config(tiny_model, tmp_path / "full", "model.dtype=float16", "steps=3"))
+    cut = train(small_config(tiny_model, tmp_path / "cut", "model.dtype=float16", "steps=2")).run_dir
+    ckpt = list_checkpoints(cut)[-1]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["grad_scaler"]["scale"] == rows(cut)[-1]["optim/loss_scale"]
+    shutil.copytree(tmp_path / "cut", tmp_path / "edited")
+    resumed = train(small_config(tiny_model, tmp_path / "cut", "model.dtype=float16", "steps=3"), resume=True)
+    assert rows(full.run_dir) == rows(resumed.run_dir) and "optim/loss_scale" in rows(full.run_dir)[-1]
+    # the scale is read back from the checkpoint, not restarted at 2^16
+    state["grad_scaler"]["scale"] = 1024.0
+    (tmp_path / "edited" / ckpt.relative_to(tmp_path / "cut") / "trainer_state.json").write_text(json.dumps(state))
+    again = train(small_config(tiny_model, tmp_path / "edited", "model.dtype=float16", "steps=3"), resume=True)
+    assert rows(again.run_dir)[-1]["optim/loss_scale"] == 1024.0
