@@ -5,6 +5,7 @@
     python benchmarks/bench_update.py --size small --updates 4 --threads 2
     python benchmarks/bench_update.py --fused-head --no-profile   # also algo.fused_head=true, interleaved
     python benchmarks/bench_update.py --compile --no-profile      # also model.compile=on, interleaved
+    python benchmarks/bench_update.py --bare --no-profile         # also the bare Hugging Face loop (the floor)
 
 What is timed: ``cispo.trainer.update_policy`` on one generation batch, i.e. the K optimizer
 steps (per mini-batch: ``policy_logprobs`` forward, ``policy_loss``, backward, grad clipping,
@@ -62,6 +63,26 @@ def build(args):
     cfg = apply_overrides(TrainConfig(), ["model.device=cpu", f"updates_per_batch={args.updates}"])
     policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.pad_token_id), torch.device("cpu"))
     return policy, exp, cfg, make_objective(cfg.algo, cfg.rollout.max_new_tokens), make_optimizer(model, cfg.optim)
+
+
+def bare_updates(model, opt, exp, k: int, grad_clip: float):
+    """The floor of the K update passes: the same K optimizer steps written as a plain
+    Hugging Face training loop — ``model(ids).logits``, log-softmax, gather, an
+    advantage-weighted token mean, backward, gradient clipping, AdamW — with none of the
+    trainer around it (no objective terms, statistics, micro-batching or chunked head)."""
+    import torch
+
+    T = exp.response_mask.shape[1]
+    params = [p for p in model.parameters() if p.requires_grad]
+    for rows in torch.arange(len(exp)).tensor_split(k):
+        ids = exp.input_ids[rows]  # [b, P + T]
+        logits = model(input_ids=ids, attention_mask=exp.attention_mask[rows]).logits[:, -T - 1:-1]  # [b, T, V]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, -T:, None]).squeeze(-1)  # [b, T]
+        loss = -(logp * exp.advantages[rows, None] * exp.response_mask[rows]).sum() / exp.response_mask[rows].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
 
 
 def useful_flops(model, B: int, P: int, T: int) -> dict:
@@ -125,10 +146,12 @@ def main(argv=None) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also time the update and the logp_old pass with the decoder compiled (model.compile=on), "
                         "interleaved with eager")
-    p.add_argument("--tiny", action="store_true", help="tiny model, 16 rows, K=2, 2 repeats")
+    p.add_argument("--bare", action="store_true",
+                   help="also time the same K steps as a bare Hugging Face loop (`bare_updates`), interleaved")
+    p.add_argument("--tiny", action="store_true", help="tiny model, 16 rows, K=2, 2 repeats, --bare")
     args = p.parse_args(argv)
     if args.tiny:
-        args.size, args.rows, args.updates, args.repeats, args.mm_size = "tiny", 16, 2, 2, 256
+        args.size, args.rows, args.updates, args.repeats, args.mm_size, args.bare = "tiny", 16, 2, 2, 256, True
     import torch
 
     from cispo.trainer import update_policy
@@ -144,6 +167,8 @@ def main(argv=None) -> None:
     if args.fused_head:
         fused_cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, fused_head=True))
         fns["fused"] = lambda: update_policy(policy, opt, exp, obj, fused_cfg, shuffle, 0, None)
+    if args.bare:
+        fns["bare"] = lambda: bare_updates(policy.model, opt, exp, args.updates, cfg.optim.grad_clip)
     compile_s = None
     if args.compile:
         from cispo.compile import compiled_decoder
@@ -183,6 +208,10 @@ def main(argv=None) -> None:
             print(f"{name} / eager {base} time: median of pairs {median(pairs):.3f} (range {pairs[0]:.3f}-"
                   f"{pairs[-1]:.3f}); eager {base} {median(times[base]):.3f} s")
         print(f"compile at set-up (probe batch, both graphs): {compile_s:.1f} s")
+    if args.bare:
+        pairs = sorted(u / b for u, b in zip(times["update"], times["bare"]))
+        print(f"update / bare Hugging Face loop time: median of pairs {median(pairs):.3f} (range {pairs[0]:.3f}-"
+              f"{pairs[-1]:.3f}); bare {median(times['bare']):.4f} s, update {median(times['update']):.4f} s")
     if args.fused_head:
         pairs = sorted(f / u for f, u in zip(times["fused"], times["update"]))
         print(f"fused / chunked update time: median of pairs {median(pairs):.3f} (range {pairs[0]:.3f}-{pairs[-1]:.3f})")

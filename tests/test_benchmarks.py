@@ -22,7 +22,7 @@ SCRIPTS = {  # script -> the string(s) its --tiny output must contain
     "bench_logprobs.py": "time / naive",
     "bench_padding.py": "split-cost",
     "bench_rollout.py": ("HF generate", "self ms"),
-    "bench_update.py": "fraction of matmul rate",
+    "bench_update.py": ("fraction of matmul rate", "update / bare Hugging Face loop"),
     "bench_step.py": "logp_old s (share)",
     "bench_rewards.py": "us / call",
     "bench_precision.py": "vs float32",
