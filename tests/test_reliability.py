@@ -193,7 +193,9 @@ def _wait_for_step(metrics, step, proc, timeout=120):
             return
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.1)
-    raise TimeoutError
+    proc.kill()  # do not leave a 1000-step run behind
+    proc.wait()
+    raise TimeoutError(f"no step {step} in {metrics} after {timeout} s")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
