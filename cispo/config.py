@@ -333,6 +333,9 @@ class TrainConfig:
              "=on cannot be combined with model.fsdp (sharded units are not compiled): use auto or off"),
             ("model.fsdp", not (self.model.fsdp and r.engine == "vllm"),
              "cannot be combined with rollout.engine=vllm (the engine needs the full weights)"),
+            ("model.dtype", not (self.model.fsdp and self.model.dtype == "float16" and self.model.master_weights),
+             "float16 cannot be combined with model.fsdp (its loss scaler checks each shard's gradients for "
+             "overflow on its own, so ranks could disagree on the scale): use bfloat16"),
             ("data.num_train_prompts", d.num_train_prompts >= 1, "must be >= 1"),
             ("data.num_eval_prompts", d.num_eval_prompts >= 0, "must be >= 0"),
             ("data.reward_timeout_s", d.reward_timeout_s is None or d.reward_timeout_s > 0, "must be > 0 or None (off)"),

@@ -185,6 +185,7 @@ def test_override_errors_name_the_key(overrides, expected):
         (["objective_overrides.kl_coef=0.1", "model.lora_rank=4"],
          "algo.objective_overrides.kl_coef > 0 cannot be combined with model.lora_rank > 0"),
         (["rollout.temperature=0"], "rollout.temperature must be > 0"),
+        (["model.dtype=float16", "model.fsdp=true"], "model.dtype float16 cannot be combined with model.fsdp"),
         (["rollout.temperature=-1"], "rollout.temperature must be > 0"),
         (["top_p=0"], "rollout.top_p must be in (0, 1]"),
         (["top_p=1.5"], "rollout.top_p must be in (0, 1]"),
