@@ -191,4 +191,3 @@ def loss_scaler(autocast: torch.dtype | None, device: torch.device) -> torch.amp
     so without it the small activation gradients of a token-normalised loss flush to zero.
     bfloat16 (float32's exponent range) and float32 need none: None."""
     return torch.amp.GradScaler(device.type) if autocast == torch.float16 else None
-
