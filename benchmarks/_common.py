@@ -36,9 +36,12 @@ def spread(xs) -> str:
     return f"{min(xs):.3g}-{max(xs):.3g}" if xs else "-"
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
-    """Wall seconds of each callable, ``repeats`` times, interleaved (ABAB..., the order reversed
-    every other repeat so neither side always runs first); ``warmup`` untimed calls each first."""
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Seconds of each callable by ``clock`` (wall by default; ``time.process_time`` counts only this
+    process's CPU time, so being descheduled on a loaded machine does not), ``repeats`` times,
+    interleaved (ABAB..., the order reversed every other repeat so neither side always runs first);
+    ``warmup`` untimed calls each first."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -46,9 +49,9 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int 
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         for n in (names if r % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(clock() - t0)
     return times
 
 

@@ -6,6 +6,7 @@ on the same model and prompts, and our sampler with vs without its KV cache.
     python benchmarks/bench_rollout.py --size small --batch-sizes 64 --new-tokens 64 --threads 2
     python benchmarks/bench_rollout.py --decode-pairs     # lean static-cache decode vs the forward path
     python benchmarks/bench_rollout.py --profile --batch-sizes 128 --new-tokens 60   # where the decode's time goes
+    python benchmarks/bench_rollout.py --compile-pairs --cpu-time   # the decode step compiled vs eager
 
 ``--decode-pairs`` (issue 13): ``TorchSampler(decode="static")`` (cispo.rollout.static_cache) against
 ``decode="hf"`` (the model's forward with a DynamicCache, the sampler before it), same seed, same
@@ -97,26 +98,35 @@ def bench(args) -> list[list]:
     return rows
 
 
-def decode_pairs(args) -> list[list]:
-    """Per-pair speed ratios of the forward-path decode over the static-cache one."""
+def decode_pairs(args, modes=("hf", "static")) -> list[list]:
+    """Per-pair speed ratios of one decode mode over another: ``hf`` (the forward path), ``static``
+    (the static-cache loop, eager) or ``compiled`` (the static loop with its layer stack compiled,
+    ``compile_step=True``; its compile, in the warm-up, is timed on its own)."""
     import torch
 
     from cispo.rollout import SamplingConfig, TorchSampler
 
+    clock = time.process_time if args.cpu_time else time.perf_counter
     rows = []
     for size in args.sizes:
         task, tok, model = setup(size, args.seed)
         ids = [tok.encode(s["prompt"]) for s in task.train_samples(args.seed, args.batch_sizes[0])]
-        samplers = {mode: TorchSampler(model, eos_token_id=len(tok), pad_token_id=tok.pad_token_id, decode=mode)
-                    for mode in ("hf", "static")}
+        samplers = {mode: TorchSampler(model, eos_token_id=len(tok), pad_token_id=tok.pad_token_id,
+                                       decode="static" if mode == "compiled" else mode,
+                                       compile_step=mode == "compiled")
+                    for mode in modes}
         for n in args.new_tokens_list:
             cfg = SamplingConfig(max_new_tokens=n, temperature=1.0, repetition_stop_tokens=None)
             fns = {mode: (lambda s=s: s.generate(ids, cfg, torch.Generator().manual_seed(args.seed)))
                    for mode, s in samplers.items()}
-            times = interleaved(fns, args.pairs, warmup=1)
-            ratios = [h / s for h, s in zip(times["hf"], times["static"])]
-            rows.append([size, model_desc(model), len(ids), n, median(times["hf"]), median(times["static"]),
-                         median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}", f"{load_average():.1f}"])
+            t0 = time.perf_counter()
+            fns[modes[1]]()  # the first call compiles (compiled mode)
+            first = time.perf_counter() - t0
+            times = interleaved(fns, args.pairs, warmup=1, clock=clock)
+            ratios = [a / b for a, b in zip(times[modes[0]], times[modes[1]])]
+            rows.append([size, model_desc(model), len(ids), n, median(times[modes[0]]), median(times[modes[1]]),
+                         median(ratios), f"{min(ratios):.2f}-{max(ratios):.2f}", f"{first:.1f}",
+                         f"{load_average():.1f}"])
     return rows
 
 
@@ -187,6 +197,11 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", default="tiny,default", help="with --decode-pairs: built-in model sizes")
     p.add_argument("--new-tokens-list", default="32,128", help="with --decode-pairs: response lengths")
     p.add_argument("--pairs", type=int, default=7, help="with --decode-pairs: interleaved pairs (>= 5)")
+    p.add_argument("--compile-pairs", action="store_true",
+                   help="the static decode with its layer stack compiled (model.compile) vs eager, per-pair "
+                        "ratios, as --decode-pairs")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="with --decode-pairs / --compile-pairs: time CPU seconds of this process, not wall")
     p.add_argument("--profile", action="store_true",
                    help="profile one static-cache generate (B = first --batch-sizes, --new-tokens): top operators")
     args = p.parse_args(argv)
@@ -203,13 +218,16 @@ def main(argv=None) -> None:
         print(table(["operator", "calls", "self ms", "share"], profile_decode(args)))
         if args.profile:
             return
-    if args.decode_pairs or args.tiny:
-        rows = decode_pairs(args)
-        print(table(["model", "shape", "B", "new tokens", "hf s (median)", "static s (median)",
-                     "static speed-up (median of pairs)", "range", "load"], rows))
-        print(f"\n{args.pairs} interleaved pairs after a warm-up; took {time.perf_counter() - t0:.0f} s")
-        if args.decode_pairs:
-            return
+    for flag, modes in (("decode_pairs", ("hf", "static")), ("compile_pairs", ("static", "compiled"))):
+        if getattr(args, flag) or (args.tiny and flag == "decode_pairs"):  # --tiny: no compile
+            a, b = modes
+            rows = decode_pairs(args, modes)
+            print(table(["model", "shape", "B", "new tokens", f"{a} s (median)", f"{b} s (median)",
+                         f"{b} speed-up (median of pairs)", "range", f"{b}: first call s", "load"], rows))
+            print(f"\n{args.pairs} interleaved pairs after a warm-up, {'CPU' if args.cpu_time else 'wall'} "
+                  f"seconds; took {time.perf_counter() - t0:.0f} s")
+    if args.decode_pairs or args.compile_pairs:
+        return
     rows = bench(args)
     print(table(["B", "new tokens", "sampler", "s (median)", "range", "new tokens/s", "ours (cached) speed-up"], rows))
     print(f"\ntargets: ours >= 1.0x HF generate; ours >= 5x uncached. {args.repeats} interleaved repeats after a "

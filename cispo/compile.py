@@ -14,14 +14,17 @@ What is compiled, and what is not:
 * the decoder only; the LM head and the objective stay eager (the head is a custom autograd
   function that walks over token chunks; on the built-in models' 17-token vocabulary it is a
   negligible share of the time);
-* the trainer's passes only; the sampler keeps the eager model (its static-cache decode loop is
-  a separate module, ``cispo.rollout.static_cache``), and so do the reference model and the
-  evaluation.
+* the trainer's passes and, separately, the sampler's decode step: the layer stack of
+  ``cispo.rollout.static_cache`` (one new token per row through every layer against the static
+  KV cache; :class:`CompiledLayerStack`), with attention in plain matmuls that inductor fuses
+  (SDPA's CPU kernel is an opaque call). The prefill, the head and the sampling itself stay
+  eager, and so do the reference model and models the static loop does not support.
 
 The compiled body computes the same function as the eager one; inductor may fuse and reorder
 floating-point operations, so in float32 the log-probs differ by rounding (tests/test_compile.py
-bounds it) and in float64 by ~1e-16. Dropout (``model.dropout=true``) draws different random
-numbers when compiled.
+bounds it) and in float64 by ~1e-16; a sampled token can then differ where two tokens' draws
+tie within rounding. Dropout (``model.dropout=true``) draws different random numbers when
+compiled.
 
 Whether to compile (``model.compile``): ``on``, ``off``, or ``auto`` = the rule of
 :func:`compile_wanted`. A compile that fails (no C++ compiler, an operation inductor cannot
@@ -49,9 +52,11 @@ CompileMode = Literal["auto", "on", "off"]
 # ``auto``: compile only where it was measured to pay off. Measured on the 2-core CPU this was
 # written on, under load (docs/performance.md, "Compiled model step"), built-in default-size
 # model: the compiled decoder saves ~0.1-0.15 s per RL step (update passes ~0.85x, logp_old
-# ~0.85x the eager time; sampling untouched) and costs ~10-15 s to compile with a warm cache,
-# 75-100 s cold (the first run on a machine); so it is repaid after ~100 steps warm, ~700 cold,
-# never in the default 60-step run. No GPU was measured: auto stays eager there.
+# ~0.85x the eager time) and costs ~10-15 s to compile with a warm cache, 75-100 s cold (the
+# first run on a machine); so it is repaid after ~100 steps warm, ~700 cold, never in the
+# default 60-step run. The compiled decode step (CompiledLayerStack, measured later) saves
+# another ~0.2-0.4 s per default step for ~7-14 s more compile; the rule was not re-derived.
+# No GPU was measured: auto stays eager there.
 AUTO_MIN_STEPS = 1000
 """``model.compile=auto`` compiles on a CPU (with a C++ compiler) for runs of at least this many steps."""
 
@@ -143,6 +148,44 @@ class CompiledDecoder:
         self.failed = f"{type(error).__name__}: {' '.join(str(error).split())}"  # on one line
         print(f"cispo: warning: model.compile: torch.compile failed ({self.failed[:300]}); "
               "running the trainer's passes eager", file=sys.stderr)
+
+
+class CompiledLayerStack:
+    """The sampler's decode step compiled: ``cispo.rollout.static_cache.layer_stack`` under
+    ``torch.compile(dynamic=True)`` with :func:`~cispo.rollout.static_cache.matmul_attention`
+    and the padding mask always passed (one graph for every batch size, response column and
+    padding; found: 1 graph per run). Called like ``layer_stack``; runs it eager, with the
+    model's own attention, for a batch of one row (a size of 1 is specialised: a graph of its
+    own) and for good after the first compile error, with one warning. Compiled in the
+    first decode step (~10-25 s on a CPU, less with inductor's cache warm)."""
+
+    def __init__(self) -> None:
+        from cispo.rollout.static_cache import layer_stack
+
+        compile_cache_dir()
+        self.eager = layer_stack
+        self.compiled = torch.compile(layer_stack, dynamic=True)
+        self.failed: str | None = None  # why it fell back to eager
+        if not has_cxx_compiler():
+            self.fall_back(RuntimeError("no C++ compiler (g++ / clang++) for inductor on the CPU"))
+
+    def __call__(self, *args, attention: Callable, padded: bool = True) -> torch.Tensor:
+        x = args[3]  # [b, 1, H]
+        if self.failed is None and x.shape[0] >= 2:
+            from cispo.rollout.static_cache import matmul_attention
+
+            try:
+                return self.compiled(*args, attention=matmul_attention, padded=True)
+            except Exception as e:  # noqa: BLE001 - any compile error: eager is always correct
+                if not _is_compile_error(e):
+                    raise
+                self.fall_back(e)
+        return self.eager(*args, attention=attention, padded=padded)
+
+    def fall_back(self, error: BaseException) -> None:
+        self.failed = f"{type(error).__name__}: {' '.join(str(error).split())}"  # on one line
+        print(f"cispo: warning: model.compile: compiling the decode step failed ({self.failed[:300]}); "
+              "sampling eager", file=sys.stderr)
 
 
 def _is_compile_error(e: BaseException) -> bool:

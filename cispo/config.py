@@ -70,8 +70,9 @@ class ModelConfig:
     away — a warning says so; float16 then has no loss scaling)."""
     compile: Literal["auto", "on", "off"] = "auto"
     """Run the decoder of the trainer's passes (logp_old and the updates' forward + backward)
-    under ``torch.compile`` with dynamic shapes, its compiled graphs cached on disk under the
-    cispo cache folder (``cispo.compile``). ``on``; ``off`` (eager); ``auto``: where it was
+    and the sampler's static-cache decode step under ``torch.compile`` with dynamic shapes, the
+    compiled graphs cached on disk under the cispo cache folder (``cispo.compile``). ``on``;
+    ``off`` (eager); ``auto``: where it was
     measured to pay off: on a CPU with a C++ compiler for runs of at least
     ``cispo.compile.AUTO_MIN_STEPS`` (1000) steps (on the built-in models it saves a little per
     step and costs 10-100 s to compile; docs/performance.md), eager otherwise (no GPU measured).

@@ -27,7 +27,7 @@ from cispo.rollout import TorchSampler
 from cispo.runfolder import SUMMARY, check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
 from cispo.samples import SampleFile, sample_records
 from cispo.threads import auto_threads
-from cispo.compile import train_body
+from cispo.compile import compile_wanted, train_body
 from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate, evaluate_sets
 from cispo.metrics import is_nan, reduce_over_ranks
@@ -110,7 +110,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
                               enable_sleep_mode=cfg.rollout.vllm_sleep, seed=cfg.seed)
     else:
         sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
-                               fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode)
+                               fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
+                               compile_step=compile_wanted(cfg.model.compile, device, cfg.steps, cfg.model.fsdp))
     return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template,
                   system_prompt=cfg.data.system_prompt, autocast=autocast,
                   train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps),

@@ -203,3 +203,15 @@ def test_compiled_run_with(tiny_model, tmp_path, dense_task, monkeypatch, capsys
     assert "model.compile: torch.compile failed" not in capsys.readouterr().err
     for c, e in zip(*runs):
         assert abs(c["objective/loss"] - e["objective/loss"]) <= 1e-4 * max(1.0, abs(e["objective/loss"]))
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_sampler_compiles_its_step_with_the_trainer(tiny_model, tmp_path, monkeypatch, mode):
+    """model.compile decides for the sampler's decode step as for the trainer's passes."""
+    import cispo.runner as runner
+    from cispo.tasks import get_task
+
+    monkeypatch.setattr(runner, "train_body", lambda *a, **k: None)  # not the trainer's compile here
+    cfg = small_config(tiny_model, tmp_path, f"model.compile={mode}")
+    policy = runner.load_policy_for(cfg, get_task(cfg.data.task), torch.device("cpu"))
+    assert policy.sampler.compile_step == (mode == "on")

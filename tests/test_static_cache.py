@@ -187,3 +187,66 @@ def test_lora_adapters_are_applied():
     assert unsupported_reason(model) is None
     a, b = both(model, SamplingConfig(max_new_tokens=10, temperature=1.0))
     assert_same(a, b, atol=1e-5)
+
+
+def test_matmul_attention_is_sdpa():
+    """The compiled step's attention in plain matmuls = Hugging Face's SDPA function, with grouped
+    query heads and a padding mask, and without a mask."""
+    from transformers.models.llama import modeling_llama as llama
+
+    sdpa = llama.ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", llama.eager_attention_forward)
+    attn = build("llama").model.layers[0].self_attn  # 4 query heads, 2 kv heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, s, 8, generator=g) for h, s in ((4, 1), (2, 9), (2, 9)))
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., :4], mask[2, ..., :1] = False, False  # left padding
+    for m in (mask, None):
+        want, _ = sdpa(attn, q, k, v, m, dropout=0.0, scaling=0.3)
+        got, _ = static_cache.matmul_attention(attn, q, k, v, m, scaling=0.3)
+        assert got.shape == want.shape == (3, 1, 4, 8)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def compiled_sampler(model, **kw):
+    return TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD, decode="static", compile_step=True, **kw)
+
+
+def test_compiled_step_matches_eager(compactions):
+    """``compile_step=True`` (model.compile): the layer stack compiled once, reused for other batch
+    sizes, response columns, padded or not and rows dropped; tokens equal to the eager static
+    decode's and log-probs within float32 rounding. A one-row batch runs eager."""
+    from torch._dynamo.utils import counters
+
+    model = build("llama")  # grouped-query attention
+    compiled = compiled_sampler(model)
+    eager = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD, decode="static")
+    for i, (prompts, kw) in enumerate([(PROMPTS, CONFIGS[0]), (PROMPTS[:5], CONFIGS[1]),
+                                       ([[2, 3, 4]] * 6, CONFIGS[2]), (PROMPTS[:1], CONFIGS[0])]):
+        cfg = SamplingConfig(max_new_tokens=12, **kw)
+        want = eager.generate(prompts, cfg, torch.Generator().manual_seed(i))
+        got = compiled.generate(prompts, cfg, torch.Generator().manual_seed(i))
+        assert compiled._layer_stack.failed is None
+        assert_same(want, got, atol=1e-5)
+        if i == 0:
+            graphs = counters["stats"]["unique_graphs"]
+            assert "eos" in got.finish_reason and compactions, "rows must stop and be dropped mid-batch"
+    assert counters["stats"]["unique_graphs"] == graphs, "the compiled step was rebuilt"
+
+
+def test_compiled_step_falls_back_to_eager(monkeypatch, capsys):
+    """A compile that fails gives one warning and then the eager static decode, exactly."""
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: real_compile(m, backend=broken_backend, **kw))
+    model = build("llama")
+    cfg = SamplingConfig(max_new_tokens=8)
+    s = compiled_sampler(model)
+    for seed in (0, 1):
+        got = s.generate(PROMPTS, cfg, torch.Generator().manual_seed(seed))
+        want = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD).generate(
+            PROMPTS, cfg, torch.Generator().manual_seed(seed))
+        assert_same(want, got, atol=0)
+    assert "no compiler here" in s._layer_stack.failed
+    assert capsys.readouterr().err.count("compiling the decode step failed") == 1

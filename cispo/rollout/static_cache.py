@@ -26,6 +26,7 @@ else returns a reason from :func:`unsupported_reason` and the sampler uses the `
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -77,11 +78,14 @@ class StaticDecoder:
         max_new_tokens: the response columns to reserve.
         fp32_head: logits from ``cispo.logprobs.lm_logits`` (as ``TorchSampler(fp32_head=True)``),
             else from the model's ``lm_head`` cast to float32.
+        layer_stack: runs :func:`layer_stack` (same arguments; e.g. ``cispo.compile.CompiledLayerStack``,
+            which compiles it); None: :func:`layer_stack` itself, eager.
     """
 
     def __init__(self, model: torch.nn.Module, cache, prompt_mask: torch.Tensor, positions: torch.Tensor,
-                 max_new_tokens: int, fp32_head: bool) -> None:
+                 max_new_tokens: int, fp32_head: bool, layer_stack: Callable | None = None) -> None:
         self.model, self.fp32_head = model, fp32_head
+        self.layer_stack = layer_stack
         self.body = decoder(model)
         self.layers = list(self.body.layers)
         modeling = sys.modules[type(self.layers[0].self_attn).__module__]
@@ -133,24 +137,55 @@ class StaticDecoder:
         seen = col + 1
         x = self.body.embed_tokens(tokens.index_select(0, self.rows)[:, None])  # [b, 1, H]
         cos, sin = self.cos[:, col : col + 1], self.sin[:, col : col + 1]  # [b, 1, head_dim]
-        mask = self.mask[:, None, None, :seen] if self.padded else None  # [b, 1, 1, seen]
-        for layer, kc, vc in zip(self.layers, self.keys, self.values):
-            x = x + self._attend(layer.self_attn, layer.input_layernorm(x), kc, vc, cos, sin, mask, col)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        h = self.body.norm(x)[:, -1]  # [b, H]
+        mask = self.mask[:, None, None, :seen]  # [b, 1, 1, seen]
+        args = (self.layers, self.body.norm, self._rotary, x, cos, sin, mask, self.keys, self.values, col)
+        h = (self.layer_stack or layer_stack)(*args, attention=self._attention, padded=self.padded)  # [b, H]
         if self.fp32_head:
             return lm_logits(h, self.head.weight, bias=getattr(self.head, "bias", None), transform=self.transform)
         return self.head(h).float()  # [b, V]
 
-    def _attend(self, attn, h, kc, vc, cos, sin, mask, col: int) -> torch.Tensor:
-        """Self-attention of one new token per row, as the model's attention module computes it."""
-        shape = (h.shape[0], 1, -1, attn.head_dim)
-        q = attn.q_proj(h).view(shape).transpose(1, 2)  # [b, heads, 1, head_dim]
-        k = attn.k_proj(h).view(shape).transpose(1, 2)  # [b, kv_heads, 1, head_dim]
-        v = attn.v_proj(h).view(shape).transpose(1, 2)  # [b, kv_heads, 1, head_dim]
-        q, k = self._rotary(q, k, cos, sin)
-        kc[:, :, col : col + 1] = k
-        vc[:, :, col : col + 1] = v
-        out, _ = self._attention(attn, q, kc[:, :, : col + 1], vc[:, :, : col + 1], mask, dropout=0.0,
-                                 scaling=attn.scaling)  # [b, 1, heads, head_dim]
-        return attn.o_proj(out.reshape(h.shape[0], 1, -1).contiguous())  # [b, 1, H]
+
+def layer_stack(layers, norm, rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor], col: int, attention: Callable,
+                padded: bool = True) -> torch.Tensor:
+    """One new token per row through every decoder layer, as the model's own layers compute it:
+    x [b, 1, H] -> the final norm's hidden state [b, H]. Writes each layer's new key and value into
+    column ``col`` of ``keys`` / ``values`` ([b, kv_heads, L, head_dim] each) and attends to columns
+    ``0..col``. ``mask`` [b, 1, 1, col + 1] (True: attend) is passed to ``attention`` only when
+    ``padded`` (Hugging Face passes no mask when no prompt is padded; the same kernel then runs)."""
+    for layer, kc, vc in zip(layers, keys, values):
+        h = _attend(layer.self_attn, rotary, attention, layer.input_layernorm(x), kc, vc, cos, sin,
+                    mask if padded else None, col)
+        x = x + h
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return norm(x)[:, -1]  # [b, H]
+
+
+def _attend(attn, rotary, attention, h, kc, vc, cos, sin, mask, col: int) -> torch.Tensor:
+    """Self-attention of one new token per row, as the model's attention module computes it."""
+    shape = (h.shape[0], 1, -1, attn.head_dim)
+    q = attn.q_proj(h).view(shape).transpose(1, 2)  # [b, heads, 1, head_dim]
+    k = attn.k_proj(h).view(shape).transpose(1, 2)  # [b, kv_heads, 1, head_dim]
+    v = attn.v_proj(h).view(shape).transpose(1, 2)  # [b, kv_heads, 1, head_dim]
+    q, k = rotary(q, k, cos, sin)
+    kc[:, :, col : col + 1] = k
+    vc[:, :, col : col + 1] = v
+    out, _ = attention(attn, q, kc[:, :, : col + 1], vc[:, :, : col + 1], mask, dropout=0.0,
+                       scaling=attn.scaling)  # [b, 1, heads, head_dim]
+    return attn.o_proj(out.reshape(h.shape[0], 1, -1).contiguous())  # [b, 1, H]
+
+
+def matmul_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     dropout: float = 0.0, scaling: float | None = None, **_) -> tuple[torch.Tensor, None]:
+    """``softmax(q kᵀ · scaling) v`` in plain matmuls, with the signature and result layout of
+    Hugging Face's attention functions: q [b, heads, 1, d], k / v [b, kv_heads, S, d] (each kv head
+    serves ``heads / kv_heads`` query heads), mask [b, 1, 1, S] True where attended, or None ->
+    ([b, 1, heads, d], None). Under ``torch.compile`` inductor fuses it into the layer's kernels,
+    where SDPA's CPU kernel stays an opaque call (docs/performance.md); eager it is no faster."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [b, heads, S, d]
+    scores = (q @ k.transpose(-1, -2)) * scaling  # [b, heads, 1, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2), None  # [b, 1, heads, d]
