@@ -154,9 +154,8 @@ def layer_stack(layers, norm, rotary, x: torch.Tensor, cos: torch.Tensor, sin: t
     ``0..col``. ``mask`` [b, 1, 1, col + 1] (True: attend) is passed to ``attention`` only when
     ``padded`` (Hugging Face passes no mask when no prompt is padded; the same kernel then runs)."""
     for layer, kc, vc in zip(layers, keys, values):
-        h = _attend(layer.self_attn, rotary, attention, layer.input_layernorm(x), kc, vc, cos, sin,
-                    mask if padded else None, col)
-        x = x + h
+        x = x + _attend(layer.self_attn, rotary, attention, layer.input_layernorm(x), kc, vc, cos, sin,
+                        mask if padded else None, col)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return norm(x)[:, -1]  # [b, H]
 
@@ -185,6 +184,7 @@ def matmul_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [b, heads, S, d]
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling  # SDPA's default
     scores = (q @ k.transpose(-1, -2)) * scaling  # [b, heads, 1, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
