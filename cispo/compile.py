@@ -151,19 +151,18 @@ class CompiledDecoder:
 
 
 class CompiledLayerStack:
-    """The sampler's decode step compiled: ``cispo.rollout.static_cache.layer_stack`` under
-    ``torch.compile(dynamic=True)`` with :func:`~cispo.rollout.static_cache.matmul_attention`
-    and the padding mask always passed (one graph for every batch size, response column and
-    padding; found: 1 graph per run). Called like ``layer_stack``; runs it eager, with the
-    model's own attention, for a batch of one row (a size of 1 is specialised: a graph of its
-    own) and for good after the first compile error, with one warning. Compiled in the
-    first decode step (~10-25 s on a CPU, less with inductor's cache warm)."""
+    """The sampler's decode step compiled: ``layer_stack`` (``cispo.rollout.static_cache.layer_stack``)
+    under ``torch.compile(dynamic=True)``, called with ``attention`` (there: ``matmul_attention``,
+    which inductor can fuse) and the padding mask always passed (one graph for every batch size,
+    response column and padding; found: 1 graph per run). Called like ``layer_stack``; runs it
+    eager, with the caller's attention function, for a batch of one row (a size of 1 is
+    specialised: a graph of its own) and for good after the first compile error, with one
+    warning. Compiled in the first decode step (~10-25 s on a CPU, less with inductor's cache
+    warm)."""
 
-    def __init__(self) -> None:
-        from cispo.rollout.static_cache import layer_stack
-
+    def __init__(self, layer_stack: Callable, attention: Callable) -> None:
         compile_cache_dir()
-        self.eager = layer_stack
+        self.eager, self.attention = layer_stack, attention
         self.compiled = torch.compile(layer_stack, dynamic=True)
         self.failed: str | None = None  # why it fell back to eager
         if not has_cxx_compiler():
@@ -172,10 +171,8 @@ class CompiledLayerStack:
     def __call__(self, *args, attention: Callable, padded: bool = True) -> torch.Tensor:
         x = args[3]  # [b, 1, H]
         if self.failed is None and x.shape[0] >= 2:
-            from cispo.rollout.static_cache import matmul_attention
-
             try:
-                return self.compiled(*args, attention=matmul_attention, padded=True)
+                return self.compiled(*args, attention=self.attention, padded=True)
             except Exception as e:  # noqa: BLE001 - any compile error: eager is always correct
                 if not _is_compile_error(e):
                     raise

@@ -18,7 +18,7 @@ from cispo.distributed import sharded_call
 from cispo.logprobs import lm_logits, logit_transform
 from cispo.policy import decoder, lm_head
 from cispo.rollout.base import FINISH_REASONS, RolloutBatch, Sampler, SamplingConfig
-from cispo.rollout.static_cache import StaticDecoder, unsupported_reason
+from cispo.rollout.static_cache import StaticDecoder, layer_stack, matmul_attention, unsupported_reason
 
 DECODE_MODES = ("auto", "static", "hf")
 
@@ -218,7 +218,7 @@ class TorchSampler(Sampler):
             if self.compile_step and self._layer_stack is None:
                 from cispo.compile import CompiledLayerStack
 
-                self._layer_stack = CompiledLayerStack()
+                self._layer_stack = CompiledLayerStack(layer_stack, matmul_attention)
             lean = StaticDecoder(self.model, cache, prompt_mask, positions, n_new, self.fp32_head, self._layer_stack)
             cache = None
         rows = None  # [b] the rows the logits belong to (None: all B)
