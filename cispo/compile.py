@@ -145,9 +145,7 @@ class CompiledDecoder:
         return self.eager(**kwargs)
 
     def fall_back(self, error: BaseException) -> None:
-        self.failed = f"{type(error).__name__}: {' '.join(str(error).split())}"  # on one line
-        print(f"cispo: warning: model.compile: torch.compile failed ({self.failed[:300]}); "
-              "running the trainer's passes eager", file=sys.stderr)
+        self.failed = _warn_fallback(error, "torch.compile failed", "running the trainer's passes eager")
 
 
 class CompiledLayerStack:
@@ -180,9 +178,14 @@ class CompiledLayerStack:
         return self.eager(*args, attention=attention, padded=padded)
 
     def fall_back(self, error: BaseException) -> None:
-        self.failed = f"{type(error).__name__}: {' '.join(str(error).split())}"  # on one line
-        print(f"cispo: warning: model.compile: compiling the decode step failed ({self.failed[:300]}); "
-              "sampling eager", file=sys.stderr)
+        self.failed = _warn_fallback(error, "compiling the decode step failed", "sampling eager")
+
+
+def _warn_fallback(error: BaseException, what: str, instead: str) -> str:
+    """Print the one warning of a compile that fell back to eager; returns the error on one line."""
+    why = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    print(f"cispo: warning: model.compile: {what} ({why[:300]}); {instead}", file=sys.stderr)
+    return why
 
 
 def _is_compile_error(e: BaseException) -> bool:

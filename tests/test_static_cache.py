@@ -217,19 +217,27 @@ def test_compiled_step_matches_eager(compactions):
     decode's and log-probs within float32 rounding. A one-row batch runs eager."""
     from torch._dynamo.utils import counters
 
+    from cispo.compile import CompiledLayerStack
+
     model = build("llama")  # grouped-query attention
     compiled = compiled_sampler(model)
+    stack = compiled._layer_stack = CompiledLayerStack(static_cache.layer_stack, static_cache.matmul_attention)
+    rows, run_compiled = [], stack.compiled  # the batch size of every call that ran compiled
+    stack.compiled = lambda *a, **k: rows.append(a[3].shape[0]) or run_compiled(*a, **k)
     eager = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD, decode="static")
     for i, (prompts, kw) in enumerate([(PROMPTS, CONFIGS[0]), (PROMPTS[:5], CONFIGS[1]),
                                        ([[2, 3, 4]] * 6, CONFIGS[2]), (PROMPTS[:1], CONFIGS[0])]):
         cfg = SamplingConfig(max_new_tokens=12, **kw)
         want = eager.generate(prompts, cfg, torch.Generator().manual_seed(i))
+        before = len(rows)
         got = compiled.generate(prompts, cfg, torch.Generator().manual_seed(i))
-        assert compiled._layer_stack.failed is None
+        assert stack.failed is None and compiled._layer_stack is stack
         assert_same(want, got, atol=1e-5)
+        assert (len(rows) > before) == (len(prompts) > 1), "only a one-row batch runs eager"
         if i == 0:
             graphs = counters["stats"]["unique_graphs"]
             assert "eos" in got.finish_reason and compactions, "rows must stop and be dropped mid-batch"
+    assert len(set(rows)) > 2, "several compute-batch sizes ran compiled"
     assert counters["stats"]["unique_graphs"] == graphs, "the compiled step was rebuilt"
 
 
