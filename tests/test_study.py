@@ -287,3 +287,26 @@ def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
     # a part with its own CISPO runs keeps them; without `contrast_from` nothing is lent
     alone = borrow_contrast(group_eval_runs(runs), Settings(contrast_from={}))
     assert set(alone[("ablation", "chain", 16)]) == {"ppo"} and comparisons(alone, "ablation", st) == []
+
+
+def test_the_k32_ablations_use_the_ablation_family_and_their_own_cispo():
+    from cispo.experiments.study_report import RunData, borrow_contrast
+
+    def run(part, arm, seed, accs):
+        meta = {"part": part, "role": "eval", "task": "addition", "K": "32", "arm": arm, "seed": str(seed),
+                "lr": "1e-04", "run": f"{arm}__addition__K32__seed{seed}"}
+        return RunData(meta, {2 * i: {"eval/accuracy": a} for i, a in enumerate(accs)})
+
+    runs = [run("ablation_k32", "cispo", s, [0.0, 0.4, 0.6 + 0.1 * s]) for s in (0, 1, 2)]
+    runs += [run("ablation_k32", arm, s, [0.0, 0.3, 0.5 + 0.05 * s]) for arm in ("cispo_seqmean", "cispo_cap1")
+             for s in (0, 1, 2)]
+    runs += [run("main", "cispo", s, [0.0, 0.0, 0.0]) for s in (0, 1, 2)]  # other K: never lent
+    groups = borrow_contrast(group_eval_runs(runs), Settings())
+    rows = comparisons(groups, "ablation_k32", Settings())
+    # each arm − CISPO, final and mean accuracy, one Holm family of 2 arms × 2 measures
+    assert {(r["a"], r["b"], r["measure"]) for r in rows} == {
+        (a, "cispo", m) for a in ("cispo_seqmean", "cispo_cap1") for m in ("final_accuracy", "mean_accuracy")}
+    assert {r["family"] for r in rows} == {4}
+    final = next(r for r in rows if (r["a"], r["measure"]) == ("cispo_cap1", "final_accuracy"))
+    # finals (mean of the last 2): arm 0.4, 0.425, 0.45; cispo 0.5, 0.55, 0.6
+    assert final["t"].mean == pytest.approx(-0.125)

@@ -25,7 +25,7 @@ Statistics:
 * **Holm's correction** over each family (`Family`; per part and task): the protocol's for the
   parts named ``main`` (all pairs × final accuracy, mean accuracy, steps to 90%: 9 tests),
   ``ksweep`` (CISPO − DAPO and CISPO − GRPO × every K × final accuracy and steps to target)
-  and ``ablation`` (each arm − CISPO × final and mean accuracy); any other part: CISPO − each
+  and ``ablation`` / ``ablation_k32`` (each arm − CISPO × final and mean accuracy); any other part: CISPO − each
   arm, one family per measure. "Significant" = Holm-adjusted p <= 0.05;
 * **Q1, "≤ 50% of the steps"**: d_s = T_contrast,s − 0.5 · T_other,s (steps to target,
   censored as above); *yes* if the 95% t-interval of mean d lies below 0, *no* if above,
@@ -79,6 +79,7 @@ PROTOCOL_FAMILIES = {
     "ksweep": Family("contrast_vs_each", ("final_accuracy", "steps_to_target"), others=("dapo", "grpo")),
     "ablation": Family("each_vs_contrast", ("final_accuracy", "mean_accuracy")),
 }
+PROTOCOL_FAMILIES["ablation_k32"] = PROTOCOL_FAMILIES["ablation"]  # the K = 32 ablations (session 9 amendment)
 DEFAULT_FAMILY = Family("contrast_vs_each", ("final_accuracy", "mean_accuracy", "steps_to_target"), pooled=False)
 
 
