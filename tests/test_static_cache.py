@@ -258,3 +258,25 @@ def test_compiled_step_falls_back_to_eager(monkeypatch, capsys):
         assert_same(want, got, atol=0)
     assert "no compiler here" in s._layer_stack.failed
     assert capsys.readouterr().err.count("compiling the decode step failed") == 1
+
+
+def test_compiled_step_under_bf16_autocast():
+    """Mixed precision (``model.dtype=bf16`` keeps FP32 weights and samples under autocast): the
+    compiled step under autocast gives the eager bf16 step's tokens, and log-probs within bf16
+    rounding of its (the fused kernels round intermediates at other points; the bound is twice
+    the eager bf16 step's own distance from FP32)."""
+    model = build("llama")
+    cfg = SamplingConfig(max_new_tokens=10, temperature=1.0)
+    kw = dict(autocast=torch.bfloat16, fp32_head=True)
+    eager = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD, decode="static", **kw)
+    fp32 = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD, decode="static")
+    compiled = compiled_sampler(model, **kw)
+    for seed in (0, 1):
+        want = eager.generate(PROMPTS, cfg, torch.Generator().manual_seed(seed))
+        got = compiled.generate(PROMPTS, cfg, torch.Generator().manual_seed(seed))
+        exact = fp32.generate(PROMPTS, cfg, torch.Generator().manual_seed(seed))
+        assert compiled._layer_stack.failed is None
+        m = want.response_mask.bool() & exact.response_mask.bool() & (want.response_ids == exact.response_ids)
+        bf16_error = (want.logp_rollout - exact.logp_rollout)[m].abs().max().item()
+        assert m.float().mean() > 0.5 and bf16_error > 1e-5, "bf16 must round, on mostly equal tokens"
+        assert_same(want, got, atol=2 * bf16_error)
