@@ -262,7 +262,7 @@ def test_one_command_sweep_then_data_then_report(tiny_model, dense_task, tmp_pat
 
 
 def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
-    from cispo.experiments.study_report import RunData, borrow_contrast, collapse_table, summary_table
+    from cispo.experiments.study_report import RunData, borrow_arms, collapse_table, summary_table
 
     def run(part, arm, seed, accs):
         meta = {"part": part, "role": "eval", "task": "chain", "K": "16", "arm": arm, "seed": str(seed), "lr": "3e-05",
@@ -273,7 +273,7 @@ def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
     runs += [run("main", "dapo", s, [0.0, 0.5, 0.7]) for s in (0, 1, 2)]
     runs += [run("ablation", "ppo", s, [0.0, 0.2, 0.3 + 0.05 * s]) for s in (0, 1, 2)]
     st = Settings()
-    groups = borrow_contrast(group_eval_runs(runs), st)
+    groups = borrow_arms(group_eval_runs(runs), st)
     assert set(groups[("ablation", "chain", 16)]) == {"ppo", "cispo"}  # dapo is not lent, only the contrast
     assert groups[("ablation", "chain", 16)]["cispo"] == groups[("main", "chain", 16)]["cispo"]
     rows = comparisons(groups, "ablation", st)
@@ -284,13 +284,13 @@ def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
     assert "| chain | 16 | cispo (main part's runs) | 3e-05 | 3 |" in summary_table(groups, "ablation", st)
     assert "| chain | 16 | cispo (main part's runs) |" in collapse_table(groups, "ablation", st)
     assert "| chain | 16 | cispo | 3e-05 | 3 |" in summary_table(groups, "main", st)
-    # a part with its own CISPO runs keeps them; without `contrast_from` nothing is lent
-    alone = borrow_contrast(group_eval_runs(runs), Settings(contrast_from={}))
+    # a part with its own CISPO runs keeps them; without `lend` nothing is lent
+    alone = borrow_arms(group_eval_runs(runs), Settings(lend={}))
     assert set(alone[("ablation", "chain", 16)]) == {"ppo"} and comparisons(alone, "ablation", st) == []
 
 
 def test_the_k32_ablations_use_the_ablation_family_and_their_own_cispo():
-    from cispo.experiments.study_report import RunData, borrow_contrast
+    from cispo.experiments.study_report import RunData, borrow_arms
 
     def run(part, arm, seed, accs):
         meta = {"part": part, "role": "eval", "task": "addition", "K": "32", "arm": arm, "seed": str(seed),
@@ -301,7 +301,7 @@ def test_the_k32_ablations_use_the_ablation_family_and_their_own_cispo():
     runs += [run("ablation_k32", arm, s, [0.0, 0.3, 0.5 + 0.05 * s]) for arm in ("cispo_seqmean", "cispo_cap1")
              for s in (0, 1, 2)]
     runs += [run("main", "cispo", s, [0.0, 0.0, 0.0]) for s in (0, 1, 2)]  # other K: never lent
-    groups = borrow_contrast(group_eval_runs(runs), Settings())
+    groups = borrow_arms(group_eval_runs(runs), Settings())
     rows = comparisons(groups, "ablation_k32", Settings())
     # each arm − CISPO, final and mean accuracy, one Holm family of 2 arms × 2 measures
     assert {(r["a"], r["b"], r["measure"]) for r in rows} == {
@@ -310,3 +310,28 @@ def test_the_k32_ablations_use_the_ablation_family_and_their_own_cispo():
     final = next(r for r in rows if (r["a"], r["measure"]) == ("cispo_cap1", "final_accuracy"))
     # finals (mean of the last 2): arm 0.4, 0.425, 0.45; cispo 0.5, 0.55, 0.6
     assert final["t"].mean == pytest.approx(-0.125)
+
+
+def test_the_exploratory_part_borrows_dapo_not_cispo():
+    """`explore_lr1e4` (session 9 amendment): its own CISPO and PPO, part 1's DAPO lent at the same
+    (task, K), so the target and the "≤ 50% of the steps" rule exist there too."""
+    from cispo.experiments.study_report import RunData, borrow_arms, q1_rows, summary_table
+
+    def run(part, arm, seed, accs):
+        meta = {"part": part, "role": "eval", "task": "chain", "K": "16", "arm": arm, "seed": str(seed),
+                "lr": "0.0001", "run": f"{arm}__chain__K16__seed{seed}"}
+        return RunData(meta, {5 * i: {"eval/accuracy": a} for i, a in enumerate(accs)})
+
+    runs = [run("main", "dapo", s, [0.0, 0.5, 0.75, 0.75]) for s in (0, 1, 2)]
+    runs += [run("main", "cispo", s, [0.0, 0.0, 0.0, 0.0]) for s in (0, 1, 2)]
+    runs += [run("explore_lr1e4", "cispo", s, [0.0, 0.8, 0.8, 0.8]) for s in (0, 1, 2)]
+    runs += [run("explore_lr1e4", "ppo", s, [0.0, 0.2, 0.5, 0.6]) for s in (0, 1, 2)]
+    groups = borrow_arms(group_eval_runs(runs), Settings())
+    arms = groups[("explore_lr1e4", "chain", 16)]
+    assert set(arms) == {"cispo", "ppo", "dapo"}
+    assert {r.meta["part"] for r in arms["cispo"].values()} == {"explore_lr1e4"}  # its own CISPO kept
+    assert "| chain | 16 | dapo (main part's runs) | 0.0001 | 3 |" in summary_table(groups, "explore_lr1e4", Settings())
+    (vs_dapo, *_), = [[r for r in q1_rows(groups, "explore_lr1e4", Settings()) if r["base"] == "dapo"]]
+    # target: DAPO's final 0.75; CISPO reaches it at step 5, DAPO at 10: d = 5 − 0.5·10 = 0 per seed
+    assert vs_dapo["target"] == pytest.approx(0.75) and [c for c, _ in vs_dapo["c"]] == [5, 5, 5]
+    assert vs_dapo["rule"].mean == pytest.approx(0.0)

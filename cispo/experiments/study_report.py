@@ -94,10 +94,13 @@ class Settings:
     tune_score: str = "mean_accuracy"
     tune_tie: float = 0.005
     families: dict[str, Family] = field(default_factory=lambda: dict(PROTOCOL_FAMILIES))
-    contrast_from: dict[str, str] = field(default_factory=lambda: {"ablation": "main"})
-    """PART -> OTHER: where PART has no `contrast` runs of its own at a task and K, it pairs
-    with OTHER's there (the `chain` ablations use part 1's CISPO runs: protocol amendment of
-    session 7). The tables label such an arm with the part its runs come from."""
+    lend: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=lambda: {
+        "ablation": ("main", ("cispo",)), "explore_lr1e4": ("main", ("dapo",))})
+    """PART -> (OTHER, ARMS): where PART has no runs of its own of an arm of ARMS at a task and
+    K, it pairs with OTHER's there (the `chain` ablations use part 1's CISPO runs, protocol
+    amendment of session 7; the exploratory CISPO-vs-PPO part at 1e-4 uses part 1's DAPO runs,
+    at that same rate, amendment of session 9). The tables label such an arm with the part its
+    runs come from, and show its learning rate."""
 
 
 @dataclass
@@ -149,13 +152,14 @@ def group_eval_runs(runs: list[RunData]) -> Groups:
     return out
 
 
-def borrow_contrast(groups: Groups, st: Settings) -> Groups:
-    """`groups` with, for each part of `st.contrast_from` lacking the contrast arm at a (task,
-    K), the contrast arm's runs of the other part there (the runs keep their own ``part``)."""
-    for part, other in st.contrast_from.items():
+def borrow_arms(groups: Groups, st: Settings) -> Groups:
+    """`groups` with, for each part of `st.lend` lacking one of its arms at a (task, K), that
+    arm's runs of the other part there (the runs keep their own ``part``)."""
+    for part, (other, lent) in st.lend.items():
         for (p, task, k), arms in list(groups.items()):
-            if p == part and st.contrast not in arms and st.contrast in groups.get((other, task, k), {}):
-                arms[st.contrast] = dict(groups[(other, task, k)][st.contrast])
+            for arm in lent:
+                if p == part and arm not in arms and arm in groups.get((other, task, k), {}):
+                    arms[arm] = dict(groups[(other, task, k)][arm])
     return groups
 
 
@@ -451,7 +455,7 @@ def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings
     from cispo.experiments.study_figures import plot_curves, plot_gaps
 
     runs = load_study(csv_path)
-    groups = borrow_contrast(group_eval_runs(runs), st)
+    groups = borrow_arms(group_eval_runs(runs), st)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     out: dict[str, str] = {}
