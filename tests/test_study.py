@@ -261,13 +261,19 @@ def test_one_command_sweep_then_data_then_report(tiny_model, dense_task, tmp_pat
     assert (tmp_path / "rep" / "gaps_ksweep.png").exists()
 
 
-def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
-    from cispo.experiments.study_report import RunData, borrow_arms, collapse_table, summary_table
+def eval_run(part, arm, seed, accs, task="chain", k=16, lr="3e-05", every=2):
+    """A study run of the CSV with held-out accuracies `accs` every `every` steps from step 0."""
+    from cispo.experiments.study_report import RunData
 
-    def run(part, arm, seed, accs):
-        meta = {"part": part, "role": "eval", "task": "chain", "K": "16", "arm": arm, "seed": str(seed), "lr": "3e-05",
-                "run": f"{arm}__chain__K16__seed{seed}"}
-        return RunData(meta, {2 * i: {"eval/accuracy": a} for i, a in enumerate(accs)})
+    meta = {"part": part, "role": "eval", "task": task, "K": str(k), "arm": arm, "seed": str(seed), "lr": lr,
+            "run": f"{arm}__{task}__K{k}__seed{seed}"}
+    return RunData(meta, {every * i: {"eval/accuracy": a} for i, a in enumerate(accs)})
+
+
+def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
+    from cispo.experiments.study_report import borrow_arms, collapse_table, summary_table
+
+    run = eval_run
 
     runs = [run("main", "cispo", s, [0.0, 0.4, 0.6 + 0.1 * s]) for s in (0, 1, 2)]
     runs += [run("main", "dapo", s, [0.0, 0.5, 0.7]) for s in (0, 1, 2)]
@@ -290,12 +296,10 @@ def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
 
 
 def test_the_k32_ablations_use_the_ablation_family_and_their_own_cispo():
-    from cispo.experiments.study_report import RunData, borrow_arms
+    from cispo.experiments.study_report import borrow_arms
 
     def run(part, arm, seed, accs):
-        meta = {"part": part, "role": "eval", "task": "addition", "K": "32", "arm": arm, "seed": str(seed),
-                "lr": "1e-04", "run": f"{arm}__addition__K32__seed{seed}"}
-        return RunData(meta, {2 * i: {"eval/accuracy": a} for i, a in enumerate(accs)})
+        return eval_run(part, arm, seed, accs, task="addition", k=32, lr="1e-04")
 
     runs = [run("ablation_k32", "cispo", s, [0.0, 0.4, 0.6 + 0.1 * s]) for s in (0, 1, 2)]
     runs += [run("ablation_k32", arm, s, [0.0, 0.3, 0.5 + 0.05 * s]) for arm in ("cispo_seqmean", "cispo_cap1")
@@ -315,12 +319,10 @@ def test_the_k32_ablations_use_the_ablation_family_and_their_own_cispo():
 def test_the_exploratory_part_borrows_dapo_not_cispo():
     """`explore_lr1e4` (session 9 amendment): its own CISPO and PPO, part 1's DAPO lent at the same
     (task, K), so the target and the "≤ 50% of the steps" rule exist there too."""
-    from cispo.experiments.study_report import RunData, borrow_arms, q1_rows, summary_table
+    from cispo.experiments.study_report import borrow_arms, q1_rows, summary_table
 
     def run(part, arm, seed, accs):
-        meta = {"part": part, "role": "eval", "task": "chain", "K": "16", "arm": arm, "seed": str(seed),
-                "lr": "0.0001", "run": f"{arm}__chain__K16__seed{seed}"}
-        return RunData(meta, {5 * i: {"eval/accuracy": a} for i, a in enumerate(accs)})
+        return eval_run(part, arm, seed, accs, lr="0.0001", every=5)
 
     runs = [run("main", "dapo", s, [0.0, 0.5, 0.75, 0.75]) for s in (0, 1, 2)]
     runs += [run("main", "cispo", s, [0.0, 0.0, 0.0, 0.0]) for s in (0, 1, 2)]

@@ -157,8 +157,10 @@ def borrow_arms(groups: Groups, st: Settings) -> Groups:
     arm's runs of the other part there (the runs keep their own ``part``)."""
     for part, (other, lent) in st.lend.items():
         for (p, task, k), arms in list(groups.items()):
+            if p != part:
+                continue
             for arm in lent:
-                if p == part and arm not in arms and arm in groups.get((other, task, k), {}):
+                if arm not in arms and arm in groups.get((other, task, k), {}):
                     arms[arm] = dict(groups[(other, task, k)][arm])
     return groups
 
