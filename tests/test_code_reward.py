@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import pickle
+import random
+import re
 import resource
 import secrets
 import shutil
@@ -22,6 +24,7 @@ import socket
 import sys
 import textwrap
 import time
+import timeit
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -124,6 +127,36 @@ def test_extract_code():
     assert extract_code("```\nplain\n```\n```python\ntagged\n```") == "tagged\n"   # tagged first
     assert extract_code("```bash\nls\n```\n```\ny = 3\n```") == "y = 3\n"
     assert extract_code("answer:\n```python\nx = 1\n") == "x = 1\n"               # truncated fence
+
+
+# The fence pattern extract_code used until issue 32 (quadratic on runs of backticks): the oracle.
+_OLD_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def _extract_by_regex(text):
+    blocks = [(m.group(1).lower(), m.group(2)) for m in _OLD_FENCE.finditer(text)]
+    tagged = [code for tag, code in blocks if tag in ("python", "py", "python3")]
+    untagged = [code for tag, code in blocks if not tag]
+    return (tagged or untagged or [text])[-1]
+
+
+def test_extract_code_equals_the_fence_regex_on_random_texts():
+    rng = random.Random(0)
+    pieces = ["`", "``", "```", "````", "\n", "python", "py", "PY", "bash", " ", "\t", "x", "-", "\n\n"]
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        assert extract_code(text) == _extract_by_regex(text), repr(text)
+
+
+@pytest.mark.parametrize("unit", ["`", "```\n", "```python", "``` ``` \n"])
+def test_extract_code_is_linear_on_hostile_completions(unit):
+    """A complexity check, not a speed claim: 16x the text must take well under 16^2 = 256x the time
+    (min of 3 runs each, in the same process; the regex took ~0.2 s at 16k characters, ~11 s at 128k)."""
+    def seconds(n):
+        text = unit * (n // len(unit))
+        return min(timeit.repeat(lambda: extract_code(text), number=1, repeat=3))
+    small, large = seconds(8_000), seconds(128_000)
+    assert large < 64 * max(small, 1e-4), (small, large)
 
 
 def test_config_validation():
@@ -487,16 +520,18 @@ FORGERIES = {
         def add(a, b):
             return 0
     """,
-    # capture the harness's own line by dup2-ing over the result pipe, then claim all passed
+    # capture the harness's own line by dup2-ing over every descriptor (the result file is not among
+    # them: only the judge, a process of its own, holds it), then claim all passed
     "replay": """
         import os, sys, threading
-        fd = int(sys.argv[2])
-        saved = os.dup(fd)
         r, w = os.pipe()
-        os.dup2(w, fd)
+        saved = {fd: os.dup(fd) for fd in range(3, 64) if fd not in (r, w) and os.path.exists(f"/proc/self/fd/{fd}")}
+        for fd in saved:
+            os.dup2(w, fd)
         def relay():
             k, n, mac = os.read(r, 4096).split()
-            os.write(saved, n + b" " + n + b" " + mac + b"\\n")
+            for fd in saved.values():
+                os.write(fd, n + b" " + n + b" " + mac + b"\\n")
         threading.Thread(target=relay, daemon=True).start()
         def add(a, b):
             return 0
@@ -537,11 +572,14 @@ FORGERIES = {
 }
 
 
-# What stops each forgery (None: the harness's line was replaced, its HMAC does not verify).
+# What stops each forgery, as the harness's stderr says it. The verdict is the judge's, a process of
+# its own that runs no code of the solution's: what the solution reaches is the worker's own state.
 BLOCKED_BY = {
     "getframe": "sys._getframe is not allowed", "traceback": "frame access (tb_frame) is not allowed",
-    "gc": "gc.get_objects is not allowed", "signal": "signal only works in main thread",
-    "replay": None, "memory": "opening '/proc/self/mem' is not allowed", "symlink": "os.symlink is not allowed",
+    "gc": "gc.get_objects is not allowed",
+    "signal": "AssertionError",  # the handler runs and sees the worker's frames: nothing of the verdict there
+    "replay": "WorkerLost",  # the dup2s cut the worker off from the judge; the judge's own line stands
+    "memory": "opening '/proc/self/mem' is not allowed", "symlink": "os.symlink is not allowed",
     "ctypes": "importing ctypes is not allowed", "settrace": "sys.settrace is not allowed",
     "stdout": "AssertionError",  # the result does not go through stdout: the tests ran and failed
 }
@@ -552,18 +590,16 @@ def test_forging_the_verdict_is_blocked(cfg, name):
     report = run_tests(program(FORGERIES[name]), ADD_TESTS, cfg)
     assert not report.all_passed and report.passed == 0, (name, report)
     assert report.result.returncode == 0 and not report.result.timed_out
-    if BLOCKED_BY[name] is None:
-        assert not report.verified
-    else:
-        assert report.verified and BLOCKED_BY[name] in report.result.stderr, report.result.stderr
+    assert report.verified and BLOCKED_BY[name] in report.result.stderr, report.result.stderr
     assert code_reward_partial("p", program(FORGERIES[name]), tests=ADD_TESTS, config=cfg) == 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="not contained: tests that compare with == can be gamed by an "
-                                       "object whose __eq__ is always True (write type-checking tests)")
-def test_always_equal_object_is_a_known_limit(cfg):
+def test_always_equal_object_does_not_pass(cfg):
+    """An object of the solution's stays in the worker; compared with plain data it is never equal
+    (was a known limit until the judge ran the cases in a process of its own)."""
     hack = "class Anything:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Anything()\n"
-    assert run_tests(hack, ADD_TESTS, cfg).passed == 0
+    report = run_tests(hack, ADD_TESTS, cfg)
+    assert report.verified and report.passed == 0, report.result.stderr
 
 
 def test_type_checking_tests_defeat_the_always_equal_object(cfg):
@@ -752,15 +788,19 @@ def test_child_interpreters_are_still_contained(netns):
 def test_a_child_cannot_read_the_harness_memory(cfg):
     spy = program("""
         import os, subprocess, sys
-        probe = f"open('/proc/{os.getpid()}/mem', 'rb').read(1)"
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-        print("child:", done.stderr.strip().splitlines()[-1])
+        for who, pid in (("worker", os.getpid()), ("judge", os.getppid())):  # the solution's process, the judge
+            for what in ("mem", "fd/1"):
+                probe = f"print(open('/proc/{pid}/{what}', 'rb').read(1))"
+                done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+                print("child:", who, what, (done.stderr.strip().splitlines() or ["read"])[-1].split(":")[0])
         def add(a, b):
             return 0
     """)
     report = run_tests(spy, ADD_TESTS, cfg)
     assert report.verified and report.passed == 0
-    assert "child: PermissionError" in report.result.stdout, report.result.stdout
+    for line in ("child: worker mem PermissionError", "child: judge mem PermissionError",
+                 "child: judge fd/1 PermissionError"):
+        assert line in report.result.stdout, report.result.stdout
 
 
 def test_seccomp_refuses_kernel_attack_surface(cfg):

@@ -1,12 +1,27 @@
 """What `cispo.rewards.sandbox` runs inside bwrap: ``python -I -S harness.py LIMITS RESULT_FD``.
 
-Standard library only; cispo imports only `signed_lines`. How it works: docs/code-sandbox.md ("The test harness").
+Standard library only; cispo imports only `signed_lines`. How it works: docs/code-sandbox.md ("The test
+harness"). In ``tests`` mode two processes share the sandbox:
+
+* the **judge** (this process) holds the nonce and the test cases and runs the cases itself; no code of
+  the solution ever runs in it, and it is non-dumpable, so the solution can neither read nor write it;
+* the **worker** (a fresh interpreter, ``harness.py LIMITS worker IN OUT``: it shares no memory with
+  the judge and is given only the solution's source) runs the solution. The cases see
+  the solution's names as proxies: a call crosses to the worker as plain data, its result comes back as
+  plain data (or as a handle to an object that stays in the worker).
+
+So the worker can only *answer calls*, each answer one that some Python solution could also have
+given; it never sees an expected value nor holds anything that could sign a verdict.
 """
 
+import builtins
 import hmac
 import json
 import os
 import sys
+
+MAX_DEPTH = 100  # nesting of one encoded value
+MAX_REPLY = 64 << 20  # bytes of one message from the worker
 
 
 def signed_lines(nonce, n):
@@ -15,8 +30,76 @@ def signed_lines(nonce, n):
                  for k in range(n + 1))
 
 
+# ----------------------------------------------------------------------------------------- the wire
+
+
+def encode(value, handle, depth=0):
+    """A JSON-able tree for ``value``: plain data by type (``["i", hex]``, ``["l", [...]]``, ...); any
+    other object as ``handle(value)``. Subclasses of plain types cross as the plain type."""
+    if depth > MAX_DEPTH:
+        raise ValueError("value nested too deeply to cross the sandbox boundary")
+    if value is None or value is True or value is False:
+        return value
+    for kind, tag, make in _PLAIN:
+        if isinstance(value, kind):
+            return [tag, make(value)] if make else [tag, [encode(v, handle, depth + 1) for v in value]]
+    if isinstance(value, dict):
+        return ["d", [[encode(k, handle, depth + 1), encode(v, handle, depth + 1)] for k, v in value.items()]]
+    return ["h", handle(value)]
+
+
+_PLAIN = ((int, "i", lambda v: hex(int(v))), (float, "f", lambda v: float.hex(float(v))),
+          (complex, "c", lambda v: [float.hex(v.real), float.hex(v.imag)]), (str, "s", str),
+          (bytes, "b", lambda v: bytes(v).hex()), (bytearray, "y", lambda v: bytes(v).hex()),
+          (list, "l", None), (tuple, "t", None), (frozenset, "F", None), (set, "S", None))
+_MAKE = {"i": lambda v: int(v, 16), "f": float.fromhex, "c": lambda v: complex(float.fromhex(v[0]), float.fromhex(v[1])),
+         "s": str, "b": bytes.fromhex, "y": lambda v: bytearray.fromhex(v)}
+_CONTAINERS = {"l": list, "t": tuple, "F": frozenset, "S": set}
+
+
+def decode(tree, handle, depth=0):
+    """The value ``encode`` made ``tree`` from; ``handle(id)`` gives the object for ``["h", id]``. Raises
+    ValueError / TypeError on anything ``encode`` cannot have made (hostile input is never executed)."""
+    if depth > MAX_DEPTH:
+        raise ValueError("value nested too deeply")
+    if tree is None or tree is True or tree is False:
+        return tree
+    if type(tree) is not list or len(tree) != 2 or type(tree[0]) is not str:
+        raise ValueError("malformed value")
+    tag, body = tree
+    if tag in _MAKE:
+        if tag != "c" and type(body) is not str or tag == "c" and not (type(body) is list and len(body) == 2):
+            raise ValueError("malformed value")
+        return _MAKE[tag](body)
+    if tag == "h":
+        if type(body) is not int:
+            raise ValueError("malformed handle")
+        return handle(body)
+    if type(body) is not list:
+        raise ValueError("malformed container")
+    if tag == "d":
+        return {decode(k, handle, depth + 1): decode(v, handle, depth + 1) for k, v in map(_pair, body)}
+    if tag in _CONTAINERS:
+        return _CONTAINERS[tag](decode(v, handle, depth + 1) for v in body)
+    raise ValueError("unknown tag %r" % tag)
+
+
+def _pair(item):
+    if type(item) is not list or len(item) != 2:
+        raise ValueError("malformed dict item")
+    return item
+
+
+def _dump(message):
+    return json.dumps(message, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode() + b"\n"
+
+
+# ----------------------------------------------------------------------------------------- the worker
+
+
 def _harden():
-    """Make the process non-dumpable and install an audit hook that refuses the routes to the worker's state."""
+    """Make the process non-dumpable and install an audit hook that refuses the routes to the process's
+    state and to bytecode not made by the compiler. Defence in depth: the verdict does not rest on it."""
     import collections, ctypes, enum, logging, typing, _thread  # noqa: E401
     logging._srcfile = None  # log records without caller lookup (it needs frames, refused below)
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0: no /proc/<pid>/mem, no ptrace
@@ -25,12 +108,23 @@ def _harden():
     # Code objects allowed to call sys._getframe (they only read the caller's module name).
     allowed = {getattr(fn, "__code__", None) for fn in (collections.namedtuple, getattr(typing, "_caller", None),
                                                          getattr(getattr(enum, "EnumType", None), "_create_", None))}
+    unmarshal = sys.modules["_frozen_importlib_external"]._compile_bytecode.__code__  # the import system's
+    trusted = tuple(os.path.realpath(p) + "/" for p in {"/usr", sys.prefix, sys.base_prefix})
     denied = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
-                        "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook", "os.symlink"})
+                        "sys._current_exceptions", "sys.settrace", "sys.setprofile", "sys.addaudithook", "os.symlink",
+                        "code.__new__"})  # code.__new__: types.CodeType(...) and code.replace(...)
     denied_imports = frozenset({"ctypes", "_ctypes", "_testcapi", "_testinternalcapi", "_xxsubinterpreters"})
     frame_attrs = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
     busy = set()
-    get_ident, getframe, basename, fsdecode = _thread.get_ident, sys._getframe, os.path.basename, os.fsdecode
+    get_ident, getframe, basename, fsdecode, realpath = _thread.get_ident, sys._getframe, os.path.basename, \
+        os.fsdecode, os.path.realpath
+
+    def caller():
+        busy.add(get_ident())  # the hook's own getframe call raises the event again
+        try:
+            return getframe(2)
+        finally:
+            busy.discard(get_ident())
 
     def hook(event, args):
         if event in denied or event.startswith("ctypes."):
@@ -39,76 +133,231 @@ def _harden():
             raise RuntimeError("frame access (%s) is not allowed in the sandbox" % args[1])
         if event == "import" and args[0] in denied_imports:
             raise RuntimeError("importing %s is not allowed in the sandbox" % args[0])
+        if event == "import" and isinstance(args[1], str) and not realpath(args[1]).startswith(trusted):
+            raise RuntimeError("importing %s from %s is not allowed in the sandbox" % args[:2])
         if event == "open" and isinstance(args[0], (str, bytes)) and basename(fsdecode(args[0])) == "mem":
             raise RuntimeError("opening %r is not allowed in the sandbox" % (args[0],))
-        if event == "sys._getframe" and get_ident() not in busy:  # busy: the hook's own getframe call
-            busy.add(get_ident())
-            try:
-                caller = getframe(1).f_code
-            finally:
-                busy.discard(get_ident())
-            if caller not in allowed:
-                raise RuntimeError("sys._getframe is not allowed in the sandbox")
+        if event in ("marshal.loads", "marshal.load") and get_ident() not in busy:
+            frame = caller()
+            path = frame.f_locals.get("bytecode_path") if frame.f_code is unmarshal else None
+            if not (isinstance(path, str) and realpath(path).startswith(trusted)):
+                raise RuntimeError("%s is not allowed in the sandbox" % event)
+        if event == "sys._getframe" and get_ident() not in busy and caller().f_code not in allowed:
+            raise RuntimeError("sys._getframe is not allowed in the sandbox")
 
     sys.addaudithook(hook)
 
 
-def _runner(source, tests, safe, box, done):
-    """The worker thread: run the solution, then each test case with the saved builtins ``safe``."""
-    exec_, compile_, type_, str_ = safe["exec"], safe["compile"], safe["type"], safe["str"]
-    base_exception = safe["BaseException"]
-    excepthook, exc_info = sys.__excepthook__, sys.exc_info
+def _worker(requests, replies):
+    """Run the solution sent first, then answer the judge's requests until told to stop (or killed)."""
+    import operator, types  # noqa: E401
+    objects = {}
 
-    def failed():
+    def handle(value):
+        objects[len(objects)] = value
+        return len(objects) - 1
+
+    def answer(message):
+        verb = message[0]
+        if verb == "code":
+            ns = {"__name__": "solution", "__builtins__": builtins}
+            exec(compile(message[1], "solution.py", "exec"), ns)
+            shadow = vars(builtins)
+            return {k: v for k, v in ns.items() if type(k) is str and not k.startswith("__") and k not in shadow
+                    and not isinstance(v, types.ModuleType)}
+        args = decode(message[2], objects.__getitem__) if len(message) > 2 else []
+        target = objects[message[1]]
+        if verb == "call":
+            kwargs = decode(message[3], objects.__getitem__)
+            result = target(*args, **kwargs)
+            return [result, args, kwargs]  # the arguments after the call: mutations travel back
+        if verb == "getattr":
+            return getattr(target, *args)
+        if verb == "setattr":
+            return setattr(target, *args)
+        if verb == "iter":
+            return list(target)
+        op = getattr(builtins, verb, None) if verb in ("bool", "len", "next", "str", "repr", "hash", "int",
+                                                          "float") else getattr(operator, verb)
+        return op(target, *args)
+
+    for line in requests:
+        message = json.loads(line)
+        if message == ["exit"]:
+            break
         try:
-            excepthook(*exc_info())
-        except base_exception:
-            pass
-
-    passed = 0
-    try:
-        ns = {"__name__": "solution", "__builtins__": sys.modules["builtins"]}
-        exec_(compile_(source, "solution.py", "exec"), ns)
-        tests_ns = {k: v for k, v in ns.items() if type_(k) is str_ and k not in safe}  # shadowed builtins left out
-        tests_ns["__builtins__"] = safe
-        for i, test in enumerate(tests):
-            try:
-                exec_(compile_(test, "<test %d>" % i, "exec"), tests_ns)
-                passed += 1
-            except base_exception:
-                failed()
-    except base_exception:  # the solution raised: no case passes
-        failed()
-    finally:
-        box[0] = passed
-        done.release()
+            reply = ["ok", encode(answer(message), handle)]
+        except BaseException as exc:  # everything the solution raises is an answer too
+            if message[0] == "code":
+                sys.__excepthook__(type(exc), exc, exc.__traceback__)
+            reply = ["err", type(exc).__name__, str(exc)[:2000]]
+        try:
+            replies.write(_dump(reply))
+        except (TypeError, ValueError):  # an exception message or value JSON cannot carry
+            replies.write(_dump(["err", "TypeError", "value cannot cross the sandbox boundary"]))
+        replies.flush()
+    os._exit(0)
 
 
-def _tests(payload, result_fd):
-    """Run the solution and the cases in a worker thread; write the signed line for its count to ``result_fd``."""
-    import builtins, signal, _thread  # noqa: E401
-    nonce, tests, source = bytes.fromhex(payload["nonce"]), payload["tests"], payload["code"]
+# ----------------------------------------------------------------------------------------- the judge
+
+
+class WorkerLost(BaseException):
+    """The worker died or sent what no honest worker sends: this and every later case fail
+    (a BaseException, so a case's ``except Exception`` cannot swallow it)."""
+
+
+class SolutionError(Exception):
+    """An exception of the solution's own type, raised again in the judge as ``Type: message``."""
+
+
+class Link:
+    """The judge's end of the pipes to the worker."""
+
+    def __init__(self, proc, requests, replies):
+        self.proc, self.requests, self.replies, self.lost = proc, requests, replies, False
+
+    def send(self, message):
+        self.requests.write(_dump(message))
+        self.requests.flush()
+
+    def ask(self, *message):
+        """Send one request; the decoded answer, or the solution's exception raised here."""
+        if self.lost:
+            raise WorkerLost("the solution's process is gone")
+        try:
+            self.send(list(message))
+            reply = json.loads(self.replies.readline(MAX_REPLY))
+            if reply[0] == "ok" and len(reply) == 2:
+                return decode(reply[1], lambda i: Remote(self, i))
+            kind, text = reply[1], reply[2]
+            if type(kind) is not str or type(text) is not str or reply[0] != "err" or len(reply) != 3:
+                raise ValueError("malformed reply")
+        except (OSError, ValueError, TypeError, LookupError, RecursionError, MemoryError) as exc:
+            self.lost = True
+            raise WorkerLost("the solution's process is gone or answered out of protocol (%s)" % exc) from None
+        builtin = getattr(builtins, kind, None)
+        if isinstance(builtin, type) and issubclass(builtin, BaseException):
+            raise builtin(text)
+        raise SolutionError("%s: %s" % (kind, text))
+
+
+def _wrap(value):
+    """``value`` as a message: plain data and handles of the worker's objects; nothing else of the
+    judge's (a function of the tests, say) crosses."""
+    def handle(v):
+        if isinstance(v, Remote):
+            return object.__getattribute__(v, "_id")
+        raise TypeError("a %s cannot be passed to the solution across the sandbox boundary" % type(v).__name__)
+    return encode(value, handle)
+
+
+def _write_back(before, after):
+    """Copy the worker's post-call state of the mutable arguments into the judge's objects."""
+    for mine, theirs in zip(before, after):
+        if isinstance(mine, (list, bytearray)) and isinstance(theirs, type(mine)):
+            mine[:] = theirs
+        elif isinstance(mine, (dict, set)) and isinstance(theirs, type(mine)):
+            mine.clear()
+            mine.update(theirs)
+
+
+class Remote:
+    """A handle to an object of the solution's: calls and attribute access go to the worker. Compared
+    (``==``, ``<``, ``in``) with plain data it is never equal and has no order: the value an object
+    claims to equal would otherwise be read off the test (the always-equal hack)."""
+
+    __slots__ = ("_link", "_id")
+
+    def __init__(self, link, id_):
+        object.__setattr__(self, "_link", link)
+        object.__setattr__(self, "_id", id_)
+
+    def _op(self, verb, *args):
+        return object.__getattribute__(self, "_link").ask(verb, object.__getattribute__(self, "_id"),
+                                                          _wrap(list(args)))
+
+    def __call__(self, *args, **kwargs):
+        link, id_ = object.__getattribute__(self, "_link"), object.__getattribute__(self, "_id")
+        result, args_after, kwargs_after = link.ask("call", id_, _wrap(list(args)), _wrap(kwargs))
+        _write_back(list(args) + list(kwargs.values()), list(args_after) + list(kwargs_after.values()))
+        return result
+
+    def __getattr__(self, name):
+        return self._op("getattr", name)
+
+    def __setattr__(self, name, value):
+        self._op("setattr", name, value)
+
+    def __iter__(self):
+        return iter(self._op("iter"))
+
+    def __next__(self):
+        return self._op("next")
+
+    def __contains__(self, item):
+        raise TypeError("'in' on an object of the solution is not supported across the sandbox boundary")
+
+
+def _forward(verb):
+    """``Remote.__verb__``: the operator evaluated in the worker (a comparison only with another handle)."""
+    if verb in ("eq", "ne", "lt", "le", "gt", "ge"):
+        return lambda self, other: self._op(verb, other) if isinstance(other, Remote) else NotImplemented
+    return lambda self, *args: self._op(verb, *args)
+
+
+for _verb in ("bool", "len", "str", "repr", "hash", "int", "float", "index", "getitem", "setitem", "delitem", "eq",
+              "ne", "lt", "le", "gt", "ge"):
+    setattr(Remote, "__%s__" % _verb, _forward(_verb))
+del _verb
+
+
+def _judge(payload, result_fd):
+    """Start the worker, send it the solution, run each case here; write the signed line for the count."""
+    import ctypes, subprocess, traceback  # noqa: E401
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0, before anything of the solution's runs
+    nonce, tests, source = bytes.fromhex(payload.pop("nonce")), payload.pop("tests"), payload.pop("code")
     markers = signed_lines(nonce, len(tests))  # the nonce itself is never written anywhere
-    payload.clear()  # the caller's reference too: the nonce and the cases are nowhere but here
     del nonce
-    write, exit_, flush_out, flush_err = os.write, os._exit, sys.stdout.flush, sys.stderr.flush
-    safe = dict(builtins.__dict__)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # _thread.interrupt_main() then does nothing
-    _harden()
-    box, done = [0], _thread.allocate_lock()
-    done.acquire()
-    _thread.start_new_thread(_runner, (source, tests, safe, box, done))
-    del source, tests, safe
-    # From here the main thread only calls C functions: no code of the solution runs on this stack.
-    done.acquire()
-    flush_out()
-    flush_err()
-    write(result_fd, markers[box[0]])
-    exit_(0)
+    (worker_in, judge_out), (judge_in, worker_out) = os.pipe(), os.pipe()
+    worker = subprocess.Popen([sys.executable, "-I", "-S", "-u", __file__, sys.argv[1], "worker", str(worker_in),
+                               str(worker_out)], pass_fds=(worker_in, worker_out), close_fds=True)
+    os.close(worker_in)
+    os.close(worker_out)
+    link, passed, failures = Link(worker, os.fdopen(judge_out, "wb"), os.fdopen(judge_in, "rb")), 0, []
+    try:
+        names = link.ask("code", source)
+    except BaseException as exc:  # the solution raised (its traceback is on stderr): no case passes
+        names, tests = None, ()
+        failures.append("the solution did not run: %s" % "".join(traceback.format_exception_only(type(exc), exc)))
+    del source
+    ns = dict(names or {}, __builtins__=builtins)
+    for i, test in enumerate(tests):
+        try:
+            exec(compile(test, "<test %d>" % i, "exec"), ns)
+            passed += 1
+        except BaseException as exc:
+            failures.append("".join(traceback.format_exception_only(type(exc), exc)).strip()[:2000])
+    if not link.lost:
+        try:
+            link.send(["exit"])
+            worker.wait(1.0)
+        except Exception:  # a worker that does not stop is killed
+            pass
+    worker.kill()
+    worker.wait()
+    for text in failures:  # written once the worker is gone: it never reads the judge's words
+        sys.stderr.write("case failed: %s\n" % text.strip())
+    sys.stderr.flush()
+    os.write(result_fd, markers[passed])
+    os._exit(0)
 
 
 def _main():
     """Set the rlimits, read the input and put /dev/null on stdin, then run the code or the tests."""
+    if sys.argv[2] == "worker":  # the rlimits and stdin (/dev/null) are the judge's; the pipes are argv[3:]
+        _harden()
+        _worker(os.fdopen(int(sys.argv[3]), "rb"), os.fdopen(int(sys.argv[4]), "wb"))
     import resource
     for name, value in json.loads(sys.argv[1]).items():
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value + 1 if name == "CPU" else value))
@@ -116,7 +365,7 @@ def _main():
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor: 0
     if payload["mode"] == "tests":
-        _tests(payload, int(sys.argv[2]))
+        _judge(payload, int(sys.argv[2]))
     os.close(int(sys.argv[2]))
     sys.argv = ["main.py"]
     code = compile(payload.pop("code"), "main.py", "exec")

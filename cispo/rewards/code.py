@@ -17,7 +17,7 @@ __all__ = ["SandboxConfig", "SandboxResult", "SandboxError", "SandboxUnavailable
            "make_code_reward"]
 
 log = logging.getLogger(__name__)
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+_TAG = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,26 @@ def run_tests(code: str, tests: str | Sequence[str], cfg: SandboxConfig | None =
     return TestReport(passed=counts[0] if counts else 0, total=n, verified=bool(counts), result=result)
 
 
+def _fences(text: str):
+    """``(tag, body)`` of each fenced block, in order: ```` ``` ```` and an info line (its leading word the
+    tag), then the body up to the next ```` ``` ```` or the end of the text. One left-to-right scan: linear
+    in ``len(text)`` however many backtick runs a hostile completion holds."""
+    start = text.find("```")
+    while start >= 0:
+        newline = text.find("\n", start + 3)
+        if newline < 0:  # no line after this fence, nor after any later one
+            return
+        end = text.find("```", newline + 1)
+        yield _TAG.match(text, start + 3, newline).group(1), text[newline + 1: len(text) if end < 0 else end]
+        if end < 0:
+            return
+        start = text.find("```", end + 3)
+
+
 def extract_code(completion: str) -> str:
     """The last fenced block tagged ``python``/``py``/``python3``, else the last untagged one, else the
     whole text; an unterminated last fence (a truncated answer) counts up to the end."""
-    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(completion)]
+    blocks = [(tag.lower(), code) for tag, code in _fences(completion)]
     tagged = [code for tag, code in blocks if tag in ("python", "py", "python3")]
     untagged = [code for tag, code in blocks if not tag]
     return (tagged or untagged or [completion])[-1]
