@@ -124,10 +124,10 @@ EVIL_WORKER = MEMORY + textwrap.dedent('''
 
 def test_a_solution_in_full_control_of_its_process_cannot_forge(cfg):
     """The solution replaces its process by an interpreter with no audit hook (exec keeps the pid and
-    the pipes to the judge), reads all of its memory, writes forged lines everywhere and answers the
+    the pipes to the judge, descriptors 3 and 4), reads all of its memory, writes forged lines everywhere and answers the
     judge's protocol as it likes: nothing of the verdict or the tests is there, and its answers fail."""
-    solution = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-S', '-u', '-c', {EVIL_WORKER!r}, " \
-               f"sys.argv[3], sys.argv[4]])\n"
+    solution = f"import os, sys\nos.set_inheritable(3, True)\nos.set_inheritable(4, True)\nos.execv(sys.executable, [sys.executable, '-S', '-u', '-c', {EVIL_WORKER!r}, " \
+               f"'3', '4'])\n"  # the worker's pipes to the judge
     report = run_tests(solution, ADD_TESTS, cfg)
     out = report.result.stdout
     assert "exploit works: True" in out and "verdict lines found: 0" in out, (out, report.result.stderr)

@@ -1,12 +1,12 @@
-"""What `cispo.rewards.sandbox` runs inside bwrap: ``python -I -S harness.py LIMITS RESULT_FD``.
+"""What `cispo.rewards.sandbox` runs inside bwrap: ``python -I -S harness.py LIMITS RESULT_FD MODE``.
 
 Standard library only; cispo imports only `signed_lines`. How it works: docs/code-sandbox.md ("The test
 harness"). In ``tests`` mode two processes share the sandbox:
 
 * the **judge** (this process) holds the nonce and the test cases and runs the cases itself; no code of
   the solution ever runs in it, and it is non-dumpable, so the solution can neither read nor write it;
-* the **worker** (a fresh interpreter, ``harness.py LIMITS worker IN OUT``: it shares no memory with
-  the judge and is given only the solution's source) runs the solution. The cases see
+* the **worker** (forked before the judge reads its input, so its memory holds nothing of it; given
+  only the solution's source) runs the solution. The cases see
   the solution's names as proxies: a call crosses to the worker as plain data, its result comes back as
   plain data (or as a handle to an object that stays in the worker).
 
@@ -195,6 +195,8 @@ def _worker(requests, replies):
             replies.write(_dump(reply))
         except (TypeError, ValueError):  # an exception message or value JSON cannot carry
             replies.write(_dump(["err", "TypeError", "value cannot cross the sandbox boundary"]))
+        sys.stdout.flush()  # what the solution printed, before the judge may kill this process
+        sys.stderr.flush()
         replies.flush()
     os._exit(0)
 
@@ -214,8 +216,8 @@ class SolutionError(Exception):
 class Link:
     """The judge's end of the pipes to the worker."""
 
-    def __init__(self, proc, requests, replies):
-        self.proc, self.requests, self.replies, self.lost = proc, requests, replies, False
+    def __init__(self, requests, replies):
+        self.requests, self.replies, self.lost = requests, replies, False
 
     def send(self, message):
         self.requests.write(_dump(message))
@@ -312,19 +314,38 @@ for _verb in ("bool", "len", "str", "repr", "hash", "int", "float", "index", "ge
 del _verb
 
 
-def _judge(payload, result_fd):
-    """Start the worker, send it the solution, run each case here; write the signed line for the count."""
-    import ctypes, subprocess, traceback  # noqa: E401
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0, before anything of the solution's runs
+def _fork_worker(result_fd):
+    """Fork the worker before the judge has read its input (so the worker's memory holds nothing of it):
+    in the child, the result file and stdin are closed, the pipes are descriptors 3 (requests) and 4
+    (answers), and it serves the judge; the judge gets the child's pid and its ends of the pipes."""
+    (worker_in, judge_out), (judge_in, worker_out) = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(worker_in)
+        os.close(worker_out)
+        return pid, os.fdopen(judge_out, "wb"), os.fdopen(judge_in, "rb")
+    try:
+        for fd in (result_fd, judge_out, judge_in, 0):
+            os.close(fd)
+        os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor: 0
+        for fd, want in ((worker_in, 200), (worker_out, 201), (200, 3), (201, 4)):  # via free numbers:
+            os.dup2(fd, want, inheritable=False)  # neither pipe's number may be the other's target
+        os.closerange(5, 1 << 16)
+        sys.argv = ["solution.py"]
+        _harden()
+        _worker(os.fdopen(3, "rb"), os.fdopen(4, "wb"))
+    finally:
+        os._exit(1)
+
+
+def _judge(payload, result_fd, worker):
+    """Send the worker the solution, run each case here; write the signed line for the count."""
+    import traceback
+    pid, requests, replies = worker
     nonce, tests, source = bytes.fromhex(payload.pop("nonce")), payload.pop("tests"), payload.pop("code")
     markers = signed_lines(nonce, len(tests))  # the nonce itself is never written anywhere
     del nonce
-    (worker_in, judge_out), (judge_in, worker_out) = os.pipe(), os.pipe()
-    worker = subprocess.Popen([sys.executable, "-I", "-S", "-u", __file__, sys.argv[1], "worker", str(worker_in),
-                               str(worker_out)], pass_fds=(worker_in, worker_out), close_fds=True)
-    os.close(worker_in)
-    os.close(worker_out)
-    link, passed, failures = Link(worker, os.fdopen(judge_out, "wb"), os.fdopen(judge_in, "rb")), 0, []
+    link, passed, failures = Link(requests, replies), 0, []
     try:
         names = link.ask("code", source)
     except BaseException as exc:  # the solution raised (its traceback is on stderr): no case passes
@@ -338,14 +359,13 @@ def _judge(payload, result_fd):
             passed += 1
         except BaseException as exc:
             failures.append("".join(traceback.format_exception_only(type(exc), exc)).strip()[:2000])
-    if not link.lost:
-        try:
+    if not link.lost:  # let the worker flush what the solution printed
+        with _suppress(OSError):
             link.send(["exit"])
-            worker.wait(1.0)
-        except Exception:  # a worker that does not stop is killed
-            pass
-    worker.kill()
-    worker.wait()
+            _wait(pid, 1.0)
+    with _suppress(OSError):
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
     for text in failures:  # written once the worker is gone: it never reads the judge's words
         sys.stderr.write("case failed: %s\n" % text.strip())
     sys.stderr.flush()
@@ -353,20 +373,42 @@ def _judge(payload, result_fd):
     os._exit(0)
 
 
+class _suppress:
+    def __init__(self, *kinds):
+        self.kinds = kinds
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        return kind is not None and issubclass(kind, self.kinds)
+
+
+def _wait(pid, timeout):
+    """Wait up to ``timeout`` seconds for the child ``pid`` to exit."""
+    import time
+    deadline = time.monotonic() + timeout
+    while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 def _main():
-    """Set the rlimits, read the input and put /dev/null on stdin, then run the code or the tests."""
-    if sys.argv[2] == "worker":  # the rlimits and stdin (/dev/null) are the judge's; the pipes are argv[3:]
-        _harden()
-        _worker(os.fdopen(int(sys.argv[3]), "rb"), os.fdopen(int(sys.argv[4]), "wb"))
+    """Set the rlimits; for tests, fork the worker and make the judge non-dumpable; read the input and
+    put /dev/null on stdin; then run the code or the tests."""
     import resource
     for name, value in json.loads(sys.argv[1]).items():
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value + 1 if name == "CPU" else value))
+    result_fd = int(sys.argv[2])
+    if sys.argv[3] == "tests":
+        import ctypes, collections, enum, logging, typing, _thread  # noqa: E401,F401  (the worker's, imported once)
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0: the worker cannot read the judge
+        worker = _fork_worker(result_fd)
     payload = json.loads(sys.stdin.buffer.read())
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor: 0
     if payload["mode"] == "tests":
-        _judge(payload, int(sys.argv[2]))
-    os.close(int(sys.argv[2]))
+        _judge(payload, result_fd, worker)
+    os.close(result_fd)
     sys.argv = ["main.py"]
     code = compile(payload.pop("code"), "main.py", "exec")
     del payload

@@ -148,7 +148,7 @@ def _python(configured: str | None, as_root: bool) -> tuple[str, tuple[str, ...]
     return exe, tuple(sorted(d for d in dirs if not (d + "/").startswith("/usr/")))
 
 
-def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str, int]) -> list[str]:
+def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str, int], mode: str) -> list[str]:
     """The ``bwrap`` command line: namespaces, the read-only minimal file system, then the harness."""
     argv = [_bwrap(cfg, os.geteuid() == 0), "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop",
             "ALL", "--uid", "65534", "--gid", "65534", "--die-with-parent", "--new-session",
@@ -172,7 +172,7 @@ def _argv(cfg: SandboxConfig, python: str, binds: tuple[str, ...], fds: dict[str
              "--seccomp", str(fds["seccomp"]), "--json-status-fd", str(fds["status"])]
     limits = {"AS": cfg.memory_mb << 20, "CPU": cfg.cpu_s, "FSIZE": cfg.max_file_mb << 20,
               "NPROC": cfg.max_processes, "CORE": 0, "NOFILE": 256}
-    return argv + ["--", python, "-I", "-S", "/sandbox/harness.py", json.dumps(limits), str(fds["result"])]
+    return argv + ["--", python, "-I", "-S", "/sandbox/harness.py", json.dumps(limits), str(fds["result"]), mode]
 
 
 def _memfd(data: bytes) -> int:
@@ -204,9 +204,9 @@ def execute(cfg: SandboxConfig, payload: dict) -> tuple[SandboxResult, bytes]:
                  "harness": _memfd(HARNESS.read_bytes())}
         start, pidfd, killed = time.monotonic(), None, None
         try:
-            proc = subprocess.Popen(_argv(cfg, python, binds, child), stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                    pass_fds=list(child.values()), start_new_session=True, env=_ENV,
-                                    **(dict(user=cfg.uid, group=cfg.uid, extra_groups=[]) if as_root else {}))
+            proc = subprocess.Popen(_argv(cfg, python, binds, child, payload["mode"]), stdin=subprocess.PIPE,
+                                    stdout=out, stderr=err, pass_fds=list(child.values()), start_new_session=True,
+                                    env=_ENV, **(dict(user=cfg.uid, group=cfg.uid, extra_groups=[]) if as_root else {}))
         finally:
             for fd in (status_w, child["seccomp"], child["harness"]):
                 os.close(fd)
