@@ -201,8 +201,9 @@ class RolloutConfig:
 class AlgoConfig:
     """The objective and the schedule of off-policy updates."""
 
-    objective: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce"] = "cispo"
-    """Objective preset: cispo, ppo, grpo, dapo, gspo, reinforce."""
+    objective: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce", "cispo_lowmask", "cispo_highmask"] = "cispo"
+    """Objective preset: cispo, ppo, grpo, dapo, gspo, reinforce; cispo_lowmask / cispo_highmask (CISPO with
+    the lower / upper half of DAPO's trust region)."""
     objective_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields of ``ObjectiveConfig`` to override, e.g. ``objective_overrides.eps_high_is=2.0``."""
     advantage_estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"

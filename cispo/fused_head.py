@@ -35,10 +35,10 @@ import torch
 from cispo.logprobs import IDENTITY, LogitTransform, _check_inputs, _chunk_logits, _dtypes, _grad_head_input
 from cispo.objective import (
     ObjectiveConfig,
-    is_weight,
+    signed_is_weight,
     kl_penalty,
     log_ratio,
-    ppo_token_mask,
+    token_mask,
 )
 
 __all__ = ["aggregation_weights", "token_objective", "fused_head_loss"]
@@ -93,12 +93,12 @@ def token_objective(cfg: ObjectiveConfig, logp_old: torch.Tensor, advantages: to
     def loss(logp: torch.Tensor, ent: torch.Tensor | None, s: int, e: int) -> torch.Tensor:
         m = mask[s:e]  # [c]
         ratio = torch.exp(log_ratio(logp, old[s:e], m, "token", cfg.max_log_ratio))  # r_t, detached  [c]
-        weight = is_weight(ratio, cfg.eps_low_is, cfg.eps_high_is)  # sg(w_t)  [c]
         A = adv[s:e].to(logp.dtype)  # [c]
+        weight = signed_is_weight(ratio, A, cfg)  # sg(w_t)  [c]
         lp = torch.where(m, logp, 0.0)  # [c]
         terms = -(weight * A * lp)  # [c]
-        if cfg.mask_rule == "ppo":
-            terms = terms * ppo_token_mask(ratio, A, cfg.eps_low, cfg.eps_high)
+        if cfg.mask_rule != "none":
+            terms = terms * token_mask(ratio, A, cfg)  # M_t  [c]
         if ref is not None and cfg.kl_coef > 0:
             terms = terms + cfg.kl_coef * kl_penalty(lp, torch.where(m, ref[s:e], 0.0), cfg.kl_estimator)
         if entropy_coef and ent is not None:

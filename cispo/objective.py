@@ -5,8 +5,8 @@ pi_old, with advantages A_it and response tokens counted by the response mask:
 
     r_it    = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)              IS ratio
     w_it    = clip(r_it, 1 - eps_low_is, 1 + eps_high_is)                     eq. 5
-    M_it    = 0 if A_it > 0 and r_it > 1 + eps_high                           eq. 7
-              0 if A_it < 0 and r_it < 1 - eps_low
+    M_it    = 0 if A_it > 0 and r_it > 1 + eps_high     (the upper half)      eq. 7
+              0 if A_it < 0 and r_it < 1 - eps_low      (the lower half)
               1 otherwise
     J       = agg_{i,t}( sg(w_it) * A_it * log pi_theta(o_it | q, o_i<t) * M_it )   eq. 6
     loss    = -J + kl_coef * agg_{i,t}( KL_it(pi_theta || pi_ref) )
@@ -23,9 +23,14 @@ Every algorithm is a setting of five independent axes (fields of ``ObjectiveConf
 
 1. ratio unit — ``token`` (r_it) or ``sequence`` (GSPO, arXiv 2507.18071:
    s_i = exp(mean_t(log pi_theta - log pi_old)) shared by the tokens of o_i);
-2. the IS-weight bounds ``eps_low_is`` / ``eps_high_is`` (None = unbounded on that side);
-3. the mask rule — ``none`` (M = 1, CISPO, REINFORCE) or ``ppo`` (eq. 7 with ``eps_low`` /
-   ``eps_high``: the trust region of PPO, GRPO, DAPO and, at sequence level, GSPO);
+2. the IS-weight bounds ``eps_low_is`` / ``eps_high_is`` (None = unbounded on that side); with
+   ``is_bounds_by_sign`` the tokens with A < 0 take their own bounds ``eps_low_is_neg`` /
+   ``eps_high_is_neg`` (DISPO, arXiv 2602.00983: up- and down-clipping decoupled for correct and
+   incorrect responses, four regimes);
+3. the mask rule — ``none`` (M = 1, CISPO, REINFORCE), ``ppo`` (eq. 7 with ``eps_low`` /
+   ``eps_high``: the trust region of PPO, GRPO, DAPO and, at sequence level, GSPO), or one half
+   of it: ``ppo-low`` (only A < 0, r < 1 - eps_low dropped) or ``ppo-high`` (only A > 0,
+   r > 1 + eps_high dropped);
 4. the aggregation — ``token-mean`` (DAPO's token-level loss, eq. 4's 1/sum_i|o_i|),
    ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum-norm`` (Dr. GRPO, a constant length);
 5. an optional KL penalty to a reference policy (k1 or k3 estimator), off by default.
@@ -54,7 +59,7 @@ import torch
 from cispo.suggest import did_you_mean
 
 RATIO_LEVELS = ("token", "sequence")
-MASK_RULES = ("none", "ppo")
+MASK_RULES = ("none", "ppo", "ppo-low", "ppo-high")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k3")
 LOW_PROB = 0.1  # p_old below this counts as a low-probability ("fork") token in the stats
@@ -75,8 +80,17 @@ class ObjectiveConfig:
     """IS weight lower bound 1 - eps_low_is (eq. 5). None: no lower bound (the paper's choice)."""
     eps_high_is: float | None = 4.0
     """IS weight upper bound 1 + eps_high_is (eq. 5). None: no upper bound. Paper: unpublished."""
+    is_bounds_by_sign: bool = False
+    """False: eps_low_is / eps_high_is bound every token's weight. True (DISPO): they bound the
+    tokens with A >= 0 (correct responses) and eps_low_is_neg / eps_high_is_neg those with A < 0."""
+    eps_low_is_neg: float | None = None
+    """With is_bounds_by_sign: lower weight bound 1 - eps_low_is_neg of A < 0 tokens. None: none."""
+    eps_high_is_neg: float | None = None
+    """With is_bounds_by_sign: upper weight bound 1 + eps_high_is_neg of A < 0 tokens. None: none."""
     mask_rule: str = "none"
-    """Token mask M (eq. 7): ``none`` (M = 1) or ``ppo`` (PPO's trust region, eps_low/eps_high)."""
+    """Token mask M (eq. 7): ``none`` (M = 1), ``ppo`` (PPO's trust region, eps_low/eps_high),
+    ``ppo-low`` (its lower half only: A < 0, r < 1 - eps_low) or ``ppo-high`` (its upper half
+    only: A > 0, r > 1 + eps_high)."""
     eps_low: float = 0.2
     """PPO trust region lower edge 1 - eps_low: masks A < 0 tokens below it (eq. 7).
     Also defines ``frac_ppo_dropped`` under every mask rule."""
@@ -102,7 +116,8 @@ class ObjectiveConfig:
         _check_choice("mask_rule", self.mask_rule, MASK_RULES)
         _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        for name in ("eps_low_is", "eps_high_is", "eps_low", "eps_high", "kl_coef"):
+        for name in ("eps_low_is", "eps_high_is", "eps_low_is_neg", "eps_high_is_neg", "eps_low", "eps_high",
+                     "kl_coef"):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"ObjectiveConfig.{name} must be a finite number >= 0, got {value!r}")
@@ -136,12 +151,16 @@ PRESETS: dict[str, ObjectiveConfig] = {
     ),
     # IS-weighted REINFORCE: no clipping, no mask.
     "reinforce": ObjectiveConfig(eps_high_is=None),
+    # CISPO plus one half of DAPO's trust region (issue 28): the capped, detached weight and the
+    # token-level loss of CISPO, DAPO's 0.2 / 0.28.
+    "cispo_lowmask": ObjectiveConfig(mask_rule="ppo-low", eps_low=0.2, eps_high=0.28),
+    "cispo_highmask": ObjectiveConfig(mask_rule="ppo-high", eps_low=0.2, eps_high=0.28),
 }
 
 
 def preset(name: str, **overrides) -> ObjectiveConfig:
-    """The named preset (``cispo``, ``ppo``, ``grpo``, ``dapo``, ``gspo``, ``reinforce``),
-    with any field replaced by ``overrides`` (e.g. ``preset("cispo", eps_high_is=2.0)``)."""
+    """The named preset (``cispo``, ``ppo``, ``grpo``, ``dapo``, ``gspo``, ``reinforce``, ``cispo_lowmask``,
+    ``cispo_highmask``), with any field replaced by ``overrides`` (e.g. ``preset("cispo", eps_high_is=2.0)``)."""
     if name not in PRESETS:
         raise ValueError(f"unknown objective preset {name!r}{did_you_mean(name, PRESETS)}; known: {', '.join(PRESETS)}")
     fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}
@@ -250,11 +269,38 @@ def is_weight(ratio: torch.Tensor, eps_low_is: float | None, eps_high_is: float 
     return ratio.clamp(min=low, max=high).detach()  # sg(w_it)    [B, T]
 
 
+def signed_is_weight(ratio: torch.Tensor, advantages: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
+    """sg(w_it) of eq. 5 with the bounds of the token's sign when ``cfg.is_bounds_by_sign`` (DISPO):
+    clip(r, 1 - eps_low_is, 1 + eps_high_is) where A >= 0, clip(r, 1 - eps_low_is_neg, 1 + eps_high_is_neg)
+    where A < 0; otherwise eq. 5 for every token."""
+    weight = is_weight(ratio, cfg.eps_low_is, cfg.eps_high_is)  # sg(w_it)    [B, T]
+    if not cfg.is_bounds_by_sign:
+        return weight
+    weight_neg = is_weight(ratio, cfg.eps_low_is_neg, cfg.eps_high_is_neg)  # [B, T]
+    return torch.where(advantages < 0, weight_neg, weight)  # sg(w_it)    [B, T]
+
+
+def ppo_dropped(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float,
+                halves: str = "both") -> torch.Tensor:
+    """1 - M_it of eq. 7, as a bool [B, T]: A > 0 and r > 1 + eps_high (the upper half), or A < 0 and
+    r < 1 - eps_low (the lower half); ``halves`` = ``both``, ``low`` or ``high``."""
+    high = (advantages > 0) & (ratio > 1.0 + eps_high)  # [B, T]
+    low = (advantages < 0) & (ratio < 1.0 - eps_low)  # [B, T]
+    return {"both": high | low, "low": low, "high": high}[halves]
+
+
 def ppo_token_mask(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
     """M_it of eq. 7: 0 where A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low; else 1.
     These are exactly the tokens whose gradient PPO's min(r*A, clip(r)*A) sets to zero."""
-    dropped = ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
-    return (~dropped).to(ratio.dtype)  # M_it        [B, T]
+    return (~ppo_dropped(ratio, advantages, eps_low, eps_high)).to(ratio.dtype)  # M_it        [B, T]
+
+
+def token_mask(ratio: torch.Tensor, advantages: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
+    """M_it of the config's mask rule: 1 (``none``), eq. 7 (``ppo``) or one half of it."""
+    if cfg.mask_rule == "none":
+        return torch.ones_like(ratio)  # M_it        [B, T]
+    halves = {"ppo": "both", "ppo-low": "low", "ppo-high": "high"}[cfg.mask_rule]
+    return (~ppo_dropped(ratio, advantages, cfg.eps_low, cfg.eps_high, halves)).to(ratio.dtype)  # [B, T]
 
 
 def aggregate(
@@ -337,12 +383,12 @@ def policy_loss(
 
     log_r = log_ratio(logp_new, logp_old, mask, cfg.ratio_level, cfg.max_log_ratio)  # [B, T]
     ratio = torch.exp(log_r)  # r_it (or s_i)    [B, T]
-    weight = is_weight(ratio, cfg.eps_low_is, cfg.eps_high_is)  # sg(w_it)         [B, T]
+    weight = signed_is_weight(ratio, advantages, cfg)  # sg(w_it)         [B, T]
     ppo_mask = ppo_token_mask(ratio, advantages, cfg.eps_low, cfg.eps_high)  # [B, T]
-    token_mask = ppo_mask if cfg.mask_rule == "ppo" else torch.ones_like(ratio)  # M_it  [B, T]
+    mask_it = token_mask(ratio, advantages, cfg)  # M_it             [B, T]
 
     logp = torch.where(mask, logp_new, 0.0)  # padding never reaches the graph   [B, T]
-    per_token = weight * advantages * logp * token_mask  # eq. 6 term    [B, T]
+    per_token = weight * advantages * logp * mask_it  # eq. 6 term    [B, T]
     pg_loss = -aggregate(per_token, mask, cfg.aggregation, num_tokens, num_seqs, cfg.token_sum_norm)
 
     kl = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
@@ -365,11 +411,7 @@ def _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, logp_old, mask, cf
     with torch.no_grad():
         n = mask.sum()
         n_safe = n.clamp(min=1)
-        capped = torch.zeros_like(mask)
-        if cfg.eps_high_is is not None:
-            capped |= ratio > 1.0 + cfg.eps_high_is
-        if cfg.eps_low_is is not None:
-            capped |= ratio < 1.0 - cfg.eps_low_is
+        capped = weight != ratio  # the weight hit a bound of eq. 5 (its sign's, with is_bounds_by_sign)
         dropped = (ppo_mask == 0) & mask  # [B, T]
         low_prob = (logp_old < math.log(LOW_PROB)) & mask  # [B, T]
         n_low = low_prob.sum()

@@ -160,7 +160,7 @@ def test_override_does_not_change_its_input():
         (["steps=true"], "steps: expected int, got True"),  # not read as 1
         (["lr=false"], "optim.lr: expected float, got False"),
         (["lr.x=1"], "optim.lr is not a section"),
-        (["objective=dapoo"], "algo.objective: expected one of 'cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', "
+        (["objective=dapoo"], "algo.objective: expected one of 'cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', 'cispo_highmask', "
                               "got 'dapoo' (did you mean 'dapo'?)"),
         (["advantage_estimator=rlo"], "(did you mean 'rloo'?)"),
         (["engine=vlm"], "rollout.engine: expected one of 'torch', 'vllm', got 'vlm' (did you mean 'vllm'?)"),
@@ -288,7 +288,7 @@ def test_help_lists_every_field_with_its_docstring():
     assert "  optim.lr: float = 0.0001\n      Peak learning rate.\n" in text
     assert "  optim.betas: tuple[float, float] = (0.9, 0.95)" in text
     assert "  rollout.max_new_tokens: int | None = None" in text
-    assert "  algo.objective: Literal['cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce'] = 'cispo'" in text
+    assert "  algo.objective: Literal['cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', 'cispo_highmask'] = 'cispo'" in text
     assert "\noptim (OptimConfig): AdamW, with MiniMax-M1's settings by default.\n" in text
     parser = argparse.ArgumentParser(epilog=text, formatter_class=argparse.RawDescriptionHelpFormatter)
     assert "      Peak learning rate." in parser.format_help()

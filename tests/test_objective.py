@@ -104,12 +104,15 @@ def oracle_eq6(lp, lo, A, mask, cfg):
             log_r = seq_log_r if cfg.ratio_level == "sequence" else float(lp[i, t] - lo[i, t])
             r = math.exp(log_r)
             w = r
-            if cfg.eps_high_is is not None:
-                w = min(w, 1 + cfg.eps_high_is)
-            if cfg.eps_low_is is not None:
-                w = max(w, 1 - cfg.eps_low_is)
+            neg = cfg.is_bounds_by_sign and A[i] < 0  # DISPO: an incorrect response's own bounds
+            high, low = (cfg.eps_high_is_neg, cfg.eps_low_is_neg) if neg else (cfg.eps_high_is, cfg.eps_low_is)
+            if high is not None:
+                w = min(w, 1 + high)
+            if low is not None:
+                w = max(w, 1 - low)
             m = 1.0
-            if cfg.mask_rule == "ppo" and ((A[i] > 0 and r > 1 + cfg.eps_high) or (A[i] < 0 and r < 1 - cfg.eps_low)):
+            upper, lower = A[i] > 0 and r > 1 + cfg.eps_high, A[i] < 0 and r < 1 - cfg.eps_low
+            if (cfg.mask_rule in ("ppo", "ppo-high") and upper) or (cfg.mask_rule in ("ppo", "ppo-low") and lower):
                 m = 0.0
             s += w * float(A[i]) * float(lp[i, t]) * m
         seq_terms.append((s, len(toks)))
@@ -134,7 +137,7 @@ def native_objective(name, lp, lo, A, mask):
         return oracle_gspo(lp, lo, A, mask, cfg.eps_low, cfg.eps_high)
     if name == "reinforce":
         return oracle_reinforce(lp, lo, A, mask)
-    raise AssertionError(name)
+    return None  # no paper form of its own (cispo_lowmask, ...): test_objective_halves.py pins its gradient
 
 
 def random_batch(seed, B, T, lengths=None, spread=0.5):
@@ -308,8 +311,9 @@ def test_every_preset_matches_its_oracle(seed, B, T, spread):
         # value: eq. 6 in a loop
         assert loss.item() == pytest.approx(oracle_eq6(lp, lo, A, mask, cfg), rel=1e-10, abs=1e-12), name
         # gradient: the paper's own surrogate
-        _, g_ref = grad_of(lambda x: -native_objective(name, x, lo, A, mask), lp)
-        assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13), name
+        if native_objective(name, lp, lo, A, mask) is not None:
+            _, g_ref = grad_of(lambda x: -native_objective(name, x, lo, A, mask), lp)
+            assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-13), name
 
 
 @settings(max_examples=10, deadline=None)

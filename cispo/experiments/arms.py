@@ -23,7 +23,7 @@ class ArmConfig:
     """One arm: an objective preset, fields of it replaced, and run overrides of its own."""
 
     objective: str = "cispo"
-    """Objective preset (``cispo``, ``ppo``, ``grpo``, ``dapo``, ``gspo``, ``reinforce``)."""
+    """Objective preset (a name of ``cispo.objective.PRESETS``)."""
     objective_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields of ``ObjectiveConfig`` to replace (``algo.objective_overrides``), e.g.
     ``{"eps_high_is": 2.0}`` or ``{"aggregation": "seq-mean-token-mean"}``."""
