@@ -20,6 +20,22 @@ if TYPE_CHECKING:
     from cispo.config import AlgoConfig
 
 
+def minibatches(order: torch.Tensor, algo: AlgoConfig, full_rows: int, kept_rows: int) -> list[torch.Tensor]:
+    """The epoch's mini-batches: ``order`` (this rank's rows, shuffled) cut into K_eff parts.
+
+    ``fixed_updates``: K_eff = K (``algo.updates_per_batch``) whatever the batch holds, so a batch
+    that dynamic sampling left short gives smaller mini-batches (the rule until issue 28).
+    ``fixed_size``: the mini-batch keeps its configured size, ``full_rows / K`` rows (``full_rows``:
+    the batch as configured, prompts x G, over every rank), and a short batch gives fewer
+    updates: K_eff = max(1, kept_rows // size), ``kept_rows`` the rows kept over every rank. Every
+    part then holds at least ``size`` rows (globally) unless the whole kept batch is smaller."""
+    k = algo.updates_per_batch
+    if algo.minibatch_policy == "fixed_size":
+        size = max(1, full_rows // k)  # the configured mini-batch, in rows
+        k = max(1, min(k, kept_rows // size))
+    return list(order.tensor_split(k))
+
+
 def micro_batches(exp: Experience, rows: torch.Tensor, algo: AlgoConfig) -> list[torch.Tensor]:
     """The forward/backward calls over ``rows`` of ``exp``: length-sorted micro-batches cut where
     a cut saves more than ``algo.micro_batch_split_cost`` padded positions, each of at most

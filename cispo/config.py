@@ -179,7 +179,9 @@ class RolloutConfig:
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal and sample more prompts (DAPO)."""
     max_sampling_rounds: int = 3
-    """Cap on generation rounds per step with dynamic sampling; then train on what was kept."""
+    """Cap on generation rounds per step with dynamic sampling (each round samples the groups still
+    missing); then train on what was kept. DAPO's recipe samples until the batch is full: set it
+    high (e.g. 20) with ``algo.minibatch_policy=fixed_size``."""
     overlong_buffer: int | None = None
     """DAPO's soft overlong penalty: the last ``overlong_buffer`` tokens before
     max_new_tokens are penalised linearly down to -1. None: off."""
@@ -211,6 +213,11 @@ class AlgoConfig:
     updates_per_batch: int = 16
     """K: the generation batch is split into K mini-batches, one optimizer step each
     (MiniMax-M1: 16). With K = 1 every objective is identical (r = 1)."""
+    minibatch_policy: Literal["fixed_updates", "fixed_size"] = "fixed_updates"
+    """When dynamic sampling leaves the batch short of prompts_per_step groups: ``fixed_updates``
+    keeps K updates on smaller mini-batches; ``fixed_size`` keeps the mini-batch at
+    prompts_per_step * group_size / K rows and runs fewer updates (K_eff = kept rows // that,
+    logged as ``optim/step_updates``), as DAPO's recipe keeps its mini-batch size."""
     epochs: int = 1
     """Passes over the generation batch (K optimizer steps each)."""
     micro_batch_size: int | None = None

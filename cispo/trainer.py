@@ -11,7 +11,9 @@ One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penal
        exact (``logp_old_from_update``);
        with a KL penalty (``kl_coef > 0``) also log pi_ref of the frozen reference model;
        the sampler's own log-probs are kept to measure the train / rollout mismatch;
-    4. split the batch into K mini-batches; for each, one optimizer step on the unified
+    4. split the batch into K mini-batches (or, with ``algo.minibatch_policy=fixed_size``, into
+       mini-batches of the configured size: fewer when the batch is short; ``cispo.batching``);
+       for each, one optimizer step on the unified
        objective (``cispo.objective``), normalised by the mini-batch's global token count,
        run as length-sorted micro-batches (``cispo.batching``);
     5. the step's metrics (``cispo.metrics``).
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cispo.advantages import group_advantages
-from cispo.batching import micro_batches
+from cispo.batching import micro_batches, minibatches
 from cispo.data import PromptStream, fill_groups
 from cispo.distributed import DistInfo, all_reduce_sum, any_rank, is_sharded, max_over_ranks, sum_gradients
 from cispo.experience import Completion, Experience, collate, is_informative
@@ -207,11 +209,11 @@ def update_policy(
     policy.model.train()
     device = exp.input_ids.device
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    stats = []
+    stats, kept = [], kept_rows(exp, dist_info)
     for epoch in range(cfg.algo.epochs):
         order = first_order if epoch == 0 and first_order is not None else \
             torch.randperm(len(exp), generator=generator).to(device)
-        for k, rows in enumerate(order.tensor_split(cfg.algo.updates_per_batch)):
+        for k, rows in enumerate(minibatches(order, cfg.algo, full_rows(cfg), kept)):
             fill = fill_logp_old and epoch == 0 and k == 0
             mask = exp.response_mask[rows]  # [b, T]
             num_tokens = all_reduce_sum(mask.sum(), dist_info)  # sum_i |o_i|, whole mini-batch
@@ -372,7 +374,7 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     # the first epoch's order, drawn before the logp_old pass so that pass can run the first
     # mini-batch as the first update will (the same draw the update would make: same stream)
     first_order = torch.randperm(len(exp), generator=generators["shuffle"]).to(exp.input_ids.device)
-    first_rows = first_order.tensor_split(cfg.algo.updates_per_batch)[0]
+    first_rows = minibatches(first_order, cfg.algo, full_rows(cfg), kept_rows(exp, dist_info))[0]
     from_update = logp_old_from_update(cfg, policy)
     exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info, first_rows, from_update)
     if cfg.algo.tis_cap:  # truncated IS: the trainer's pi_old vs the sampler's own probabilities
@@ -403,6 +405,16 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         "perf/tokens_per_s": tokens * (1 + cfg.algo.epochs) / max(t3 - t1, 1e-9),
     })
     return metrics, update_count
+
+
+def full_rows(cfg) -> int:
+    """Rows of a full generation batch over every rank: prompts_per_step x group_size."""
+    return cfg.rollout.prompts_per_step * cfg.rollout.group_size
+
+
+def kept_rows(exp: Experience, dist_info: DistInfo) -> int:
+    """Rows this step kept, summed over ranks."""
+    return int(all_reduce_sum(torch.tensor(len(exp), device=exp.input_ids.device), dist_info))
 
 
 def idle_passes(n: int, policy: Policy, dist_info: DistInfo) -> int:
