@@ -12,9 +12,13 @@ continues with.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +31,7 @@ from cispo.config import ConfigError, TrainConfig, apply_overrides, from_dict, l
 MARKER = ".cispo-run"
 SUMMARY = "summary.json"  # written by the trainer when a run ends: its presence marks the run finished
 MARKER_VERSION = 1
+MAX_RUN_NAME = 200  # bytes: a name of up to 255, less ".<name>.lock" and ".tmp-" prefixes
 
 RESUME_SAFE_FIELDS = {
     "steps": "train for longer (or stop sooner)",
@@ -69,6 +74,9 @@ def check_run_name(name: str) -> str:
     if not name or name in (".", "..") or any(s in name for s in separators) or "\0" in name:
         raise ConfigError(f"run_name={name!r}: must be a plain folder name (no '/', not '..', not absolute): "
                           f"the run folder is out_dir/run_name")
+    if len(name.encode()) > MAX_RUN_NAME:
+        raise ConfigError(f"run_name is {len(name.encode())} bytes long ({name[:40]!r}...); at most {MAX_RUN_NAME} "
+                          f"(file systems allow 255 per name, and the run's lock and temporary files add to it)")
     return name
 
 
@@ -90,6 +98,73 @@ def is_finished(run_dir: Path) -> bool:
 def write_marker(run_dir: Path) -> None:
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     (run_dir / MARKER).write_text(json.dumps({"version": MARKER_VERSION, "created": created}) + "\n")
+
+
+class RunFolderInUse(FileExistsError):
+    """Another process holds the run folder's lock."""
+
+
+def lock_path(run_dir: Path) -> Path:
+    """The lock file of ``run_dir``: beside it in ``out_dir`` (``.<run_name>.lock``), so that it
+    outlives an ``--overwrite`` that deletes and re-creates the folder."""
+    return Path(run_dir).parent / f".{Path(run_dir).name}.lock"
+
+
+def _holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
+    """Hold an exclusive lock on ``run_dir`` for the block (``flock`` on ``lock_path``): a second
+    process (a start, ``--resume`` or ``--overwrite``) is refused before it touches anything, with
+    ``RunFolderInUse`` naming the holder's pid. The kernel drops the lock when its holder dies, so a
+    lock file left by a dead process is simply taken over (and said). Not for network file systems
+    whose ``flock`` is local to one machine."""
+    path = lock_path(run_dir)
+    if path.parent.exists() and not path.parent.is_dir():
+        raise RunFolderUnwritable(f"out_dir {path.parent} is a file, not a folder; choose another out_dir")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise RunFolderUnwritable(f"out_dir {path.parent}: cannot create the run's lock file {path.name} "
+                                  f"({os.strerror(exc.errno) if exc.errno else exc}); choose a writable out_dir") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = _holder(fd)
+            raise RunFolderInUse(f"run folder {run_dir} is in use by another cispo process (pid {who.get('pid', '?')} "
+                                 f"on {who.get('host', '?')}, since {who.get('started', '?')}); nothing was changed. "
+                                 f"Wait for it to end, stop it, or choose another run_name") from None
+        before = _holder(fd)
+        if before.get("pid") and before.get("host") == socket.gethostname() and not _alive(before["pid"]):
+            print(f"cispo: took over the lock of {run_dir} left by pid {before['pid']} (no longer running)",
+                  file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime(
+            "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n").encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (deleting it would race a waiting process)
+
+
+class RunFolderUnwritable(FileExistsError):
+    """The run folder or its out_dir cannot be written."""
 
 
 def _check_deletable(out_dir: Path, run_dir: Path) -> None:

@@ -24,7 +24,8 @@ from cispo.rewards import closing_reward_pools
 from cispo.rewards.loading import check_reward_fields
 from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_objects, init_distributed, shard_model
 from cispo.rollout import TorchSampler
-from cispo.runfolder import SUMMARY, check_resume, prepare_run_dir, run_dir_of, run_name, save_config, saved_config
+from cispo.runfolder import (SUMMARY, check_resume, prepare_run_dir, run_dir_of, run_lock, run_name, save_config,
+                             saved_config)
 from cispo.samples import SampleFile, sample_records
 from cispo.threads import auto_threads
 from cispo.compile import compile_wanted, train_body
@@ -199,7 +200,17 @@ def run_threads(requested: int | None, run_dir: Path) -> int | None:
 
 
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> RunResult:
-    """Run (or resume) the training run described by ``cfg`` (under ``torchrun``: one rank)."""
+    """Run (or resume) the training run described by ``cfg`` (under ``torchrun``: one rank). The
+    run folder is locked for the whole run (rank 0 holds it): a second process on the same folder
+    is refused before it changes anything (``RunFolderInUse``)."""
+    run_dir = run_dir_of(cfg)  # run_name checked before any work
+    main = int(os.environ.get("RANK", "0")) == 0
+    with run_lock(run_dir) if main else contextlib.nullcontext():
+        return _train(cfg, resume, overwrite)
+
+
+def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
+    """``train``'s body, with the run folder locked."""
     from transformers.utils import logging as hf_logging
 
     from cispo.data import load_eval_sets, load_source

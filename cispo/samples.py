@@ -19,7 +19,9 @@ The file stops growing, with one note on stderr, once it would pass ``samples_ma
 from __future__ import annotations
 
 import json
+import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -83,6 +85,38 @@ def sample_records(step: int, groups: list[list[Completion]], exp: Experience, f
     ]
 
 
+def parse_step_lines(path: Path) -> tuple[list[dict], list[tuple[int, str]], int]:
+    """(rows, [(line number, what is wrong)], number of the last non-blank line) of a JSONL
+    file of step rows (``metrics.jsonl``, ``samples.jsonl``); a line that is not a JSON object with a ``step`` (torn, NUL-filled, not
+    UTF-8) is listed, not parsed."""
+    rows, bad, last = [], [], 0
+    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+        if not raw.strip(b" \t\r"):
+            continue
+        last = number
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a JSON object with an integer 'step'")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            what = "NUL bytes (a write lost in a crash)" if b"\0" in raw else f"{type(e).__name__}: {e}"
+            bad.append((number, what))
+            continue
+        rows.append(row)
+    return rows, bad, last
+
+
+def replace_atomically(path: Path, text: str) -> None:
+    """``path`` now holds ``text`` (UTF-8), or, after a crash, its old content: a fsynced temporary
+    file renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class SampleFile:
     """``samples.jsonl``: appends records until the file would pass ``max_mb`` megabytes."""
 
@@ -106,12 +140,18 @@ class SampleFile:
         return True
 
     def truncate_after(self, step: int) -> None:
-        """Drop the records of steps after ``step`` (a resumed run samples them again)."""
+        """Drop the records of steps after ``step`` (a resumed run samples them again), and torn or
+        non-UTF-8 lines (a kill or a full disk during an append) with a warning naming them; the
+        file is replaced atomically."""
         if not self.path.exists():
             return
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        rows, bad, _ = parse_step_lines(self.path)
+        if bad and step >= 0:
+            lines = "; ".join(f"line {n}: {what}" for n, what in bad)
+            warnings.warn(f"cispo: {self.path}: dropped {len(bad)} unreadable line(s) on resume ({lines})",
+                          RuntimeWarning, stacklevel=2)
+        replace_atomically(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows
+                                              if r["step"] <= step))
 
 
 def markdown_table(records: list[dict], fields: tuple[str, ...] = SAMPLE_FIELDS[1:]) -> str:

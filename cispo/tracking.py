@@ -36,6 +36,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
+from cispo.samples import parse_step_lines, replace_atomically
 from cispo.suggest import did_you_mean
 
 SINK_KINDS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -75,36 +76,6 @@ def _require(module: str, extra: str, what: str):
         ) from e
 
 
-def _parse_lines(path: Path) -> tuple[list[dict], list[tuple[int, str]], int]:
-    """(rows, [(line number, what is wrong)], number of the last non-blank line) of a JSONL
-    metrics file; a line that is not a JSON object with a ``step`` (torn, NUL-filled, not
-    UTF-8) is listed, not parsed."""
-    rows, bad, last = [], [], 0
-    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
-        if not raw.strip(b" \t\r"):
-            continue
-        last = number
-        try:
-            row = json.loads(raw.decode("utf-8"))
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError("not a JSON object with an integer 'step'")
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            what = "NUL bytes (a write lost in a crash)" if b"\0" in raw else f"{type(e).__name__}: {e}"
-            bad.append((number, what))
-            continue
-        rows.append(row)
-    return rows, bad, last
-
-
-def _replace_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class JsonlSink:
     """Appends ``{"step": s, **metrics}`` lines to ``path``."""
 
@@ -127,7 +98,7 @@ class JsonlSink:
         naming them. The file is replaced atomically."""
         if not self.path.exists():
             return
-        rows, bad, _ = _parse_lines(self.path)
+        rows, bad, _ = parse_step_lines(self.path)
         if bad and step >= 0:
             lines = "; ".join(f"line {n}: {what}" for n, what in bad)
             warnings.warn(f"cispo: {self.path}: dropped {len(bad)} unreadable line(s) on resume ({lines})",
@@ -137,7 +108,7 @@ class JsonlSink:
         if lost:
             warnings.warn(f"cispo: {self.path}: the rows of steps {lost} are missing although the checkpoint "
                           f"of step {step} committed them", RuntimeWarning, stacklevel=2)
-        _replace_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        replace_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def close(self) -> None:
         pass
@@ -502,7 +473,7 @@ def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    rows, bad, last = _parse_lines(path)
+    rows, bad, last = parse_step_lines(path)
     inner = [(n, what) for n, what in bad if n != last]
     if inner:
         n, what = inner[0]
