@@ -256,6 +256,9 @@ def _convert(row: Any, spec: _Spec) -> dict:
 # Each yields (location, row); a row that cannot even be decoded is a _RowError instance.
 
 
+NESTED_TOO_DEEPLY = "JSON nested too deeply to read (hundreds of levels of [ or {): not a prompt row"
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -271,6 +274,8 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
                 yield loc, json.loads(text)
             except json.JSONDecodeError as e:
                 yield loc, _RowError(None, f"invalid JSON: {e.msg} (column {e.colno})")
+            except RecursionError:
+                yield loc, _RowError(None, NESTED_TOO_DEEPLY)
 
 
 def _read_json_array(path: Path) -> Iterator[tuple[str, Any]]:
@@ -280,6 +285,8 @@ def _read_json_array(path: Path) -> Iterator[tuple[str, Any]]:
         raise DataError(path, f"invalid JSON: {e.msg} (column {e.colno})", location=f"line {e.lineno}") from e
     except UnicodeDecodeError as e:
         raise DataError(path, f"not valid UTF-8 ({e.reason} at byte {e.start})") from e
+    except RecursionError:
+        raise DataError(path, NESTED_TOO_DEEPLY) from None
     if not isinstance(rows, list):
         raise DataError(path, f"expected a JSON array of objects or JSON lines, got a {_type_name(rows)}")
     for i, row in enumerate(rows):

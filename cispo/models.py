@@ -194,10 +194,23 @@ def load_policy(path, dtype=None, device=None, *, dropout: bool = True):
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    check_vocab_fits(model, tokenizer, path)
     if device is not None:
         model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def check_vocab_fits(model, tokenizer, path) -> None:
+    """ConfigError if the tokenizer can produce ids the model has no embedding row for (a tokenizer
+    from another model: the first such id would end in an ``IndexError`` inside the embedding)."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        from cispo.config import ConfigError
+
+        raise ConfigError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows} "
+                          f"rows: the tokenizer belongs to another model (or tokens were added without "
+                          f"model.resize_token_embeddings); put the model's own tokenizer in the folder")
 
 
 def check_chat_template(path) -> None:

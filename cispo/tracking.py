@@ -97,6 +97,10 @@ class JsonlSink:
         resumed run logs the others again); drop torn or NUL-filled lines with a warning
         naming them. The file is replaced atomically."""
         if not self.path.exists():
+            if step >= 0:
+                warnings.warn(f"cispo: {self.path} is missing: the rows of steps 0-{step}, which the checkpoint of "
+                              f"step {step} committed, are lost; the run continues from step {step + 1} and the "
+                              f"file holds only the steps from there", RuntimeWarning, stacklevel=2)
             return
         rows, bad, _ = parse_step_lines(self.path)
         if bad and step >= 0:
