@@ -11,6 +11,7 @@ import torch
 
 from cispo.data import FillReport
 from cispo.experience import Experience
+from cispo.objective import LOW_PROB, ObjectiveStats
 
 
 def is_nan(x) -> bool:
@@ -39,7 +40,7 @@ def reduce_over_ranks(per_rank: list[dict]) -> dict:
         values = [v for m in per_rank if (v := m.get(key)) is not None and not is_nan(v)]
         if not values:
             out[key] = float("nan")
-        elif key in SUMMED_OVER_RANKS:
+        elif key in SUMMED_OVER_RANKS or key.startswith(MECHANISM_COUNT):
             out[key] = float(sum(values))
         elif key in MAXED_OVER_RANKS:
             out[key] = float(max(values))
@@ -91,4 +92,55 @@ def update_metrics(stats: list[dict]) -> dict:
         else:
             agg = nan_mean(values)
         out[f"objective/{key}" if key not in ("grad_norm", "skipped", "loss_scale") else f"optim/{key}"] = agg
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The mechanism check (issue 28): does PPO's upper mask act on rare positive fork tokens?
+# ---------------------------------------------------------------------------------------
+
+MECHANISM_COUNT = "objective/fork_pos_lowp_above"  # and its per-update "..._k{k}" keys: summed over ranks
+MECHANISM_SUMS = ("fork_pos_lowp_above", "fork_mass", "fork_mass_above", "other_mass", "other_mass_above")
+
+
+@torch.no_grad()
+def mechanism_sums(exp: Experience, stats: ObjectiveStats, is_fork: torch.Tensor, eps_high: float) -> dict:
+    """One micro-batch's share of the mechanism check, for positive-advantage tokens:
+
+    * ``fork_pos_lowp_above``: fork tokens with A > 0, p_old < 0.1 and r > 1 + eps_high — the
+      paper's case, whose gradient PPO's upper mask drops (CISPO keeps it, capped);
+    * ``fork_mass`` / ``fork_mass_above``: the gradient-mass proxy (1 - p) |w A| summed over the
+      positive fork tokens / over those of them with r > 1 + eps_high (|d log p / d logit| = 1 - p);
+    * ``other_mass`` / ``other_mass_above``: the same over the other positive tokens (the contrast).
+
+    ``is_fork``: [b, T] bool; ``stats`` must carry its per-token ``ratio`` and ``weight``."""
+    mask = exp.response_mask.bool()  # [b, T]
+    T = mask.shape[1]
+    positive = (exp.advantages[:, None] > 0).expand_as(mask) & mask  # [b, T]
+    ratio, weight = stats.ratio[:, :T], stats.weight[:, :T]  # [b, T]
+    above = ratio > 1.0 + eps_high  # [b, T]
+    p_new = torch.exp(exp.logp_old[:, :T]) * ratio  # pi_theta = r pi_old    [b, T]
+    mass = (1.0 - p_new).clamp(min=0) * (weight * exp.advantages[:, None]).abs()  # [b, T]
+    fork, other = positive & is_fork, positive & ~is_fork
+    low_prob = exp.logp_old[:, :T] < torch.log(torch.tensor(LOW_PROB))
+    return {"fork_pos_lowp_above": int((fork & low_prob & above).sum()),
+            "fork_mass": float(mass[fork].sum()), "fork_mass_above": float(mass[fork & above].sum()),
+            "other_mass": float(mass[other].sum()), "other_mass_above": float(mass[other & above].sum())}
+
+
+def mechanism_metrics(per_update: list[dict]) -> dict:
+    """The step's mechanism check from each optimizer step's summed ``mechanism_sums``: counts summed,
+    mass shares pooled over the step (``objective/fork_pos_mass_above``: the share of the positive
+    fork tokens' gradient mass that lies above 1 + eps_high), and per update index k = 1..K·epochs
+    (``..._k{k}``)."""
+    def share(rows, part, whole):
+        total = sum(r[whole] for r in rows)
+        return sum(r[part] for r in rows) / total if total > 0 else float("nan")
+
+    out = {MECHANISM_COUNT: float(sum(r["fork_pos_lowp_above"] for r in per_update)),
+           "objective/fork_pos_mass_above": share(per_update, "fork_mass_above", "fork_mass"),
+           "objective/other_pos_mass_above": share(per_update, "other_mass_above", "other_mass")}
+    for k, r in enumerate(per_update, start=1):
+        out[f"{MECHANISM_COUNT}_k{k}"] = float(r["fork_pos_lowp_above"])
+        out[f"objective/fork_pos_mass_above_k{k}"] = share([r], "fork_mass_above", "fork_mass")
     return out

@@ -176,7 +176,8 @@ class ObjectiveStats:
     only tokens with response_mask = 1; ``num_tokens`` / ``num_low_prob_tokens`` are their
     local counts, to weight averages over micro-batches (``merge``). ``capped`` and
     ``ppo_dropped`` are the per-token flags behind ``frac_capped`` / ``frac_ppo_dropped``, for
-    callers that count them per row or per token kind (never part of ``to_dict``)."""
+    callers that count them per row or per token kind, with ``ratio`` and ``weight`` (never part of
+    ``to_dict``)."""
 
     loss: float
     pg_loss: float  # -J (eq. 6) alone
@@ -194,6 +195,10 @@ class ObjectiveStats:
     """[B, T] bool: response tokens whose IS weight hit a bound of eq. 5 (w_it != r_it)."""
     ppo_dropped: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
     """[B, T] bool: response tokens a PPO mask with eps_low / eps_high drops (M_it = 0, eq. 7)."""
+    ratio: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    """[B, T] r_it (or s_i), detached; 1 at padding."""
+    weight: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    """[B, T] sg(w_it), the IS weight of eq. 5 each token's gradient carries."""
 
     SCALARS: ClassVar[tuple[str, ...]]  # every scalar statistic: the fields above the flags, in order
     DIAGNOSTICS = ("frac_capped", "frac_ppo_dropped", "frac_ppo_dropped_low_prob", "ratio_mean", "ratio_min",
@@ -436,7 +441,8 @@ def _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, logp_old, mask, cf
     kwargs = dict(zip(ObjectiveStats.SCALARS, values))
     kwargs["num_tokens"] = int(kwargs["num_tokens"])
     kwargs["num_low_prob_tokens"] = int(kwargs["num_low_prob_tokens"])
-    return ObjectiveStats(**kwargs, capped=capped & mask, ppo_dropped=dropped)
+    return ObjectiveStats(**kwargs, capped=capped & mask, ppo_dropped=dropped, ratio=ratio.detach(),
+                          weight=weight.detach())
 
 
 def _check_shapes(logp_new, logp_old, advantages, response_mask, logp_ref) -> None:

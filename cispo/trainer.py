@@ -36,7 +36,7 @@ from cispo.batching import micro_batches, minibatches
 from cispo.data import PromptStream, fill_groups
 from cispo.distributed import DistInfo, all_reduce_sum, any_rank, is_sharded, max_over_ranks, sum_gradients
 from cispo.experience import Completion, Experience, collate, is_informative
-from cispo.metrics import rollout_metrics, update_metrics
+from cispo.metrics import MECHANISM_SUMS, mechanism_metrics, mechanism_sums, rollout_metrics, update_metrics
 from cispo.objective import ObjectiveConfig, ObjectiveStats, policy_loss
 from cispo.fused_head import token_objective
 from cispo.policy import Policy, policy_fused_loss, policy_logprobs
@@ -234,7 +234,7 @@ def update_policy(
                     exp.extras["entropy"][micro, :t] = sub.extras["entropy"]
                 policy.scaled(loss).backward()
                 add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
-                parts.append((s, fork_drop_counts(sub, s.ppo_dropped, fork_ids)))
+                parts.append((s, fork_counts(sub, s, fork_ids, obj.eps_high)))
             sum_gradients(params, dist_info)
             scaler = policy.grad_scaler
             if scaler is not None:  # float16: the gradients of S * loss, back to those of the loss
@@ -302,29 +302,35 @@ def fork_tokens(exp: Experience, fork_ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fork_drop_counts(exp: Experience, ppo_dropped: torch.Tensor, fork_ids: torch.Tensor | None) -> tuple[int, int]:
-    """(# fork tokens of ``exp``, # of them in ``ppo_dropped``, the objective's eq. 7 flags
-    ``ObjectiveStats.ppo_dropped``)."""
+def fork_counts(exp: Experience, stats: ObjectiveStats, fork_ids: torch.Tensor | None, eps_high: float) -> dict:
+    """A micro-batch's fork-token counts: ``n_fork`` (fork tokens), ``n_fork_dropped`` (of them in
+    ``stats.ppo_dropped``, eq. 7's flags) and the mechanism check's ``mechanism_sums``; {} without
+    fork tokens."""
     if fork_ids is None:
-        return 0, 0
+        return {}
     is_fork = fork_tokens(exp, fork_ids)  # [b, T]
-    return int(is_fork.sum()), int((ppo_dropped & is_fork).sum())
+    return {"n_fork": int(is_fork.sum()), "n_fork_dropped": int((stats.ppo_dropped & is_fork).sum()),
+            **mechanism_sums(exp, stats, is_fork, eps_high)}
 
 
-def merge_stats(parts: list[tuple[ObjectiveStats, tuple[int, int]]], grad_norm: float, finite: bool) -> dict:
+def merge_stats(parts: list[tuple[ObjectiveStats, dict]], grad_norm: float, finite: bool) -> dict:
     """One optimizer step's statistics: its micro-batches' ``ObjectiveStats`` merged
-    (``ObjectiveStats.merge``), the fork tokens' PPO-drop fraction, the gradient norm."""
+    (``ObjectiveStats.merge``), the fork tokens' PPO-drop fraction, the gradient norm; the
+    summed mechanism check under ``"mechanism"`` (when fork tokens are tracked)."""
     merged = ObjectiveStats.merge([s for s, _ in parts])
-    n_fork = sum(f[0] for _, f in parts)
-    return {
+    n_fork = sum(f.get("n_fork", 0) for _, f in parts)
+    out = {
         "loss": merged.loss,
         "pg_loss": merged.pg_loss,
         "kl": merged.kl,
         **merged.to_dict(keys=ObjectiveStats.DIAGNOSTICS),
-        "frac_ppo_dropped_fork": sum(f[1] for _, f in parts) / n_fork if n_fork else float("nan"),
+        "frac_ppo_dropped_fork": sum(f.get("n_fork_dropped", 0) for _, f in parts) / n_fork if n_fork else float("nan"),
         "grad_norm": grad_norm,
         "skipped": 0.0 if finite else 1.0,
     }
+    if parts and parts[0][1]:
+        out["mechanism"] = {k: sum(f[k] for _, f in parts) for k in MECHANISM_SUMS}
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -392,8 +398,11 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     metrics["rollout/reward_errors"] = float(len(errors))
     if fork_ids is not None and groups:  # reflective tokens per response (several on the `chain` task)
         metrics["rollout/fork_tokens_per_response"] = float(fork_tokens(exp, fork_ids).sum()) / max(1, len(exp))
+    mechanism = [s.pop("mechanism") for s in stats if "mechanism" in s]
     if stats:
         metrics.update(update_metrics(stats))
+    if mechanism:
+        metrics.update(mechanism_metrics(mechanism))
     metrics.update({
         "optim/lr": lr_at(update_count - 1, cfg.optim),
         "optim/updates": float(update_count),
