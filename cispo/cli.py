@@ -98,8 +98,9 @@ def cmd_eval(args) -> int:
     cfg = _build_config(TrainConfig, config_file, args.overrides + model)
     if cfg.model.chat_template and cfg.model.path:
         from cispo.models import check_chat_template
+        from cispo.packaged import resolve_model_path
 
-        check_chat_template(cfg.model.path)
+        check_chat_template(resolve_model_path(cfg.model.path))
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)
     policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))

@@ -130,6 +130,8 @@ class FileSource:
     reward: Callable[..., float]
     fork_token: str | None
     max_new_tokens: int
+    model: str | None = None  # the Task interface's: no model of its own (model.path or the built-in one)
+    chat: bool = False  # the Task interface's: the chat template only where model.chat_template asks
 
     def train_samples(self, seed: int, n: int) -> list[dict]:
         return list(self.train[:n])

@@ -76,13 +76,23 @@ def all_skipped(metrics: dict, cfg: TrainConfig, policy: Policy) -> bool:
     return policy.grad_scaler is None or policy.grad_scaler.get_scale() < 1.0
 
 
+def model_folder(cfg: TrainConfig, task):
+    """The folder the policy loads from: ``model.path``, else the task's model (``Task.model``), else the
+    task's built-in base model; a ``builtin:<name>`` packaged model is converted on first use
+    (``cispo.packaged``)."""
+    from cispo.builtin_model import ensure_builtin_model
+    from cispo.packaged import resolve_model_path
+
+    path = cfg.model.path or task.model
+    return resolve_model_path(path) if path else ensure_builtin_model(task.name, progress=cfg.progress)
+
+
 def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None) -> Policy:
     """The policy for ``device``; its weights are loaded onto ``load_device`` (default: ``device``),
     e.g. the CPU for a model that FSDP then shards onto the GPUs."""
-    from cispo.builtin_model import ensure_builtin_model
     from cispo.models import load_policy, precision, saved_dtype
 
-    path = cfg.model.path or ensure_builtin_model(task.name, progress=cfg.progress)
+    path = model_folder(cfg, task)
     param_dtype, autocast = precision(cfg.model.dtype, saved_dtype(path), cfg.model.master_weights)
     if not cfg.model.master_weights and (param_dtype or saved_dtype(path)) in (torch.bfloat16, torch.float16):
         print(f"cispo: warning: model.master_weights=false: parameters and AdamW state in "
@@ -113,7 +123,7 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
         sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
                                compile_step=compile_wanted(cfg.model.compile, device, cfg.steps, cfg.model.fsdp))
-    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template,
+    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template or task.chat,
                   system_prompt=cfg.data.system_prompt, autocast=autocast,
                   train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps),
                   grad_scaler=loss_scaler(autocast, device))
@@ -125,12 +135,12 @@ def load_reference(cfg: TrainConfig, task, device: torch.device, tokenizer) -> t
     reference). Loaded like the policy (same parameter dtype; the policy's autocast applies to
     its forward), in eval mode with ``requires_grad`` off. ValueError when ``model.ref_path``'s
     tokenizer differs from the policy's ``tokenizer`` (its log-probs would be of other tokens)."""
-    from cispo.builtin_model import ensure_builtin_model
     from cispo.models import load_policy, precision, saved_dtype
+    from cispo.packaged import resolve_model_path
 
-    policy_path = cfg.model.path or ensure_builtin_model(task.name, progress=cfg.progress)
+    policy_path = model_folder(cfg, task)
     param_dtype, _ = precision(cfg.model.dtype, saved_dtype(policy_path), cfg.model.master_weights)
-    path = cfg.model.ref_path or policy_path
+    path = resolve_model_path(cfg.model.ref_path) or policy_path
     model, ref_tokenizer = load_policy(path, dtype=param_dtype or saved_dtype(policy_path), device=device,
                                        dropout=False)
     if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
@@ -233,8 +243,9 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     main = dist_info.is_main
     if cfg.model.chat_template and cfg.model.path:  # before the (possibly long) data loading
         from cispo.models import check_chat_template
+        from cispo.packaged import resolve_model_path
 
-        check_chat_template(cfg.model.path)
+        check_chat_template(resolve_model_path(cfg.model.path))
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
     check_reward_fields(task, cfg.data)  # before any model is loaded or sampled from
@@ -242,10 +253,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
     obj = make_objective(cfg.algo, cfg.rollout.max_new_tokens)
     run_dir = prepare_run_dir(cfg, resume, overwrite) if main else run_dir
-    if main and cfg.model.path is None:
-        from cispo.builtin_model import ensure_builtin_model
-
-        ensure_builtin_model(task.name, progress=cfg.progress)  # once, before the other ranks load it
+    if main:
+        model_folder(cfg, task)  # the built-in model, or a packaged one converted: once, before the other ranks
     barrier(dist_info)
     sharded = cfg.model.fsdp and dist_info.enabled
     policy = load_policy_for(cfg, task, device, torch.device("cpu") if sharded else None)
@@ -330,6 +339,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
                             keep=cfg.keep_checkpoints, full_state=full_state)
         barrier(dist_info)
 
+    templated = policy.tokenizer.decode if policy.chat_template else None  # samples.jsonl shows the templated prompt
     stop = StopRequest()
     bar = _progress(cfg, start) if main else None
     first_update_count = update_count
@@ -338,7 +348,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
         for step in range(start + 1, cfg.steps + 1):
             metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
                                             update_count, fork_ids, dist_info,
-                                            on_samples=samples_logger(cfg, step, task, sample_file, sink))
+                                            on_samples=samples_logger(cfg, step, task, sample_file, sink,
+                                                                      templated))
             metrics = metrics_over_ranks(metrics, dist_info)
             bad_steps = bad_steps + 1 if all_skipped(metrics, cfg, policy) else 0
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
@@ -390,15 +401,16 @@ def _quiet(message: str) -> None:
     """A checkpoint warning on a rank other than the main one: the main rank prints it."""
 
 
-def samples_logger(cfg: TrainConfig, step: int, task, sample_file: SampleFile | None, sink):
+def samples_logger(cfg: TrainConfig, step: int, task, sample_file: SampleFile | None, sink, decode=None):
     """``rl_step``'s ``on_samples`` for ``step``: save the step's samples to ``samples.jsonl`` and
-    the sinks' tables (rank 0, every ``log_samples_every`` steps); None when not due."""
+    the sinks' tables (rank 0, every ``log_samples_every`` steps); None when not due. ``decode``:
+    records each prompt as templated (``sample_records``)."""
     if sample_file is None or not cfg.log_samples_every or step % cfg.log_samples_every:
         return None
 
     def on_samples(groups, exp) -> None:
         records = sample_records(step, groups, exp, task.fork_token, cfg.max_samples_per_step,
-                                 cfg.samples_max_chars)
+                                 cfg.samples_max_chars, decode)
         if sample_file.append(records):
             sink.log_samples(step, records)
 

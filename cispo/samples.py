@@ -30,7 +30,8 @@ from cispo.experience import Completion, Experience
 from cispo.objective import ObjectiveStats
 
 SAMPLE_FIELDS = ("step", "group", "prompt", "completion", "reward", "task_reward", "advantage", "length",
-                 "finish_reason", "fork_tokens", "capped_tokens", "ppo_dropped_tokens", "reward_error")
+                 "finish_reason", "fork_tokens", "capped_tokens", "ppo_dropped_tokens", "reward_error",
+                 "templated_prompt")
 COUNT_KEYS = ("samples/capped_tokens", "samples/ppo_dropped_tokens")
 """``Experience.extras`` keys of the per-row counts   [B]; present only in steps that log samples."""
 
@@ -58,9 +59,11 @@ def _cut(text: str, max_chars: int) -> str:
 
 
 def sample_records(step: int, groups: list[list[Completion]], exp: Experience, fork_token: str | None,
-                   max_rows: int, max_chars: int) -> list[dict]:
+                   max_rows: int, max_chars: int, decode=None) -> list[dict]:
     """The first ``max_rows`` responses of the step as ``SAMPLE_FIELDS`` dicts (rows of ``exp``
-    are the flattened ``groups``, in order)."""
+    are the flattened ``groups``, in order). ``decode(ids) -> str``: the tokenizer's, to record the
+    prompt as the model saw it (``templated_prompt``: system prompt and chat template included);
+    None: no such field (null)."""
     flat = [c for group in groups for c in group][:max_rows]
     G = len(groups[0]) if groups else 1
     counts = [exp.extras[k][: len(flat)].tolist() if k in exp.extras else [None] * len(flat) for k in COUNT_KEYS]
@@ -80,6 +83,7 @@ def sample_records(step: int, groups: list[list[Completion]], exp: Experience, f
             "capped_tokens": counts[0][i],
             "ppo_dropped_tokens": counts[1][i],
             "reward_error": c.reward_error,
+            "templated_prompt": _cut(decode(c.prompt_ids), max_chars) if decode else None,
         }
         for i, c in enumerate(flat)
     ]

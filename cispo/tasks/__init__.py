@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from cispo.tasks import arithmetic, chain
+from cispo.tasks import arithmetic, chain, wordmath
 
-__all__ = ["Task", "UnknownTaskError", "get_task", "list_tasks", "arithmetic", "chain"]
+__all__ = ["Task", "UnknownTaskError", "get_task", "list_tasks", "arithmetic", "chain", "wordmath"]
 
 
 class UnknownTaskError(ValueError):
@@ -56,6 +56,12 @@ class Task:
     """Pretraining draws a fixed share ``derivation_fraction`` of every batch from the forked
     examples (a separate micro-batch: they are ~4x longer). False: batches are drawn from
     the whole corpus as it is (its forked share is not `derivation_fraction`)."""
+    model: str | None = None
+    """The model RL starts from when ``model.path`` is not given (``builtin:<name>``, a packaged model:
+    ``cispo.packaged``). None: the task's own base model, shipped or pretrained from ``corpus``."""
+    chat: bool = False
+    """Prompts are chat messages (a system prompt stating the answer format, then the problem) and go
+    through the model's chat template whatever ``model.chat_template`` says."""
 
 
 def _addition(digits: tuple[int, ...], name: str) -> Task:
@@ -96,10 +102,32 @@ def _chain(steps: tuple[int, ...], name: str) -> Task:
     )
 
 
+def _no_corpus(*args, **kwargs):
+    raise ValueError("wordmath has no pretraining corpus: its model is a real pretrained one (builtin:smollm2-135m)")
+
+
+def _wordmath() -> Task:
+    return Task(
+        name=wordmath.NAME,
+        fork_token=wordmath.FORK_TOKEN,
+        alphabet="",  # a real BPE vocabulary, not a built character set
+        max_new_tokens=wordmath.MAX_NEW_TOKENS,
+        train_samples=partial(wordmath.samples, split="train"),
+        eval_samples=partial(wordmath.samples, split="eval"),
+        reward=wordmath.reward,
+        used_fork=wordmath.used_fork,
+        extract_answer=wordmath.extract_answer,
+        corpus=_no_corpus,
+        model="builtin:smollm2-135m",
+        chat=True,
+    )
+
+
 _REGISTRY: dict[str, Callable[[], Task]] = {
     "addition": partial(_addition, arithmetic.DIGITS, "addition"),
     "addition4": partial(_addition, (4,), "addition4"),
     "chain": partial(_chain, chain.STEPS, "chain"),
+    "wordmath": _wordmath,
 }
 
 
