@@ -83,7 +83,7 @@ def model_folder(cfg: TrainConfig, task):
     from cispo.builtin_model import ensure_builtin_model
     from cispo.packaged import resolve_model_path
 
-    path = cfg.model.path or task.model
+    path = cfg.model.path or (task.model if task is not None else None)
     return resolve_model_path(path) if path else ensure_builtin_model(task.name, progress=cfg.progress)
 
 
@@ -123,7 +123,7 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
         sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
                                compile_step=compile_wanted(cfg.model.compile, device, cfg.steps, cfg.model.fsdp))
-    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template or task.chat,
+    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template or (task is not None and task.chat),
                   system_prompt=cfg.data.system_prompt, autocast=autocast,
                   train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps),
                   grad_scaler=loss_scaler(autocast, device))
