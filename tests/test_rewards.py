@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -488,3 +489,69 @@ def test_math_reward_boxed_only_and_custom_pattern():
 def test_math_lenient_is_a_builtin_name():
     assert load_reward("math_lenient")("p", "in 20", answer="20") == 1.0
     assert load_reward("math")("p", "in 20", answer="20") == 0.0
+
+
+# --------------------------------------------------------------------------- exits and crashes at import
+
+IMPORT_EXITS = {  # file body -> what the error says it did
+    "import sys\ndef main():\n    print('usage: score.py FILE')\n    return 0\ndef f(p, c): return 1.0\nsys.exit(main())\n":
+        "exited with sys.exit(0); its output (end): 'usage: score.py FILE'",
+    "import sys\nsys.exit(3)\n": "exited with sys.exit(3)",
+    "import sys\nsys.exit('no config found')\n": "exited with sys.exit('no config found')",
+    "import os\nos._exit(0)\n": "ended its process (exit status 0: os._exit, or exit() in C code)",
+    "import os\nos._exit(5)\n": "ended its process (exit status 5",
+    "raise KeyboardInterrupt\n": "raised KeyboardInterrupt",
+    "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n": "was killed by SIGSEGV",
+    "raise RuntimeError('boom at import')\n": "failed: RuntimeError: boom at import",
+}
+
+
+def test_any_exit_or_crash_at_import_is_an_error_naming_the_file(tmp_path):
+    """Run in a subprocess: before, ``os._exit`` at import ended the process with status 0 and
+    ``sys.exit`` / ``KeyboardInterrupt`` escaped ``load_reward``."""
+    import os
+    import subprocess
+    import textwrap
+
+    paths = []
+    for i, body in enumerate(IMPORT_EXITS):
+        paths.append(tmp_path / f"reward_{i}.py")
+        paths[-1].write_text(body)
+    code = textwrap.dedent(f"""
+        from cispo.rewards.loading import RewardSpecError, load_reward
+        for path in {[str(p) for p in paths]!r}:
+            try:
+                load_reward(path + ":f")
+                print("loaded")
+            except RewardSpecError as e:
+                print(str(e).replace("\\n", " "))
+        print("still here")
+    """)
+    repo = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo,
+                         env={**os.environ, "PYTHONPATH": repo})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "still here" and len(lines) == len(paths) + 1, out.stdout
+    for path, line, said in zip(paths, lines, IMPORT_EXITS.values()):
+        assert line.startswith(f"reward '{path}:f': importing '{path}' {said}"), line
+        assert "if __name__" in line or "boom at import" in line
+
+
+@pytest.mark.parametrize("body", ["import sys\ndef main():\n    return 0\ndef f(p, c): return 1.0\nsys.exit(main())\n",
+                                  "import os\ndef f(p, c): return 1.0\nos._exit(0)\n"])
+def test_cispo_train_with_a_reward_that_exits_at_import_exits_2_naming_it(tiny_model, tmp_path, body):
+    """Before: exit code 0, no run, no message."""
+    import os
+    import subprocess
+
+    data, reward = tmp_path / "train.jsonl", tmp_path / "exits.py"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(10)))
+    reward.write_text(body)
+    out = subprocess.run([sys.executable, "-m", "cispo", "train", f"model.path={tiny_model}", f"data.path={data}",
+                          f"data.reward={reward}:f", "max_new_tokens=8", f"out_dir={tmp_path / 'runs'}"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cispo train: error: reward '{reward}:f': importing '{reward}' ")
+    assert not (tmp_path / "runs" / "cispo__train__seed0").exists()  # no run folder (only the lock file in out_dir)

@@ -19,7 +19,11 @@ from typing import Callable
 RewardFn = Callable[..., float]
 
 __all__ = ["RewardFn", "overlong_penalty", "safe_reward", "score_rewards", "check_reward_value", "describe_error",
-           "closing_reward_pools"]
+           "cap_message", "closing_reward_pools", "MESSAGE_HEAD_CHARS", "MESSAGE_TAIL_CHARS"]
+
+MESSAGE_HEAD_CHARS = MESSAGE_TAIL_CHARS = 2000
+"""A reward's error message longer than their sum keeps only its first and last characters
+(`cap_message`): a 20 MB exception text is neither printed nor stored whole."""
 
 
 def overlong_penalty(length: int, max_length: int, cache_length: int) -> float:
@@ -56,9 +60,22 @@ def check_reward_value(value) -> float:
     raise ValueError(f"returned {type(value).__name__} ({value!r:.60}), not a number")
 
 
+def cap_message(text: str, head: int = MESSAGE_HEAD_CHARS, tail: int = MESSAGE_TAIL_CHARS) -> str:
+    """``text``, or, when longer than ``head + tail`` characters, its first ``head`` and last
+    ``tail`` with a note of how many were cut between them."""
+    if len(text) <= head + tail:
+        return text
+    return f"{text[:head]} [... {len(text) - head - tail} characters cut ...] {text[len(text) - tail:]}"
+
+
 def describe_error(e: BaseException) -> str:
-    """``"Type: message"`` (or just ``"Type"``) of an exception, for a reward's error record."""
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    """``"Type: message"`` (or just ``"Type"``) of an exception, for a reward's error record; a
+    long message is cut (`cap_message`), one whose ``str`` itself fails is said to be unreadable."""
+    try:
+        message = str(e)
+    except Exception as inner:  # noqa: BLE001 - a hostile __str__
+        message = f"(its message could not be read: {type(inner).__name__})"
+    return cap_message(f"{type(e).__name__}: {message}" if message else type(e).__name__)
 
 
 def safe_reward(fn: RewardFn, prompt: str, completion: str, sample: dict):

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from cispo.rewards import cap_message, describe_error
+from cispo.rewards.processes import trial_import
 from cispo.suggest import did_you_mean
 
 __all__ = ["load_reward", "Reward", "BUILTIN_REWARDS", "RewardSpecError", "ISOLATIONS", "convention_of",
@@ -77,7 +79,19 @@ def _is_path(module: str) -> bool:
     return module.endswith(".py") or "/" in module or os.sep in module
 
 
-def _import_file(spec: str, path_str: str):
+IMPORT_ADVICE = ("a reward module must import without exiting: put a script's top-level code under "
+                 "`if __name__ == \"__main__\":`")
+
+
+def _tried(spec: str, what: str, module: str, path: str | None = None) -> None:
+    """`trial_import` first, in a throw-away process: an exit, ``os._exit`` or crash at import
+    becomes a `RewardSpecError` naming ``what`` (the file or module) instead of ending the trainer."""
+    outcome = trial_import(module, path)
+    if outcome is not None:
+        raise RewardSpecError(f"reward {spec!r}: importing {what} {outcome} ({IMPORT_ADVICE})")
+
+
+def _import_file(spec: str, path_str: str, trial: bool = True):
     path = Path(path_str).expanduser()
     if not path.is_file():
         raise RewardSpecError(f"reward {spec!r}: no such file {str(path)!r} (resolved to {str(path.resolve())!r})")
@@ -89,19 +103,26 @@ def _import_file(spec: str, path_str: str):
     file_spec = importlib.util.spec_from_file_location(mod_name, resolved)
     if file_spec is None or file_spec.loader is None:
         raise RewardSpecError(f"reward {spec!r}: cannot import {str(resolved)!r} as a Python module")
+    if trial:
+        _tried(spec, repr(str(resolved)), mod_name, str(resolved))
     module = importlib.util.module_from_spec(file_spec)
     sys.modules[mod_name] = module  # registered first so dataclasses / pickling inside it work
     try:
         file_spec.loader.exec_module(module)
     except BaseException as e:
         sys.modules.pop(mod_name, None)
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if isinstance(e, KeyboardInterrupt):  # the trial import came back: a real Ctrl-C
             raise
-        raise RewardSpecError(f"reward {spec!r}: importing {str(resolved)!r} failed: {type(e).__name__}: {e}") from e
+        if isinstance(e, SystemExit):
+            raise RewardSpecError(f"reward {spec!r}: importing {str(resolved)!r} exited with sys.exit({e.code!r:.200}) "
+                                  f"({IMPORT_ADVICE})") from None
+        raise RewardSpecError(f"reward {spec!r}: importing {str(resolved)!r} failed: {describe_error(e)}") from e
     return module
 
 
-def _import_module(spec: str, name: str):
+def _import_module(spec: str, name: str, trial: bool = True):
+    if trial and name not in sys.modules:
+        _tried(spec, f"module {name!r}", name)
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
@@ -111,18 +132,22 @@ def _import_module(spec: str, name: str):
                 f"reward {spec!r}: no module named {missing!r} (is it installed, or on sys.path / "
                 f"PYTHONPATH? For a file use 'path/to/file.py:function')"
             ) from e
-        raise RewardSpecError(f"reward {spec!r}: importing module {name!r} failed: {type(e).__name__}: {e}") from e
+        raise RewardSpecError(f"reward {spec!r}: importing module {name!r} failed: {describe_error(e)}") from e
     except ImportError as e:  # e.g. a missing optional dependency, with its own message
-        raise RewardSpecError(f"reward {spec!r}: importing module {name!r} failed: {e}") from e
+        raise RewardSpecError(f"reward {spec!r}: importing module {name!r} failed: {cap_message(str(e))}") from e
     except Exception as e:
-        raise RewardSpecError(f"reward {spec!r}: importing module {name!r} failed: {type(e).__name__}: {e}") from e
+        raise RewardSpecError(f"reward {spec!r}: importing module {name!r} failed: {describe_error(e)}") from e
+    except SystemExit as e:
+        raise RewardSpecError(f"reward {spec!r}: importing module {name!r} exited with sys.exit({e.code!r:.200}) "
+                              f"({IMPORT_ADVICE})") from None
 
 
-def _resolve(spec: str, target: str) -> Callable[..., float]:
+def _resolve(spec: str, target: str, trial: bool = True) -> Callable[..., float]:
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
         raise RewardSpecError(f"reward {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
-    module = _import_file(spec, module_name) if _is_path(module_name) else _import_module(spec, module_name)
+    module = (_import_file(spec, module_name, trial) if _is_path(module_name) else
+              _import_module(spec, module_name, trial))
     obj = module
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
@@ -135,9 +160,14 @@ def _resolve(spec: str, target: str) -> Callable[..., float]:
     return obj
 
 
-def load_reward(spec: str, isolation: str = "auto", workers: int | None = None) -> "Reward":
+def load_reward(spec: str, isolation: str = "auto", workers: int | None = None, trial: bool = True) -> "Reward":
     """The `Reward` named by ``spec``: a built-in name (`BUILTIN_REWARDS`), ``module:function``
     or ``path/to/file.py:function``, written with any signature of the module docstring.
+
+    ``trial``: a user module not yet imported is imported first in a throw-away process
+    (`cispo.rewards.processes.trial_import`), so that ``sys.exit``, ``os._exit``,
+    ``KeyboardInterrupt`` or a crash at its import is a `RewardSpecError` naming it, not the
+    end of this process (a script ending in ``sys.exit(main())`` without a main guard).
 
     ``isolation`` (``data.reward_isolation``): ``process`` runs its calls in ``workers`` worker
     processes (default min(8, CPUs); `cispo.rewards.pool`), ``main`` in the trainer's main
@@ -158,7 +188,7 @@ def load_reward(spec: str, isolation: str = "auto", workers: int | None = None) 
         if importlib.util.find_spec(module_name) is None:
             raise RewardSpecError(f"built-in reward {spec!r} is not available in this install "
                                   f"(module {module_name!r} is missing)")
-        fn = _resolve(spec, BUILTIN_REWARDS[spec])
+        fn = _resolve(spec, BUILTIN_REWARDS[spec], trial=False)  # trusted
         if spec in ("math", "math_lenient"):
             from cispo.rewards.math import require_math_verify
 
@@ -169,7 +199,7 @@ def load_reward(spec: str, isolation: str = "auto", workers: int | None = None) 
             f"{', '.join(sorted(BUILTIN_REWARDS))}; or give 'module:function' / 'path/to/file.py:function'"
         )
     else:
-        fn = _resolve(spec, spec)
+        fn = _resolve(spec, spec, trial)
         module_name, _, attr = spec.rpartition(":")
         if _is_path(module_name):  # the worker processes may run elsewhere: an absolute path
             spec = f"{Path(module_name).expanduser().resolve()}:{attr}"

@@ -13,16 +13,22 @@ trainer. Here every call runs in a worker of a `pebble.ProcessPool`:
 2. any ``BaseException`` of the call (``SystemExit``, ``KeyboardInterrupt``, ...) comes back as
    an error message; the worker lives on;
 3. a call past ``timeout_s`` (counted from its start in a worker): pebble stops that worker
-   (SIGTERM, SIGKILL 3 s later) and starts a new one; a worker that dies (``os._exit``, a
-   signal, out of memory) is replaced the same way. The call scores 0 with a message;
-4. the worker's stdout / stderr (file descriptors 1 and 2, so C code and child processes too)
+   and starts a new one; a worker that dies (``os._exit``, a signal, out of memory) is replaced
+   the same way. The call scores 0 with a message;
+4. each worker (a `cispo.rewards.processes.GroupProcess`) leads a session of its own, so
+   a signal to the trainer's process group (a scheduler stopping the job, Ctrl-C) does not
+   reach it, and it ignores a SIGTERM sent to it directly: a step's calls finish. Stopping a
+   worker (a timeout, `RewardPool.close`) SIGKILLs its process group, so the processes its
+   reward started go with it (also when the worker died by itself);
+5. the worker's stdout / stderr (file descriptors 1 and 2, so C code and child processes too)
    go to a private file emptied after every call; a failing call's message ends with the last
    `OUTPUT_TAIL_CHARS` of its output; a worker may write at most `OUTPUT_LIMIT_BYTES` to any
    file before its writes fail (``RLIMIT_FSIZE``, POSIX);
-5. the arguments are pickled into the worker: a reward that mutates them changes its own copy.
+6. the arguments are pickled into the worker: a reward that mutates them changes its own copy.
 
-Workers start with the ``forkserver`` method (``spawn`` where there is none): a fresh
-interpreter, never a fork of a process that holds CUDA or torch's threads.
+Workers start with the ``spawn`` method: a fresh interpreter, never a fork of a process that
+holds CUDA or torch's threads, and no fork server (a process in the trainer's group: a
+SIGTERM to the group would kill it, and pebble would take every worker it started for dead).
 
 Why pebble and not loky: pebble's per-task timeout stops and replaces only that task's worker,
 and a dying worker fails only its own task; loky has no per-task timeout, and one crashed worker
@@ -32,23 +38,17 @@ breaks the whole executor (every pending call fails, the pool must be rebuilt).
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import os
-import signal
-import sys
-import tempfile
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import pebble
 
 from cispo.rewards import check_reward_value, describe_error
+from cispo.rewards.processes import (OUTPUT_LIMIT_BYTES, OUTPUT_TAIL_CHARS, OutputCapture, signal_name,
+                                     ignore_sigterm, worker_context)
 
 __all__ = ["RewardPool", "pool_for", "shutdown_pools", "OUTPUT_TAIL_CHARS", "OUTPUT_LIMIT_BYTES"]
 
-OUTPUT_TAIL_CHARS = 500
-"""How much of a failing call's own output (its end) its error message carries."""
-OUTPUT_LIMIT_BYTES = 64 << 20
-"""The most a worker may write to one file (its captured output included) before writes fail."""
 EXIT_ZERO_CODE = 70
 """Exit status a worker reports when a reward calls ``os._exit(0)``: pebble would take 0 for a
 normal exit and wait for the lost call until its timeout."""
@@ -63,43 +63,15 @@ class _Worker:
     """A worker's reward (loaded once) and its captured output."""
 
     def __init__(self, spec: str) -> None:
-        self._capture_output()
+        self.output = OutputCapture()
         self.pid = os.getpid()
         self.reward, self.load_error = None, None
         try:
             from cispo.rewards.loading import load_reward
 
-            self.reward = load_reward(spec, isolation="main")
+            self.reward = load_reward(spec, isolation="main", trial=False)  # the trainer's load tried it
         except BaseException as e:  # noqa: BLE001 - reported with every call
             self.load_error = f"loading the reward in its worker failed: {describe_error(e)}"
-
-    def _capture_output(self) -> None:
-        fd, path = tempfile.mkstemp(prefix="cispo-reward-output-")
-        os.close(fd)
-        out = os.open(path, os.O_WRONLY | os.O_APPEND)
-        self._read, self._write = os.open(path, os.O_RDONLY), os.open(path, os.O_WRONLY)
-        os.unlink(path)
-        _flush()
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        try:
-            import resource
-
-            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-            limit = OUTPUT_LIMIT_BYTES if hard == resource.RLIM_INFINITY else min(OUTPUT_LIMIT_BYTES, hard)
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), no kill
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-        except (ImportError, AttributeError, ValueError, OSError):  # not POSIX: no cap on file size
-            pass
-
-    def take_output(self) -> str:
-        """The end of what the last call wrote; the capture file is emptied."""
-        _flush()
-        size = os.fstat(self._read).st_size
-        tail = os.pread(self._read, 4 * OUTPUT_TAIL_CHARS, max(0, size - 4 * OUTPUT_TAIL_CHARS))
-        os.ftruncate(self._write, 0)
-        return tail.decode("utf-8", "replace")[-OUTPUT_TAIL_CHARS:]
 
     def exit_guard(self, real_exit):
         """``os._exit`` for the call's duration: 0 in this worker becomes `EXIT_ZERO_CODE`;
@@ -109,15 +81,6 @@ class _Worker:
             real_exit(EXIT_ZERO_CODE if code == 0 and os.getpid() == self.pid else code)
 
         return _exit
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass
 
 
 _WORKERS: dict[str, _Worker] = {}
@@ -136,7 +99,7 @@ def score_call(spec: str, prompt, completion, sample: dict) -> tuple[float, str 
             value, error = 0.0, describe_error(e)
         finally:
             os._exit = real_exit
-    tail = worker.take_output()
+    tail = worker.output.take()
     if error is not None and tail.strip():
         error = f"{error} | output (end): {tail.strip()!r}"
     return value, error
@@ -147,31 +110,30 @@ def score_call(spec: str, prompt, completion, sample: dict) -> tuple[float, str 
 # ---------------------------------------------------------------------------------------
 
 
-def _context():
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-
-
 class RewardPool:
     """Worker processes for one reward spec; `score` runs a batch of calls in them."""
 
     def __init__(self, spec: str, workers: int) -> None:
         self.spec, self.workers = spec, workers
-        self._pool = pebble.ProcessPool(max_workers=workers, context=_context())
+        self._pool = _new_pool(workers)
 
     def score(self, calls, timeout_s: float | None) -> list[tuple[float, str | None]]:
         """``[(reward, error)]`` for ``calls = [(prompt, completion, sample), ...]``, in order.
         All calls are submitted at once and gathered; each has its own ``timeout_s``."""
         if not self._pool.active:  # the pool itself broke (never a reward's doing): start over
-            self._pool = pebble.ProcessPool(max_workers=self.workers, context=_context())
+            self._pool = _new_pool(self.workers)
         futures = [self._pool.schedule(score_call, args=(self.spec, p, c, s), timeout=timeout_s)
                    for p, c, s in calls]
         return [_outcome(f, timeout_s) for f in futures]
 
     def close(self) -> None:
-        """Stop at once: running calls are abandoned, their workers killed."""
+        """Stop at once: running calls are abandoned, every worker's process group killed."""
         self._pool.stop()
         self._pool.join()
+
+
+def _new_pool(workers: int) -> pebble.ProcessPool:
+    return pebble.ProcessPool(max_workers=workers, initializer=ignore_sigterm, context=worker_context())
 
 
 def _outcome(future, timeout_s) -> tuple[float, str | None]:
@@ -180,17 +142,10 @@ def _outcome(future, timeout_s) -> tuple[float, str | None]:
     except FutureTimeout:
         return 0.0, f"timed out after {timeout_s} s (its worker process was killed and replaced)"
     except pebble.ProcessExpired as e:
-        how = f"killed by {_signal_name(-e.exitcode)}" if e.exitcode < 0 else f"exit status {e.exitcode}"
+        how = f"killed by {signal_name(-e.exitcode)}" if e.exitcode < 0 else f"exit status {e.exitcode}"
         return 0.0, f"the reward's worker process died ({how}); it was replaced"
     except Exception as e:  # noqa: BLE001 - e.g. arguments that cannot be pickled
         return 0.0, f"could not run in a worker process: {describe_error(e)}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 _POOLS: dict[tuple[str, int], RewardPool] = {}
@@ -205,8 +160,8 @@ def pool_for(spec: str, workers: int) -> RewardPool:
 
 
 def shutdown_pools() -> None:
-    """Stop every reward pool (also at interpreter exit), killing calls still running: SIGTERM,
-    then SIGKILL 3 s later for a worker stuck where SIGTERM's handler cannot run (C code)."""
+    """Stop every reward pool (also at interpreter exit), killing calls still running and the
+    processes they started (SIGKILL to each worker's process group)."""
     while _POOLS:
         _POOLS.popitem()[1].close()
 
