@@ -35,7 +35,7 @@ from cispo.metrics import is_nan, reduce_over_ranks
 from cispo.policy import Policy, loss_scaler
 from cispo.setup import (default_max_new_tokens, fit_prompts, fork_token_ids, make_objective, make_optimizer,
                          sampling_config)
-from cispo.trainer import rl_step, tracked_fork
+from cispo.trainer import StepInterrupted, rl_step, tracked_fork
 
 PROGRESS_KEYS = {  # metric -> short label on the progress bar
     "rollout/reward_mean": "reward",
@@ -293,7 +293,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
         barrier(dist_info)
         return out
 
-    start, update_count = 0, 0
+    start, update_count, saved_step = 0, 0, None
     found = load_latest_checkpoint(run_dir, policy.model, optimizer,
                                    report=None if main else _quiet) if resume else None
     if found is not None:  # the newest intact one; newer broken ones were reported and skipped
@@ -301,7 +301,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
         if state.get("world_size", 1) != dist_info.world_size:
             raise ValueError(f"checkpoint {ckpt} was written by {state.get('world_size', 1)} processes; "
                              f"resume it with the same number (now {dist_info.world_size})")
-        start, update_count = state["step"], state["update_count"]
+        start, update_count, saved_step = state["step"], state["update_count"], state["step"]
         if policy.grad_scaler is not None and "grad_scaler" in state:
             policy.grad_scaler.load_state_dict(state["grad_scaler"])
         policy.sampler.update_weights(policy.model)  # a separate inference engine (vLLM) takes them
@@ -325,6 +325,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
             sink.log(0, row)
 
     def checkpoint(step: int) -> None:
+        nonlocal saved_step
+        saved_step = step
         streams = gather_objects(stream.state_dict(), dist_info)
         gens = gather_objects({n: g.get_state().cpu() for n, g in generators.items()}, dist_info)
         full_state = gather_full_state(policy.model, optimizer) if sharded else None  # on rank 0's CPU
@@ -346,10 +348,23 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     bad_steps = 0
     with stop.installed(), (sink if sink is not None else contextlib.nullcontext()), closing_reward_pools():
         for step in range(start + 1, cfg.steps + 1):
-            metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
-                                            update_count, fork_ids, dist_info,
-                                            on_samples=samples_logger(cfg, step, task, sample_file, sink,
-                                                                      templated))
+            before = stream.state_dict(), {n: g.get_state() for n, g in generators.items()}
+            try:
+                metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
+                                                update_count, fork_ids, dist_info,
+                                                on_samples=samples_logger(cfg, step, task, sample_file, sink,
+                                                                          templated),
+                                                stop_requested=lambda: stop.requested)
+            except StepInterrupted as e:  # not committed: the last complete step is checkpointed instead
+                stream.load_state_dict(before[0])
+                for name, gen in generators.items():
+                    gen.set_state(before[1][name])
+                if saved_step != step - 1:
+                    checkpoint(step - 1)
+                if bar is not None:
+                    bar.close()
+                raise KeyboardInterrupt(f"stopped by {stop.signal_name} during step {step}, which is not saved: "
+                                        f"{e}; checkpoint of step {step - 1} saved, continue with --resume") from None
             metrics = metrics_over_ranks(metrics, dist_info)
             bad_steps = bad_steps + 1 if all_skipped(metrics, cfg, policy) else 0
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):

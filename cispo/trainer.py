@@ -338,12 +338,21 @@ def merge_stats(parts: list[tuple[ObjectiveStats, dict]], grad_norm: float, fini
 # ---------------------------------------------------------------------------------------
 
 
+class StepInterrupted(Exception):
+    """A stop signal came while the step's rewards were scored and some reward calls failed
+    (perhaps because of it: a scheduler signals every process of a job): the step was given up
+    before any update, so that it is not committed with those calls scored 0."""
+
+
 def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, fork_ids,
-            dist_info: DistInfo = DistInfo(), on_samples=None):
+            dist_info: DistInfo = DistInfo(), on_samples=None, stop_requested=None):
     """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count).
     Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups.
     ``on_samples(groups, exp)``, if given, is called after the updates with this rank's batch
-    (``exp.extras`` then holds the per-row counts of ``cispo.samples``)."""
+    (``exp.extras`` then holds the per-row counts of ``cispo.samples``). ``stop_requested()``,
+    if given, says whether a stop signal has come: true once the rewards are scored, with a
+    failed call on any rank, raises `StepInterrupted` before the updates (the weights, the
+    optimizer and the update count unchanged; the prompt stream and the generators advanced)."""
     t0 = time.perf_counter()
     errors: list[str] = []
 
@@ -362,6 +371,9 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         filter_groups=cfg.rollout.dynamic_sampling,
         **sharded_sampling(policy, sampling, dist_info),
     )
+    if stop_requested is not None and any_rank(bool(errors) and stop_requested(), dist_info):
+        raise StepInterrupted(f"{len(errors)} of its reward calls failed while the signal was pending"
+                              + (f" (first: {errors[0]})" if errors else " on another rank"))
     if errors:
         print(f"cispo: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})", file=sys.stderr)
     t1 = time.perf_counter()
