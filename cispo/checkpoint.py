@@ -10,9 +10,12 @@ checkpoint for ``cispo eval`` or vLLM) and ``adapter/`` the adapters in peft's o
 (``PeftModel.from_pretrained``); resuming reads ``adapter/``.
 
 Loading checks every file before anything is applied: a checkpoint that cannot be read
-(truncated safetensors, bad JSON, a missing file, missing or unexpected weights) or that holds
-a non-finite weight or optimizer tensor raises ``CheckpointError`` naming the file and what is
-wrong; ``load_latest_checkpoint`` then reports it and falls back to the previous one.
+(truncated safetensors, bad JSON, a missing file, missing or unexpected weights), that holds
+a non-finite weight or optimizer tensor, that does not fit the model and optimizer (a weight or
+an Adam moment of another shape, another number of parameters), whose ``step`` is not its
+folder's, or whose trainer state the trainer cannot restore (`check_trainer_state`: counts,
+prompt streams, generator states) raises ``CheckpointError`` naming the file and what is wrong;
+``load_latest_checkpoint`` then reports it and falls back to the previous one.
 
 A model sharded with FSDP2 (``cispo.distributed.shard_model``) is checkpointed in the same
 format: every rank takes part in ``gather_full_state`` (full weights and optimizer state,
@@ -40,6 +43,10 @@ _STATE_KEYS = ("step",)  # the rest of the state is the caller's
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be used; the message names the file and what is wrong."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (most often a full disk); the message says the free space."""
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -95,19 +102,16 @@ def save_checkpoint(
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model_state, optimizer_state = full_state or (None, optimizer.state_dict())
-    if has_lora(model):  # model/: merged plain weights; adapter/: peft's own adapter format (for resume)
-        from cispo.lora import save_adapter, split_lora_state
-
-        model_state, adapter = split_lora_state(model_state if model_state is not None else model.state_dict(), model)
-        save_adapter(model, adapter, tmp / "adapter")
-    model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / "rng.safetensors")
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
-    _fsync_tree(tmp)
+    try:
+        tmp.mkdir()
+        _write(tmp, model, tokenizer, optimizer, state, tensors, full_state)
+        _fsync_tree(tmp)
+    except Exception as e:  # noqa: BLE001 - a full disk surfaces as whatever the writer raises
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"writing checkpoint {final.name} into {root} failed ({type(e).__name__}: "
+                                   f"{str(e)[:300]}); {_free_space(root)}. Nothing of it was kept and the earlier "
+                                   f"checkpoints are untouched: free space (or move the run folder) and continue "
+                                   f"with --resume") from e
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -119,6 +123,29 @@ def save_checkpoint(
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write(tmp: Path, model, tokenizer, optimizer, state: dict, tensors: dict, full_state) -> None:
+    """A checkpoint's files into the folder ``tmp`` (module docstring)."""
+    model_state, optimizer_state = full_state or (None, optimizer.state_dict())
+    if has_lora(model):  # model/: merged plain weights; adapter/: peft's own adapter format (for resume)
+        from cispo.lora import save_adapter, split_lora_state
+
+        model_state, adapter = split_lora_state(model_state if model_state is not None else model.state_dict(), model)
+        save_adapter(model, adapter, tmp / "adapter")
+    model.save_pretrained(tmp / "model", safe_serialization=True, state_dict=model_state)
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save(optimizer_state, tmp / "optimizer.pt")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp / "rng.safetensors")
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+
+
+def _free_space(folder: Path) -> str:
+    """``"N MB free on its disk"`` (what a failed write most often means), or why that is unknown."""
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:.0f} MB free on its disk"
+    except OSError as e:
+        return f"its disk's free space is unknown ({e.strerror})"
 
 
 def _param_names(model, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -171,6 +198,14 @@ def _read(path: Path, what: str, read):
         raise CheckpointError(f"checkpoint file {path} cannot be read ({what}): {type(e).__name__}: {e}") from e
 
 
+def nonfinite_parameters(model) -> list[str]:
+    """Names of ``model``'s parameters holding a NaN or an infinity (this rank's shards of a
+    sharded model): such weights are never checkpointed."""
+    from cispo.distributed import local_tensor
+
+    return [name for name, p in model.named_parameters() if not torch.isfinite(local_tensor(p.detach())).all()]
+
+
 def _check_finite(tensors: dict, where: Path, what: str) -> None:
     for name, t in tensors.items():
         if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all():
@@ -179,45 +214,128 @@ def _check_finite(tensors: dict, where: Path, what: str) -> None:
                                   f"(NaN / inf); refusing to load it")
 
 
-def read_checkpoint(path: Path, device: str = "cpu") -> tuple[dict, dict, dict, dict[str, torch.Tensor]]:
-    """(trainer state, model weights on ``device``, optimizer state dict, generator states) of
-    checkpoint ``path``, every file read and checked (parsable, complete, finite) before
-    anything is returned; ``CheckpointError`` naming the file otherwise."""
+def read_checkpoint(path: Path, device: str = "cpu") -> tuple[dict, dict, dict, dict[str, torch.Tensor], dict]:
+    """(trainer state, model weights on ``device``, optimizer state dict, generator states, the
+    file of each weight) of checkpoint ``path``, every file read and checked (parsable,
+    complete, finite; ``step`` the folder's) before anything is returned; ``CheckpointError``
+    naming the file otherwise."""
     path = Path(path)
     state_file = path / "trainer_state.json"
     state = _read(state_file, "trainer state", lambda p: json.loads(p.read_text()))
-    missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint file {state_file} holds {type(state).__name__}, not an object")
+    missing = [k for k in _STATE_KEYS if k not in state]
     if missing:
         raise CheckpointError(f"checkpoint file {state_file} lacks {', '.join(missing)}")
+    named = _NAME.match(path.name)
+    if not _is_count(state["step"]) or (named and state["step"] != int(named.group(1))):
+        raise CheckpointError(f"checkpoint file {state_file}: step is {state['step']!r}, but the folder is "
+                              f"{path.name}")
     tensors = _read(path / "rng.safetensors", "generator states", load_file)
     shards = sorted((path / "model").glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"checkpoint {path}: no model weights (model/*.safetensors) found")
-    weights = {}
+    weights, origin = {}, {}
     for f in shards:
         part = _read(f, "model weights", lambda p: load_file(p, device=device))
         _check_finite(part, f, "weight")
         weights.update(part)
+        origin.update(dict.fromkeys(part, f))
     optim_file = path / "optimizer.pt"
     optim_state = _read(optim_file, "optimizer state",
                         lambda p: torch.load(p, weights_only=True, map_location="cpu"))
     if not isinstance(optim_state, dict) or "state" not in optim_state:
         raise CheckpointError(f"checkpoint file {optim_file} is not an optimizer state dict")
+    if not isinstance(optim_state["state"], dict) or not all(isinstance(e, dict) for e in optim_state["state"].values()):
+        raise CheckpointError(f"checkpoint file {optim_file} is not an optimizer state dict")
     for index, entry in optim_state["state"].items():
         _check_finite({f"state[{index}].{k}": v for k, v in entry.items()}, optim_file, "optimizer tensor")
-    return state, weights, optim_state, tensors
+    return state, weights, optim_state, tensors, origin
 
 
-def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer) -> tuple[dict, dict[str, torch.Tensor]]:
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_trainer_state(path: Path, state: dict, tensors: dict[str, torch.Tensor], *, rank: int, world_size: int,
+                        stream_state: dict, generator_states: dict[str, torch.Tensor]) -> None:
+    """``CheckpointError`` naming the file unless checkpoint ``path``'s trainer state (``state``,
+    from ``trainer_state.json``) and generator states (``tensors``, from ``rng.safetensors``) are
+    what `cispo.runner` writes and can restore for ``rank`` of ``world_size``: ``update_count`` a
+    count, ``streams`` one prompt-stream state per rank, this rank's for the same prompts and seed
+    as ``stream_state``, and a ``generator/<name>/<rank>`` byte tensor shaped as each of
+    ``generator_states``. ``ValueError`` (not a damaged checkpoint: no older one would do) when
+    it was written by another number of processes."""
+    state_file, rng_file = path / "trainer_state.json", path / "rng.safetensors"
+    if state.get("world_size", 1) != world_size:
+        raise ValueError(f"checkpoint {path} was written by {state.get('world_size', 1)} processes; "
+                         f"resume it with the same number (now {world_size})")
+    if not _is_count(state.get("update_count")):
+        raise CheckpointError(f"checkpoint file {state_file}: update_count is "
+                              f"{state['update_count']!r}, not a count" if "update_count" in state else
+                              f"checkpoint file {state_file} lacks update_count")
+    streams = state.get("streams")
+    if not isinstance(streams, list) or len(streams) != world_size or not isinstance(streams[rank], dict):
+        raise CheckpointError(f"checkpoint file {state_file}: streams is {str(streams)[:80]!r}, not one prompt-stream "
+                              f"state per process ({world_size})")
+    stream = streams[rank]
+    wrong = [k for k in stream_state if not _is_count(stream.get(k)) or
+             (k in ("seed", "num_samples") and stream[k] != stream_state[k])]
+    if wrong:
+        raise CheckpointError(f"checkpoint file {state_file}: streams[{rank}] has {', '.join(f'{k}={stream.get(k)!r}' for k in wrong)}"
+                              f"; this run's prompt stream has {', '.join(f'{k}={stream_state[k]!r}' for k in wrong)}")
+    for name, current in generator_states.items():
+        key = f"generator/{name}/{rank}"
+        saved = tensors.get(key)
+        if saved is None:
+            raise CheckpointError(f"checkpoint file {rng_file} lacks {key}")
+        if saved.dtype != current.dtype or saved.shape != current.shape:
+            raise CheckpointError(f"checkpoint file {rng_file}: {key} is {saved.dtype} {tuple(saved.shape)}, a "
+                                  f"generator state is {current.dtype} {tuple(current.shape)}")
+
+
+def _check_fits(path: Path, model, optimizer: torch.optim.Optimizer, weights: dict, origin: dict,
+                optim_state: dict) -> None:
+    """``CheckpointError`` naming the file unless every weight has its parameter's shape and the
+    optimizer state has this optimizer's groups and parameters, with each moment shaped as its
+    parameter (global shapes for a sharded model): checked before anything is loaded."""
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    for name, tensor in weights.items():
+        if name in shapes and tensor.shape != shapes[name]:
+            raise CheckpointError(f"checkpoint file {origin[name]}: weight {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"the model's is {tuple(shapes[name])}")
+    optim_file = path / "optimizer.pt"
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = optim_state.get("param_groups")
+    if (not isinstance(groups, list) or len(groups) != len(optimizer.param_groups)
+            or [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]):
+        got = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else groups
+        raise CheckpointError(f"checkpoint file {optim_file}: parameters per group {got}, this optimizer has "
+                              f"{[len(g['params']) for g in optimizer.param_groups]}")
+    for index, entry in optim_state["state"].items():
+        if not (isinstance(index, int) and 0 <= index < len(params)):
+            raise CheckpointError(f"checkpoint file {optim_file}: state of parameter {index!r}, which does not exist")
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != params[index].shape:
+                raise CheckpointError(f"checkpoint file {optim_file}: state[{index}].{key} has shape "
+                                      f"{tuple(value.shape)}, its parameter {tuple(params[index].shape)}")
+
+
+def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer,
+                    check: Callable[[Path, dict, dict], None] | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Restore model weights and optimizer state in place (the local shards of a sharded model:
     every rank must call it); return (state, tensors). ``CheckpointError`` (naming the file)
-    for a checkpoint that is unreadable, incomplete or not finite; then nothing was changed."""
+    for a checkpoint that is unreadable, incomplete, not finite, not shaped for ``model`` and
+    ``optimizer``, or refused by ``check(path, state, tensors)`` (e.g. `check_trainer_state`);
+    then nothing was changed."""
     from cispo.distributed import is_sharded
 
     path = Path(path)
     sharded = is_sharded(model)
     device = "cpu" if sharded else str(next(model.parameters()).device)
-    state, weights, optim_state, tensors = read_checkpoint(path, device)
+    state, weights, optim_state, tensors, origin = read_checkpoint(path, device)
+    if check is not None:
+        check(path, state, tensors)
     if has_lora(model):  # the base weights are the (frozen) ones just loaded; the adapters come from adapter/
         from cispo.lora import load_adapter_state
 
@@ -235,6 +353,7 @@ def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer) -> tupl
             tied = set(model._tied_weights_keys)
         if unexpected or any(k not in tied for k in missing):
             raise CheckpointError(f"checkpoint {path / 'model'}: missing weights {missing}, unexpected {unexpected}")
+        _check_fits(path, model, optimizer, weights, origin, optim_state)
     if sharded:
         _load_sharded(model, optimizer, weights, optim_state)
     else:
@@ -250,15 +369,16 @@ def _stderr(message: str) -> None:
 
 
 def load_latest_checkpoint(run_dir: Path, model, optimizer: torch.optim.Optimizer,
-                           report: Callable[[str], None] | None = None) -> tuple[Path, dict, dict] | None:
+                           report: Callable[[str], None] | None = None,
+                           check: Callable[[Path, dict, dict], None] | None = None) -> tuple[Path, dict, dict] | None:
     """Load the newest intact checkpoint of ``run_dir``: (its folder, state, tensors), or None
-    if the run has none. Each newer one that is not intact is reported (``report``: the file
-    and what is wrong; None: to stderr) and skipped; ``CheckpointError`` listing them all
-    if none is intact."""
+    if the run has none. Each newer one that is not intact (`load_checkpoint`, with ``check``)
+    is reported (``report``: the file and what is wrong; None: to stderr) and skipped;
+    ``CheckpointError`` listing them all if none is intact."""
     problems = []
     for ckpt in reversed(list_checkpoints(run_dir)):
         try:
-            state, tensors = load_checkpoint(ckpt, model, optimizer)
+            state, tensors = load_checkpoint(ckpt, model, optimizer, check)
         except CheckpointError as e:
             problems.append(str(e))
             (report or _stderr)(f"cispo: warning: skipping checkpoint {ckpt.name}: {e}")

@@ -7,8 +7,9 @@ choices, unknown keys, and each class's ``__post_init__``) and names the key in 
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
 from cispo.config_engine import (ConfigError, apply_overrides, field_docs, format_help, from_dict, load_yaml,
@@ -280,6 +281,22 @@ class EvalConfig:
     """Temperature of the k samples (greedy accuracy is also reported)."""
 
 
+MAX_LR = 1.0
+"""The largest ``optim.lr`` accepted: AdamW moves each weight by about ``lr`` per update."""
+
+
+def check_finite(cfg, prefix: str = "") -> None:
+    """``ValueError`` naming the first float setting of the dataclass ``cfg`` (its sections and
+    tuples included) that is NaN or infinite: no setting of a run means anything at either."""
+    for f in fields(cfg):
+        value, name = getattr(cfg, f.name), prefix + f.name
+        if is_dataclass(value):
+            check_finite(value, name + ".")
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{name} is {v}: must be a finite number")
+
+
 @dataclass
 class TrainConfig:
     """A CISPO (or PPO / GRPO / DAPO / GSPO / REINFORCE) training run."""
@@ -329,6 +346,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Every setting checked before any work: ``ValueError`` naming the key. None means the
         default; 0 or a negative number is an error where it has no meaning."""
+        check_finite(self)
         r, a, d = self.rollout, self.algo, self.data
         rows = r.prompts_per_step * r.group_size
         checks = [
@@ -377,7 +395,13 @@ class TrainConfig:
             ("algo.epochs", a.epochs >= 1, "must be >= 1"),
             ("algo.micro_batch_size", a.micro_batch_size is None or a.micro_batch_size >= 1, "must be >= 1 or None"),
             ("algo.tis_cap", a.tis_cap is None or a.tis_cap > 0, "must be > 0 or None"),
-            ("optim.lr", self.optim.lr > 0, "must be > 0"),
+            ("optim.lr", 0 < self.optim.lr <= MAX_LR, f"must be in (0, {MAX_LR:g}] (a larger AdamW step moves every "
+             "weight by about lr per update: the weights turn non-finite)"),
+            ("optim.eps", self.optim.eps > 0, "must be > 0 (AdamW divides by sqrt(v) + eps; v is 0 for a weight "
+             "whose gradient has been 0, so eps = 0 makes it NaN)"),
+            ("optim.betas", all(0 <= b < 1 for b in self.optim.betas), "must both be in [0, 1)"),
+            ("optim.weight_decay", 0 <= self.optim.weight_decay * self.optim.lr < 1,
+             "must be >= 0 with weight_decay * lr < 1 (AdamW multiplies each weight by 1 - lr * weight_decay)"),
             ("optim.grad_clip", self.optim.grad_clip >= 0, "must be >= 0"),
             ("optim.warmup_updates", self.optim.warmup_updates >= 0, "must be >= 0"),
             ("eval.every", self.eval.every >= 0, "must be >= 0 (0: only before the first and after the last step)"),

@@ -161,6 +161,11 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2), else ``t`` itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``shard_model`` has sharded ``model`` (FSDP2)."""
     return hasattr(model, "cispo_sharded_call")

@@ -7,6 +7,8 @@ fraction over zero tokens) is NaN; averages over optimizer steps and over ranks 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cispo.data import FillReport
@@ -84,9 +86,9 @@ def update_metrics(stats: list[dict]) -> dict:
     for key in stats[0]:
         values = [s[key] for s in stats if not is_nan(s[key])]
         if key == "ratio_min":
-            agg = min(values)
+            agg = min(values, default=math.nan)
         elif key == "ratio_max":
-            agg = max(values)
+            agg = max(values, default=math.nan)
         elif key == "skipped":
             agg = sum(values)
         else:

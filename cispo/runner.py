@@ -13,11 +13,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from cispo.checkpoint import fsync_file, gather_full_state, load_latest_checkpoint, save_checkpoint
+from cispo.checkpoint import (check_trainer_state, fsync_file, gather_full_state, load_latest_checkpoint,
+                             nonfinite_parameters, save_checkpoint)
 from cispo.config import ConfigError, TrainConfig, to_dict
 from cispo.data import PromptStream
 from cispo.rewards import closing_reward_pools
@@ -294,13 +296,12 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
         return out
 
     start, update_count, saved_step = 0, 0, None
-    found = load_latest_checkpoint(run_dir, policy.model, optimizer,
-                                   report=None if main else _quiet) if resume else None
+    check = partial(check_trainer_state, rank=dist_info.rank, world_size=dist_info.world_size,
+                    stream_state=stream.state_dict(), generator_states={n: g.get_state() for n, g in generators.items()})
+    found = load_latest_checkpoint(run_dir, policy.model, optimizer, report=None if main else _quiet,
+                                   check=check) if resume else None
     if found is not None:  # the newest intact one; newer broken ones were reported and skipped
         ckpt, state, tensors = found
-        if state.get("world_size", 1) != dist_info.world_size:
-            raise ValueError(f"checkpoint {ckpt} was written by {state.get('world_size', 1)} processes; "
-                             f"resume it with the same number (now {dist_info.world_size})")
         start, update_count, saved_step = state["step"], state["update_count"], state["step"]
         if policy.grad_scaler is not None and "grad_scaler" in state:
             policy.grad_scaler.load_state_dict(state["grad_scaler"])
@@ -365,6 +366,11 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
                     bar.close()
                 raise KeyboardInterrupt(f"stopped by {stop.signal_name} during step {step}, which is not saved: "
                                         f"{e}; checkpoint of step {step - 1} saved, continue with --resume") from None
+            bad_weights = nonfinite_parameters(policy.model)
+            if any_rank(bool(bad_weights), dist_info):  # never logged, never checkpointed
+                if bar is not None:
+                    bar.close()
+                raise FloatingPointError(nonfinite_weights_message(step, bad_weights, saved_step, run_dir))
             metrics = metrics_over_ranks(metrics, dist_info)
             bad_steps = bad_steps + 1 if all_skipped(metrics, cfg, policy) else 0
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
@@ -401,6 +407,17 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
               f"are unchanged ({no_update_reason(metrics)} at the last step). See rollout/groups_kept and "
               f"optim/skipped in {run_dir / 'metrics.jsonl'}.", file=sys.stderr)
     return RunResult(run_dir, summary, updates if cfg.steps > start else None)
+
+
+def nonfinite_weights_message(step: int, names: list[str], saved_step: int | None, run_dir: Path) -> str:
+    """What to say when the weights turned NaN / inf during ``step`` (``names``: this rank's
+    non-finite parameters; ``saved_step``: the newest checkpoint's step, None if none)."""
+    which = f" ({names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") + ")" if names else ""
+    kept = (f"the newest checkpoint (step {saved_step}, {run_dir / 'checkpoints' / f'step_{saved_step:06d}'}) holds "
+            f"finite weights" if saved_step is not None else "no checkpoint had been saved yet")
+    return (f"the weights became non-finite (NaN / inf) during step {step}{which}; that step is neither logged nor "
+            f"saved, and {kept}. --resume would repeat the same steps: start a new run (another run_name) with a "
+            f"lower optim.lr or a grad_clip")
 
 
 def no_update_reason(metrics: dict) -> str:

@@ -220,24 +220,32 @@ def test_signal_saves_a_checkpoint_and_resume_continues(tiny_model, tmp_path, si
 def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(tiny_model, tmp_path):
     """Kill -9 at several moments; each resume ends with exactly the metrics and weights of
     an uninterrupted run (CPU, same seed)."""
-    steps = "steps=8"
-    ref = subprocess.run(_train_cmd(tiny_model, tmp_path / "ref", steps, "checkpoint_every=2"), capture_output=True,
+    data, reward = tmp_path / "prompts.jsonl", tmp_path / "dense.py"
+    data.write_text("".join(json.dumps(r) + "\n" for r in cispo.tasks.get_task("addition").train_samples(0, 64)))
+    reward.write_text("def reward(prompt, completion, **sample):\n"
+                      "    return completion.count('1') / max(len(completion), 1)\n")
+    # a dense reward, so that the weights move (with the built-in task's reward a random tiny model
+    # scores 0 everywhere and the final-weights comparison would compare unchanged weights)
+    steps = ("steps=8", f"data.path={data}", f"data.reward={reward}:reward")
+    ref = subprocess.run(_train_cmd(tiny_model, tmp_path / "ref", *steps, "checkpoint_every=2"), capture_output=True,
                          text=True)
     assert ref.returncode == 0, ref.stderr
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]  # noqa: E731
     expected = strip(read_metrics(tmp_path / "ref" / "r" / "metrics.jsonl"))
+    a = load_file(tmp_path / "ref" / "r" / "checkpoints" / "step_000008" / "model" / "model.safetensors")
+    start = load_file(tiny_model / "model.safetensors")
+    assert any(not torch.equal(a[k], start[k]) for k in a)  # the weights moved: the comparison below can fail
     for i, kill_after in enumerate((2, 3, 5)):
         out = tmp_path / f"kill{i}"
-        proc = subprocess.Popen(_train_cmd(tiny_model, out, steps, "checkpoint_every=2"), stderr=subprocess.PIPE,
+        proc = subprocess.Popen(_train_cmd(tiny_model, out, *steps, "checkpoint_every=2"), stderr=subprocess.PIPE,
                                 text=True)
         _wait_for_step(out / "r" / "metrics.jsonl", kill_after, proc)
         proc.kill()
         proc.wait()
-        res = subprocess.run(_train_cmd(tiny_model, out, steps, "checkpoint_every=2", "--resume"),
+        res = subprocess.run(_train_cmd(tiny_model, out, *steps, "checkpoint_every=2", "--resume"),
                              capture_output=True, text=True)
         assert res.returncode == 0, res.stderr
         assert strip(read_metrics(out / "r" / "metrics.jsonl")) == expected
-        a = load_file(tmp_path / "ref" / "r" / "checkpoints" / "step_000008" / "model" / "model.safetensors")
         b = load_file(out / "r" / "checkpoints" / "step_000008" / "model" / "model.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -250,3 +258,62 @@ def test_soak_memory_stays_flat(tmp_path):
 
     r = soak(steps=120, warmup=10, workdir=tmp_path)
     assert r["growth_mib"] < 40, r
+
+
+# ---------------------------------------------------------------------------------------
+# Non-finite weights and optimizer settings
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=inf", "optim.lr is inf: must be a finite number"),
+    ("optim.lr=nan", "optim.lr is nan: must be a finite number"),
+    ("optim.lr=1e30", "optim.lr must be in (0, 1]"),
+    ("optim.eps=0", "optim.eps must be > 0"),
+    ("optim.betas=[0.9,1.0]", "optim.betas must both be in [0, 1)"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+    ("rollout.temperature=inf", "rollout.temperature is inf"),
+])
+def test_optimizer_settings_that_make_the_weights_non_finite_are_refused(override, message, capsys):
+    """Before: ``optim.eps=0``, ``optim.lr=inf`` and ``lr=1e30`` were accepted, NaN weights were
+    checkpointed and the run then crashed."""
+    assert main(["train", override, "out_dir=/nonexistent-never-created"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_weights_that_turn_non_finite_are_never_checkpointed(tiny_model, dense_task, monkeypatch, tmp_path):
+    """A step that leaves a NaN weight stops the run with a sentence before it is logged or
+    saved; the newest checkpoint stays the last finite one (before: the NaN weights were saved
+    over it, and --resume found "no intact checkpoint")."""
+    import cispo.runner
+
+    real, count = cispo.runner.rl_step, {"n": 0}
+
+    def poisoned(policy, *args, **kwargs):
+        out = real(policy, *args, **kwargs)
+        count["n"] += 1
+        if count["n"] == 3:
+            with torch.no_grad():
+                next(policy.model.parameters()).view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(cispo.runner, "rl_step", poisoned)
+    cfg = small_config(tiny_model, tmp_path, "steps=4", "eval.every=0", "checkpoint_every=1", "keep_checkpoints=1")
+    with pytest.raises(FloatingPointError, match=r"non-finite \(NaN / inf\) during step 3 \(.*\); that step is "
+                                                 r"neither logged nor saved, and the newest checkpoint \(step 2"):
+        train(cfg)
+    run_dir = tmp_path / "cispo__addition__seed0"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000002"]
+    weights = load_file(run_dir / "checkpoints" / "step_000002" / "model" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
+    monkeypatch.setattr(cispo.runner, "rl_step", real)
+    assert train(cfg, resume=True).summary  # the finite checkpoint resumes
+
+
+def test_update_metrics_of_a_step_whose_every_ratio_is_nan():
+    """Before: ``min() arg is an empty sequence`` (cispo/metrics.py) after NaN weights."""
+    from cispo.metrics import update_metrics
+
+    out = update_metrics([{"ratio_min": float("nan"), "ratio_max": float("nan"), "loss": float("nan")}])
+    assert math.isnan(out["objective/ratio_min"]) and math.isnan(out["objective/ratio_max"])

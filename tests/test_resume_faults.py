@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,7 +109,48 @@ def poison(path):
     return name
 
 
+def edit_state(**changes):
+    """Set (or, with None, delete) keys of a trainer_state.json."""
+    def damage(path):
+        state = json.loads(path.read_text())
+        for k, v in changes.items():
+            state.pop(k) if v is None else state.__setitem__(k, v)
+        path.write_text(json.dumps(state))
+    return damage
+
+
+def edit_tensors(edit):
+    """Rewrite a safetensors file with ``edit(tensors)``."""
+    def damage(path):
+        tensors = load_file(path)
+        edit(tensors)
+        save_file(tensors, path)
+    return damage
+
+
+def drop_one_parameter(path):
+    state = torch.load(path, weights_only=True)
+    state["param_groups"][0]["params"].pop()
+    state["state"].pop(max(state["state"]))
+    torch.save(state, path)
+
+
+def grow_embedding(tensors):
+    name = next(k for k in tensors if "embed" in k)
+    tensors[name] = torch.cat([tensors[name], tensors[name][:1]])
+
+
 DAMAGE = {  # file to damage -> (how, what the warning says)
+    "no update_count": ("trainer_state.json", edit_state(update_count=None), "lacks update_count"),
+    "no streams": ("trainer_state.json", edit_state(streams=None), "streams is 'None'"),
+    "step as a string": ("trainer_state.json", edit_state(step="4"), "step is '4', but the folder is step_000004"),
+    "another step": ("trainer_state.json", edit_state(step=7), "step is 7, but the folder is step_000004"),
+    "generator missing": ("rng.safetensors", edit_tensors(lambda t: t.pop("generator/sample/0")),
+                          "lacks generator/sample/0"),
+    "float generator": ("rng.safetensors", edit_tensors(lambda t: t.update({"generator/shuffle/0": t[
+        "generator/shuffle/0"].float()})), "generator/shuffle/0 is torch.float32"),
+    "mis-shaped embedding": ("model/model.safetensors", edit_tensors(grow_embedding), "the model's is"),
+    "one parameter fewer": ("optimizer.pt", drop_one_parameter, "parameters per group"),
     "truncated safetensors": ("model/model.safetensors", truncate, "model weights"),
     "bad json": ("trainer_state.json", lambda p: p.write_text('{"step": 4, "upd'), "trainer state"),
     "missing file": ("rng.safetensors", lambda p: p.unlink(), "is missing"),
@@ -163,3 +205,36 @@ def test_non_finite_weights_are_refused_at_load_and_nothing_changes(tiny_model, 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a clean checkpoint loads without a word
         load_checkpoint(original[0] / "checkpoints" / "step_000004", model, optimizer)
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_sentence_and_loses_nothing(tiny_model, dense_task, monkeypatch,
+                                                                            tmp_path, capsys):
+    """torch.save on a full disk raises a torch-internal error that never mentions the disk
+    (before: that traceback, and a half-written .tmp folder left behind)."""
+    import cispo.checkpoint
+    from cispo.cli import main
+
+    real, calls = torch.save, {"n": 0}
+
+    def full_disk(obj, path, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second checkpoint
+            Path(path).write_bytes(b"PK\x03\x04")
+            raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing "
+                               "file data/3: file write failed")
+        return real(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(cispo.checkpoint.torch, "save", full_disk)
+    overrides = [f"model.path={tiny_model}", f"out_dir={tmp_path}", "run_name=r", "model.device=cpu", "progress=false",
+                 "steps=4", "prompts_per_step=4", "group_size=4", "updates_per_batch=4", "max_new_tokens=10",
+                 "num_train_prompts=64", "num_eval_prompts=8", "eval.num_samples=2", "eval.every=0",
+                 "checkpoint_every=2", "lr=1e-3", "warmup_updates=2"]
+    assert main(["train", *overrides]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("cispo train: error: writing checkpoint step_000004 into ") and "PytorchStreamWriter" \
+        in err[-1] and "MB free on its disk" in err[-1] and "Traceback" not in "\n".join(err)
+    ckpts = tmp_path / "r" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002"]  # no half-written folder left
+    monkeypatch.setattr(cispo.checkpoint.torch, "save", real)
+    assert main(["train", "--resume", *overrides]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
