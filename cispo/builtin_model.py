@@ -166,7 +166,7 @@ def ensure_builtin_model(task: str = "addition", cache_dir=None, cfg=None, progr
     """
     from cispo.tasks import get_task
 
-    get_task(task)  # an unknown name fails here, listing the known ones
+    task = get_task(task).base_task or task  # an unknown name fails here, listing the known ones
     cfg = PretrainConfig(task=task) if cfg is None else cfg
     shipped = shipped_model_path(task, cfg)
     if shipped is not None:

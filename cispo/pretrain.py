@@ -421,7 +421,8 @@ def chain_recheck_policy(numbers_of, rule: str):
     return steer
 
 
-def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, batch_size: int = 512) -> dict:
+def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, batch_size: int = 512,
+                        task_name: str = "chain") -> dict:
     """The `chain` task's base-model properties on `n` held-out prompts (issue 12):
 
     * ``accuracy`` / ``greedy_accuracy``: sampled (T=1) and greedy, as the task rewards them;
@@ -440,7 +441,7 @@ def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, bat
 
     if isinstance(model, (str, Path)):
         model, tokenizer = load_policy(model)
-    task = get_task("chain")
+    task = get_task(task_name)  # chain, or a variant of it (chain_sparse)
     was_training = model.training
     model.eval()
     samples = task.eval_samples(seed, n)

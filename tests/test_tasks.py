@@ -434,3 +434,36 @@ def test_pretrain_rebuilds_even_when_a_copy_exists(tmp_path, monkeypatch, one_th
     assert ensure_builtin_model("addition", cfg=cfg, progress=False) == path and len(calls) == 1
     assert rebuild_builtin_model(cfg, progress=False) == path == builtin_model_path("addition", cfg=cfg)
     assert len(calls) == 2 and [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+# --------------------------------------------------------------------------- chain_sparse
+
+
+def test_chain_prompts_are_unchanged_by_the_sparse_variant():
+    """The carry bounds left chain's own prompt streams as they were (its study data depend on them)."""
+    from cispo.tasks import get_task
+
+    assert get_task("chain").train_samples(0, 3) == [{"prompt": "75+3+2+1+5+6=", "answer": "92"},
+                                                     {"prompt": "14+6+2+4+6+1=", "answer": "33"},
+                                                     {"prompt": "55+1+6+9+9=", "answer": "80"}]
+
+
+def test_chain_sparse_carries_rarely_but_at_least_once_and_splits_disjointly():
+    from cispo.tasks import chain, get_task
+
+    task = get_task("chain_sparse")
+    samples = task.train_samples(0, 2000)
+    carries = [len(chain.carry_steps(chain.parse_prompt(s["prompt"]))) for s in samples]
+    steps = [len(chain.parse_prompt(s["prompt"])) - 1 for s in samples]
+    assert all(1 <= c < n for c, n in zip(carries, steps))
+    assert 0.2 < sum(carries) / sum(steps) < 0.33  # ~27% of steps carry (chain: ~65%)
+    assert all(s["answer"] == str(sum(chain.parse_prompt(s["prompt"]))) for s in samples)
+    held_out = {s["prompt"] for s in task.eval_samples(0, 300)}
+    assert not held_out & {s["prompt"] for s in task.train_samples(0, 5000)}
+    assert task.reward is chain.reward and task.base_task == "chain"
+
+
+def test_chain_sparse_starts_from_chains_shipped_base_model():
+    from cispo.builtin_model import SHIPPED_ROOT, ensure_builtin_model
+
+    assert ensure_builtin_model("chain_sparse", progress=False) == SHIPPED_ROOT / "chain"

@@ -59,6 +59,9 @@ class Task:
     model: str | None = None
     """The model RL starts from when ``model.path`` is not given (``builtin:<name>``, a packaged model:
     ``cispo.packaged``). None: the task's own base model, shipped or pretrained from ``corpus``."""
+    base_task: str | None = None
+    """Start from this other built-in task's base model (shipped or pretrained for it): a variant
+    of it with the same alphabet and grammar. None: this task's own."""
     chat: bool = False
     """Prompts are chat messages (a system prompt stating the answer format, then the problem) and go
     through the model's chat template whatever ``model.chat_template`` says."""
@@ -83,14 +86,15 @@ def _addition(digits: tuple[int, ...], name: str) -> Task:
     )
 
 
-def _chain(steps: tuple[int, ...], name: str) -> Task:
+def _chain(steps: tuple[int, ...], name: str, carry_prob: float = chain.CARRY_PROB, min_carries: int = 0,
+           base_task: str | None = None) -> Task:
     return Task(
         name=name,
         fork_token=chain.FORK_TOKEN,
         alphabet=chain.ALPHABET,
         max_new_tokens=chain.max_new_tokens(steps),
-        train_samples=partial(chain.samples, split="train", steps=steps),
-        eval_samples=partial(chain.samples, split="eval", steps=steps),
+        train_samples=partial(chain.samples, split="train", steps=steps, carry_prob=carry_prob, min_carries=min_carries),
+        eval_samples=partial(chain.samples, split="eval", steps=steps, carry_prob=carry_prob, min_carries=min_carries),
         reward=chain.reward,
         used_fork=chain.used_fork,
         extract_answer=chain.extract_answer,
@@ -99,6 +103,7 @@ def _chain(steps: tuple[int, ...], name: str) -> Task:
         max_positions=384,
         stratified_corpus=False,
         pretrain_defaults=dict(steps=1000, batch_size=48, fork_fraction=0.04, derivation_fraction=0.5, wrong_guess_fraction=1.0),
+        base_task=base_task,
     )
 
 
@@ -127,6 +132,9 @@ _REGISTRY: dict[str, Callable[[], Task]] = {
     "addition": partial(_addition, arithmetic.DIGITS, "addition"),
     "addition4": partial(_addition, (4,), "addition4"),
     "chain": partial(_chain, chain.STEPS, "chain"),
+    # chain's prompts with rare carries (>= 1 per prompt); its base model is chain's, whose per-step
+    # behaviour (carries dropped, W ~4% per step, correct derivations) does not depend on the carry rate
+    "chain_sparse": partial(_chain, chain.STEPS, "chain_sparse", chain.SPARSE_CARRY_PROB, 1, "chain"),
     "wordmath": _wordmath,
 }
 

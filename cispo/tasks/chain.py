@@ -42,6 +42,10 @@ STEP_SEP = ";"
 ALPHABET = "0123456789+=,;" + FORK_TOKEN
 """Every character prompts and completions use."""
 
+SPARSE_CARRY_PROB = 0.15
+"""`chain_sparse`: steps carry this rarely (at least one per prompt), so a recheck pays after
+~1.2 of 4-6 steps and the reflective token must stay rare everywhere else (issue 28 item 4)."""
+
 STEPS = (4, 5, 6)
 """Default chain lengths (number of additions), drawn uniformly per prompt."""
 CARRY_PROB = 0.7
@@ -115,15 +119,16 @@ def parse_prompt(prompt: str) -> tuple[int, ...]:
     return tuple(int(x) for x in prompt[:-1].split("+"))
 
 
-def _draw_chain(rng: random.Random, steps: tuple[int, ...], carry_prob: float) -> tuple[int, ...]:
+def _draw_chain(rng: random.Random, steps: tuple[int, ...], carry_prob: float, min_carries: int = 0) -> tuple[int, ...]:
     """Numbers for one prompt: a 2-digit start, then n one-digit numbers whose additions
-    carry with probability `carry_prob` each (at least one step never carries) and whose
-    running sum stays at most `MAX_SUM`. The carry pattern is drawn first; numbers that
-    cannot follow it are redrawn (so the number of carrying steps is binomial, not all)."""
+    carry with probability `carry_prob` each (at least one step never carries, at least
+    `min_carries` do) and whose running sum stays at most `MAX_SUM`. The carry pattern is drawn
+    first; numbers that cannot follow it are redrawn (so the number of carrying steps is
+    binomial, conditioned on those bounds)."""
     n = rng.choice(steps)
     while True:
         carries = [rng.random() < carry_prob for _ in range(n)]
-        if not all(carries):
+        if not all(carries) and sum(carries) >= min_carries:
             break
     while True:
         numbers = [rng.randint(10, MAX_SUM)]
@@ -141,24 +146,25 @@ def _draw_chain(rng: random.Random, steps: tuple[int, ...], carry_prob: float) -
 
 
 def sample_chains(seed: int, n: int, split: str = "train", steps: tuple[int, ...] = STEPS,
-                  carry_prob: float = CARRY_PROB, stream: str = "prompts") -> list[tuple[int, ...]]:
+                  carry_prob: float = CARRY_PROB, stream: str = "prompts", min_carries: int = 0) -> list[tuple[int, ...]]:
     """`n` seeded prompts' numbers from `split` ("train" or "eval")."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    rng = random.Random(f"chain/{stream}/{split}/{','.join(map(str, steps))}/{carry_prob}/{seed}")
+    bounds = f"/min{min_carries}" if min_carries else ""  # chain's own streams unchanged
+    rng = random.Random(f"chain/{stream}/{split}/{','.join(map(str, steps))}/{carry_prob}{bounds}/{seed}")
     out = []
     while len(out) < n:
-        numbers = _draw_chain(rng, steps, carry_prob)
+        numbers = _draw_chain(rng, steps, carry_prob, min_carries)
         if is_heldout(numbers) == (split == "eval"):
             out.append(numbers)
     return out
 
 
 def samples(seed: int, n: int, split: str = "train", steps: tuple[int, ...] = STEPS,
-            carry_prob: float = CARRY_PROB) -> list[dict]:
+            carry_prob: float = CARRY_PROB, min_carries: int = 0) -> list[dict]:
     """``{"prompt": "23+7+4+8+9=", "answer": "51"}`` dicts from `split`."""
     return [{"prompt": make_prompt(ns), "answer": str(sum(ns))}
-            for ns in sample_chains(seed, n, split, steps, carry_prob)]
+            for ns in sample_chains(seed, n, split, steps, carry_prob, min_carries=min_carries)]
 
 
 # --------------------------------------------------------------------------- completions
