@@ -337,3 +337,21 @@ def test_the_exploratory_part_borrows_dapo_not_cispo():
     # target: DAPO's final 0.75; CISPO reaches it at step 5, DAPO at 10: d = 5 − 0.5·10 = 0 per seed
     assert vs_dapo["target"] == pytest.approx(0.75) and [c for c, _ in vs_dapo["c"]] == [5, 5, 5]
     assert vs_dapo["rule"].mean == pytest.approx(0.0)
+
+
+def test_the_v3_mechanism_gate_applies_the_protocols_criteria():
+    """Persistence (the paper's case in >= 15 of steps 11-40) and size (mean positive-fork mass
+    share above the bound >= 0.10 and >= 1.5x the other tokens'), both required."""
+    from cispo.experiments.mechanism_gate import gate
+
+    def rows(late_hits, fork_share, other_share):
+        return [{"step": 0}] + [{"step": s, "objective/fork_pos_lowp_above": float(s <= 4 or 11 <= s < 11 + late_hits),
+                                 "objective/fork_pos_mass_above": fork_share if s % 2 else float("nan"),
+                                 "objective/other_pos_mass_above": other_share} for s in range(1, 41)]
+
+    passed = gate(rows(15, 0.2, 0.1))
+    assert passed["mechanism_acts"] and passed["complete"] and passed["late_steps_with_paper_case"] == 15
+    assert passed["paper_case_count_by_phase"] == {"1-10": 4.0, "11-20": 10.0, "21-40": 5.0}
+    assert not gate(rows(14, 0.2, 0.1))["mechanism_acts"]  # chain's pattern: only early
+    assert not gate(rows(30, 0.09, 0.01))["mechanism_acts"]  # too small
+    assert not gate(rows(30, 0.2, 0.15))["mechanism_acts"]  # no larger than for the other tokens
