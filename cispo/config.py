@@ -94,9 +94,9 @@ class EvalSetConfig:
     prompt_field: str = "prompt"
     """Field holding the prompt (text or chat messages); dotted paths allowed."""
     answer_field: str | None = "answer"
-    """Field holding the reference answer, passed to the reward as ``answer``."""
-    extra_fields: list[str] | None = None
-    """More fields passed to the reward as keyword arguments."""
+    """Field holding the reference answer, passed to the reward as ``answer`` (as ``data.answer_field``)."""
+    extra_fields: list[str] | Literal["all"] | None = "all"
+    """Columns passed to the reward as keyword arguments (as ``data.extra_fields``)."""
     split: str | None = None
     """Split of a folder or hub data set (required for a hub id)."""
     name: str | None = None
@@ -127,9 +127,13 @@ class DataConfig:
     prompt_field: str = "prompt"
     """Field holding the prompt (text or chat messages); dotted paths allowed."""
     answer_field: str | None = "answer"
-    """Field holding the reference answer, passed to the reward as ``answer``."""
-    extra_fields: list[str] | None = None
-    """More fields passed to the reward as keyword arguments."""
+    """Field holding the reference answer, passed to the reward as ``answer`` (and under its own
+    name). The default, ``answer``, may be missing from the whole file (then a reward that needs
+    ``answer`` is refused before training); any other field must be in every row. None: no answer."""
+    extra_fields: list[str] | Literal["all"] | None = "all"
+    """Columns passed to the reward as keyword arguments: ``all`` (every column but the prompt's,
+    under its own name, as TRL passes them), a list of fields (dotted paths allowed, each passed
+    under its last component), or None (only ``answer`` and a chat prompt's ``messages``)."""
     split: str | None = None
     """Split of a ``datasets`` DatasetDict folder, of a folder of shards, or of a hub data set
     (required for a hub id)."""
@@ -368,7 +372,9 @@ class TrainConfig:
             ("data.reward_timeout_s", d.reward_timeout_s is None or d.reward_timeout_s > 0, "must be > 0 or None (off)"),
             ("data.reward_workers", d.reward_workers is None or d.reward_workers >= 1, "must be >= 1 or None (auto)"),
             ("model.path", d.path is None or self.model.path is not None,
-             "is required with data.path (the built-in base model knows only the built-in tasks)"),
+             "is required with data.path (the tiny built-in base model knows only the built-in tasks' "
+             "characters): a local Hugging Face model folder, builtin:smollm2-135m (SmolLM2-135M-Instruct "
+             "shipped in a pip package, any text; docs/real-models.md) or a hub id org/name"),
             ("data.eval_sets", not d.eval_sets or d.path is not None,
              "needs data.path (the sets are scored by data.reward)"),
             *((f"data.eval_sets.{n}", re.fullmatch(r"[A-Za-z0-9_.-]+", n) is not None,
@@ -412,9 +418,10 @@ class TrainConfig:
             ("samples_max_chars", self.samples_max_chars >= 1, "must be >= 1"),
             ("samples_max_mb", self.samples_max_mb > 0, "must be > 0"),
         ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"{name} {why}")
+        problems = [f"{name} {why}" for name, ok, why in checks if not ok]
+        if problems:  # all of them at once: a user fixes them in one go, not one error per run
+            raise ValueError(problems[0] if len(problems) == 1 else
+                             f"{len(problems)} settings to fix: " + "; ".join(problems))
         from cispo.objective import preset
         from cispo.tracking import check_sink_kinds
 

@@ -178,9 +178,17 @@ def save_yaml(cfg: Any, path: str | pathlib.Path) -> None:
                       f"every field, defaults included.\n{text}", encoding="utf-8")
 
 
+def _accepts_container(tp: Any) -> bool:
+    """``list[str]``, ``dict[str, Any]``, ``tuple[float, float]``, ``list[str] | Literal['all'] | None``..."""
+    origin = typing.get_origin(tp)
+    return origin in (list, dict, tuple) or (
+        origin in (typing.Union, types.UnionType) and any(map(_accepts_container, typing.get_args(tp))))
+
+
 def _override_value(text: str, tp: Any, source: str) -> Any:
     """YAML (``3e-4``, ``true``, ``[1, 2]``, ``{a: 1}``); ``None``/``null``: None; the text
-    itself for a string field that YAML reads as something else (``run_name=2024``)."""
+    itself for a string field that YAML reads as something else (``run_name=2024``), but a list
+    or mapping for a field that also takes one (``extra_fields=[a, b]`` where ``all`` would do)."""
     if text.lower() in ("none", "null", "~"):
         return None
     try:
@@ -189,6 +197,8 @@ def _override_value(text: str, tp: Any, source: str) -> Any:
         if not _accepts_str(tp):
             raise ConfigError(f"{source}: cannot parse {text!r} as a YAML value: {getattr(exc, 'problem', exc)}")
         value = text
+    if isinstance(value, (list, dict)) and _accepts_container(tp):
+        return value
     return text if not isinstance(value, str) and _accepts_str(tp) else value
 
 

@@ -31,11 +31,18 @@ Each sample is a dict with normalised names, so the trainer always finds ``promp
   list is kept under ``messages`` (for a chat template) and ``prompt`` is the content of the
   last ``user`` message.
 * ``answer`` (str): the answer field's value as a string (numbers are converted); absent when
-  ``answer_field=None`` (for rewards that need no answer).
+  ``answer_field=None`` (for rewards that need no answer). The default field, ``answer``, may
+  be missing from every row of a file (a data set whose reference is ``solution``, or verl's
+  ``reward_model.ground_truth``): then no sample has ``answer``, and a reward that needs one is
+  refused before training (`cispo.rewards.loading.check_reward_fields`). A file where only
+  some rows lack it has bad rows (``on_error``). Any other answer field is required in every row.
 * extra fields: ``extra_fields`` lists more fields to pass on to the reward, each under its
-  last path component (``extra_info.index`` -> ``index``); ``"all"`` passes every other
-  top-level field of the row (except one named ``prompt`` / ``answer`` / ``messages``, which
-  would clash with the normalised names).
+  last path component (``extra_info.index`` -> ``index``); ``"all"`` (what ``cispo train``
+  passes by default, ``data.extra_fields``) passes every top-level column of the row under its
+  own name but the prompt field's, as TRL passes a data set's columns: the answer column too
+  (``solution`` with ``answer_field="solution"``: both ``solution`` and ``answer``); a column
+  named ``prompt`` / ``answer`` / ``messages`` holds the normalised value, and one named
+  ``completion`` is not passed (the reward's ``completion`` is the model's).
 
 Field names may be nested paths: ``reward_model.ground_truth``, ``prompt.0.content`` (a list
 index); a key that literally contains the dot wins.
@@ -59,13 +66,17 @@ from typing import Any, Iterator, Literal, Sequence
 
 from cispo.suggest import closest, did_you_mean, hint
 
-__all__ = ["load_prompts", "load_prompts_with_report", "DataError", "LoadReport"]
+__all__ = ["load_prompts", "load_prompts_with_report", "DataError", "LoadReport", "looks_like_hub_id"]
 
 logger = logging.getLogger(__name__)
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
-RESERVED = ("prompt", "answer", "messages")
+RESERVED = ("prompt", "answer", "messages", "completion")
+"""Sample keys that never hold a column of that name: the normalised ones, and the reward's own
+``completion`` argument (a prompt-completion data set's ``completion`` column is not passed on)."""
+DEFAULT_ANSWER_FIELD = "answer"
+"""The answer field that may be missing from a whole file (the module docstring)."""
 MAX_REPORTED_ERRORS = 5
 _DATA_HINT = 'pip install "cispo[data]"'
 
@@ -211,7 +222,7 @@ def _make_spec(prompt_field: str, answer_field: str | None, extra_fields) -> _Sp
         key = path.rsplit(".", 1)[-1]
         if key in RESERVED:
             raise ValueError(f"extra field {path!r} would be passed as {key!r}, which clashes with the "
-                             f"normalised sample keys {RESERVED}")
+                             f"sample keys {RESERVED} (the normalised fields and the reward's completion)")
         if key in seen:
             raise ValueError(f"extra fields {seen[key]!r} and {path!r} would both be passed as {key!r}")
         seen[key] = path
@@ -233,7 +244,8 @@ def _convert(row: Any, spec: _Spec) -> dict:
     else:
         raise _RowError(spec.prompt_field, f"prompt must be a string or a chat message list "
                                            f"[{{'role': ..., 'content': ...}}], got {_type_name(raw_prompt)}")
-    if spec.answer_field is not None:
+    if spec.answer_field is not None and (spec.answer_field != DEFAULT_ANSWER_FIELD
+                                          or _lookup(row, spec.answer_field)[0] is not _MISSING):
         raw_answer = _get(row, spec.answer_field, "answer")
         if raw_answer is None:
             raise _RowError(spec.answer_field, "answer is null")
@@ -245,7 +257,7 @@ def _convert(row: Any, spec: _Spec) -> dict:
         sample["answer"] = answer
     if spec.all_extras:
         for key, value in row.items():
-            if key not in (spec.prompt_field, spec.answer_field) and key not in RESERVED:
+            if key != spec.prompt_field and key not in RESERVED:
                 sample[key] = value
     for key, path in spec.extras:
         sample[key] = _get(row, path, "extra")
@@ -400,7 +412,7 @@ def _read_shards(path: Path, spec: _Spec, split: str | None) -> Iterator[tuple[P
             yield shard, loc, row
 
 
-def _looks_like_hub_id(text: str) -> bool:
+def looks_like_hub_id(text: str) -> bool:
     """``name`` or ``owner/name`` of hub-id characters (no path syntax such as ``./`` or ``~``),
     not ending in a data file's suffix (a missing ``train.jsonl`` is a missing file)."""
     return (re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", text) is not None
@@ -428,7 +440,7 @@ def _read_hub(hub_id: str, spec: _Spec, split: str | None, name: str | None) -> 
 def _rows(path: Path, spec: _Spec, split: str | None, name: str | None = None) -> Iterator[tuple[Path | str, str, Any]]:
     """``(file or shard or hub id, location, row)`` of every row of ``path``."""
     if not path.exists():
-        if _looks_like_hub_id(str(path)):
+        if looks_like_hub_id(str(path)):
             return ((str(path), loc, row) for loc, row in _read_hub(str(path), spec, split, name))
         raise DataError(path, "no such file or directory")
     if name is not None:
@@ -476,6 +488,16 @@ def load_prompts_with_report(
     path = Path(path).expanduser()
     report = LoadReport(path=str(path))
     samples: list[dict] = []
+    unanswered: list[tuple[int, Path | str, str, dict]] = []  # (sample index, where, location, row)
+
+    def bad_row(where, loc, e: _RowError) -> None:
+        err = DataError(where, e.reason, location=loc, field=e.field)
+        if on_error == "raise":
+            raise err from None
+        report.skipped += 1
+        if len(report.errors) < MAX_REPORTED_ERRORS:
+            report.errors.append(str(err))
+
     for where, loc, row in _rows(path, spec, split, name):
         if limit is not None and len(samples) >= limit:
             break
@@ -483,14 +505,21 @@ def load_prompts_with_report(
         try:
             if isinstance(row, _RowError):
                 raise row
-            samples.append(_convert(row, spec))
+            sample = _convert(row, spec)
         except _RowError as e:
-            err = DataError(where, e.reason, location=loc, field=e.field)
-            if on_error == "raise":
-                raise err from None
-            report.skipped += 1
-            if len(report.errors) < MAX_REPORTED_ERRORS:
-                report.errors.append(str(err))
+            bad_row(where, loc, e)
+            continue
+        if spec.answer_field is not None and "answer" not in sample:  # the default field, absent here
+            unanswered.append((len(samples), where, loc, row))
+        samples.append(sample)
+    if unanswered and len(unanswered) < len(samples):  # other rows have an answer: these rows lack theirs
+        for _, where, loc, row in unanswered:
+            try:
+                _get(row, spec.answer_field, "answer")
+            except _RowError as e:
+                bad_row(where, loc, _RowError(e.field, f"{e.reason}; other rows have one"))
+        dropped = {i for i, *_ in unanswered}
+        samples = [s for i, s in enumerate(samples) if i not in dropped]
     report.loaded = len(samples)
     if not samples:
         if report.rows == 0:
@@ -516,9 +545,11 @@ def load_prompts(
     Args:
         path: the file or folder.
         prompt_field: field (or dotted path) holding the prompt text or chat message list.
-        answer_field: field (or dotted path) holding the answer, required in every row;
-            None for rewards that need no answer (then samples have no ``answer``).
-        extra_fields: None, a list of more fields to pass on to the reward, or ``"all"``.
+        answer_field: field (or dotted path) holding the answer, required in every row (the
+            default ``"answer"`` may be missing from all of them); None for rewards that need
+            no answer (then samples have no ``answer``).
+        extra_fields: None, a list of more fields to pass on to the reward, or ``"all"``
+            (every column but the prompt's, under its own name).
         split: the split of a DatasetDict folder, of a shard folder, or of a hub data set.
         limit: keep at most this many samples (stops reading there).
         on_error: ``"raise"`` at the first bad row (`DataError`), or ``"skip"`` bad rows

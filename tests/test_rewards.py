@@ -364,7 +364,7 @@ def test_trl_rewards_load_unchanged(trl_file):
 
 def test_verl_rewards_load_unchanged(verl_file):
     r = load_reward(f"{verl_file}:my_reward_fn")
-    assert r.convention == "verl" and r.needs == [("ground_truth", "answer")]
+    assert r.convention == "verl" and r.needs == [("ground_truth", "reward_model.ground_truth", "answer")]
     assert r("p", "x" * 50, answer="7") == 0.5
     score = load_reward(f"{verl_file}:compute_score")
     assert score("p", "so 72", answer="72", data_source="openai/gsm8k") == 1.0  # the dict's "score"
@@ -416,19 +416,24 @@ def test_a_reward_missing_its_field_fails_at_setup(tmp_path, trl_file):
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
     task, cfg = _source(tmp_path, rows, "code")
     with pytest.raises(RewardSpecError, match=r"prompts\.jsonl'?: training sample 0 has no field 'tests', which "
-                                              r"reward 'code' needs \(add it with data.extra_fields=\[tests\]\)"):
+                                              r"reward 'code' needs \(the data set has no such column\)"):
+        check_reward_fields(task, cfg)
+    task, cfg = _source(tmp_path, rows, "code", extra_fields=None)  # columns passed only when named
+    with pytest.raises(RewardSpecError, match=r"no field 'tests', which reward 'code' needs \(add it with "
+                                              r"data.extra_fields=\[tests\], or data.extra_fields=all\)"):
         check_reward_fields(task, cfg)
     task, cfg = _source(tmp_path, rows, "exact_match", answer_field=None)
     with pytest.raises(RewardSpecError, match=r"no field 'answer', which reward 'exact_match' needs "
                                               r"\(set data.answer_field"):
         check_reward_fields(task, cfg)
     task, cfg = _source(tmp_path, rows, f"{trl_file}:reference_reward_func")
-    with pytest.raises(RewardSpecError, match=r"no field 'ground_truth'.*extra_fields=\[ground_truth\]"):
+    with pytest.raises(RewardSpecError, match=r"no field 'ground_truth'.*no such column"):
         check_reward_fields(task, cfg)
     rows = [{**r, "ground_truth": r["answer"], "tests": "assert True"} for r in rows]
     for reward in ("code", "exact_match", f"{trl_file}:reference_reward_func"):
-        task, cfg = _source(tmp_path, rows, reward, extra_fields=["ground_truth", "tests"])
-        check_reward_fields(task, cfg)  # every field is there
+        for data in ({"extra_fields": ["ground_truth", "tests"]}, {}):  # named, or every column (the default)
+            task, cfg = _source(tmp_path, rows, reward, **data)
+            check_reward_fields(task, cfg)  # every field is there
 
 
 def test_train_checks_the_fields_before_loading_a_model(tmp_path):
@@ -437,8 +442,11 @@ def test_train_checks_the_fields_before_loading_a_model(tmp_path):
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
+    not_loadable = tmp_path / "not_loadable"  # a model folder whose loading would fail
+    not_loadable.mkdir()
+    (not_loadable / "config.json").write_text("{}")
     cfg = apply_overrides(TrainConfig(), [f"data.path={path}", "data.reward=code", "max_new_tokens=8",
-                                          f"model.path={tmp_path / 'no_such_model'}", f"out_dir={tmp_path}",
+                                          f"model.path={not_loadable}", f"out_dir={tmp_path}",
                                           "model.device=cpu", "progress=false"])
     with pytest.raises(RewardSpecError, match="has no field 'tests'"):
         train(cfg)

@@ -13,20 +13,25 @@ attribute may be dotted (``module:Class.method``). Every failure raises `RewardS
 Three signatures are accepted unchanged, told apart by their parameter names (`convention_of`):
 
 * cispo: ``fn(prompt, completion, **sample) -> float``; ``sample`` holds the data set's other
-  fields (``answer``, ``messages``, ``data.extra_fields``).
+  fields (``answer``, ``messages``, the columns of ``data.extra_fields``: by default every one).
 * TRL (``GRPOTrainer`` custom reward; a parameter named ``prompts``, ``completions`` or
   ``completion_ids``): called once per completion as ``fn(prompts=[prompt],
   completions=[completion], **{field: [value]}, trainer_state=None, log_extra=.., log_metric=..)``,
-  its list of one float taken. For chat data (the sample has ``messages``) the prompt is the
+  its list of one float taken: every column by its own name, as TRL passes them (``solution``
+  for ``def reward(prompts, completions, solution, **kwargs)``), and the answer also as
+  ``answer``. For chat data (the sample has ``messages``) the prompt is the
   message list and the completion ``[{"role": "assistant", "content": text}]``, as TRL's
   conversational format. ``completion_ids`` is not available (such a function is refused);
   ``log_extra`` / ``log_metric`` are accepted and ignored.
 * verl (``compute_score``; parameters ``solution_str`` and ``ground_truth``): called as
-  ``fn(data_source=sample.get("data_source"), solution_str=completion,
-  ground_truth=sample["ground_truth"] if present else sample["answer"],
-  extra_info=sample.get("extra_info") or {})``; a dict result gives its ``"score"``.
+  ``fn(data_source=sample.get("data_source"), solution_str=completion, ground_truth=...,
+  extra_info=sample.get("extra_info") or {})``, the ground truth being the sample's first of
+  ``ground_truth``, ``reward_model.ground_truth`` (verl's parquet layout) and ``answer``
+  (`VERL_GROUND_TRUTH`); a dict result gives its ``"score"``.
 
-An async function of either kind is run to completion (``asyncio.run``).
+A function of any kind without ``**kwargs`` gets only the fields it names (a column it does not
+name is not passed); a built-in gets only its `BUILTIN_FIELDS`. An async function is run to
+completion (``asyncio.run``).
 
 `check_reward_fields` checks before training that every sample has the fields the reward needs.
 """
@@ -50,7 +55,7 @@ from cispo.rewards.processes import trial_import
 from cispo.suggest import did_you_mean
 
 __all__ = ["load_reward", "Reward", "BUILTIN_REWARDS", "RewardSpecError", "ISOLATIONS", "convention_of",
-           "check_reward_fields"]
+           "check_reward_fields", "absolute_spec", "field_of"]
 
 BUILTIN_REWARDS: dict[str, str] = {
     "math": "cispo.rewards.math:math_reward",
@@ -69,6 +74,9 @@ ISOLATIONS = ("auto", "process", "main")
 TRL_ARGS = ("prompts", "completions", "completion_ids", "completions_ids", "trainer_state", "log_extra",
             "log_metric", "environments")
 """Arguments TRL's GRPOTrainer passes besides the data set's columns."""
+
+VERL_GROUND_TRUTH = ("ground_truth", "reward_model.ground_truth", "answer")
+"""Where a verl ``compute_score`` finds its ``ground_truth`` in a sample, first found first."""
 
 
 class RewardSpecError(ValueError):
@@ -142,6 +150,16 @@ def _import_module(spec: str, name: str, trial: bool = True):
                               f"({IMPORT_ADVICE})") from None
 
 
+def absolute_spec(spec: str) -> str:
+    """``spec`` with the file of a ``path/to/file.py:function`` made absolute where it exists (the
+    reward's worker processes, and a later ``cispo eval`` / ``--resume`` from another folder,
+    load it again); any other spec as given."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not _is_path(module_name) or not Path(module_name).expanduser().is_file():
+        return spec
+    return f"{Path(module_name).expanduser().resolve()}:{attr}"
+
+
 def _resolve(spec: str, target: str, trial: bool = True) -> Callable[..., float]:
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
@@ -200,9 +218,7 @@ def load_reward(spec: str, isolation: str = "auto", workers: int | None = None, 
         )
     else:
         fn = _resolve(spec, spec, trial)
-        module_name, _, attr = spec.rpartition(":")
-        if _is_path(module_name):  # the worker processes may run elsewhere: an absolute path
-            spec = f"{Path(module_name).expanduser().resolve()}:{attr}"
+        spec = absolute_spec(spec)  # the worker processes may run elsewhere: an absolute path
     convention = convention_of(fn)
     if convention == "trl" and _required_args(fn, ()) & {"completion_ids", "completions_ids"}:
         raise RewardSpecError(f"reward {spec!r} (TRL signature) needs completion_ids: token ids are not passed "
@@ -249,36 +265,65 @@ def _ignore(*args, **kwargs) -> None:
     """TRL's ``log_extra`` / ``log_metric``: accepted, not recorded."""
 
 
+def _keywords(fn: Callable) -> frozenset[str] | None:
+    """The keyword arguments ``fn`` accepts by name, or None when it takes any (``**kwargs``, or
+    no signature to read)."""
+    try:
+        return _cached_keywords(fn)
+    except TypeError:  # an unhashable callable object
+        return _cached_keywords.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_keywords(fn: Callable) -> frozenset[str] | None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in kinds)
+
+
+def _accepted(fn: Callable, kwargs: dict) -> dict:
+    """The entries of ``kwargs`` that ``fn`` accepts (all of them with ``**kwargs``)."""
+    names = _keywords(fn)
+    return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
+
+
+def field_of(sample: dict, name: str):
+    """``sample[name]``, or for a dotted ``name`` not a key itself the value at that path through
+    nested dicts (``reward_model.ground_truth``); None when absent."""
+    if name in sample:
+        return sample[name]
+    value = sample
+    for part in name.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
 def _call_cispo(fn, prompt, completion, sample):
-    return _settle(fn(prompt, completion, **sample))
+    return _settle(fn(prompt, completion, **_accepted(fn, sample)))
 
 
 def _call_trl(fn, prompt, completion, sample):
     chat = "messages" in sample
     columns = {k: [v] for k, v in sample.items() if k not in TRL_ARGS}
-    out = _settle(fn(prompts=[sample["messages"] if chat else prompt],
-                     completions=[[{"role": "assistant", "content": completion}] if chat else completion],
-                     trainer_state=None, log_extra=_ignore, log_metric=_ignore, **columns))
+    kwargs = dict(prompts=[sample["messages"] if chat else prompt],
+                  completions=[[{"role": "assistant", "content": completion}] if chat else completion],
+                  trainer_state=None, log_extra=_ignore, log_metric=_ignore, **columns)
+    out = _settle(fn(**_accepted(fn, kwargs)))
     if not isinstance(out, (list, tuple)) or len(out) != 1:
         raise ValueError(f"TRL-style reward returned {type(out).__name__} ({out!r:.60}), not a list of one reward")
     return out[0]
 
 
-@functools.lru_cache(maxsize=64)
-def _takes(fn: Callable, name: str) -> bool:
-    """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
-    params = inspect.signature(fn).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
 def _call_verl(fn, prompt, completion, sample):
-    kwargs = {"solution_str": completion,
-              "ground_truth": sample["ground_truth"] if "ground_truth" in sample else sample.get("answer")}
-    if _takes(fn, "data_source"):  # verl's per-data-set scorers (gsm8k.compute_score) take neither
-        kwargs["data_source"] = sample.get("data_source")
-    if _takes(fn, "extra_info"):
-        kwargs["extra_info"] = dict(sample.get("extra_info") or {})
-    out = _settle(fn(**kwargs))
+    truth = next((v for name in VERL_GROUND_TRUTH if (v := field_of(sample, name)) is not None), None)
+    kwargs = {"solution_str": completion, "ground_truth": truth, "data_source": sample.get("data_source"),
+              "extra_info": dict(sample.get("extra_info") or {})}
+    out = _settle(fn(**_accepted(fn, kwargs)))  # verl's per-data-set scorers (gsm8k) take no data_source
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"verl-style reward returned a dict without 'score' (keys: {sorted(out)})")
@@ -307,6 +352,8 @@ class Reward:
     """Worker processes when ``isolated``."""
 
     def __call__(self, prompt: str, completion: str, **sample) -> float:
+        if self.builtin:  # the fields it reads, and no column that would meet one of its options (mode=...)
+            sample = {k: sample[k] for k in BUILTIN_FIELDS.get(self.spec, ()) if k in sample}
         return _CALLS[self.convention](self.fn, prompt, completion, sample)
 
     @property
@@ -315,7 +362,7 @@ class Reward:
         if self.builtin:
             return [(name,) for name in BUILTIN_FIELDS.get(self.spec, ())]
         if self.convention == "verl":
-            return [("ground_truth", "answer")]
+            return [VERL_GROUND_TRUTH]
         if self.convention == "trl":
             return [(name,) for name in sorted(_required_args(self.fn, ()) - set(TRL_ARGS))]
         return [(name,) for name in sorted(_required_args(self.fn, ("prompt", "completion")))]
@@ -335,11 +382,13 @@ def check_reward_fields(task, data_cfg) -> None:
     for role, path, samples in sources:
         for i, sample in enumerate(samples):
             for names in reward.needs:
-                if not any(sample.get(name) is not None for name in names):
+                if not any(field_of(sample, name) is not None for name in names):
                     have = ", ".join(sorted(sample)) or "none"
                     want = " or ".join(repr(n) for n in names)
                     hint = ("set data.answer_field to the field holding it" if "answer" in names else
-                            f"add it with data.extra_fields=[{names[0]}]")
+                            f"the data set has no such column{did_you_mean(names[0], sample)}"
+                            if data_cfg.extra_fields == "all" else
+                            f"add it with data.extra_fields=[{names[0]}], or data.extra_fields=all")
                     raise RewardSpecError(
                         f"data file {path!r}: {role} sample {i} has no field {want}, which reward {reward.spec!r} "
                         f"needs ({hint}); the sample's fields: {have}")
