@@ -63,6 +63,39 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
+MODEL_EXPECTED = "a Hugging Face model folder (config.json, weights, tokenizer), builtin:<name> or a hub id org/name"
+
+
+def check_model_folder(path) -> None:
+    """``ConfigError`` (one line naming ``path`` and what was expected there) unless ``path`` is a
+    local folder with a ``config.json``, or names no local file or folder and reads as a hub id
+    (``cispo.datasets.looks_like_hub_id``; ``from_pretrained`` then fetches it). A run folder, its
+    ``checkpoints/`` or a ``step_N`` folder is answered with the model folder to use: the newest
+    checkpoint's ``model/``."""
+    from cispo.config import ConfigError
+    from cispo.datasets import looks_like_hub_id
+
+    folder = Path(path).expanduser()
+    if (folder / "config.json").is_file():
+        return
+    if not folder.exists():
+        if looks_like_hub_id(str(path)):
+            return
+        raise ConfigError(f"{path}: no such file or folder; expected {MODEL_EXPECTED}")
+    if not folder.is_dir():
+        raise ConfigError(f"{path}: a file, not a model folder; expected {MODEL_EXPECTED}")
+    if (folder / "model" / "config.json").is_file():  # a checkpoint's step_N folder
+        raise ConfigError(f"{path}: a checkpoint folder; its model is {folder / 'model'}")
+    run = folder.parent if folder.name == "checkpoints" else folder
+    if checkpoint_dir(run).is_dir():
+        found = list_checkpoints(run)
+        if not found:
+            raise ConfigError(f"{path}: a run's checkpoints folder holds no checkpoint yet; expected {MODEL_EXPECTED}")
+        what = "a run folder" if run is folder else "a run's checkpoints folder"
+        raise ConfigError(f"{path}: {what}, not a model; the newest checkpoint's model is {found[-1] / 'model'}")
+    raise ConfigError(f"{path}: a folder without config.json; expected {MODEL_EXPECTED}")
+
+
 def fsync_file(path: Path) -> None:
     """Flush ``path``'s data to disk (no-op if it does not exist)."""
     try:

@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import sys
 from pathlib import Path
@@ -66,8 +68,10 @@ def cmd_pretrain(args) -> int:
         out = rebuild_builtin_model(cfg)
     print(f"model: {out}")
     if args.measure:
+        from cispo.tracking import json_safe
+
         report = measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed)
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps(json_safe(report.to_dict()), indent=2, allow_nan=False))
     return 0
 
 
@@ -84,9 +88,11 @@ def run_config_of(model: str | None) -> Path | None:
 
 def cmd_eval(args) -> int:
     from cispo.data import load_eval_sets, load_source
-    from cispo.runner import load_policy_for, resolve_device
+    from cispo.runner import check_model, load_policy_for, resolve_device
     from cispo.evaluation import evaluate, evaluate_sets
     from cispo.setup import default_max_new_tokens
+    from cispo.samples import HELD_OUT, eval_records
+    from cispo.tracking import json_safe
     from cispo.trainer import tracked_fork
 
     config_file = args.config or run_config_of(args.model)
@@ -96,22 +102,43 @@ def cmd_eval(args) -> int:
     # a checkpoint's model/ is a plain (merged) model: no LoRA on top, one process
     model = [f"model.path={args.model}", "model.lora_rank=0", "model.fsdp=false"] if args.model else []
     cfg = _build_config(TrainConfig, config_file, args.overrides + model)
-    if cfg.model.chat_template and cfg.model.path:
-        from cispo.models import check_chat_template
-        from cispo.packaged import resolve_model_path
-
-        check_chat_template(resolve_model_path(cfg.model.path))
+    check_model(cfg)  # before the data is loaded
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)
-    policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
-    samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
-    max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
-    metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg.eval, max_new, seed=cfg.seed,
-                       answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s)
-    metrics.update(evaluate_sets(policy, named_sets, task.reward, tracked_fork(task), cfg.eval, max_new, seed=cfg.seed,
-                                 answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s))
-    print(json.dumps(metrics, indent=2))
+    with _samples_file(args.samples) as out:
+        def on_groups(set_name, mode, groups) -> None:  # --samples: every completion, as it is scored
+            if out is not None:
+                out.writelines(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n"
+                               for r in eval_records(set_name, mode, groups, task.extract_answer))
+
+        policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
+        samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
+        max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
+        metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg.eval, max_new, seed=cfg.seed,
+                           answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s,
+                           on_groups=functools.partial(on_groups, HELD_OUT))
+        metrics.update(evaluate_sets(policy, named_sets, task.reward, tracked_fork(task), cfg.eval, max_new,
+                                     seed=cfg.seed, answer_fn=task.extract_answer,
+                                     reward_timeout_s=cfg.data.reward_timeout_s, on_groups=on_groups))
+    print(json.dumps(json_safe(metrics), indent=2, allow_nan=False))  # NaN (undefined) -> null, as metrics.jsonl
+    if args.samples:
+        print(f"cispo eval: completions written to {args.samples}", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def _samples_file(path: str | None):
+    """``--samples``: the file opened for writing (None when not asked); one that cannot be
+    opened is a `ConfigError` naming it, before any model is loaded."""
+    if not path:
+        yield None
+        return
+    try:
+        f = open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"--samples {path}: cannot write it ({e.strerror or e})") from None
+    with f:
+        yield f
 
 
 def _split_overrides(cls, overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -228,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("eval", "held-out accuracy and fork rate of a model (default: the built-in base model)",
             TrainConfig, cmd_eval)
     p.add_argument("--model", help="model folder (a checkpoint's model/ or any HF causal LM)")
+    p.add_argument("--samples", metavar="FILE", help="write every completion scored (prompt, completion, reward, "
+                   "parsed answer, reference answer; greedy and sampled, each set) to FILE as JSONL")
     from cispo.experiments.compare import CompareConfig, SweepConfig
 
     p = add("compare", "GRPO vs DAPO vs CISPO from the same base model over seeds; table and plots (resumable); "

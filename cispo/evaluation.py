@@ -7,6 +7,7 @@ rollout and scoring as training) with no update; ``cispo train`` calls it every
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import TYPE_CHECKING
 
@@ -23,11 +24,12 @@ if TYPE_CHECKING:
 
 @torch.no_grad()
 def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg: EvalConfig, max_new_tokens: int,
-             seed: int, answer_fn=None, reward_timeout_s: float | None = None) -> dict:
+             seed: int, answer_fn=None, reward_timeout_s: float | None = None, on_groups=None) -> dict:
     """Held-out accuracy: greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
     ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``;
     ``answer_fn(completion)`` gives the answer maj@k votes on). Each reward call is killed past
-    ``reward_timeout_s`` (``data.reward_timeout_s``)."""
+    ``reward_timeout_s`` (``data.reward_timeout_s``). ``on_groups(mode, groups)``, if given, gets
+    the scored completions of each mode (``"greedy"``, ``"sampled"``; a group per prompt)."""
     if not samples:
         return {}
     generator = torch.Generator(device=policy.device).manual_seed(seed)
@@ -39,6 +41,8 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
         for start in range(0, len(samples), 256):
             groups += sample_groups(policy, samples[start : start + 256], k, sampling, reward_fn, generator,
                                     reward_timeout_s=reward_timeout_s)
+        if on_groups is not None:
+            on_groups(name, groups)
         flat = [c for g in groups for c in g]
         acc = sum(c.task_reward for c in flat) / len(flat)
         errors += [c.reward_error for c in flat if c.reward_error]
@@ -63,13 +67,15 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
 
 
 def evaluate_sets(policy: Policy, sets: dict[str, list[dict]], reward_fn, used_fork, eval_cfg: EvalConfig,
-                  max_new_tokens: int, seed: int, answer_fn=None, reward_timeout_s: float | None = None) -> dict:
+                  max_new_tokens: int, seed: int, answer_fn=None, reward_timeout_s: float | None = None,
+                  on_groups=None) -> dict:
     """`evaluate` on each named set (``data.eval_sets``), its metrics renamed
-    ``eval/<metric>`` -> ``eval/<name>/<metric>``."""
+    ``eval/<metric>`` -> ``eval/<name>/<metric>``; ``on_groups(name, mode, groups)`` as `evaluate`'s."""
     out = {}
     for name, samples in sets.items():
+        hook = None if on_groups is None else functools.partial(on_groups, name)
         metrics = evaluate(policy, samples, reward_fn, used_fork, eval_cfg, max_new_tokens, seed, answer_fn,
-                           reward_timeout_s)
+                           reward_timeout_s, hook)
         out.update(set_metrics(metrics, name))
     return out
 

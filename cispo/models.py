@@ -176,7 +176,7 @@ def load_policy(path, dtype=None, device=None, *, dropout: bool = True):
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(str(path))
+    config = from_pretrained(AutoConfig, path)
     if not dropout:
         disable_dropout(config)
     dtype = _as_dtype(dtype)
@@ -193,12 +193,25 @@ def load_policy(path, dtype=None, device=None, *, dropout: bool = True):
         for m in model.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = from_pretrained(AutoTokenizer, path)
     check_vocab_fits(model, tokenizer, path)
     if device is not None:
         model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def from_pretrained(loader, path):
+    """``loader.from_pretrained(path)`` (``AutoConfig``, ``AutoTokenizer``); an ``OSError`` or
+    ``ValueError`` (a hub id that cannot be fetched, an unreadable or unknown ``config.json``)
+    becomes a one-line ``ConfigError`` naming ``path``, not a transformers traceback."""
+    try:
+        return loader.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        from cispo.config import ConfigError
+
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{path}: cannot load it as a model ({loader.__name__}: {reason[:300]})") from None
 
 
 def check_vocab_fits(model, tokenizer, path) -> None:
@@ -220,6 +233,6 @@ def check_chat_template(path) -> None:
 
     from cispo.config import ConfigError
 
-    if not AutoTokenizer.from_pretrained(str(path)).chat_template:
+    if not from_pretrained(AutoTokenizer, path).chat_template:
         raise ConfigError(f"model.chat_template=true, but the tokenizer of {path} has no chat template (a base "
                           "model?): set model.chat_template=false, or add a chat_template to its tokenizer_config.json")

@@ -35,8 +35,8 @@ from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate, evaluate_sets
 from cispo.metrics import is_nan, reduce_over_ranks
 from cispo.policy import Policy, loss_scaler
-from cispo.setup import (default_max_new_tokens, fit_prompts, fork_token_ids, make_objective, make_optimizer,
-                         sampling_config)
+from cispo.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_token_ids, make_objective,
+                         make_optimizer, sampling_config)
 from cispo.trainer import StepInterrupted, rl_step, tracked_fork
 
 PROGRESS_KEYS = {  # metric -> short label on the progress bar
@@ -83,10 +83,29 @@ def model_folder(cfg: TrainConfig, task):
     task's built-in base model; a ``builtin:<name>`` packaged model is converted on first use
     (``cispo.packaged``)."""
     from cispo.builtin_model import ensure_builtin_model
-    from cispo.packaged import resolve_model_path
+    from cispo.checkpoint import check_model_folder
+    from cispo.packaged import is_packaged, resolve_model_path
 
     path = cfg.model.path or (task.model if task is not None else None)
+    if path and not is_packaged(path):
+        check_model_folder(path)
     return resolve_model_path(path) if path else ensure_builtin_model(task.name, progress=cfg.progress)
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """Before any data or weights are loaded: ``model.path`` and ``model.ref_path`` name a model
+    (``cispo.checkpoint.check_model_folder``; a ``builtin:<name>`` is checked when it is converted),
+    and with ``model.chat_template`` the tokenizer has a chat template. ``ConfigError`` otherwise."""
+    from cispo.checkpoint import check_model_folder
+    from cispo.packaged import is_packaged, resolve_model_path
+
+    for path in (cfg.model.path, cfg.model.ref_path):
+        if path and not is_packaged(path):
+            check_model_folder(path)
+    if cfg.model.chat_template and cfg.model.path:
+        from cispo.models import check_chat_template
+
+        check_chat_template(resolve_model_path(cfg.model.path))
 
 
 def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None) -> Policy:
@@ -229,9 +248,10 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
 
     hf_logging.disable_progress_bar()  # our own bar is the one to watch
     run_dir = run_dir_of(cfg)  # run_name checked before any work
+    cfg = absolute_paths(cfg)  # config.yaml then works from any folder (cispo eval, --resume)
     saved = saved_config(run_dir) if resume else None
-    if saved is not None:  # a resumed run is the same run
-        check_resume(saved, cfg, run_dir)
+    if saved is not None:  # a resumed run is the same run (a config saved with relative paths: as read from here)
+        check_resume(absolute_paths(saved), cfg, run_dir)
     torch.set_num_threads(auto_threads(cfg.threads if saved is None else run_threads(cfg.threads, run_dir)))
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.model.device)
@@ -243,11 +263,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
         raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                          f"number of processes ({dist_info.world_size})")
     main = dist_info.is_main
-    if cfg.model.chat_template and cfg.model.path:  # before the (possibly long) data loading
-        from cispo.models import check_chat_template
-        from cispo.packaged import resolve_model_path
-
-        check_chat_template(resolve_model_path(cfg.model.path))
+    check_model(cfg)  # before the (possibly long) data loading
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
     check_reward_fields(task, cfg.data)  # before any model is loaded or sampled from

@@ -14,6 +14,8 @@ per line (``SAMPLE_FIELDS``):
   drop (eq. 7), both counted at the update that used the row (summed over ``algo.epochs``).
 
 The file stops growing, with one note on stderr, once it would pass ``samples_max_mb``.
+
+``cispo eval --samples FILE`` writes every completion of its evaluation (`eval_records`), whole.
 """
 
 from __future__ import annotations
@@ -87,6 +89,25 @@ def sample_records(step: int, groups: list[list[Completion]], exp: Experience, f
         }
         for i, c in enumerate(flat)
     ]
+
+
+HELD_OUT = "held_out"
+"""The ``set`` of `eval_records` for the held-out prompts (``data.eval_sets`` go by their names)."""
+
+
+def eval_records(set_name: str, mode: str, groups: list[list[Completion]], answer_fn=None) -> list[dict]:
+    """``cispo eval --samples``: one record per completion of an evaluation (``evaluate``'s
+    ``on_groups``): ``set``, ``mode`` (greedy / sampled), ``prompt_index``, ``sample_index`` (of
+    the k), the whole ``prompt`` and ``completion``, ``reward``, ``parsed_answer``
+    (``answer_fn(completion)``, the task's answer extractor; None without one),
+    ``reference_answer`` (the sample's ``answer``), ``length``, ``finish_reason``,
+    ``reward_error``."""
+    return [{"set": set_name, "mode": mode, "prompt_index": g, "sample_index": j,
+             "prompt": c.sample.get("prompt"), "completion": c.text, "reward": c.task_reward,
+             "parsed_answer": answer_fn(c.text) if answer_fn else None,
+             "reference_answer": c.sample.get("answer"), "length": c.length, "finish_reason": c.finish_reason,
+             "reward_error": c.reward_error}
+            for g, group in enumerate(groups) for j, c in enumerate(group)]
 
 
 def parse_step_lines(path: Path) -> tuple[list[dict], list[tuple[int, str]], int]:

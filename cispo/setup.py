@@ -7,8 +7,10 @@ the sampling settings, the prompts that fit the context and the fork tokens to t
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +21,7 @@ from cispo.rollout import SamplingConfig
 from cispo.trainer import lr_at
 
 if TYPE_CHECKING:
-    from cispo.config import AlgoConfig, OptimConfig, RolloutConfig
+    from cispo.config import AlgoConfig, OptimConfig, RolloutConfig, TrainConfig
 
 
 def fit_prompts(policy: Policy, samples: list[dict], max_new_tokens: int, what: str) -> list[dict]:
@@ -92,6 +94,29 @@ def sampling_config(rollout: RolloutConfig, default_max_new_tokens: int) -> Samp
         repetition_stop_tokens=rep or None,
         repetition_stop_prob=rollout.repetition_stop_prob,
     )
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with each relative path that names an existing file or folder here made absolute:
+    ``model.path``, ``model.ref_path``, ``data.path``, ``data.eval_path``, every
+    ``data.eval_sets.<name>.path`` and the file of a ``data.reward`` ``file.py:function``
+    (`cispo.rewards.loading.absolute_spec`). A run's ``config.yaml`` is saved from it, so
+    ``cispo eval`` and ``--resume`` work from any folder. Hub ids, ``builtin:<name>`` and paths
+    that exist nowhere here are kept as given (their errors come where they are loaded)."""
+    from cispo.packaged import is_packaged
+    from cispo.rewards.loading import absolute_spec
+
+    def local(path: str | None) -> str | None:
+        if path is None or is_packaged(path) or not Path(path).expanduser().exists():
+            return path
+        return os.path.abspath(Path(path).expanduser())
+
+    d = cfg.data
+    data = replace(d, path=local(d.path), eval_path=local(d.eval_path),
+                   reward=d.reward and absolute_spec(d.reward),
+                   eval_sets={name: replace(s, path=local(s.path)) for name, s in d.eval_sets.items()})
+    model = replace(cfg.model, path=local(cfg.model.path), ref_path=local(cfg.model.ref_path))
+    return replace(cfg, data=data, model=model)
 
 
 def default_max_new_tokens(task) -> int:

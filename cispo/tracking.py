@@ -43,9 +43,15 @@ SINK_KINDS = ("jsonl", "tensorboard", "wandb", "mlflow")
 IDS_FILE = "tracking.json"  # per run folder: the W&B / MLflow run ids, for resumes
 
 
-def _clean(value):
+def json_safe(value):
+    """``value`` with every float NaN / +-inf replaced by None, through dicts, lists and tuples:
+    JSON has no NaN (``json.dumps`` would write ``NaN``, which ``jq`` and ``JSON.parse`` reject)."""
     if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no nan / inf
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -84,7 +90,7 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        row = {"step": step, **json_safe(metrics)}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
