@@ -32,8 +32,9 @@ class ModelConfig:
     """The policy."""
 
     path: str | None = None
-    """Local Hugging Face causal-LM folder. None: the built-in base model of the task (shipped
-    with the package; `cispo.builtin_model`)."""
+    """Local Hugging Face causal-LM folder, ``builtin:<name>`` (a real model shipped in a pip
+    package, `cispo.packaged`) or a hub id ``org/name``. None: the built-in base model of the task
+    (shipped with the package; `cispo.builtin_model`)."""
     fp32_lm_head: bool = True
     """Compute the LM head (logits, log-probs) in FP32: MiniMax-M1's fix for the train /
     rollout probability mismatch."""
