@@ -99,8 +99,9 @@ class ModelConfig:
     process holds the whole model. With a low-precision model.dtype (and master weights) the
     decoder layers gather their weights in that dtype and reduce gradients in FP32 (FSDP2's
     ``MixedPrecisionPolicy``, as verl does) over FP32 shards; the root unit (embeddings, final
-    norm, LM head) stays FP32, so the FP32 head uses the FP32 weight. Ignored in a single process;
-    not with rollout.engine=vllm."""
+    norm, LM head) stays FP32, so the FP32 head uses the FP32 weight. With rollout.engine=vllm
+    each rank's engine takes the full weights, gathered one tensor at a time. Ignored in a single
+    process."""
     fsdp_offload: bool = False
     """With model.fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory
     (FSDP2's ``CPUOffloadPolicy``; each unit is copied to the GPU to run), for a model whose shards
@@ -439,8 +440,9 @@ class TrainConfig:
               for k in ("vllm_max_model_len", "vllm_max_num_seqs", "vllm_max_num_batched_tokens")),
             ("model.fsdp_offload", not self.model.fsdp_offload or self.model.fsdp,
              "needs model.fsdp=true (it offloads the FSDP shards)"),
-            ("model.fsdp", not (self.model.fsdp and r.engine == "vllm"),
-             "cannot be combined with rollout.engine=vllm (the engine needs the full weights)"),
+            ("model.fsdp", not (self.model.fsdp and r.engine == "vllm" and self.model.lora_rank),
+             "with rollout.engine=vllm cannot be combined with model.lora_rank > 0 yet (the adapters are not "
+             "merged across shards for the engine)"),
             ("model.dtype", not (self.model.fsdp and self.model.dtype == "float16" and self.model.master_weights),
              "float16 cannot be combined with model.fsdp (its loss scaler checks each shard's gradients for "
              "overflow on its own, so ranks could disagree on the scale): use bfloat16"),

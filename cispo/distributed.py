@@ -172,6 +172,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t``: an FSDP2 shard (a DTensor) is all-gathered from every rank, through the
+    collective's device (``comm_device``: a CPU-offloaded shard goes to the GPU under NCCL), so
+    every rank must call it for the same tensors in the same order; any other tensor as it is."""
+    if not _is_dtensor(t):
+        return t
+    device = comm_device()
+    return (t if t.device == device else t.to(device)).full_tensor()
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``shard_model`` has sharded ``model`` (FSDP2)."""
     return hasattr(model, "cispo_sharded_call")

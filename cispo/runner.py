@@ -36,8 +36,8 @@ from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate, evaluate_sets
 from cispo.metrics import is_nan, reduce_over_ranks
 from cispo.policy import Policy, loss_scaler
-from cispo.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_token_ids, make_objective,
-                         make_optimizer, sampling_config, vllm_settings)
+from cispo.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_token_ids, fsdp_settings,
+                         make_objective, make_optimizer, sampling_config, vllm_settings)
 from cispo.trainer import StepInterrupted, rl_step, tracked_fork
 
 PROGRESS_KEYS = {  # metric -> short label on the progress bar
@@ -295,7 +295,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     if obj.kl_coef > 0:  # every rank holds the whole reference (config refuses FSDP with it)
         policy.ref_model = load_reference(cfg, task, device, policy.tokenizer)
     if sharded:  # FSDP2: every rank keeps 1/N of the weights, gradients and optimizer state
-        shard_model(policy.model, dist_info, device, param_dtype=policy.autocast, offload=cfg.model.fsdp_offload)
+        shard_model(policy.model, dist_info, device, **fsdp_settings(cfg, policy.autocast))
         policy.sampler.lock_step(lambda done: not any_rank(not done, dist_info))
     optimizer = make_optimizer(policy.model, cfg.optim)  # after sharding: it holds the shards
     # each rank samples whole groups from its own shard of the prompts, with its own seeds

@@ -83,6 +83,13 @@ def vllm_settings(cfg: TrainConfig, dist_info: DistInfo, device: torch.device) -
     )
 
 
+def fsdp_settings(cfg: TrainConfig, autocast: torch.dtype | None) -> dict:
+    """``cispo.distributed.shard_model``'s precision and offload arguments for a run: the decoder layers
+    gather in the policy's compute dtype ``autocast`` (bf16 over FP32 master weights) and reduce in FP32;
+    ``model.fsdp_offload`` keeps the shards in CPU memory."""
+    return dict(param_dtype=autocast, offload=cfg.model.fsdp_offload)
+
+
 def fork_token_ids(tokenizer, task) -> torch.Tensor | None:
     """The vocabulary ids of the task's fork word: every token whose decoded text, stripped of
     surrounding whitespace, is the word (``Wait`` and ``ĠWait`` / ``▁Wait`` alike), so the fork

@@ -163,6 +163,27 @@ class Worker:
             self.llm.engine_model.load_weights(weights_iterator)
 
 
+class _LoggedCalls(list):
+    """The engine's calls; with ``FAKE_VLLM_LOG`` set (a subprocess's engine), also appended to that file as
+    JSON lines, with the rank."""
+
+    def __init__(self, llm):
+        super().__init__()
+        self.path = os.environ.get("FAKE_VLLM_LOG")
+
+    def log(self, item) -> None:
+        if self.path:
+            import json
+
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"rank": os.environ.get("RANK", "0"), "call": item}, default=str) + "\n")
+
+    def append(self, item) -> None:
+        super().append(item)
+        if not isinstance(item, list):  # SamplingParams lists: not logged
+            self.log(item)
+
+
 class LLM:
     def __init__(self, model, multiprocess=False, old_reload=False, **kwargs):
         unknown = set(kwargs) - LLM_ARGUMENTS
@@ -170,6 +191,8 @@ class LLM:
             raise TypeError(f"EngineArgs.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
         self.kwargs = dict(model=model, **kwargs)
         self.env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+        dist = torch.distributed
+        self.process_group = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
         if kwargs.get("distributed_executor_backend") == "external_launcher":
             assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "set VLLM_ENABLE_V1_MULTIPROCESSING=0"
             self.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
@@ -185,8 +208,11 @@ class LLM:
             self.llm_engine.model_executor = types.SimpleNamespace(
                 driver_worker=types.SimpleNamespace(worker=self.worker))
         self.global_gen = torch.Generator().manual_seed(kwargs.get("seed", 0))
-        self.calls: list = []
+        self.calls: list = _LoggedCalls(self)
         self._saved_buffers: dict = {}
+        self.calls.log({"built": {k: v for k, v in self.kwargs.items() if k != "hf_overrides"},
+                        "hf_overrides": self.kwargs.get("hf_overrides"), "env": self.env, "device": self.device,
+                        "process_group": self.process_group})
 
     # vLLM's V1 sampler: temperature, then top-p (ascending sort, drop cumsum <= 1 - p), sample;
     # processed logprobs = log_softmax of the final (truncated) logits; greedy for T < 1e-5, untempered.
@@ -285,6 +311,10 @@ def modules(logprobs_mode=True, multiprocess=False, head_dtype=True, old_reload=
     vllm.inputs, vllm.engine, vllm.config, engine.arg_utils = inputs, engine, config, arg_utils
     return {"vllm": vllm, "vllm.inputs": inputs, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils,
             "vllm.config": config}
+
+
+SITECUSTOMIZE = "import sys, fake_vllm\nsys.modules.update(fake_vllm.modules())\n"
+"""A ``sitecustomize.py`` that installs the stand-in in a subprocess (tests/ and its folder on PYTHONPATH)."""
 
 
 def install(monkeypatch, **kw) -> None:

@@ -190,14 +190,17 @@ def named_weights(model_or_weights) -> Iterable[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) pairs to push to the engine.
 
     A module: its ``state_dict`` (LoRA adapters injected by ``cispo.lora`` or a ``PeftModel`` are merged into
-    the base weights, under the base names); a dict: its items; anything else: used as given.
+    the base weights, under the base names; an FSDP2-sharded module's shards are all-gathered one tensor at a
+    time as the engine takes them, as TRL's ``_sync_fsdp2_params_to_vllm`` does, so every rank must push);
+    a dict: its items; anything else: used as given.
     """
     if isinstance(model_or_weights, torch.nn.Module):
+        from cispo.distributed import full_tensor
         from cispo.lora import has_lora, merged_named_weights
 
         if has_lora(model_or_weights):
             return merged_named_weights(model_or_weights)
-        return ((k, v.detach()) for k, v in model_or_weights.state_dict().items())
+        return ((k, full_tensor(v.detach())) for k, v in model_or_weights.state_dict().items())
     if isinstance(model_or_weights, dict):
         return iter(model_or_weights.items())
     return model_or_weights
