@@ -22,7 +22,7 @@ import yaml
 import fake_vllm
 from cispo.config import TrainConfig, load_yaml
 from cispo.distributed import DistInfo
-from cispo.models import build_model, build_tokenizer, precision, save_policy
+from cispo.models import build_model, build_tokenizer, precision
 from cispo.setup import fsdp_settings, vllm_settings
 from cispo.tasks import arithmetic
 
@@ -69,22 +69,14 @@ def test_every_gpu_setting_of_the_recipe_is_followed():
     assert gpu == set(CHECKED), sorted(gpu ^ set(CHECKED))
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    tok = build_tokenizer(arithmetic.ALPHABET)
-    path = tmp_path_factory.mktemp("tiny")
-    save_policy(build_model(tok, size="tiny", seed=0), tok, path)
-    return path
-
-
-def test_recipe_settings_reach_each_ranks_engine_and_fsdp(tmp_path, tiny, monkeypatch):
+def test_recipe_settings_reach_each_ranks_engine_and_fsdp(tmp_path, tiny_model, monkeypatch):
     from cispo.rollout import VLLMSampler
 
     cfg = recipe(tmp_path)
     fake_vllm.install(monkeypatch)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: fake_vllm.DEVICE_LOG.append(("trainer", str(d))))
     for rank in (0, 3):  # two of the 8 ranks of `torchrun --nproc_per_node 8`
-        sampler = VLLMSampler(tiny, eos_token_id=1, pad_token_id=0,
+        sampler = VLLMSampler(tiny_model, eos_token_id=1, pad_token_id=0,
                               **vllm_settings(cfg, DistInfo(rank, 8, rank), torch.device("cuda", rank)))
         kw = sampler.llm.kwargs
         assert kw["dtype"] == "bfloat16" and kw["hf_overrides"] == {"head_dtype": "float32"}
@@ -97,7 +89,7 @@ def test_recipe_settings_reach_each_ranks_engine_and_fsdp(tmp_path, tiny, monkey
     # gradient checkpointing, the engine as its sampler
     from cispo.runner import load_policy_for
 
-    cpu = recipe_with(tmp_path, f"model.path={tiny}", "model.device=cpu", "data.path=null", "data.reward=null")
+    cpu = recipe_with(tmp_path, f"model.path={tiny_model}", "model.device=cpu", "data.path=null", "data.reward=null")
     policy = load_policy_for(cpu, None, torch.device("cpu"))
     assert any(getattr(m, "gradient_checkpointing", False) is True for m in policy.model.modules())
     assert policy.autocast == torch.bfloat16
@@ -130,7 +122,7 @@ CPU_SIZES = ("model.device=cpu", "data.path=null", "data.reward=null", "data.ans
 tiny model rarely makes informative: dynamic sampling off) and the sizes."""
 
 
-def test_the_recipe_runs_under_torchrun_with_a_stand_in_engine(tmp_path, tiny):
+def test_the_recipe_runs_under_torchrun_with_a_stand_in_engine(tmp_path, tiny_model):
     """`torchrun --nproc_per_node 2 -m cispo train --config one-gpu-node.yaml` (CPU sizes): FSDP2 over bf16
     autocast, one engine per rank, sleep level 2 every step, the weights pushed through reload_weights."""
     (tmp_path / "site").mkdir()
@@ -140,7 +132,7 @@ def test_the_recipe_runs_under_torchrun_with_a_stand_in_engine(tmp_path, tiny):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAKE_VLLM_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(TESTS), str(REPO)])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "cispo", "train", "--config", str(tmp_path / "one-gpu-node.yaml"), f"model.path={tiny}",
+           "-m", "cispo", "train", "--config", str(tmp_path / "one-gpu-node.yaml"), f"model.path={tiny_model}",
            f"out_dir={tmp_path}", "run_name=node", *CPU_SIZES]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
