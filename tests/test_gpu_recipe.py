@@ -74,6 +74,8 @@ def test_recipe_settings_reach_each_ranks_engine_and_fsdp(tmp_path, tiny_model, 
 
     cfg = recipe(tmp_path)
     fake_vllm.install(monkeypatch)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLLM_ENABLE_V1_MULTIPROCESSING"):  # the sampler sets them:
+        monkeypatch.setenv(name, "0")  # restored after the test (a WORLD_SIZE left behind breaks later runs)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: fake_vllm.DEVICE_LOG.append(("trainer", str(d))))
     for rank in (0, 3):  # two of the 8 ranks of `torchrun --nproc_per_node 8`
         sampler = VLLMSampler(tiny_model, eos_token_id=1, pad_token_id=0,
