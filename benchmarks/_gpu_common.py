@@ -1,5 +1,6 @@
 """Pieces of ``gpu_check.py``: sizes, device helpers (no-ops / None on a CPU), the random
-Qwen2.5-0.5B-shaped model, its synthetic tokenizer, and the FP32-head / compiled-decoder shims."""
+Qwen2.5-0.5B-shaped model, its synthetic tokenizer and EOS, configs without pydantic, and the
+sampler-side FP32-head shim of the torch rollout."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ PEAK_BF16_TFLOPS = (  # dense bf16 tensor-core peaks, vendor datasheets; first s
     ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0),
 )
 NO_CUDA = "no CUDA device: torch.cuda memory statistics exist only on a GPU"
+
+
+class Skipped(Exception):
+    """Nothing a section can measure in the time left (or here)."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +45,21 @@ class Sizes:
     prec_len: int = 512
     prec_steps: int = 3
     embed_scale: float = 1.0  # scales the (tied) embedding at init: see build_qwen
+    share_rows: int = 16  # head_share: one update of rows x length tokens per setting
+    share_len: int = 512
+    long_rows: int = 8  # long_responses: rows with responses of long_min..long_max tokens
+    long_min: int = 1024
+    long_max: int = 2048
+    long_micro: int = 4  # rows per forward / backward
+    decode_batches: str = "1,8,32,128,256"  # decode_batch: batch sizes, decode_tokens new tokens each
+    decode_tokens: int = 128
 
 
 TINY = Sizes(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vocab=1000, prompts=2, group_size=2,
              max_new_tokens=6, updates=2, rl_steps=1, agree_rows=4, agree_new_tokens=8, prompt_len=6,
              head_tokens=256, head_chunk=64, head_repeats=1, prec_rows=2, prec_len=16, prec_steps=2,
-             embed_scale=0.1)
+             embed_scale=0.1, share_rows=2, share_len=8, long_rows=2, long_min=8, long_max=16, long_micro=1,
+             decode_batches="1,2,4", decode_tokens=4)
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -189,23 +203,41 @@ def fp32_sampler_head(model, on: bool):
         model.set_output_embeddings(head)
 
 
-class CompiledDecoder(torch.nn.Module):
-    """The policy as the trainer sees it (``experience.decoder`` / ``lm_head``), with the decoder
-    under ``torch.compile``; the sampler keeps the eager model. Benchmark-only shim: the
-    trainer had no compile option when it was written (now ``model.compile``, ``cispo.compile``;
-    not switched over here without a GPU to check it)."""
+def train_config(**sections):
+    """A ``cispo.config.TrainConfig`` with some fields changed: ``train_config(model={"dtype": "bfloat16"},
+    steps=3)``. Built with ``dataclasses.replace``, so its checks run but pydantic is not needed."""
+    from dataclasses import is_dataclass, replace
 
-    def __init__(self, model, backend: str):
-        super().__init__()
-        self.inner, self.config = model, model.config
-        self.base_model_prefix = "compiled_decoder"
-        # torch's default dynamic=None: static shapes first, dynamic after a recompile. With every
-        # response at max_new_tokens the micro-batch shapes barely vary (dynamic=True compiled
-        # 4x slower at --tiny on a CPU).
-        self.compiled_decoder = torch.compile(getattr(model, model.base_model_prefix), backend=backend)
+    from cispo.config import TrainConfig
 
-    def get_output_embeddings(self):
-        return self.inner.get_output_embeddings()
+    cfg = TrainConfig()
+    top = {k: v for k, v in sections.items() if not isinstance(v, dict)}
+    nested = {k: replace(getattr(cfg, k), **v) for k, v in sections.items()
+              if isinstance(v, dict) and is_dataclass(getattr(cfg, k))}
+    return replace(cfg, **top, **nested)
+
+
+@torch.no_grad()
+def calibrate_eos(model, s: "Sizes", dev: "Device", eos: int = 1, mean_length: float | None = None) -> dict:
+    """Make the random model end its responses after ~``mean_length`` tokens (default: half of
+    ``s.max_new_tokens``), as a trained one does: sample a few rows, find the token sampled at the
+    rate closest to 1 / mean_length, and swap its row of the (tied) embedding with EOS's. Returns what
+    was swapped and the rate."""
+    mean_length = mean_length or s.max_new_tokens / 2
+    g = torch.Generator(device=dev.device).manual_seed(7)
+    ids = torch.randint(3, s.vocab, (16, 8), device=dev.device, generator=g)
+    counts = torch.zeros(s.vocab, device=dev.device)
+    for _ in range(24):  # a cheap rollout without cache: the last position's distribution
+        logits = model(input_ids=ids).logits[:, -1].float()
+        nxt = torch.multinomial(logits.softmax(-1), 1, generator=g)  # [16, 1]
+        counts += torch.bincount(nxt[:, 0], minlength=s.vocab)
+        ids = torch.cat([ids[:, 1:], nxt], 1)
+    rate = counts / counts.sum()
+    rate[:3] = -1.0  # not pad / eos / unk themselves
+    tok = int((rate - 1.0 / mean_length).abs().argmin())
+    emb = model.get_input_embeddings().weight
+    emb[[eos, tok]] = emb[[tok, eos]]
+    return {"swapped_with": tok, "rate": float(rate[tok]), "target_rate": 1.0 / mean_length}
 
 
 def num_params(model) -> int:

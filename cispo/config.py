@@ -22,6 +22,43 @@ __all__ = [
 ]
 
 
+# ---------------------------------------------------------------------------------------
+# vLLM engine arguments that cispo sets itself (cispo.rollout.vllm_engine builds them)
+# ---------------------------------------------------------------------------------------
+
+OWNED_ARGUMENTS: dict[str, str] = {
+    "model": "set it with model.path",
+    "tokenizer": "the policy's own, from model.path",
+    "seed": "set it with seed; each torchrun rank adds its own offset",
+    "dtype": "set it with rollout.vllm_dtype",
+    "gpu_memory_utilization": "set it with rollout.vllm_gpu_memory_utilization",
+    "enable_sleep_mode": "set it with rollout.vllm_sleep",
+    "max_model_len": "set it with rollout.vllm_max_model_len",
+    "max_num_seqs": "set it with rollout.vllm_max_num_seqs",
+    "max_num_batched_tokens": "set it with rollout.vllm_max_num_batched_tokens",
+    "enforce_eager": "set it with rollout.vllm_enforce_eager",
+    "logprobs_mode": "always processed_logprobs: logp_rollout must be the log-probs of the sampled distribution",
+    "generation_config": "always 'vllm': the checkpoint's generation config must not change the sampling",
+    "distributed_executor_backend": "external_launcher under torchrun, vLLM's default in a single process",
+    "tensor_parallel_size": "always 1: the weight push needs the whole model in each engine",
+}
+"""``LLM`` arguments that cispo sets itself -> how. ``rollout.vllm_kwargs`` may not name them
+(``check_vllm_kwargs``); ``cispo.rollout.vllm_engine.engine_kwargs`` builds them."""
+
+
+def check_vllm_kwargs(extra: dict[str, Any], key: str = "rollout.vllm_kwargs") -> None:
+    """ValueError naming ``key`` when ``extra`` sets an argument cispo sets itself, or the head
+    dtype (``model.fp32_lm_head`` sets it)."""
+    for name in extra:
+        if name in OWNED_ARGUMENTS:
+            raise ValueError(f"{key}.{name}: cispo sets this vLLM argument itself ({OWNED_ARGUMENTS[name]})")
+    overrides = extra.get("hf_overrides")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"{key}.hf_overrides must be a mapping of config fields, got {type(overrides).__name__}")
+    if overrides and "head_dtype" in overrides:
+        raise ValueError(f"{key}.hf_overrides.head_dtype: cispo sets it from model.fp32_lm_head (true: float32)")
+
+
 # =======================================================================================
 # The run's configuration: one dataclass per concern, a docstring per field.
 # =======================================================================================
@@ -59,7 +96,16 @@ class ModelConfig:
     """Under ``torchrun`` with several processes: shard the parameters, gradients and
     optimizer state across them with FSDP2 (one unit per decoder layer, plus the rest), for
     a model that does not fit one device with its gradients and Adam state. Off: every
-    process holds the whole model. Ignored in a single process; not with rollout.engine=vllm."""
+    process holds the whole model. With a low-precision model.dtype (and master weights) the
+    decoder layers gather their weights in that dtype and reduce gradients in FP32 (FSDP2's
+    ``MixedPrecisionPolicy``, as verl does) over FP32 shards; the root unit (embeddings, final
+    norm, LM head) stays FP32, so the FP32 head uses the FP32 weight. With rollout.engine=vllm
+    each rank's engine takes the full weights, gathered one tensor at a time. Ignored in a single
+    process."""
+    fsdp_offload: bool = False
+    """With model.fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory
+    (FSDP2's ``CPUOffloadPolicy``; each unit is copied to the GPU to run), for a model whose shards
+    do not fit the GPUs; the optimizer step then runs on the CPU (much slower)."""
     dropout: bool = False
     """Keep the model's dropout in the RL passes (logp_old and the updates). Off (default, as
     TRL and verl do): every dropout probability is set to 0 at load, so pi_old and the updated
@@ -200,9 +246,31 @@ class RolloutConfig:
     ``hf`` (the model's forward with its dynamic cache), ``auto`` (static where supported).
     Same tokens and log-probs either way; static is faster (docs/performance.md)."""
     vllm_gpu_memory_utilization: float = 0.3
-    """Fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
+    """Fraction of GPU memory vLLM may take for its weights and KV cache (the trainer shares the
+    GPU; TRL's colocate default)."""
     vllm_sleep: bool = False
     """Put the vLLM engine to sleep during the updates (frees its memory; slower)."""
+    vllm_sleep_level: Literal[1, 2] = 2
+    """With vllm_sleep: 2 (TRL and verl) discards the engine's weights and KV cache during the
+    updates, and the new weights are pushed after them; 1 copies the weights to CPU memory and
+    back (stale weights, moved twice per step)."""
+    vllm_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """The engine's dtype. auto: model.dtype when set, else vLLM's own choice (the checkpoint's
+    dtype; float32 checkpoints run in bfloat16)."""
+    vllm_max_model_len: int | None = None
+    """Longest prompt + response the engine serves. None: the model's context (vLLM's default);
+    set it to the longest prompt + max_new_tokens to leave more memory for the KV cache."""
+    vllm_max_num_seqs: int | None = None
+    """Most sequences the engine decodes at once. None: vLLM's default."""
+    vllm_max_num_batched_tokens: int | None = 4096
+    """Most tokens in one engine step (prefill chunks). 4096, as TRL's colocate mode sets it
+    (vLLM's memory profiler is misled by its larger default). None: vLLM's default."""
+    vllm_enforce_eager: bool = False
+    """Run the engine without CUDA graphs (less memory and start-up time, slower decoding)."""
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """More ``vllm.LLM`` arguments, e.g. ``vllm_kwargs.kv_cache_dtype=fp8``. Not those cispo sets
+    (the fields above, model, seed, logprobs_mode, ...: an error names the setting to use);
+    ``hf_overrides`` is merged with the FP32 head's."""
 
 
 @dataclass
@@ -363,8 +431,18 @@ class TrainConfig:
             ("model.lora_rank", self.model.lora_rank >= 0, "must be >= 0"),
             ("model.compile", not (self.model.compile == "on" and self.model.fsdp),
              "=on cannot be combined with model.fsdp (sharded units are not compiled): use auto or off"),
-            ("model.fsdp", not (self.model.fsdp and r.engine == "vllm"),
-             "cannot be combined with rollout.engine=vllm (the engine needs the full weights)"),
+            ("model.device", not (r.engine == "vllm" and re.fullmatch(r"cuda:[1-9]\d*", self.model.device)),
+             f"is {self.model.device}, which rollout.engine=vllm cannot use: vLLM's engine takes the GPU of the "
+             "process's LOCAL_RANK (0 without torchrun): use model.device=cuda and pick the GPU with "
+             "CUDA_VISIBLE_DEVICES"),
+            ("rollout.vllm_gpu_memory_utilization", 0 < r.vllm_gpu_memory_utilization <= 1, "must be in (0, 1]"),
+            *((f"rollout.{k}", getattr(r, k) is None or getattr(r, k) >= 1, "must be >= 1 or None (vLLM's default)")
+              for k in ("vllm_max_model_len", "vllm_max_num_seqs", "vllm_max_num_batched_tokens")),
+            ("model.fsdp_offload", not self.model.fsdp_offload or self.model.fsdp,
+             "needs model.fsdp=true (it offloads the FSDP shards)"),
+            ("model.fsdp", not (self.model.fsdp and r.engine == "vllm" and self.model.lora_rank),
+             "with rollout.engine=vllm cannot be combined with model.lora_rank > 0 yet (the adapters are not "
+             "merged across shards for the engine)"),
             ("model.dtype", not (self.model.fsdp and self.model.dtype == "float16" and self.model.master_weights),
              "float16 cannot be combined with model.fsdp (its loss scaler checks each shard's gradients for "
              "overflow on its own, so ranks could disagree on the scale): use bfloat16"),
@@ -423,6 +501,7 @@ class TrainConfig:
         if problems:  # all of them at once: a user fixes them in one go, not one error per run
             raise ValueError(problems[0] if len(problems) == 1 else
                              f"{len(problems)} settings to fix: " + "; ".join(problems))
+        check_vllm_kwargs(r.vllm_kwargs)  # an argument cispo sets itself -> ValueError naming how
         from cispo.objective import preset
         from cispo.tracking import check_sink_kinds
 

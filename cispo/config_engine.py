@@ -6,6 +6,9 @@ The configs are plain dataclasses; pydantic checks and converts plain data into 
 verl and Hydra use, was the first choice; version 2.3 rejects ``Literal`` fields and turns
 tuples into lists. The YAML files and ``key=value`` overrides are the same with either.
 PyYAML reads ``1e-4`` (no dot) as a string; here it is a float, as in YAML 1.2.
+pydantic is imported where a config is read or checked, not at import: the config dataclasses
+themselves (``TrainConfig()``, ``dataclasses.replace``) work without it, as on a bare CUDA image
+(``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import types
 import typing
 from typing import Any, Callable, Literal, TypeVar
 
-import pydantic
 import yaml
 
 from cispo.suggest import did_you_mean
@@ -58,8 +60,11 @@ def _fields(cls: type) -> dict[KeyPath, Any]:
 
 
 @functools.cache
-def _adapter(cls: type) -> pydantic.TypeAdapter:
-    """pydantic's validator of config ``cls``: unknown keys are errors; docstrings are read."""
+def _adapter(cls: type):
+    """pydantic's validator of config ``cls`` (a ``pydantic.TypeAdapter``): unknown keys are errors;
+    docstrings are read."""
+    import pydantic
+
     types_ = list(_fields(cls).values())
     types_ += [a for t in types_ for a in typing.get_args(t)]  # dict[str, Section] values
     for c in [cls] + [t for t in types_ if dataclasses.is_dataclass(t)]:
@@ -113,6 +118,8 @@ def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
         value = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, key, data)
         if isinstance(value, bool) and {int, float} & {tp, *typing.get_args(tp)} and bool not in typing.get_args(tp):
             raise ConfigError(f"{where(key)}: {_dotted(key)}: expected {_type_name(tp)}, got {value!r}")
+    import pydantic
+
     try:
         return _adapter(cls).validate_python({} if data is None else data)
     except pydantic.ValidationError as exc:

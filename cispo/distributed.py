@@ -66,6 +66,12 @@ def init_distributed(device_type: str = "cpu") -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def rank_seed(seed: int, info: DistInfo) -> int:
+    """This rank's seed: ``seed + 1000 * rank`` (each rank samples its own groups; rank 0 keeps
+    ``seed``, so a single process is unchanged)."""
+    return seed + 1000 * info.rank
+
+
 def close_distributed() -> None:
     """Leave the process group `init_distributed` joined, if any (torch asks every process to
     destroy it before exit; NCCL warns and may hang at exit otherwise)."""
@@ -166,6 +172,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t``: an FSDP2 shard (a DTensor) is all-gathered from every rank, through the
+    collective's device (``comm_device``: a CPU-offloaded shard goes to the GPU under NCCL), so
+    every rank must call it for the same tensors in the same order; any other tensor as it is."""
+    if not _is_dtensor(t):
+        return t
+    device = comm_device()
+    return (t if t.device == device else t.to(device)).full_tensor()
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``shard_model`` has sharded ``model`` (FSDP2)."""
     return hasattr(model, "cispo_sharded_call")
@@ -183,7 +199,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(model: torch.nn.Module, info: DistInfo, device: torch.device,
-                reshard_after_forward: bool = True) -> torch.nn.Module:
+                reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                offload: bool = False) -> torch.nn.Module:
     """Shard ``model`` in place across the ranks with FSDP2 (``fully_shard``) and return it.
 
     One unit per decoder layer, then the root (embeddings, final norm, LM head: tied
@@ -192,19 +209,32 @@ def shard_model(model: torch.nn.Module, info: DistInfo, device: torch.device,
     reduce-scattered as sums over ranks (the objective is normalised by the global token
     count). Build the optimizer afterwards: it must hold the sharded parameters.
     ``reshard_after_forward=False`` keeps every layer's full weights between forward and
-    backward (less communication, more memory)."""
+    backward (less communication, more memory).
+
+    ``param_dtype`` (the compute dtype of mixed precision, e.g. bfloat16 over FP32 parameters):
+    the decoder layers all-gather their weights in it and reduce-scatter gradients in FP32
+    (``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``, as verl's FSDP2 workers do), so
+    no FP32 copy of a gathered layer is held and autocast has nothing left to cast. The root unit
+    keeps FP32 weights: the trainer's FP32 LM head then multiplies by the FP32 master weight, as
+    without FSDP. ``offload``: the shards (parameters, gradients, and so the optimizer state and
+    step) live in CPU memory (``CPUOffloadPolicy``, pinned on CUDA), copied to ``device`` per unit."""
     from torch.distributed.device_mesh import init_device_mesh
 
     try:
-        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                            fully_shard, register_fsdp_forward_method)
     except ImportError as e:  # torch < 2.6
         raise ImportError(f"model.fsdp needs FSDP2 (torch >= 2.6; this is {torch.__version__})") from e
     if not info.enabled:
         raise ValueError("shard_model needs torchrun with more than one process")
     mesh = init_device_mesh(device.type, (info.world_size,))
+    common = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
+                  offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy())
+    layers = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None \
+        else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mp_policy=layers, **common)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(), **common)  # the root: FP32 (embeddings, norm, head)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # sum, not average

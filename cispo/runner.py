@@ -24,7 +24,8 @@ from cispo.config import ConfigError, TrainConfig, to_dict
 from cispo.data import PromptStream
 from cispo.rewards import closing_reward_pools
 from cispo.rewards.loading import check_reward_fields
-from cispo.distributed import any_rank, barrier, broadcast_parameters, gather_objects, init_distributed, shard_model
+from cispo.distributed import (DistInfo, any_rank, barrier, broadcast_parameters, gather_objects, init_distributed,
+                               rank_seed, shard_model)
 from cispo.rollout import TorchSampler
 from cispo.runfolder import (SUMMARY, check_resume, prepare_run_dir, run_dir_of, run_lock, run_name, save_config,
                              saved_config)
@@ -35,8 +36,8 @@ from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate, evaluate_sets
 from cispo.metrics import is_nan, reduce_over_ranks
 from cispo.policy import Policy, loss_scaler
-from cispo.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_token_ids, make_objective,
-                         make_optimizer, sampling_config)
+from cispo.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_token_ids, fsdp_settings,
+                         make_objective, make_optimizer, sampling_config, vllm_settings)
 from cispo.trainer import StepInterrupted, rl_step, tracked_fork
 
 PROGRESS_KEYS = {  # metric -> short label on the progress bar
@@ -108,9 +109,11 @@ def check_model(cfg: TrainConfig) -> None:
         check_chat_template(resolve_model_path(cfg.model.path))
 
 
-def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None) -> Policy:
+def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None,
+                    dist_info: DistInfo = DistInfo()) -> Policy:
     """The policy for ``device``; its weights are loaded onto ``load_device`` (default: ``device``),
-    e.g. the CPU for a model that FSDP then shards onto the GPUs."""
+    e.g. the CPU for a model that FSDP then shards onto the GPUs. ``dist_info``: this torchrun rank
+    (a vLLM engine is then placed on it, with its own seed)."""
     from cispo.models import load_policy, precision, saved_dtype
 
     path = model_folder(cfg, task)
@@ -138,8 +141,7 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
         from cispo.rollout import VLLMSampler
 
         sampler = VLLMSampler(str(path), tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                              gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-                              enable_sleep_mode=cfg.rollout.vllm_sleep, seed=cfg.seed)
+                              **vllm_settings(cfg, dist_info, device))
     else:
         sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
@@ -200,7 +202,7 @@ def git_commit() -> str | None:
         return None
 
 
-def write_run_info(run_dir: Path, cfg: TrainConfig, sampling, obj) -> None:
+def write_run_info(run_dir: Path, cfg: TrainConfig, sampling, obj, sampler_info: dict | None = None) -> None:
     save_config(cfg, run_dir)
     info = {
         "seed": cfg.seed,
@@ -213,9 +215,22 @@ def write_run_info(run_dir: Path, cfg: TrainConfig, sampling, obj) -> None:
         "torch_threads": torch.get_num_threads(),
         "sampling": sampling.__dict__,
         "objective": obj.__dict__,
+        "sampler": sampler_info or {},  # e.g. vLLM's version, whether its head is FP32, how weights are pushed
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     (run_dir / "meta.json").write_text(json.dumps(info, indent=1, default=str))
+
+
+def record_sampler_info(run_dir: Path, info: dict) -> None:
+    """Put the sampler's facts (``Sampler.info``) into ``meta.json`` again after the first step, when they
+    include what only a weight push shows (vLLM: which path pushed the weights)."""
+    path = run_dir / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    meta["sampler"] = info
+    path.write_text(json.dumps(meta, indent=1, default=str))
 
 
 def run_threads(requested: int | None, run_dir: Path) -> int | None:
@@ -275,12 +290,12 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
         model_folder(cfg, task)  # the built-in model, or a packaged one converted: once, before the other ranks
     barrier(dist_info)
     sharded = cfg.model.fsdp and dist_info.enabled
-    policy = load_policy_for(cfg, task, device, torch.device("cpu") if sharded else None)
+    policy = load_policy_for(cfg, task, device, torch.device("cpu") if sharded else None, dist_info)
     broadcast_parameters(policy.model, dist_info)
     if obj.kl_coef > 0:  # every rank holds the whole reference (config refuses FSDP with it)
         policy.ref_model = load_reference(cfg, task, device, policy.tokenizer)
     if sharded:  # FSDP2: every rank keeps 1/N of the weights, gradients and optimizer state
-        shard_model(policy.model, dist_info, device)
+        shard_model(policy.model, dist_info, device, **fsdp_settings(cfg, policy.autocast))
         policy.sampler.lock_step(lambda done: not any_rank(not done, dist_info))
     optimizer = make_optimizer(policy.model, cfg.optim)  # after sharding: it holds the shards
     # each rank samples whole groups from its own shard of the prompts, with its own seeds
@@ -291,10 +306,10 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
                                sampling.max_new_tokens, "held-out")
     eval_sets = {name: fit_prompts(policy, samples, sampling.max_new_tokens, f"eval set {name!r}")
                  for name, samples in named_sets.items()}
-    rank_seed = cfg.seed + 1000 * dist_info.rank
+    seed = rank_seed(cfg.seed, dist_info)
     generators = {
-        "sample": torch.Generator(device=device).manual_seed(rank_seed),
-        "shuffle": torch.Generator().manual_seed(rank_seed + 1),
+        "sample": torch.Generator(device=device).manual_seed(seed),
+        "shuffle": torch.Generator().manual_seed(seed + 1),
     }
     fork_ids = fork_token_ids(policy.tokenizer, task)
     sink = make_sinks(cfg.trackers, run_dir, run_name(cfg), to_dict(cfg)) if main else None
@@ -336,7 +351,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
         if main:
             sink.truncate_after(-1)
             sample_file.truncate_after(-1)
-            write_run_info(run_dir, cfg, sampling, obj)
+            write_run_info(run_dir, cfg, sampling, obj, policy.sampler.info())
         row = evaluate_now(0)
         if main:
             sink.log(0, row)
@@ -393,6 +408,8 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
                 metrics.update(evaluate_now(step))
             if main:
                 sink.log(step, metrics)
+                if step == start + 1 and policy.sampler.info():
+                    record_sampler_info(run_dir, policy.sampler.info())
             if bad_steps >= cfg.max_bad_steps:
                 checkpoint(step)  # every update of these steps was skipped: the weights are the last good ones
                 raise FloatingPointError(

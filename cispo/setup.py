@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cispo.distributed import DistInfo, rank_seed
 from cispo.objective import ObjectiveConfig, preset
 from cispo.policy import Policy
 from cispo.rollout import SamplingConfig
@@ -61,6 +62,32 @@ def make_optimizer(model, optim: OptimConfig) -> torch.optim.Optimizer:
         eps=optim.eps,
         weight_decay=optim.weight_decay,
     )
+
+
+def vllm_settings(cfg: TrainConfig, dist_info: DistInfo, device: torch.device) -> dict:
+    """``VLLMSampler``'s keyword arguments for a run: every ``rollout.vllm_*`` setting, the FP32 head
+    (``model.fp32_lm_head``), this rank's seed and, under torchrun, its placement (the external
+    launcher); ``cispo.rollout.vllm_engine.engine_kwargs`` turns them into ``vllm.LLM``'s."""
+    from cispo.rollout.vllm_engine import RankPlacement
+
+    r = cfg.rollout
+    placement = RankPlacement(dist_info.rank, dist_info.local_rank, dist_info.world_size) if dist_info.enabled else None
+    return dict(
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        dtype=r.vllm_dtype if r.vllm_dtype != "auto" else (cfg.model.dtype or "auto"),
+        enable_sleep_mode=r.vllm_sleep, sleep_level=r.vllm_sleep_level, seed=rank_seed(cfg.seed, dist_info),
+        fp32_head=cfg.model.fp32_lm_head, placement=placement, device=device,
+        max_model_len=r.vllm_max_model_len, max_num_seqs=r.vllm_max_num_seqs,
+        max_num_batched_tokens=r.vllm_max_num_batched_tokens, enforce_eager=r.vllm_enforce_eager,
+        **r.vllm_kwargs,
+    )
+
+
+def fsdp_settings(cfg: TrainConfig, autocast: torch.dtype | None) -> dict:
+    """``cispo.distributed.shard_model``'s precision and offload arguments for a run: the decoder layers
+    gather in the policy's compute dtype ``autocast`` (bf16 over FP32 master weights) and reduce in FP32;
+    ``model.fsdp_offload`` keeps the shards in CPU memory."""
+    return dict(param_dtype=autocast, offload=cfg.model.fsdp_offload)
 
 
 def fork_token_ids(tokenizer, task) -> torch.Tensor | None:

@@ -401,8 +401,9 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     updates_before = update_count
     stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, fork_ids,
                                         dist_info, first_order, fill_logp_old=from_update)
-    policy.sampler.update_weights(policy.model)  # a separate inference engine samples the next batch
     t3 = time.perf_counter()
+    policy.sampler.update_weights(policy.model)  # a separate inference engine samples the next batch
+    t4 = time.perf_counter()
     if on_samples is not None and groups:
         on_samples(groups, exp)
     tokens = float(exp.response_mask.sum())
@@ -422,7 +423,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         "perf/sample_s": t1 - t0,
         "perf/logp_old_s": t2 - t1,
         "perf/update_s": t3 - t2,
-        "perf/step_s": t3 - t0,
+        "perf/weight_sync_s": t4 - t3,  # the push to a separate engine (vLLM; its wake-up included); ~0 for torch
+        "perf/step_s": t4 - t0,
         "perf/tokens_per_s": tokens * (1 + cfg.algo.epochs) / max(t3 - t1, 1e-9),
     })
     return metrics, update_count

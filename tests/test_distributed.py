@@ -300,3 +300,141 @@ def test_close_distributed_leaves_the_process_group(tmp_path):
     assert dist.is_initialized()
     close_distributed()
     assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------
+# FSDP2 mixed precision and CPU offload (model.dtype=bfloat16, model.fsdp_offload)
+# ---------------------------------------------------------------------------------------
+
+
+def _fsdp_precision_worker(rank, world, port, out_path):
+    from torch.distributed import fsdp
+
+    from cispo.distributed import shard_model
+    from cispo.setup import fsdp_settings
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    info = DistInfo(rank, world, 0)
+    policy, _, exp = make_setup("cispo")
+    cfg = apply_overrides(TrainConfig(), ["model.dtype=bfloat16", "model.fsdp=true", "model.fsdp_offload=true",
+                                          "updates_per_batch=1", "micro_batch_size=3", "lr=1e-2", "warmup_updates=0",
+                                          "group_size=2"])
+    calls, seen = [], {}
+    real = fsdp.fully_shard
+
+    def recording(module, **kw):  # the exact arguments shard_model gives FSDP2
+        mp_, off = kw["mp_policy"], kw["offload_policy"]
+        calls.append((type(module).__name__, str(mp_.param_dtype), str(mp_.reduce_dtype), type(off).__name__))
+        return real(module, **kw)
+
+    fsdp.fully_shard = recording
+    model = policy.model
+    model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
+        lambda m, a: seen.setdefault("decoder_weight", str(m.weight.dtype)) and None)
+    model.model.norm.register_forward_pre_hook(lambda m, a: seen.setdefault("root_weight", str(m.weight.dtype)) and None)
+    try:
+        shard_model(model, info, torch.device("cpu"), **fsdp_settings(cfg, torch.bfloat16))
+    finally:
+        fsdp.fully_shard = real
+    policy.autocast = torch.bfloat16  # what load_policy_for gives model.dtype=bfloat16 (FP32 master weights)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    optimizer = make_optimizer(model, cfg.optim)
+    grads, step = set(), optimizer.step
+
+    def recorded_step(*a, **k):  # the gradients the AdamW step sees
+        grads.update(str(p.grad.dtype) for p in model.parameters() if p.grad is not None)
+        return step(*a, **k)
+
+    optimizer.step = recorded_step
+    mine = exp.select(torch.tensor(UNEVEN[rank]))
+    stats, _ = update_policy(policy, optimizer, mine, preset("cispo"), cfg, torch.Generator().manual_seed(0), 0, None,
+                             info)
+    params = list(model.parameters())
+    out = {"calls": calls, "seen": seen, "shard_dtypes": sorted({str(p.dtype) for p in params}),
+           "grad_dtypes": sorted(grads),
+           "shard_devices": sorted({p.to_local().device.type for p in params}),
+           "changed": any(not torch.equal(p.full_tensor(), b) for p, b in zip(params, before)),
+           "grad_norm": stats[0]["grad_norm"]}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_mixed_precision_gathers_layers_in_bf16_over_fp32_shards(tmp_path):
+    """model.dtype=bfloat16 with model.fsdp: the decoder layers get MixedPrecisionPolicy(bf16, reduce fp32)
+    and gather bf16 weights; the root (embeddings, norm, head) stays FP32; shards, gradients and the
+    AdamW step stay FP32; model.fsdp_offload=true adds CPUOffloadPolicy. One update on 2 gloo ranks."""
+    out = tmp_path / "precision.json"
+    mp.spawn(_fsdp_precision_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    got = json.loads(out.read_text())
+    layers = [c for c in got["calls"] if c[0] == "LlamaDecoderLayer"]
+    assert len(layers) == 2 and all(c[1:] == ["torch.bfloat16", "torch.float32", "CPUOffloadPolicy"] for c in layers)
+    assert got["calls"][-1] == ["LlamaForCausalLM", "None", "None", "CPUOffloadPolicy"]  # the root: FP32
+    assert got["seen"] == {"decoder_weight": "torch.bfloat16", "root_weight": "torch.float32"}
+    assert got["shard_dtypes"] == got["grad_dtypes"] == ["torch.float32"] and got["shard_devices"] == ["cpu"]
+    assert got["changed"] and math.isfinite(got["grad_norm"]) and got["grad_norm"] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# vLLM under torchrun: one engine per rank (a stand-in engine, tests/fake_vllm.py)
+# ---------------------------------------------------------------------------------------
+
+
+def _vllm_worker(rank, world, port, model_dir, out_dir):
+    import fake_vllm
+
+    from cispo.distributed import shard_model
+    from cispo.rollout import VLLMSampler
+    from cispo.setup import vllm_settings
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    info = DistInfo(rank, world, rank)
+    cfg = apply_overrides(TrainConfig(), ["rollout.engine=vllm", "seed=5", "rollout.vllm_sleep=true"])
+    with pytest.MonkeyPatch.context() as patch:
+        fake_vllm.install(patch)
+        patch.setattr(torch.cuda, "set_device", lambda d: fake_vllm.DEVICE_LOG.append(("trainer", str(d))))
+        sampler = VLLMSampler(model_dir, eos_token_id=1, pad_token_id=0,
+                              **vllm_settings(cfg, info, torch.device("cuda", rank)))
+        # FSDP2 + vLLM: each rank's engine takes the full weights, all-gathered one tensor at a time
+        model = fake_vllm.load_hf(model_dir)
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.add_(0.01 * (i + 1))
+        full = {k: v.clone() for k, v in model.state_dict().items()}
+        shard_model(model, info, torch.device("cpu"), param_dtype=torch.bfloat16)
+        pushed = sampler.update_weights(model)
+        engine = sampler.llm.engine_model.hf.state_dict()
+        out = {"kwargs": sampler.llm.kwargs, "env": sampler.llm.env, "engine_device": sampler.llm.device,
+               "device_log": fake_vllm.DEVICE_LOG, "process_group": sampler.llm.process_group, "pushed": pushed,
+               "same_weights": sorted(engine) == sorted(full) and all(torch.equal(engine[k], full[k]) for k in full)}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f, default=str)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_vllm_engine_per_rank_under_two_gloo_ranks(tmp_path):
+    """torchrun + rollout.engine=vllm: each rank builds its engine with the external launcher, its own
+    seed and RANK / LOCAL_RANK / WORLD_SIZE (so vLLM puts it on cuda:LOCAL_RANK inside the trainer's
+    process group, as TRL does), keeps its own device, and takes the full weights of an FSDP2 model."""
+    from cispo.models import save_policy
+
+    tok = build_tokenizer(arithmetic.ALPHABET)
+    save_policy(build_model(tok, size="tiny", seed=0), tok, tmp_path / "model")
+    mp.spawn(_vllm_worker, args=(2, free_port(), str(tmp_path / "model"), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        kw = got["kwargs"]
+        assert kw["distributed_executor_backend"] == "external_launcher" and kw["seed"] == 5 + 1000 * rank
+        assert kw["enable_sleep_mode"] is True and kw["hf_overrides"] == {"head_dtype": "float32"}
+        assert got["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                              "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        assert got["process_group"] == [rank, 2]  # built inside the trainer's process group
+        assert got["engine_device"] == f"cuda:{rank}" and got["device_log"][-1] == ["trainer", f"cuda:{rank}"]
+        assert got["same_weights"] and got["pushed"] > 0

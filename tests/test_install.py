@@ -35,17 +35,18 @@ def _extra(name: str) -> dict[str, str]:
 
 
 def test_tested_versions_bound_the_extras_and_others_warn():
-    """The trl / verl extras allow exactly TESTED_VERSIONS; another version warns, naming both."""
+    """The trl / verl / vllm extras allow exactly TESTED_VERSIONS; another version warns, naming both."""
     from packaging.specifiers import SpecifierSet
 
     from cispo.integrations import TESTED_VERSIONS, is_tested_version, warn_if_untested
 
-    for package, extra in (("trl", "trl"), ("verl", "verl"), ("trl", "bench")):
+    for package, extra in (("trl", "trl"), ("verl", "verl"), ("trl", "bench"), ("vllm", "vllm")):
         low, high = TESTED_VERSIONS[package]
         assert SpecifierSet(_extra(extra)[package]) == SpecifierSet(f">={low},<{high}"), extra
     assert is_tested_version("trl", "1.16.0") and is_tested_version("trl", "1.16.3")
     assert not is_tested_version("trl", "1.17.0") and not is_tested_version("trl", "1.17.0.dev0")
     assert is_tested_version("verl", "0.9.1") and not is_tested_version("verl", "0.9.0")
+    assert is_tested_version("vllm", "0.33.0") and not is_tested_version("vllm", "0.34.0")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not warn_if_untested("verl", "HINT", version="0.9.1")

@@ -3,20 +3,18 @@
 Backends of the contract test:
 
 * ``torch``: ``TorchSampler`` (always);
-* ``fake-vllm``: ``VLLMSampler`` on a stand-in ``vllm`` module (below) that runs the Hugging Face model with
-  vLLM's documented semantics (processed log-probs, per-request seeds, stop tokens, finish reasons,
-  ``load_weights`` by Hugging Face name). It exercises all of VLLMSampler's own code on a CPU; it proves
-  nothing about vLLM itself;
+* ``fake-vllm``: ``VLLMSampler`` on a stand-in ``vllm`` module (``tests/fake_vllm.py``) that runs the Hugging
+  Face model with vLLM's documented semantics (processed log-probs, per-request seeds, stop tokens, finish
+  reasons, ``load_weights`` by Hugging Face name) and accepts only vLLM 0.33.0's ``LLM`` arguments. It
+  exercises all of VLLMSampler's own code on a CPU; it proves nothing about vLLM itself;
 * ``vllm``: ``VLLMSampler`` on the real engine, only where vLLM is importable and a CUDA GPU is present.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 import sys
-import types
 import warnings
 
 import pytest
@@ -25,6 +23,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
 from cispo.models import build_tokenizer, save_policy  # noqa: E402
 from cispo.rollout import RolloutBatch, Sampler, SamplingConfig, TorchSampler, truncated_is_weights  # noqa: E402
 from cispo.rollout.vllm_sampler import (  # noqa: E402
@@ -69,8 +68,7 @@ def model_dir(tmp_path_factory):
     return save_policy(model, tok, tmp_path_factory.mktemp("tiny"))
 
 
-def load_hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+load_hf = fake_vllm.load_hf
 
 
 @torch.no_grad()
@@ -85,151 +83,14 @@ def force_token(model, tok: int, logit: float = 30.0):
     return model
 
 
-# --------------------------------------------------------------------------- a stand-in for vllm
+# --------------------------------------------------------------------------- the stand-in (tests/fake_vllm.py)
 
 
-@dataclasses.dataclass
-class _Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclasses.dataclass
-class _Completion:
-    index: int
-    token_ids: list
-    logprobs: list
-    finish_reason: str
-    stop_reason: int | None = None
-    text: str = ""
-
-
-@dataclasses.dataclass
-class _RequestOutput:
-    prompt_token_ids: list
-    outputs: list
-
-
-class _SamplingParams:
-    def __init__(self, n=1, temperature=1.0, top_p=1.0, max_tokens=16, logprobs=None, seed=None,
-                 stop_token_ids=None, ignore_eos=False, detokenize=True):
-        self.__dict__.update(locals())
-        del self.__dict__["self"]
-
-
-class _EngineModel(torch.nn.Module):
-    """Like a vLLM model: ``load_weights`` takes (Hugging Face name, tensor) and fails on unknown names."""
-
-    def __init__(self, hf):
-        super().__init__()
-        self.hf = hf
-        self.loaded: list[str] = []
-
-    def load_weights(self, weights):
-        params = self.hf.state_dict()
-        for name, t in weights:
-            params[name].copy_(t)  # KeyError on a name the engine does not have
-            self.loaded.append(name)
-        return set(self.loaded)
-
-
-class _Worker:
-    def __init__(self, llm):
-        self.llm = llm
-        self.model_runner = types.SimpleNamespace(model=llm.engine_model, get_model=lambda: llm.engine_model)
-
-    def reload_weights(self):
-        self.llm.engine_model.hf.load_state_dict(load_hf(self.llm.kwargs["model"]).state_dict())
-
-
-class _FakeLLM:
-    def __init__(self, model, multiprocess=False, **kwargs):
-        self.kwargs = dict(model=model, **kwargs)
-        self.engine_model = _EngineModel(load_hf(model))
-        self.worker = _Worker(self)
-        cfg = self.engine_model.hf.config
-        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(
-            max_model_len=cfg.max_position_embeddings))
-        if not multiprocess:  # the V1 LLMEngine exposes model_executor only when in process
-            self.llm_engine.model_executor = types.SimpleNamespace(
-                driver_worker=types.SimpleNamespace(worker=self.worker))
-        self.global_gen = torch.Generator().manual_seed(kwargs.get("seed", 0))
-        self.calls: list = []
-
-    # vLLM's V1 sampler: temperature, then top-p (ascending sort, drop cumsum <= 1 - p), sample;
-    # processed logprobs = log_softmax of the final (truncated) logits; greedy for T < 1e-5, untempered.
-    @torch.no_grad()
-    def _step(self, ids, sp, gen):
-        logits = self.engine_model.hf(torch.tensor([ids])).logits[0, -1].float()
-        raw = F.log_softmax(logits, -1)
-        if sp.temperature < 1e-5:
-            tok = int(logits.argmax())
-            return tok, float(raw[tok])
-        x = logits / sp.temperature
-        if sp.top_p < 1.0:
-            s, idx = x.sort(descending=False)
-            drop = s.softmax(-1).cumsum(-1) <= 1 - sp.top_p
-            drop[-1] = False
-            x = x.scatter(0, idx, s.masked_fill(drop, -math.inf))
-        processed = F.log_softmax(x, -1)
-        tok = int(torch.multinomial(processed.exp(), 1, generator=gen))
-        lp = processed if self.kwargs.get("logprobs_mode") == "processed_logprobs" else raw
-        return tok, float(lp[tok])
-
-    def generate(self, prompts, sampling_params, use_tqdm=True):
-        self.calls.append(sampling_params)
-        outs = []
-        for prompt, sp in zip(prompts, sampling_params):
-            gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self.global_gen
-            ids, toks, lps, reason = list(prompt["prompt_token_ids"]), [], [], None
-            eos = self.engine_model.hf.config.eos_token_id
-            while reason is None:
-                tok, lp = self._step(ids + toks, sp, gen)
-                toks.append(tok)
-                lps.append({tok: _Logprob(lp, rank=1)})
-                if len(toks) >= sp.max_tokens:  # vLLM checks the length first
-                    reason = "length"
-                elif (not sp.ignore_eos and tok == eos) or tok in (sp.stop_token_ids or []):
-                    reason = "stop"
-            outs.append(_RequestOutput(ids, [_Completion(0, toks, lps, reason)]))
-        return outs
-
-    def collective_rpc(self, method, args=(), kwargs=None):
-        fn = getattr(self.worker, method) if isinstance(method, str) else (lambda *a, **k: method(self.worker, *a, **k))
-        return [fn(*args, **(kwargs or {}))]
-
-    def reset_prefix_cache(self):
-        self.calls.append("reset_prefix_cache")
-
-    def sleep(self, level=1):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-
-
-def fake_vllm_modules(logprobs_mode=True, multiprocess=False) -> dict:
-    vllm = types.ModuleType("vllm")
-    vllm.__version__ = "0.0.fake"
-    vllm.LLM = lambda **kw: _FakeLLM(multiprocess=multiprocess, **kw)
-    vllm.SamplingParams = _SamplingParams
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda **kw: dict(kw)
-    engine = types.ModuleType("vllm.engine")
-    arg_utils = types.ModuleType("vllm.engine.arg_utils")
-    fields = [("model", str, ""), ("seed", int, 0)]
-    if logprobs_mode:
-        fields.append(("logprobs_mode", str, "raw_logprobs"))
-    arg_utils.EngineArgs = dataclasses.make_dataclass("EngineArgs", fields)
-    vllm.inputs, vllm.engine, engine.arg_utils = inputs, engine, arg_utils
-    return {"vllm": vllm, "vllm.inputs": inputs, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils}
-
-
-def make_fake_sampler(model_dir, logprobs_mode=True, multiprocess=False, **kw) -> VLLMSampler:
+def make_fake_sampler(model_dir, logprobs_mode=True, multiprocess=False, head_dtype=True, old_reload=False,
+                      **kw) -> VLLMSampler:
     with pytest.MonkeyPatch.context() as mp:
-        for name, mod in fake_vllm_modules(logprobs_mode, multiprocess).items():
-            mp.setitem(sys.modules, name, mod)
+        fake_vllm.install(mp, logprobs_mode=logprobs_mode, multiprocess=multiprocess, head_dtype=head_dtype,
+                          old_reload=old_reload)
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the real env untouched
         return VLLMSampler(model_dir, eos_token_id=EOS, pad_token_id=PAD, **kw)
 
@@ -424,8 +285,11 @@ def test_sampling_params_and_engine_arguments(model_dir):
     sampler = make_fake_sampler(model_dir, gpu_memory_utilization=0.25, max_model_len=96)
     kw = sampler.llm.kwargs
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
-    assert kw["gpu_memory_utilization"] == 0.25 and kw["dtype"] == "bfloat16" and kw["max_model_len"] == 96
+    assert kw["gpu_memory_utilization"] == 0.25 and kw["dtype"] == "auto" and kw["max_model_len"] == 96
     assert kw["tokenizer"] == str(model_dir)
+    # TRL-like defaults: 4096 batched tokens, CUDA graphs on; the rest left to vLLM; one engine, no launcher
+    assert kw["max_num_batched_tokens"] == 4096 and kw["enforce_eager"] is False
+    assert not {"max_num_seqs", "distributed_executor_backend", "hf_overrides"} & set(kw)
     gen(sampler, [[5, 6]] * 3, seed=0, max_new_tokens=7, temperature=0.6, top_p=0.95)
     params = sampler.llm.calls[-1]
     assert len(params) == 3 and len({p.seed for p in params}) == 3  # one seed per request, from the generator
@@ -491,24 +355,116 @@ def test_update_weights_merges_lora(model_dir):
     assert (b.logp_rollout - base).abs().max() > 1e-2  # the adapters matter
 
 
-def test_sleep_and_wake_up(model_dir):
+def test_every_argument_is_one_vllm_0_33_takes(model_dir):
+    """Every setting reaches ``vllm.LLM`` under its 0.33 name; a misspelt free-form one is vLLM's TypeError."""
+    sampler = make_fake_sampler(model_dir, dtype="bfloat16", max_model_len=96, max_num_seqs=64,
+                                max_num_batched_tokens=2048, enforce_eager=True, enable_sleep_mode=True, seed=7,
+                                fp32_head=True, kv_cache_dtype="fp8", hf_overrides={"rope_theta": 5e5})
+    kw = sampler.llm.kwargs
+    assert set(kw) - {"model"} <= fake_vllm.LLM_ARGUMENTS
+    assert (kw["dtype"], kw["max_model_len"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) == ("bfloat16", 96, 64, 2048)
+    assert kw["enforce_eager"] is True and kw["enable_sleep_mode"] is True and kw["seed"] == 7
+    assert kw["kv_cache_dtype"] == "fp8"
+    assert kw["hf_overrides"] == {"rope_theta": 5e5, "head_dtype": "float32"}  # merged with the FP32 head's
+    with pytest.raises(TypeError, match="max_model_length"):
+        make_fake_sampler(model_dir, max_model_length=96)
+
+
+def test_fp32_head_goes_to_the_engine_or_is_recorded_as_missing(model_dir):
+    fake_vllm_sampler = make_fake_sampler(model_dir, fp32_head=True)
+    assert fake_vllm_sampler.llm.kwargs["hf_overrides"] == {"head_dtype": "float32"}
+    info = fake_vllm_sampler.info()
+    assert info["fp32_head_requested"] and info["fp32_head_in_engine"] and info["vllm_version"] == "0.33.0"
+    assert "hf_overrides" not in make_fake_sampler(model_dir, fp32_head=False).llm.kwargs
+    # a vLLM without ModelConfig.head_dtype would ignore the key: not passed, warned once, recorded
+    import cispo.rollout.vllm_sampler as vs
+
+    vs._WARNED.discard("fp32_head")
+    with pytest.warns(UserWarning, match="no head_dtype override"):
+        old = make_fake_sampler(model_dir, fp32_head=True, head_dtype=False)
+    assert "hf_overrides" not in old.llm.kwargs
+    assert old.info()["fp32_head_requested"] and not old.info()["fp32_head_in_engine"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_fake_sampler(model_dir, fp32_head=True, head_dtype=False)  # once per process
+
+
+def test_untested_vllm_version_warns(model_dir):
+    with pytest.MonkeyPatch.context() as mp:
+        fake_vllm.install(mp, version="0.32.0")
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with pytest.warns(UserWarning, match=r"tested with vllm >= 0.33.0, < 0.34; this is vllm 0.32.0"):
+            VLLMSampler(model_dir, eos_token_id=EOS, pad_token_id=PAD)
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_weights_go_through_the_public_reload_weights(model_dir, multiprocess):
+    """vLLM 0.33's ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``, not the private
+    ``model_executor`` path; nothing is read from disk."""
+    sampler = make_fake_sampler(model_dir, multiprocess=multiprocess)
+    trainer = force_token(load_hf(model_dir), 9)
+    assert sampler.update_weights(trainer) == len(trainer.state_dict())
+    assert ("reload_weights", "iterator") in sampler.llm.calls and ("reload_weights", "disk") not in sampler.llm.calls
+    assert sampler.info()["weight_push"] == "reload_weights"
+    b = sampler.generate(PROMPTS, SamplingConfig(max_new_tokens=4, temperature=0.0))
+    assert (b.response_ids == 9).all()
+
+
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_an_older_vllm_falls_back_to_the_private_path(model_dir, multiprocess):
+    """A ``reload_weights`` without ``weights_iterator`` (TypeError before it runs): the model's own
+    ``load_weights`` through ``model_executor`` (or a function through ``collective_rpc``)."""
+    sampler = make_fake_sampler(model_dir, old_reload=True, multiprocess=multiprocess)
+    trainer = force_token(load_hf(model_dir), 9)
+    assert sampler.update_weights(trainer) == len(trainer.state_dict())
+    assert sampler.info()["weight_push"] == "load_weights (private)"
+    assert not any(isinstance(c, tuple) and c[0] == "reload_weights" for c in sampler.llm.calls)
+    assert (sampler.generate(PROMPTS, SamplingConfig(max_new_tokens=4, temperature=0.0)).response_ids == 9).all()
+    sampler.update_weights(load_hf(model_dir))  # the choice is kept: straight to the private path
+    assert not (sampler.generate(PROMPTS, SamplingConfig(max_new_tokens=4, temperature=0.0)).response_ids == 9).all()
+
+
+@pytest.fixture
+def cuda_log(monkeypatch):
+    """``torch.cuda.empty_cache`` calls, in order with the engine's calls (``sampler.llm.calls``)."""
+    log = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
+    return log
+
+
+def test_sleep_level_2_discards_the_weights_and_the_push_restores_them(model_dir, cuda_log, monkeypatch):
     with pytest.raises(RuntimeError, match="enable_sleep_mode"):
         make_fake_sampler(model_dir).sleep()
     sampler = make_fake_sampler(model_dir, enable_sleep_mode=True)
-    assert sampler.llm.kwargs["enable_sleep_mode"] is True
-    sampler.sleep(level=1)
-    assert sampler.llm.calls[-1] == ("sleep", 1)
-    gen(sampler, max_new_tokens=3)  # wakes up first
-    assert ("wake_up", None) in sampler.llm.calls
-    sampler.sleep(level=2)
-    sampler.update_weights(load_hf(model_dir))  # wakes the weights only, then pushes them
-    assert ("wake_up", ["weights"]) in sampler.llm.calls
-    gen(sampler, max_new_tokens=3)
-    assert ("wake_up", ["kv_cache"]) in sampler.llm.calls
-    sampler.sleep(level=2)
+    assert sampler.llm.kwargs["enable_sleep_mode"] is True and sampler.sleep_level == 2
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: sampler.llm.calls.append("empty_cache"))
+    trainer = force_token(load_hf(model_dir), 9)
+    sampler.sleep()  # the trainer calls it without a level: level 2, as TRL and verl
+    assert sampler.llm.calls[-1] == ("sleep", 2)
+    assert all(torch.isnan(p).all() for p in sampler.llm.engine_model.hf.parameters())  # discarded
+    sampler.update_weights(trainer)  # frees the cache, wakes the weights, pushes them
+    calls = [c for c in sampler.llm.calls if not isinstance(c, list)]
+    i = calls.index(("wake_up", ["weights"]))
+    assert calls[i - 1] == "empty_cache" and calls[i + 1] == ("reload_weights", "iterator")
+    b = gen(sampler, max_new_tokens=3)  # frees the cache again, wakes the KV cache
+    calls = [c for c in sampler.llm.calls if not isinstance(c, list)]
+    j = calls.index(("wake_up", ["kv_cache"]))
+    assert calls[j - 1] == "empty_cache" and (b.response_ids == 9).all()
+    assert ("reload_weights", "disk") not in calls  # 0.33 keeps the buffers itself: no checkpoint re-read
+    sampler.sleep()
     sampler.wake_up()
     with pytest.raises(RuntimeError, match="update_weights"):  # level 2 lost the weights
         gen(sampler, max_new_tokens=3)
+
+
+def test_sleep_level_1_keeps_the_weights(model_dir, cuda_log):
+    sampler = make_fake_sampler(model_dir, enable_sleep_mode=True, sleep_level=1)
+    sampler.sleep()
+    assert sampler.llm.calls[-1] == ("sleep", 1)
+    gen(sampler, max_new_tokens=3)  # wakes everything at once, no push needed
+    assert ("wake_up", None) in sampler.llm.calls and cuda_log == ["empty_cache"]
+    with pytest.raises(ValueError, match="sleep_level"):
+        make_fake_sampler(model_dir, enable_sleep_mode=True, sleep_level=3)
 
 
 # --------------------------------------------------------------------------- the real engine (GPU only)
@@ -557,7 +513,7 @@ def test_truncated_is_weights_hand_computed():
 
 def test_missing_vllm_gives_install_hint(monkeypatch, model_dir):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import fails even where vLLM is installed
-    with pytest.raises(ImportError, match=r'pip install "cispo\[vllm\]" \(needs a CUDA GPU\)'):
+    with pytest.raises(ImportError, match=r'pip install "cispo\[vllm\]" \(needs a CUDA GPU; see docs/install.md\)'):
         VLLMSampler(model_dir, eos_token_id=EOS, pad_token_id=PAD)
 
 

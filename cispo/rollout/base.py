@@ -125,6 +125,8 @@ class Sampler:
       rank must run the same number of forward passes, ``all_ranks_done(done)`` takes this
       rank's "every row has stopped" and says whether that holds on every rank; the sampler
       then keeps decoding (padding only) until it does.
+    * ``info()``: facts about the engine for the run's ``meta.json`` (its version, what it
+      supports); ``{}`` by default.
     """
 
     def generate(
@@ -149,3 +151,7 @@ class Sampler:
     def lock_step(self, all_ranks_done: Callable[[bool], bool] | None) -> None:
         """Decode in lock-step with the other ranks through ``all_ranks_done`` (None: alone).
         Default: nothing, for a sampler whose forward passes need no other rank."""
+
+    def info(self) -> dict:
+        """Facts about the engine worth recording with the run (plain JSON data; default: none)."""
+        return {}

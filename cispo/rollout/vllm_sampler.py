@@ -2,8 +2,11 @@
 trainer on the same GPU. Needs ``pip install "cispo[vllm]"`` and a CUDA GPU; vLLM is imported only when a
 :class:`VLLMSampler` is constructed.
 
-Targeted API: vLLM >= 0.10.2 with the V1 engine (the default engine; V0 was later removed); it degrades to older
-versions (>= 0.8) with the differences stated below. What each piece relies on:
+Written against the source of vLLM 0.33.0 (``cispo.versions.TESTED_VERSIONS``; another version warns once),
+with fallbacks for older ones stated below. The engine's arguments are built by
+:func:`cispo.rollout.vllm_engine.engine_kwargs` (torchrun placement, FP32 head, TRL-like defaults: see there).
+**Not yet run on a GPU**: tested against a stand-in engine that checks the arguments it is given. What each
+piece relies on:
 
 * **Sampling.** ``LLM.generate([TokensPrompt(prompt_token_ids=...)], [SamplingParams(...)], use_tqdm=False)``
   with ``SamplingParams(temperature, top_p, max_tokens=max_new_tokens, logprobs=0, seed,
@@ -25,7 +28,8 @@ versions (>= 0.8) with the differences stated below. What each piece relies on:
   :class:`~cispo.rollout.base.RolloutBatch` contract (``log_softmax(logits / T)`` *before* top-p):
 
   - ``top_p == 1`` (the usual RL setting): identical semantics, up to the engine's numerics (bf16
-    weights, its own kernels; see :func:`~cispo.rollout.correction.truncated_is_weights`).
+    weights, its own kernels; see :func:`~cispo.rollout.correction.truncated_is_weights`). With
+    ``fp32_head=True`` the logits are float32 (``hf_overrides={"head_dtype": "float32"}``).
   - ``top_p < 1``: vLLM renormalises over the nucleus, so it reports ``log p_T(tok) - log S`` where S is
     the tempered probability mass of the nucleus at that step: >= the contract's value, by ``-log S``.
     This cannot be undone from the returned numbers. (It is the exact log-prob of the behaviour policy,
@@ -35,7 +39,7 @@ versions (>= 0.8) with the differences stated below. What each piece relies on:
     as in the contract. vLLM raises temperatures in (0, 0.01) to 0.01 (with a warning).
   - vLLM < 0.10 (no ``logprobs_mode``): V1 returns *raw* log-probs, ``log_softmax(logits)`` before
     temperature and top-p, so ``logp_rollout`` is only right at temperature 1 (or 0) with top_p = 1; a
-    warning says so at each such call. (The V0 engine of those versions returned processed log-probs.)
+    warning says so at each such call.
 
 * **Repetition early stop.** vLLM has no probability-based stop (recent versions have an n-gram
   ``RepetitionDetectionParams``, a different criterion). :func:`finalize_response` applies it after
@@ -45,35 +49,35 @@ versions (>= 0.8) with the differences stated below. What each piece relies on:
   thrown away, so the stop saves no rollout compute here (it still shapes the training data exactly as
   ``TorchSampler``'s stop does).
 
-* **Weight sync** (:meth:`VLLMSampler.update_weights`, after every optimizer step). The engine runs in
-  this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set unless the caller set it; the V1
-  ``LLMEngine`` then exposes ``llm_engine.model_executor`` "for v0 compatibility", see
-  ``vllm/v1/engine/llm_engine.py``), so the trainer's tensors are handed to the vLLM model's own
-  ``load_weights(Iterable[(hf_name, tensor)])`` through
-  ``llm.llm_engine.model_executor.driver_worker.model_runner`` (``get_model()`` when present, else
-  ``.model``): the same call TRL's colocate mode makes (``trl/generation/vllm_generation.py``,
-  ``sync_weights``). It takes Hugging Face parameter names, fuses q/k/v and gate/up itself, casts to the
-  engine's dtype and copies in place (CUDA graphs stay valid), with no copy through the host when the
-  trainer is on the same GPU. LoRA adapters (``cispo.lora``) are merged on the fly. The prefix cache is
-  reset afterwards (its KV blocks were computed with the old weights). If the engine runs in another
-  process, the weights go in CPU chunks through ``LLM.collective_rpc`` with a function (which vLLM >= 0.9
-  only accepts with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Tensor parallelism > 1 and quantised
-  engines are not supported by this path. (Recent vLLM, e.g. the 0.26+ docs, also has a native
-  weight-transfer API, ``WeightTransferConfig(backend="ipc"|"nccl")``; not used here, to keep one code
-  path for 0.8+.)
+* **Weight push** (:meth:`VLLMSampler.update_weights`, after every optimizer step). The public path of
+  vLLM 0.33: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``, which runs the
+  worker's ``reload_weights`` (``vllm/v1/worker/gpu_worker.py`` -> the model runner ->
+  ``vllm/model_executor/model_loader/reload/inplace.py``): the model's own ``load_weights`` on Hugging Face
+  names (it fuses q/k/v and gate/up, casts to the engine's dtype) inside vLLM's layerwise reload, which
+  copies the results back into the original storage (CUDA graphs stay valid) and re-runs any
+  post-load processing. In process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set unless the caller set it)
+  ``collective_rpc`` calls the worker directly, so the trainer's tensors go in without a copy through
+  the host. A vLLM whose ``reload_weights`` takes no ``weights_iterator`` (older versions) gets the
+  private path TRL's colocate mode uses, ``llm.llm_engine.model_executor.driver_worker.model_runner``'s
+  model ``load_weights`` (kept "for v0 compatibility" in ``vllm/v1/engine/llm_engine.py``); out of process,
+  chunks through ``collective_rpc`` with a function (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+  :meth:`VLLMSampler.info` says which path ran. LoRA adapters (``cispo.lora``) are merged on the fly; the
+  prefix cache is reset afterwards (its KV blocks came from the old weights). Tensor parallelism > 1 and
+  quantised engines are not supported.
 
-* **Colocation.** ``gpu_memory_utilization`` (0.3 by default) is the share of the GPU vLLM takes for its
-  weights and KV cache; the trainer gets the rest. With ``enable_sleep_mode=True``, :meth:`sleep`
-  (``LLM.sleep(level)``: level 1 moves the weights to CPU memory and drops the KV cache, level 2 drops
-  both) frees that memory during the update, and :meth:`wake_up` (``LLM.wake_up(tags)``) brings it back.
-  Under ``torchrun`` (one engine per rank, each on its rank's GPU, tensor parallel size 1), pass
-  ``distributed_executor_backend="external_launcher"`` and a per-rank ``seed``, as TRL's colocate mode does,
-  so that vLLM joins the already initialised process group instead of creating its own (not tested here).
+* **Colocation and sleep.** ``gpu_memory_utilization`` (0.3 by default) is the share of the GPU vLLM takes
+  for its weights and KV cache; the trainer gets the rest. With ``enable_sleep_mode=True``, :meth:`sleep`
+  (``LLM.sleep(level)``) frees that memory during the update, at ``sleep_level`` 2 by default as TRL and
+  verl do: the weights and the KV cache are discarded (level 1 would copy the soon stale weights to CPU
+  memory and back every step); the buffers that are not weights (rotary caches) are saved and restored by
+  vLLM itself (``Worker.sleep`` / ``wake_up``). :meth:`update_weights` then wakes the weights and pushes
+  the new ones (nothing is read from disk), and the next :meth:`generate` wakes the KV cache. Before
+  each ``wake_up`` the trainer's cached CUDA blocks are released (``torch.cuda.empty_cache()``, as TRL and
+  verl do), else the update's cache can leave too little room for the engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import warnings
@@ -82,10 +86,13 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from cispo.rollout.base import RolloutBatch, Sampler, SamplingConfig
+from cispo.rollout.vllm_engine import (RankPlacement, engine_accepts, engine_kwargs, set_rank_environment,
+                                       supports_head_dtype)
 
-INSTALL_HINT = 'VLLMSampler needs vLLM: pip install "cispo[vllm]" (needs a CUDA GPU)'
+INSTALL_HINT = 'VLLMSampler needs vLLM: pip install "cispo[vllm]" (needs a CUDA GPU; see docs/install.md)'
 
 _FINISH = {"stop": "eos", "length": "length"}  # vLLM's finish_reason -> ours
+_WARNED: set[str] = set()  # warnings given once per process
 
 
 # --------------------------------------------------------------------------- pure helpers (no vLLM)
@@ -183,14 +190,17 @@ def named_weights(model_or_weights) -> Iterable[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) pairs to push to the engine.
 
     A module: its ``state_dict`` (LoRA adapters injected by ``cispo.lora`` or a ``PeftModel`` are merged into
-    the base weights, under the base names); a dict: its items; anything else: used as given.
+    the base weights, under the base names; an FSDP2-sharded module's shards are all-gathered one tensor at a
+    time as the engine takes them, as TRL's ``_sync_fsdp2_params_to_vllm`` does, so every rank must push);
+    a dict: its items; anything else: used as given.
     """
     if isinstance(model_or_weights, torch.nn.Module):
+        from cispo.distributed import full_tensor
         from cispo.lora import has_lora, merged_named_weights
 
         if has_lora(model_or_weights):
             return merged_named_weights(model_or_weights)
-        return ((k, v.detach()) for k, v in model_or_weights.state_dict().items())
+        return ((k, full_tensor(v.detach())) for k, v in model_or_weights.state_dict().items())
     if isinstance(model_or_weights, dict):
         return iter(model_or_weights.items())
     return model_or_weights
@@ -211,17 +221,31 @@ def _chunks(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int):
 
 
 def _worker_model(worker):
-    """The vLLM ``nn.Module`` (with ``load_weights``) of a worker or worker wrapper."""
+    """The vLLM ``nn.Module`` (with ``load_weights``) of a worker or worker wrapper (the private path)."""
     worker = getattr(worker, "worker", None) or worker  # WorkerWrapperBase -> Worker
     runner = worker.model_runner
     return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
 
 def _load_weights_on_worker(worker, weights) -> int:
-    """Run by ``LLM.collective_rpc`` inside a vLLM worker (the out-of-process path)."""
+    """Run by ``LLM.collective_rpc`` inside a vLLM worker (the private out-of-process path)."""
     with torch.no_grad():
         _worker_model(worker).load_weights(weights)
     return len(weights)
+
+
+def _no_weights_iterator(error: Exception) -> bool:
+    """Whether ``error`` says the worker has no ``reload_weights(weights_iterator=...)``: a vLLM without the
+    method (``run_method``'s NotImplementedError, or AttributeError) or with the no-argument one (TypeError)."""
+    if isinstance(error, TypeError):
+        return "weights_iterator" in str(error)
+    return isinstance(error, (NotImplementedError, AttributeError)) and "reload_weights" in str(error)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
 
 
 # --------------------------------------------------------------------------- the sampler
@@ -231,9 +255,9 @@ class VLLMSampler(Sampler):
     """Samples with a colocated ``vllm.LLM``; a :class:`~cispo.rollout.base.Sampler` with weight sync and
     sleep / wake (no lock-step: its forward passes need no other rank).
 
-    See the module docstring for the exact semantics of ``logp_rollout``, of the repetition stop and of
-    the weight sync. Call :meth:`update_weights` with the policy after every optimizer step (the engine
-    otherwise keeps sampling from the weights it loaded from ``model_path``).
+    See the module docstring for the exact semantics of ``logp_rollout``, of the repetition stop, of the
+    weight push and of sleep mode. Call :meth:`update_weights` with the policy after every optimizer step
+    (the engine otherwise keeps sampling from the weights it loaded from ``model_path``).
 
     Args:
         model_path: the Hugging Face folder of the policy (what ``cispo.models.load_policy`` loads).
@@ -241,13 +265,23 @@ class VLLMSampler(Sampler):
         eos_token_id: the token that ends a response (kept in the response, mask 1).
         pad_token_id: fills the left of short prompts and the right of short responses.
         gpu_memory_utilization: share of the GPU memory vLLM may take (weights + KV cache).
-        dtype: the engine's parameter dtype.
+        dtype: the engine's parameter dtype ("auto": the checkpoint's, float32 ones run in bf16).
         enable_sleep_mode: allow :meth:`sleep` / :meth:`wake_up` (vLLM's ``enable_sleep_mode``).
-        seed: the engine's global seed (used for requests without their own seed).
+        seed: the engine's global seed (used for requests without their own seed); give each torchrun rank
+            its own.
+        sleep_level: what :meth:`sleep` frees by default: 2 (weights and KV cache discarded, the weights
+            pushed back by :meth:`update_weights`) or 1 (weights copied to CPU memory).
+        fp32_head: compute the engine's logits in float32 (``hf_overrides={"head_dtype": "float32"}``); a
+            vLLM that cannot warns once and :meth:`info` records it.
+        placement: this process's torchrun rank (None: a single process): builds the engine with
+            ``distributed_executor_backend="external_launcher"`` on ``cuda:local_rank``.
+        device: the trainer's device; made the current CUDA device again once the engine is built.
+        max_model_len, max_num_seqs, max_num_batched_tokens, enforce_eager: vLLM's engine settings (None:
+            vLLM's default); see :func:`cispo.rollout.vllm_engine.engine_kwargs`.
         in_process: run vLLM's engine core in this process (sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-            unless already set), needed for the zero-copy weight sync.
+            unless already set), needed for the zero-copy weight push.
         output_device: where the ``RolloutBatch`` tensors go (the trainer moves them to the CPU anyway).
-        **llm_kwargs: more ``vllm.LLM`` arguments (``max_model_len``, ``enforce_eager``, ...).
+        **llm_kwargs: more ``vllm.LLM`` arguments (free-form; ``hf_overrides`` is merged with the head's).
     """
 
     def __init__(
@@ -257,10 +291,18 @@ class VLLMSampler(Sampler):
         eos_token_id: int | None = None,
         pad_token_id: int | None = None,
         gpu_memory_utilization: float = 0.3,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         enable_sleep_mode: bool = False,
         seed: int = 0,
         *,
+        sleep_level: int = 2,
+        fp32_head: bool = False,
+        placement: RankPlacement | None = None,
+        device: torch.device | str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = 4096,
+        enforce_eager: bool = False,
         in_process: bool = True,
         output_device: torch.device | str = "cpu",
         **llm_kwargs,
@@ -271,6 +313,8 @@ class VLLMSampler(Sampler):
             from vllm.inputs import TokensPrompt
         except ImportError as e:
             raise ImportError(INSTALL_HINT) from e
+        from cispo.versions import warn_if_untested
+
         if eos_token_id is None:
             eos_token_id = getattr(tokenizer, "eos_token_id", None)
         if pad_token_id is None:
@@ -279,11 +323,14 @@ class VLLMSampler(Sampler):
             pad_token_id = eos_token_id
         if eos_token_id is None:
             raise ValueError("VLLMSampler needs eos_token_id (or a tokenizer that has one)")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
         self.output_device = torch.device(output_device)
-        self.enable_sleep_mode = bool(enable_sleep_mode)
+        self.enable_sleep_mode, self.sleep_level = bool(enable_sleep_mode), int(sleep_level)
         self._SamplingParams, self._TokensPrompt = SamplingParams, TokensPrompt
         self.vllm_version = getattr(vllm, "__version__", "unknown")
+        warn_if_untested("vllm", INSTALL_HINT, version=self.vllm_version)
         if in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -291,30 +338,44 @@ class VLLMSampler(Sampler):
             tokenizer_path = str(tokenizer or model_path)
         else:
             tokenizer_path = str(getattr(tokenizer, "name_or_path", "") or model_path)
-        kwargs = dict(
-            model=str(model_path),
-            tokenizer=tokenizer_path,
-            dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=self.enable_sleep_mode,
-            seed=seed,
-            generation_config="vllm",
-        )
-        self.logprobs_mode = "processed_logprobs" if _engine_accepts("logprobs_mode") else None
-        if self.logprobs_mode:
-            kwargs["logprobs_mode"] = self.logprobs_mode
-        else:
+        self.logprobs_mode = "processed_logprobs" if engine_accepts("logprobs_mode") else None
+        if self.logprobs_mode is None:
             warnings.warn(
                 f"vLLM {self.vllm_version} has no logprobs_mode: its V1 engine returns raw log-probs "
                 "(before temperature and top-p), so logp_rollout is only right at temperature 1 with top_p=1. "
                 "Use vLLM >= 0.10.2.",
                 stacklevel=2,
             )
-        kwargs.update(llm_kwargs)
-        self.llm = vllm.LLM(**kwargs)
+        self.fp32_head = bool(fp32_head) and supports_head_dtype()
+        if fp32_head and not self.fp32_head:
+            _warn_once("fp32_head", f"vLLM {self.vllm_version} has no head_dtype override: the engine computes its "
+                       "logits in its own dtype, so the FP32 LM head (model.fp32_lm_head) covers the trainer only; "
+                       "logp_rollout comes from the engine's low-precision head (recorded in meta.json)")
+        self.engine_kwargs = engine_kwargs(
+            str(model_path), tokenizer_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.enable_sleep_mode, seed=seed, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
+            placement=placement, logprobs_mode=self.logprobs_mode,
+            head_dtype="float32" if self.fp32_head else None, extra=llm_kwargs)
+        set_rank_environment(placement)
+        self.llm = vllm.LLM(**self.engine_kwargs)
+        self.device = None if device is None else torch.device(device)
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the engine's worker set its own; the trainer keeps its rank's
         self._asleep: set[str] = set()  # parts put to sleep: "weights", "kv_cache"
         self._sleep_level = 0
         self._needs_weights = False  # after waking from level 2: the weights must be pushed again
+        self.weight_push: str | None = None  # which path pushed the weights (info())
+        self._fp32_head_requested = bool(fp32_head)
+
+    def info(self) -> dict:
+        """What the engine does, for the run's ``meta.json``."""
+        recorded = {k: v for k, v in self.engine_kwargs.items() if isinstance(v, (str, int, float, bool, dict))}
+        return {"engine": "vllm", "vllm_version": self.vllm_version, "logprobs_mode": self.logprobs_mode,
+                "fp32_head_requested": self._fp32_head_requested, "fp32_head_in_engine": self.fp32_head,
+                "sleep_level": self.sleep_level if self.enable_sleep_mode else None,
+                "weight_push": self.weight_push, "llm_kwargs": recorded}
+
 
     # ------------------------------------------------------------------ sampling
 
@@ -399,7 +460,7 @@ class VLLMSampler(Sampler):
     # ------------------------------------------------------------------ weights
 
     def _engine_model(self):
-        """The vLLM model object when the engine runs in this process, else None."""
+        """The vLLM model object when the engine runs in this process, else None (the private path)."""
         executor = getattr(self.llm.llm_engine, "model_executor", None)
         worker = getattr(executor, "driver_worker", None)
         if worker is None:
@@ -414,38 +475,58 @@ class VLLMSampler(Sampler):
 
         ``model``: the policy module (its ``state_dict``, with LoRA adapters merged), a ``{name: tensor}``
         dict or an iterable of (name, tensor), with Hugging Face names. ``chunk_bytes`` sizes the CPU
-        chunks of the out-of-process path only.
+        chunks of the private out-of-process path only. Weights asleep (level 2: discarded) are woken first.
         """
         if "weights" in self._asleep:
             self.wake_up(tags=["weights"])
-        weights = named_weights(model)
-        target = self._engine_model()
         n = 0
-        if target is not None:  # in process: straight into the engine's parameters
-            def counted(ws):
-                nonlocal n
-                for item in ws:
-                    n += 1
-                    yield item
 
-            with torch.no_grad():
-                target.load_weights(counted(weights))
-        else:  # the engine core runs in another process
-            for chunk in _chunks(weights, chunk_bytes):
-                self.llm.collective_rpc(_load_weights_on_worker, args=(chunk,))
-                n += len(chunk)
+        def counted(ws):
+            nonlocal n
+            for item in ws:
+                n += 1
+                yield item
+
+        in_process = self._engine_model() is not None
+        weights = counted(named_weights(model))
+        if self.weight_push in (None, "reload_weights"):
+            try:
+                with torch.no_grad():  # in process: the tensors themselves; else CPU copies in one message
+                    payload = weights if in_process else [(k, v.detach().cpu()) for k, v in weights]
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": payload})
+                self.weight_push = "reload_weights"
+            except (TypeError, NotImplementedError, AttributeError) as e:
+                if not _no_weights_iterator(e) or (in_process and n):
+                    raise
+                self.weight_push, n = "load_weights (private)", 0
+                weights = counted(named_weights(model))
+        if self.weight_push == "load_weights (private)":
+            self._push_private(weights, chunk_bytes)
         self.llm.reset_prefix_cache()
         self._needs_weights = False
         return n
 
+    def _push_private(self, weights, chunk_bytes: int) -> None:
+        """The fallback for a vLLM without ``reload_weights(weights_iterator=...)``: the model's own
+        ``load_weights`` through the V1 engine's ``model_executor`` (in process), else CPU chunks through
+        ``collective_rpc`` with a function."""
+        target = self._engine_model()
+        if target is not None:
+            with torch.no_grad():
+                target.load_weights(weights)
+            return
+        for chunk in _chunks(weights, chunk_bytes):
+            self.llm.collective_rpc(_load_weights_on_worker, args=(chunk,))
+
     # ------------------------------------------------------------------ colocation
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the engine's GPU memory (``LLM.sleep``): level 1 offloads the weights to CPU memory and drops
-        the KV cache; level 2 drops both (then :meth:`update_weights` must run before the next
-        :meth:`generate`). Needs ``enable_sleep_mode=True``."""
+    def sleep(self, level: int | None = None) -> None:
+        """Free the engine's GPU memory (``LLM.sleep``): level 2 (default: ``sleep_level``) discards the
+        weights and the KV cache (then :meth:`update_weights` must run before the next :meth:`generate`);
+        level 1 moves the weights to CPU memory and discards the KV cache. Needs ``enable_sleep_mode=True``."""
         if not self.enable_sleep_mode:
             raise RuntimeError("VLLMSampler.sleep needs enable_sleep_mode=True at construction")
+        level = self.sleep_level if level is None else level
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self._asleep:
@@ -454,12 +535,13 @@ class VLLMSampler(Sampler):
         self._asleep, self._sleep_level = {"weights", "kv_cache"}, level
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Reallocate what :meth:`sleep` freed (``LLM.wake_up``); ``tags`` ("weights", "kv_cache") wakes
-        only those parts (where vLLM's ``wake_up`` takes tags; else all wake), e.g. the weights before
-        :meth:`update_weights`."""
+        """Reallocate what :meth:`sleep` freed (``LLM.wake_up``), after releasing the trainer's cached CUDA
+        blocks (``torch.cuda.empty_cache()``); ``tags`` ("weights", "kv_cache") wakes only those parts
+        (where vLLM's ``wake_up`` takes tags; else all wake), e.g. the weights before :meth:`update_weights`."""
         parts = set(self._asleep) if tags is None else set(tags) & self._asleep
         if not parts:
             return
+        torch.cuda.empty_cache()  # a no-op without CUDA
         if parts == {"weights", "kv_cache"}:
             self.llm.wake_up()
         else:
@@ -469,23 +551,5 @@ class VLLMSampler(Sampler):
                 self.llm.wake_up()
                 parts = set(self._asleep)
         if "weights" in parts and self._sleep_level == 2:
-            # Level 2 discarded the weights and the buffers that are not in a state dict (e.g. rotary
-            # caches): reload them from disk (vLLM issue #29341, TRL's workaround), then require a push.
-            try:
-                self.llm.collective_rpc("reload_weights")
-            except (AttributeError, NotImplementedError):
-                pass  # a vLLM without reload_weights: the required push below restores the weights
-            self._needs_weights = True
+            self._needs_weights = True  # discarded: update_weights pushes them (nothing is read from disk)
         self._asleep -= parts
-
-
-def _engine_accepts(name: str) -> bool:
-    """Whether the installed vLLM's engine arguments have field ``name``."""
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:
-        return False
-    try:
-        return name in {f.name for f in dataclasses.fields(EngineArgs)}
-    except TypeError:  # not a dataclass
-        return name in getattr(EngineArgs, "__annotations__", {})
