@@ -186,7 +186,8 @@ def fork_metrics(per_update: list[torch.Tensor], names: tuple[str, ...]) -> dict
     * per string ``s`` of ``names`` (metric names, ``cispo.forks.slug``) and for ``other``:
       ``fork/<s>/{pos, pos_above, pos_lowp_above}`` (counts), ``frac_capped``, ``frac_ppo_dropped``
       (shares of its tokens), ``pos_mass_above`` (share of its positive mass) pooled over the updates,
-      and each per update, ``fork/<s>/<metric>_k{k}``, with ``fork/<s>/tokens_k{k}``."""
+      and each per update, ``fork/<s>/<metric>_k{k}``, with ``fork/<s>/tokens_k{k}`` — the per-update
+      keys only in a step that has a token of ``s`` (12 strings x K = 16 would be 1344 keys a step)."""
     total = sum(per_update)  # [S + 1, F]
     forks = lambda sums: sums[:-1].sum(0)  # noqa: E731  every fork string   [F]
     mass_share = lambda row: _ratio(float(row[_COL["mass_above"]]), float(row[_COL["mass"]]))  # noqa: E731
@@ -198,7 +199,7 @@ def fork_metrics(per_update: list[torch.Tensor], names: tuple[str, ...]) -> dict
         out[f"objective/fork_pos_mass_above_k{k}"] = mass_share(forks(sums))
     for row, name in enumerate((*names, OTHER)):
         blocks = {**_update_block(total[row], "")}
-        for k, sums in enumerate(per_update, start=1):
+        for k, sums in enumerate(per_update if total[row, _COL["tokens"]] > 0 else [], start=1):
             blocks[f"tokens_k{k}"] = float(sums[row, _COL["tokens"]])
             blocks.update(_update_block(sums[row], f"_k{k}"))
         out.update({f"fork/{name}/{key}": value for key, value in blocks.items()})

@@ -153,9 +153,11 @@ def test_a_wordmath_run_logs_every_string_per_update(tmp_path):
     assert main(["train", *args]) == 0
     row = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r["step"] == 1][0]
     for name in (*map(slug, wordmath.FORK_TOKENS), "other"):
+        assert f"fork/{name}/pos_above" in row and f"fork/{name}/p_old" in row
+        sampled = row[f"fork/{name}/count"] > 0  # per-update keys only for a string the step sampled
         for k in (1, 2):
-            assert f"fork/{name}/tokens_k{k}" in row and f"fork/{name}/frac_ppo_dropped_k{k}" in row
-        assert row[f"fork/{name}/tokens_k1"] + row[f"fork/{name}/tokens_k2"] == row[f"fork/{name}/count"]
+            assert (f"fork/{name}/tokens_k{k}" in row) == (f"fork/{name}/frac_ppo_dropped_k{k}" in row) == sampled
+        assert row.get(f"fork/{name}/tokens_k1", 0) + row.get(f"fork/{name}/tokens_k2", 0) == row[f"fork/{name}/count"]
     assert "fork/other/tokens_k3" not in row and row["fork/other/count"] > 0
     records = [json.loads(line) for line in (tmp_path / "r" / "samples.jsonl").read_text().splitlines()]
     assert all(r["fork_tokens"] == sum(count_in_text(wordmath.FORK_TOKENS, r["completion"])) for r in records)

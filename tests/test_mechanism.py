@@ -78,8 +78,9 @@ def test_no_positive_fork_token_is_nan_not_zero():
     exp.extras["fork_index"] = torch.full((2, 3), -1)
     _, stats = policy_loss(logp_new, exp.logp_old, exp.advantages, exp.response_mask, preset("cispo"))
     out = fork_metrics([fork_sums(exp, stats, len(NAMES), eps_high=0.2)], NAMES)
-    assert math.isnan(out["objective/fork_pos_mass_above"]) and math.isnan(out["fork/wait/frac_capped_k1"])
-    assert out["fork/wait/tokens_k1"] == 0.0 and out[MECHANISM_COUNT] == 0.0
+    assert math.isnan(out["objective/fork_pos_mass_above"]) and math.isnan(out["fork/wait/frac_capped"])
+    assert out["fork/wait/pos"] == 0.0 and out[MECHANISM_COUNT] == 0.0
+    assert "fork/wait/tokens_k1" not in out and out["fork/other/tokens_k1"] == 6.0  # per update: sampled strings only
 
 
 def test_a_run_logs_the_check_per_update(tiny_model, tmp_path):
@@ -94,5 +95,6 @@ def test_a_run_logs_the_check_per_update(tiny_model, tmp_path):
     assert ks == list(range(1, int(row["optim/step_updates"]) + 1)) and ks
     assert row[MECHANISM_COUNT] == sum(row[f"{MECHANISM_COUNT}_k{k}"] for k in ks)
     # the per-string block of the task's one fork string "W": every row is in one update's mini-batch
-    assert sum(row[f"fork/w/tokens_k{k}"] for k in ks) == row["fork/w/count"]
-    assert sum(row[f"fork/w/pos_lowp_above_k{k}"] for k in ks) == row[MECHANISM_COUNT]
+    assert sum(row.get(f"fork/w/tokens_k{k}", 0.0) for k in ks) == row["fork/w/count"]  # none: no _k keys
+    assert sum(row.get(f"fork/w/pos_lowp_above_k{k}", 0.0) for k in ks) == row[MECHANISM_COUNT]
+    assert sum(row[f"fork/other/tokens_k{k}"] for k in ks) == row["fork/other/count"]
