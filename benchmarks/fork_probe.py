@@ -91,7 +91,7 @@ def main(argv=None) -> int:
           f"{'pctile':>6} {'later tokens mean p':>19}")
 
     def row(name, s, rows, later):
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
         print(f"{name:<18} {s['n']:>6} {rows:>9} {fmt(s.get('mean')):>7} {fmt(s.get('median')):>8} "
               f"{fmt(s.get('lowp')):>6} {fmt(s.get('pct')):>6} {fmt(later):>19}")
 
