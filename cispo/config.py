@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
 from cispo.config_engine import (ConfigError, apply_overrides, field_docs, format_help, from_dict, load_yaml,
-                                 save_yaml, to_dict)
+                                 rename_key, save_yaml, to_dict)
 
 __all__ = [
     "AlgoConfig", "DataConfig", "EvalConfig", "EvalSetConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
@@ -152,7 +152,8 @@ class DataConfig:
     (``fork/<string>/...`` metrics, ``rollout/fork_rate``), e.g. ``[Wait, However, "Let me check"]``:
     each in either case of its first letter, with or without a leading space, as a whole word — every
     token and token sequence of the vocabulary that spells it (docs/metrics.md). None: the task's own
-    (``wordmath``: an English list; ``addition``, ``chain``: ``[W]``; prompt files: none); ``[]``: none."""
+    (``wordmath``: an English list; ``addition``, ``chain``: ``[W]``; prompt files: none); ``[]``: none.
+    ``data.fork_token=Wait``, its old name (one string), still reads as ``[Wait]``."""
     reward_timeout_s: float | None = 60.0
     """Per-call reward timeout; a reward that hangs, raises or returns a non-number scores 0
     and is counted in ``rollout/reward_errors``. Applies to rewards in worker processes
@@ -457,3 +458,7 @@ class TrainConfig:
         for name, ok, why in ref_checks:
             if not ok:
                 raise ValueError(f"{name} {why}")
+
+
+# run folders written before a key was renamed still load (their config.yaml, ``--resume``)
+rename_key(TrainConfig, "data.fork_token", "data.fork_tokens", lambda word: [word])  # one string, then a list

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cispo.cli import main
-from cispo.config import ConfigError, TrainConfig, apply_overrides
+from cispo.config import ConfigError, TrainConfig, apply_overrides, load_yaml
 from cispo.data import load_source
 from cispo.experience import Completion, collate
 from cispo.forks import ForkTokens, count_in_text, normalise, slug, used_any
@@ -130,9 +130,20 @@ def test_bad_fork_strings_are_one_sentence_naming_the_field():
     with pytest.raises(ConfigError, match=r"'double-check' and 'double check' would share the metric name "
                                           r"fork/double_check/"):
         apply_overrides(TrainConfig(), ["data.fork_tokens=[double-check, double check]"])
-    with pytest.raises(ConfigError, match=r"data\.fork_token: unknown key.*data\.fork_tokens"):
-        apply_overrides(TrainConfig(), ["data.fork_token=Wait"])
     assert slug("Let me check") == "let_me_check"
+
+
+def test_a_config_of_the_old_single_fork_token_still_loads(tmp_path):
+    """Run folders written before data.fork_token became data.fork_tokens (a list): resume, eval."""
+    old = tmp_path / "config.yaml"
+    old.write_text("data:\n  task: wordmath\n  fork_token: Wait\n")
+    assert load_yaml(TrainConfig, old).data.fork_tokens == ["Wait"]
+    old.write_text("data:\n  fork_token: null\n")
+    assert load_yaml(TrainConfig, old).data.fork_tokens is None
+    old.write_text("data:\n  fork_tokens: [Hmm]\n  fork_token: Wait\n")
+    with pytest.raises(ConfigError, match=r"config\.yaml:3: data\.fork_token is the old name of data\.fork_tokens"):
+        load_yaml(TrainConfig, old)
+    assert apply_overrides(TrainConfig(), ["data.fork_token=Wait"]).data.fork_tokens == ["Wait"]
 
 
 def test_the_config_overrides_the_task_list():
