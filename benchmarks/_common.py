@@ -210,7 +210,7 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
         "obj": setup_mod.make_objective(cfg.algo, cfg.rollout.max_new_tokens),
         "stream": PromptStream(task.train_samples(cfg.data.seed, 4096), seed=seed),
         "generators": {"sample": torch.Generator().manual_seed(seed), "shuffle": torch.Generator().manual_seed(seed + 1)},
-        "fork_id": setup_mod.fork_token_ids(tok, task),
+        "forks": setup_mod.fork_matcher(tok, task),
         "params": sum(p.numel() for p in model.parameters()),
         "desc": model_desc(model),
     }
@@ -230,7 +230,7 @@ def ours_steps(setup: dict, steps: int) -> list[dict]:
         g0, r0 = gen.seconds, score.seconds
         t0 = time.perf_counter()
         m, updates = rl_step(s["policy"], s["optimizer"], s["stream"], s["task"], s["cfg"], s["obj"], s["sampling"],
-                             s["generators"], updates, s["fork_id"])
+                             s["generators"], updates, s["forks"])
         wall = time.perf_counter() - t0
         sample, sc = gen.seconds - g0, score.seconds - r0
         row = {"wall": wall, "sample": sample, "score": sc, "logp_old": m["perf/logp_old_s"],

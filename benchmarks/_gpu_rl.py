@@ -124,7 +124,7 @@ def section_rl(ctx, compiled: bool) -> None:
         for i in range(1 + s.rl_steps):
             policy.sampler.reset()
             (m, updates), wall = dev.timed(lambda: tr.rl_step(policy, optimizer, stream, task, cfg, obj, sampling,
-                                                              gens, updates, su.fork_token_ids(tok, task)))
+                                                              gens, updates, su.fork_matcher(tok, task)))
             row = {"wall_s": wall, "sample_s": m["perf/sample_s"], "generate_s": policy.sampler.seconds,
                    "logp_old_s": m["perf/logp_old_s"], "update_s": m["perf/update_s"],
                    "prompt_tokens": policy.sampler.prompt_tokens, "response_tokens": policy.sampler.response_tokens}

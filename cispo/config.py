@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
 from cispo.config_engine import (ConfigError, apply_overrides, field_docs, format_help, from_dict, load_yaml,
-                                 save_yaml, to_dict)
+                                 rename_key, save_yaml, to_dict)
 
 __all__ = [
     "AlgoConfig", "DataConfig", "EvalConfig", "EvalSetConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
@@ -193,8 +193,13 @@ class DataConfig:
     """Malformed rows: ``raise`` (the first one, naming file, line and field) or ``skip``."""
     reward: str | None = None
     """Reward for ``path`` data: ``math``, ``exact_match``, ``code`` or ``module:function``."""
-    fork_token: str | None = None
-    """For ``path`` data: a string whose use is tracked as the fork rate (e.g. ``Wait``)."""
+    fork_tokens: list[str] | None = None
+    """Reflective (fork) strings whose use, probability and clipping are tracked per string
+    (``fork/<string>/...`` metrics, ``rollout/fork_rate``), e.g. ``[Wait, However, "Let me check"]``:
+    each in either case of its first letter, with or without a leading space, as a whole word — every
+    token and token sequence of the vocabulary that spells it (docs/metrics.md). None: the task's own
+    (``wordmath``: an English list; ``addition``, ``chain``: ``[W]``; prompt files: none); ``[]``: none.
+    ``data.fork_token=Wait``, its old name (one string), still reads as ``[Wait]``."""
     reward_timeout_s: float | None = 60.0
     """Per-call reward timeout; a reward that hangs, raises or returns a non-number scores 0
     and is counted in ``rollout/reward_errors``. Applies to rewards in worker processes
@@ -498,6 +503,13 @@ class TrainConfig:
             ("samples_max_mb", self.samples_max_mb > 0, "must be > 0"),
         ]
         problems = [f"{name} {why}" for name, ok, why in checks if not ok]
+        if d.fork_tokens is not None:
+            from cispo.forks import normalise
+
+            try:
+                normalise(d.fork_tokens)
+            except ValueError as e:
+                problems.append(f"data.fork_tokens is not usable: {e}")
         if problems:  # all of them at once: a user fixes them in one go, not one error per run
             raise ValueError(problems[0] if len(problems) == 1 else
                              f"{len(problems)} settings to fix: " + "; ".join(problems))
@@ -525,3 +537,7 @@ class TrainConfig:
         for name, ok, why in ref_checks:
             if not ok:
                 raise ValueError(f"{name} {why}")
+
+
+# run folders written before a key was renamed still load (their config.yaml, ``--resume``)
+rename_key(TrainConfig, "data.fork_token", "data.fork_tokens", lambda word: [word])  # one string, then a list

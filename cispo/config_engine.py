@@ -13,6 +13,7 @@ themselves (``TrainConfig()``, ``dataclasses.replace``) work without it, as on a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import pathlib
@@ -25,8 +26,8 @@ import yaml
 
 from cispo.suggest import did_you_mean
 
-__all__ = ["ConfigError", "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml", "save_yaml",
-           "to_dict"]
+__all__ = ["ConfigError", "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml", "rename_key",
+           "save_yaml", "to_dict"]
 T = TypeVar("T")
 KeyPath = tuple  # field names (str) and list indices (int), as in pydantic's error locations
 
@@ -112,8 +113,38 @@ def _problem(cls: type, err: dict) -> str:
     return f"{key}: expected {_type_name(tp)}, got {got!r}" if tp else f"{key}: {err['msg']}, got {got!r}"
 
 
+_RENAMED: dict[type, dict[KeyPath, tuple[KeyPath, Callable[[Any], Any]]]] = {}
+
+
+def rename_key(cls: type, old: str, new: str, convert: Callable[[Any], Any] = lambda value: value) -> None:
+    """Read dotted key ``old`` of config ``cls`` as ``new`` (its value through ``convert``), so that
+    files written before a key was renamed (a run folder's ``config.yaml``) still load; ``old`` with
+    a value (not None) next to a value of ``new`` is an error."""
+    _RENAMED.setdefault(cls, {})[tuple(old.split("."))] = (tuple(new.split(".")), convert)
+
+
+def _renamed(cls: type, data: Any, where: Callable[[KeyPath], str]) -> Any:
+    """``data`` (a copy, when a renamed key of ``cls`` is in it: `rename_key`) with them under their new names."""
+    renamed = _RENAMED.get(cls, {})
+    if renamed and isinstance(data, dict):
+        data = copy.deepcopy(data)
+    for old, (new, convert) in renamed.items():
+        parent = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, old[:-1], data)
+        if not isinstance(parent, dict) or old[-1] not in parent:
+            continue
+        value = parent.pop(old[-1])
+        target = functools.reduce(lambda d, k: d.setdefault(k, {}), new[:-1], data)
+        if value is not None and target.get(new[-1]) is not None:
+            raise ConfigError(f"{where(old)}: {_dotted(old)} is the old name of {_dotted(new)}: give only "
+                              f"{_dotted(new)}")
+        if value is not None:
+            target[new[-1]] = convert(value)
+    return data
+
+
 def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
     """``cls`` from plain data; each problem is a line ``where(key path): key: what``."""
+    data = _renamed(cls, data, where)
     for key, tp in _fields(cls).items():  # pydantic reads true as 1 where a number is due: refused
         value = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, key, data)
         if isinstance(value, bool) and {int, float} & {tp, *typing.get_args(tp)} and bool not in typing.get_args(tp):

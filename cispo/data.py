@@ -12,11 +12,14 @@ on the number of generation rounds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 import torch
+
+from cispo.forks import normalise, used_any
 
 Group = TypeVar("Group")
 
@@ -122,13 +125,13 @@ def fill_groups(
 class FileSource:
     """Prompts from files (``cispo.datasets.load_prompts``) with the Task interface the
     trainer uses: ``train_samples(seed, n)``, ``eval_samples(seed, n)``, ``reward``,
-    ``used_fork``, ``extract_answer``, ``fork_token``, ``max_new_tokens``, ``name``."""
+    ``used_fork``, ``extract_answer``, ``fork_tokens``, ``max_new_tokens``, ``name``."""
 
     name: str
     train: tuple
     eval: tuple
     reward: Callable[..., float]
-    fork_token: str | None
+    fork_tokens: tuple[str, ...]
     max_new_tokens: int
     model: str | None = None  # the Task interface's: no model of its own (model.path or the built-in one)
     chat: bool = False  # the Task interface's: the chat template only where model.chat_template asks
@@ -140,7 +143,7 @@ class FileSource:
         return list(self.eval[:n])
 
     def used_fork(self, completion: str) -> bool:
-        return self.fork_token is not None and self.fork_token in completion
+        return used_any(self.fork_tokens, completion)
 
     def extract_answer(self, completion: str) -> str | None:
         """The final answer maj@k votes on (``cispo.rewards.exact.extract_final_answer``)."""
@@ -150,11 +153,13 @@ class FileSource:
 
 
 def load_source(data_cfg, max_new_tokens: int | None):
-    """The built-in task ``data_cfg.task``, or the prompt files of ``data_cfg.path``."""
+    """The built-in task ``data_cfg.task``, or the prompt files of ``data_cfg.path``, tracking the fork
+    strings ``data_cfg.fork_tokens`` where they are given (`with_fork_tokens`)."""
     if data_cfg.path is None:
         from cispo.tasks import get_task
 
-        return get_task(data_cfg.task)
+        task = get_task(data_cfg.task)
+        return task if data_cfg.fork_tokens is None else with_fork_tokens(task, data_cfg.fork_tokens)
     from cispo.datasets import load_prompts
     from cispo.rewards.loading import load_reward
 
@@ -182,9 +187,15 @@ def load_source(data_cfg, max_new_tokens: int | None):
         train=tuple(train),
         eval=tuple(held_out),
         reward=load_reward(data_cfg.reward, data_cfg.reward_isolation, data_cfg.reward_workers),
-        fork_token=data_cfg.fork_token,
+        fork_tokens=normalise(data_cfg.fork_tokens or ()),
         max_new_tokens=max_new_tokens,
     )
+
+
+def with_fork_tokens(task, strings):
+    """``task`` tracking ``strings`` (``normalise`` d) as its fork strings, ``used_fork`` included."""
+    strings = normalise(strings)
+    return replace(task, fork_tokens=strings, used_fork=partial(used_any, strings))
 
 
 def load_eval_sets(data_cfg) -> dict[str, list[dict]]:

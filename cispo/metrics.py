@@ -8,11 +8,13 @@ fraction over zero tokens) is NaN; averages over optimizer steps and over ranks 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
 from cispo.data import FillReport
 from cispo.experience import Experience
+from cispo.forks import OTHER
 from cispo.objective import LOW_PROB, ObjectiveStats
 
 
@@ -42,7 +44,7 @@ def reduce_over_ranks(per_rank: list[dict]) -> dict:
         values = [v for m in per_rank if (v := m.get(key)) is not None and not is_nan(v)]
         if not values:
             out[key] = float("nan")
-        elif key in SUMMED_OVER_RANKS or key.startswith(MECHANISM_COUNT):
+        elif is_summed_count(key):
             out[key] = float(sum(values))
         elif key in MAXED_OVER_RANKS:
             out[key] = float(max(values))
@@ -98,51 +100,128 @@ def update_metrics(stats: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# The mechanism check (issue 28): does PPO's upper mask act on rare positive fork tokens?
+# Reflective (fork) strings, and the mechanism check of issue 28: does PPO's upper mask act on
+# rare positive fork tokens? One row of sums per tracked string (`cispo.forks`), one for the rest.
 # ---------------------------------------------------------------------------------------
 
 MECHANISM_COUNT = "objective/fork_pos_lowp_above"  # and its per-update "..._k{k}" keys: summed over ranks
-MECHANISM_SUMS = ("fork_pos_lowp_above", "fork_mass", "fork_mass_above", "other_mass", "other_mass_above")
+FORK_COLUMNS = ("tokens", "capped", "ppo_dropped", "pos", "pos_above", "pos_lowp_above", "mass", "mass_above")
+"""The columns of `fork_sums`."""
+_COL = {name: i for i, name in enumerate(FORK_COLUMNS)}
+_FORK_COUNT = re.compile(r"^fork/[^/]+/(count|tokens|pos|pos_above|pos_lowp_above)(_k\d+)?$")
+
+
+def is_summed_count(key: str) -> bool:
+    """A per-rank count whose value for the step is the sum over ranks."""
+    return key in SUMMED_OVER_RANKS or key.startswith(MECHANISM_COUNT) or bool(_FORK_COUNT.match(key))
+
+
+def fork_labels(exp: Experience, n_strings: int) -> torch.Tensor:
+    """Each response token's row of `fork_sums`: the index of the fork string whose match it starts
+    (``exp.extras["fork_index"]``, `cispo.forks.ForkTokens.index`), else ``n_strings`` (the other
+    tokens).  -> [b, T] long"""
+    T = exp.response_mask.shape[1]
+    index = exp.extras["fork_index"][:, :T]  # [b, T]
+    return torch.where(index >= 0, index, torch.full_like(index, n_strings))
 
 
 @torch.no_grad()
-def mechanism_sums(exp: Experience, stats: ObjectiveStats, is_fork: torch.Tensor, eps_high: float) -> dict:
-    """One micro-batch's share of the mechanism check, for positive-advantage tokens:
+def fork_sums(exp: Experience, stats: ObjectiveStats, n_strings: int, eps_high: float) -> torch.Tensor:
+    """One micro-batch's counts per fork string (rows 0..S-1, in ``ForkTokens.names`` order) and for
+    the other response tokens (row S), in the columns `FORK_COLUMNS`:
 
-    * ``fork_pos_lowp_above``: fork tokens with A > 0, p_old < 0.1 and r > 1 + eps_high — the
-      paper's case, whose gradient PPO's upper mask drops (CISPO keeps it, capped);
-    * ``fork_mass`` / ``fork_mass_above``: the gradient-mass proxy (1 - p) |w A| summed over the
-      positive fork tokens / over those of them with r > 1 + eps_high (|d log p / d logit| = 1 - p);
-    * ``other_mass`` / ``other_mass_above``: the same over the other positive tokens (the contrast).
+    * ``tokens``; ``capped`` (w != r, eq. 5) and ``ppo_dropped`` (M = 0, eq. 7) among them;
+    * ``pos``: those with A > 0; ``pos_above``: of them, r > 1 + eps_high — the ones whose gradient
+      PPO's upper mask drops (CISPO keeps it, capped); ``pos_lowp_above``: of those, p_old < 0.1 — the
+      paper's case;
+    * ``mass`` / ``mass_above``: the gradient-mass proxy (1 - p) |w A| summed over the A > 0 tokens /
+      over those with r > 1 + eps_high (|d log p / d logit| = 1 - p).
 
-    ``is_fork``: [b, T] bool; ``stats`` must carry its per-token ``ratio`` and ``weight``."""
+    ``stats`` must carry its per-token flags, ``ratio`` and ``weight``.  -> [S + 1, F] float64"""
     mask = exp.response_mask.bool()  # [b, T]
     T = mask.shape[1]
     positive = (exp.advantages[:, None] > 0).expand_as(mask) & mask  # [b, T]
     ratio, weight = stats.ratio[:, :T], stats.weight[:, :T]  # [b, T]
-    above = ratio > 1.0 + eps_high  # [b, T]
+    above = positive & (ratio > 1.0 + eps_high)  # [b, T]
     p_new = torch.exp(exp.logp_old[:, :T]) * ratio  # pi_theta = r pi_old    [b, T]
     mass = (1.0 - p_new).clamp(min=0) * (weight * exp.advantages[:, None]).abs()  # [b, T]
-    fork, other = positive & is_fork, positive & ~is_fork
-    low_prob = exp.logp_old[:, :T] < torch.log(torch.tensor(LOW_PROB))
-    return {"fork_pos_lowp_above": int((fork & low_prob & above).sum()),
-            "fork_mass": float(mass[fork].sum()), "fork_mass_above": float(mass[fork & above].sum()),
-            "other_mass": float(mass[other].sum()), "other_mass_above": float(mass[other & above].sum())}
+    low_prob = exp.logp_old[:, :T] < math.log(LOW_PROB)  # [b, T]
+    columns = {"tokens": mask, "capped": stats.capped[:, :T], "ppo_dropped": stats.ppo_dropped[:, :T],
+               "pos": positive, "pos_above": above, "pos_lowp_above": above & low_prob,
+               "mass": mass * positive, "mass_above": mass * above}
+    values = torch.stack([columns[c].double() for c in FORK_COLUMNS], dim=-1)[mask]  # [n, F]
+    labels = fork_labels(exp, n_strings)[mask]  # [n]
+    out = torch.zeros(n_strings + 1, len(FORK_COLUMNS), dtype=torch.float64, device=values.device)
+    return out.index_add_(0, labels, values).cpu()
 
 
-def mechanism_metrics(per_update: list[dict]) -> dict:
-    """The step's mechanism check from each optimizer step's summed ``mechanism_sums``: counts summed,
-    mass shares pooled over the step (``objective/fork_pos_mass_above``: the share of the positive
-    fork tokens' gradient mass that lies above 1 + eps_high), and per update index k = 1..K·epochs
-    (``..._k{k}``)."""
-    def share(rows, part, whole):
-        total = sum(r[whole] for r in rows)
-        return sum(r[part] for r in rows) / total if total > 0 else float("nan")
+def frac_ppo_dropped_fork(sums: torch.Tensor) -> float:
+    """The PPO-dropped share of the fork tokens (every string) in ``fork_sums``' totals; NaN for none."""
+    forks = sums[:-1].sum(0)  # [F]
+    n = float(forks[_COL["tokens"]])
+    return float(forks[_COL["ppo_dropped"]]) / n if n else float("nan")
 
-    out = {MECHANISM_COUNT: float(sum(r["fork_pos_lowp_above"] for r in per_update)),
-           "objective/fork_pos_mass_above": share(per_update, "fork_mass_above", "fork_mass"),
-           "objective/other_pos_mass_above": share(per_update, "other_mass_above", "other_mass")}
-    for k, r in enumerate(per_update, start=1):
-        out[f"{MECHANISM_COUNT}_k{k}"] = float(r["fork_pos_lowp_above"])
-        out[f"objective/fork_pos_mass_above_k{k}"] = share([r], "fork_mass_above", "fork_mass")
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else float("nan")
+
+
+def _update_block(row: torch.Tensor, suffix: str) -> dict:
+    """One row of ``fork_sums`` (one string, or the other tokens) as metrics named ``<name><suffix>``."""
+    c = {name: float(row[i]) for name, i in _COL.items()}
+    return {f"pos{suffix}": c["pos"], f"pos_above{suffix}": c["pos_above"],
+            f"pos_lowp_above{suffix}": c["pos_lowp_above"],
+            f"frac_capped{suffix}": _ratio(c["capped"], c["tokens"]),
+            f"frac_ppo_dropped{suffix}": _ratio(c["ppo_dropped"], c["tokens"]),
+            f"pos_mass_above{suffix}": _ratio(c["mass_above"], c["mass"])}
+
+
+def fork_metrics(per_update: list[torch.Tensor], names: tuple[str, ...]) -> dict:
+    """The step's fork diagnostics from each optimizer step's ``fork_sums`` (update index k = 1..K·epochs):
+
+    * over every fork string, the mechanism check: ``objective/fork_pos_lowp_above`` (summed over the
+      updates) and ``objective/fork_pos_mass_above`` (the share of the positive fork tokens' gradient
+      mass above 1 + eps_high, pooled), each also per update (``..._k{k}``); the same share for the
+      other tokens, ``objective/other_pos_mass_above``;
+    * per string ``s`` of ``names`` (metric names, ``cispo.forks.slug``) and for ``other``:
+      ``fork/<s>/{pos, pos_above, pos_lowp_above}`` (counts), ``frac_capped``, ``frac_ppo_dropped``
+      (shares of its tokens), ``pos_mass_above`` (share of its positive mass) pooled over the updates,
+      and each per update, ``fork/<s>/<metric>_k{k}``, with ``fork/<s>/tokens_k{k}`` — the per-update
+      keys only in a step that has a token of ``s`` (12 strings x K = 16 would be 1344 keys a step)."""
+    total = sum(per_update)  # [S + 1, F]
+    forks = lambda sums: sums[:-1].sum(0)  # noqa: E731  every fork string   [F]
+    mass_share = lambda row: _ratio(float(row[_COL["mass_above"]]), float(row[_COL["mass"]]))  # noqa: E731
+    out = {MECHANISM_COUNT: float(forks(total)[_COL["pos_lowp_above"]]),
+           "objective/fork_pos_mass_above": mass_share(forks(total)),
+           "objective/other_pos_mass_above": mass_share(total[-1])}
+    for k, sums in enumerate(per_update, start=1):
+        out[f"{MECHANISM_COUNT}_k{k}"] = float(forks(sums)[_COL["pos_lowp_above"]])
+        out[f"objective/fork_pos_mass_above_k{k}"] = mass_share(forks(sums))
+    for row, name in enumerate((*names, OTHER)):
+        blocks = {**_update_block(total[row], "")}
+        for k, sums in enumerate(per_update if total[row, _COL["tokens"]] > 0 else [], start=1):
+            blocks[f"tokens_k{k}"] = float(sums[row, _COL["tokens"]])
+            blocks.update(_update_block(sums[row], f"_k{k}"))
+        out.update({f"fork/{name}/{key}": value for key, value in blocks.items()})
+    return out
+
+
+@torch.no_grad()
+def fork_rollout_metrics(exp: Experience, names: tuple[str, ...]) -> dict:
+    """The batch's fork strings as sampled, per string ``s`` of ``names`` and for ``other``:
+    ``fork/<s>/count`` (tokens that start a match), ``fork/<s>/rate`` (responses with one; not for
+    ``other``), ``fork/<s>/p_old`` (the mean of pi_old of those tokens, the policy that sampled them)
+    and ``fork/<s>/frac_lowp`` (their share with p_old < 0.1)."""
+    mask = exp.response_mask.bool()  # [B, T]
+    labels = fork_labels(exp, len(names))  # [B, T]
+    p_old = torch.exp(exp.logp_old.double())  # [B, T]
+    out = {}
+    for row, name in enumerate((*names, OTHER)):
+        here = (labels == row) & mask  # [B, T]
+        n = int(here.sum())
+        out[f"fork/{name}/count"] = float(n)
+        if name != OTHER:
+            out[f"fork/{name}/rate"] = float(here.any(-1).double().mean()) if len(exp) else float("nan")
+        out[f"fork/{name}/p_old"] = float(p_old[here].mean()) if n else float("nan")
+        out[f"fork/{name}/frac_lowp"] = float((p_old[here] < LOW_PROB).double().mean()) if n else float("nan")
     return out

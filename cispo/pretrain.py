@@ -367,7 +367,8 @@ def measure_base_model(model, tokenizer=None, task="addition", n: int = 2000, te
     rewards, forks = score(comps)
     greedy = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 0.0, seed, batch_size)
     g_rewards, g_forks = score(greedy)
-    guesses = [g.split(task.fork_token)[0] + task.fork_token for g in greedy]
+    fork = task.fork_tokens[0]  # the character the corpus plants
+    guesses = [g.split(fork)[0] + fork for g in greedy]
     forced = sample_completions(model, tokenizer, [p + g for p, g in zip(prompts, guesses)],
                                 task.max_new_tokens, temperature, seed + 1, batch_size)
     f_rewards, _ = score([g + c for g, c in zip(guesses, forced)])

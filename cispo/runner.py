@@ -36,7 +36,7 @@ from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate, evaluate_sets
 from cispo.metrics import is_nan, reduce_over_ranks
 from cispo.policy import Policy, loss_scaler
-from cispo.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_token_ids, fsdp_settings,
+from cispo.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_matcher, fsdp_settings,
                          make_objective, make_optimizer, sampling_config, vllm_settings)
 from cispo.trainer import StepInterrupted, rl_step, tracked_fork
 
@@ -311,7 +311,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
         "sample": torch.Generator(device=device).manual_seed(seed),
         "shuffle": torch.Generator().manual_seed(seed + 1),
     }
-    fork_ids = fork_token_ids(policy.tokenizer, task)
+    forks = fork_matcher(policy.tokenizer, task)
     sink = make_sinks(cfg.trackers, run_dir, run_name(cfg), to_dict(cfg)) if main else None
     sample_file = SampleFile(run_dir / "samples.jsonl", cfg.samples_max_mb) if main else None
 
@@ -383,7 +383,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
             before = stream.state_dict(), {n: g.get_state() for n, g in generators.items()}
             try:
                 metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
-                                                update_count, fork_ids, dist_info,
+                                                update_count, forks, dist_info,
                                                 on_samples=samples_logger(cfg, step, task, sample_file, sink,
                                                                           templated),
                                                 stop_requested=lambda: stop.requested)
@@ -474,7 +474,7 @@ def samples_logger(cfg: TrainConfig, step: int, task, sample_file: SampleFile | 
         return None
 
     def on_samples(groups, exp) -> None:
-        records = sample_records(step, groups, exp, task.fork_token, cfg.max_samples_per_step,
+        records = sample_records(step, groups, exp, task.fork_tokens, cfg.max_samples_per_step,
                                  cfg.samples_max_chars, decode)
         if sample_file.append(records):
             sink.log_samples(step, records)

@@ -7,8 +7,8 @@ per line (``SAMPLE_FIELDS``):
 * ``prompt``, ``completion`` (cut to ``samples_max_chars`` characters each, ``…`` marks a cut),
   ``reward`` (task reward + shaping), ``task_reward``, ``advantage`` (A_i), ``length``
   (tokens), ``finish_reason``, ``reward_error``;
-* ``fork_tokens``: occurrences of the task's reflective (fork) token in the completion
-  (None when the task has none);
+* ``fork_tokens``: occurrences of the task's reflective (fork) strings in the completion's text
+  (``cispo.forks.count_in_text``; None when the task tracks none);
 * ``capped_tokens``: response tokens whose IS weight hit a bound of eq. 5 (w != r), and
   ``ppo_dropped_tokens``: tokens a PPO mask with the objective's eps_low / eps_high would
   drop (eq. 7), both counted at the update that used the row (summed over ``algo.epochs``).
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from cispo.experience import Completion, Experience
+from cispo.forks import count_in_text
 from cispo.objective import ObjectiveStats
 
 SAMPLE_FIELDS = ("step", "group", "prompt", "completion", "reward", "task_reward", "advantage", "length",
@@ -60,7 +61,7 @@ def _cut(text: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[:max_chars] + "…"
 
 
-def sample_records(step: int, groups: list[list[Completion]], exp: Experience, fork_token: str | None,
+def sample_records(step: int, groups: list[list[Completion]], exp: Experience, fork_tokens: tuple[str, ...],
                    max_rows: int, max_chars: int, decode=None) -> list[dict]:
     """The first ``max_rows`` responses of the step as ``SAMPLE_FIELDS`` dicts (rows of ``exp``
     are the flattened ``groups``, in order). ``decode(ids) -> str``: the tokenizer's, to record the
@@ -81,7 +82,7 @@ def sample_records(step: int, groups: list[list[Completion]], exp: Experience, f
             "advantage": advantages[i],
             "length": c.length,
             "finish_reason": c.finish_reason,
-            "fork_tokens": c.text.count(fork_token) if fork_token else None,
+            "fork_tokens": sum(count_in_text(fork_tokens, c.text)) if fork_tokens else None,
             "capped_tokens": counts[0][i],
             "ppo_dropped_tokens": counts[1][i],
             "reward_error": c.reward_error,

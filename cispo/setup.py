@@ -1,5 +1,5 @@
 """Set-up of a training run's parts from its configuration: the objective, the optimizer,
-the sampling settings, the prompts that fit the context and the fork tokens to track.
+the sampling settings, the prompts that fit the context and the fork strings to track.
 
 ``cispo.runner`` builds a run from these; ``cispo.trainer`` is the loop that uses them.
 """
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cispo.distributed import DistInfo, rank_seed
+from cispo.forks import ForkTokens
 from cispo.objective import ObjectiveConfig, preset
 from cispo.policy import Policy
 from cispo.rollout import SamplingConfig
@@ -90,21 +91,16 @@ def fsdp_settings(cfg: TrainConfig, autocast: torch.dtype | None) -> dict:
     return dict(param_dtype=autocast, offload=cfg.model.fsdp_offload)
 
 
-def fork_token_ids(tokenizer, task) -> torch.Tensor | None:
-    """The vocabulary ids of the task's fork word: every token whose decoded text, stripped of
-    surrounding whitespace, is the word (``Wait`` and ``ĠWait`` / ``▁Wait`` alike), so the fork
-    is found wherever it occurs, sentence-initial or mid-sentence. None when the task tracks no
-    fork word, or when no single token spells it (then a note says so)."""
-    word = (getattr(task, "fork_token", None) or "").strip()
-    if not word:
+def fork_matcher(tokenizer, task) -> ForkTokens | None:
+    """The token spellings of the task's fork strings (``task.fork_tokens``, `cispo.forks.ForkTokens`):
+    None when it tracks none. A string that no token sequence spells is dropped with a note."""
+    if not task.fork_tokens:
         return None
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    ids = [i for i, t in enumerate(texts) if t.strip() == word]
-    if not ids:
-        print(f"cispo: no token of the vocabulary spells the fork word {word!r}; "
-              "objective/frac_ppo_dropped_fork is not tracked", file=sys.stderr)
-        return None
-    return torch.tensor(ids)
+    forks = ForkTokens.from_tokenizer(tokenizer, task.fork_tokens)
+    for name in forks.missing():
+        print(f"cispo: no token sequence of the vocabulary spells the fork string {name!r}; its fork/ metrics "
+              "stay 0", file=sys.stderr)
+    return forks
 
 
 def sampling_config(rollout: RolloutConfig, default_max_new_tokens: int) -> SamplingConfig:

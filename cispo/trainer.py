@@ -36,7 +36,9 @@ from cispo.batching import micro_batches, minibatches
 from cispo.data import PromptStream, fill_groups
 from cispo.distributed import DistInfo, all_reduce_sum, any_rank, is_sharded, max_over_ranks, sum_gradients
 from cispo.experience import Completion, Experience, collate, is_informative
-from cispo.metrics import MECHANISM_SUMS, mechanism_metrics, mechanism_sums, rollout_metrics, update_metrics
+from cispo.forks import ForkTokens
+from cispo.metrics import (fork_metrics, fork_rollout_metrics, fork_sums, frac_ppo_dropped_fork, rollout_metrics,
+                            update_metrics)
 from cispo.objective import ObjectiveConfig, ObjectiveStats, policy_loss
 from cispo.fused_head import token_objective
 from cispo.policy import Policy, policy_fused_loss, policy_logprobs
@@ -185,7 +187,7 @@ def update_policy(
     cfg,
     generator: torch.Generator,
     update_count: int,
-    fork_ids: torch.Tensor | None,
+    forks: ForkTokens | None,
     dist_info: DistInfo = DistInfo(),
     first_order: torch.Tensor | None = None,
     fill_logp_old: bool = False,
@@ -234,7 +236,7 @@ def update_policy(
                     exp.extras["entropy"][micro, :t] = sub.extras["entropy"]
                 policy.scaled(loss).backward()
                 add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
-                parts.append((s, fork_counts(sub, s, fork_ids, obj.eps_high)))
+                parts.append((s, None if forks is None else fork_sums(sub, s, len(forks.names), obj.eps_high)))
             sum_gradients(params, dist_info)
             scaler = policy.grad_scaler
             if scaler is not None:  # float16: the gradients of S * loss, back to those of the loss
@@ -296,40 +298,23 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
     return loss, stats
 
 
-def fork_tokens(exp: Experience, fork_ids: torch.Tensor) -> torch.Tensor:
-    """The response tokens of ``exp`` that are any of ``fork_ids`` (``fork_token_ids``).  -> [B, T] bool"""
-    return torch.isin(exp.response_ids, fork_ids.to(exp.response_ids.device)) & exp.response_mask.bool()
-
-
-@torch.no_grad()
-def fork_counts(exp: Experience, stats: ObjectiveStats, fork_ids: torch.Tensor | None, eps_high: float) -> dict:
-    """A micro-batch's fork-token counts: ``n_fork`` (fork tokens), ``n_fork_dropped`` (of them in
-    ``stats.ppo_dropped``, eq. 7's flags) and the mechanism check's ``mechanism_sums``; {} without
-    fork tokens."""
-    if fork_ids is None:
-        return {}
-    is_fork = fork_tokens(exp, fork_ids)  # [b, T]
-    return {"n_fork": int(is_fork.sum()), "n_fork_dropped": int((stats.ppo_dropped & is_fork).sum()),
-            **mechanism_sums(exp, stats, is_fork, eps_high)}
-
-
-def merge_stats(parts: list[tuple[ObjectiveStats, dict]], grad_norm: float, finite: bool) -> dict:
+def merge_stats(parts: list[tuple[ObjectiveStats, torch.Tensor | None]], grad_norm: float, finite: bool) -> dict:
     """One optimizer step's statistics: its micro-batches' ``ObjectiveStats`` merged
     (``ObjectiveStats.merge``), the fork tokens' PPO-drop fraction, the gradient norm; the
-    summed mechanism check under ``"mechanism"`` (when fork tokens are tracked)."""
+    summed ``fork_sums`` under ``"forks"`` (when fork strings are tracked)."""
     merged = ObjectiveStats.merge([s for s, _ in parts])
-    n_fork = sum(f.get("n_fork", 0) for _, f in parts)
+    sums = sum(f for _, f in parts) if parts and parts[0][1] is not None else None  # [S + 1, F]
     out = {
         "loss": merged.loss,
         "pg_loss": merged.pg_loss,
         "kl": merged.kl,
         **merged.to_dict(keys=ObjectiveStats.DIAGNOSTICS),
-        "frac_ppo_dropped_fork": sum(f.get("n_fork_dropped", 0) for _, f in parts) / n_fork if n_fork else float("nan"),
+        "frac_ppo_dropped_fork": float("nan") if sums is None else frac_ppo_dropped_fork(sums),
         "grad_norm": grad_norm,
         "skipped": 0.0 if finite else 1.0,
     }
-    if parts and parts[0][1]:
-        out["mechanism"] = {k: sum(f[k] for _, f in parts) for k in MECHANISM_SUMS}
+    if sums is not None:
+        out["forks"] = sums
     return out
 
 
@@ -344,7 +329,7 @@ class StepInterrupted(Exception):
     before any update, so that it is not committed with those calls scored 0."""
 
 
-def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, fork_ids,
+def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, forks,
             dist_info: DistInfo = DistInfo(), on_samples=None, stop_requested=None):
     """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count).
     Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups.
@@ -387,6 +372,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         exp = build_experience(groups, policy, cfg.rollout.group_size, cfg.algo.advantage_estimator)
         if on_samples is not None:
             start_token_counts(exp)
+    if forks is not None:  # where each tracked string starts, for the metrics of every update   [B, T]
+        exp.extras["fork_index"] = forks.index(exp.response_ids, exp.response_mask)
     if cfg.rollout.vllm_sleep:  # free the inference engine's memory for the updates (no-op for torch)
         policy.sampler.sleep()
     # the first epoch's order, drawn before the logp_old pass so that pass can run the first
@@ -399,7 +386,7 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         exp.extras["tis"] = truncated_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, cfg.algo.tis_cap)
     t2 = time.perf_counter()
     updates_before = update_count
-    stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, fork_ids,
+    stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, forks,
                                         dist_info, first_order, fill_logp_old=from_update)
     t3 = time.perf_counter()
     policy.sampler.update_weights(policy.model)  # a separate inference engine samples the next batch
@@ -409,13 +396,15 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     tokens = float(exp.response_mask.sum())
     metrics = rollout_metrics(groups, exp, report, tracked_fork(task)) if groups else {}
     metrics["rollout/reward_errors"] = float(len(errors))
-    if fork_ids is not None and groups:  # reflective tokens per response (several on the `chain` task)
-        metrics["rollout/fork_tokens_per_response"] = float(fork_tokens(exp, fork_ids).sum()) / max(1, len(exp))
-    mechanism = [s.pop("mechanism") for s in stats if "mechanism" in s]
+    if forks is not None and groups:  # reflective tokens per response (several on the `chain` task)
+        is_fork = (exp.extras["fork_index"] >= 0) & exp.response_mask.bool()  # [B, T]
+        metrics["rollout/fork_tokens_per_response"] = float(is_fork.sum()) / max(1, len(exp))
+        metrics.update(fork_rollout_metrics(exp, forks.slugs))
+    per_update = [s.pop("forks") for s in stats if "forks" in s]
     if stats:
         metrics.update(update_metrics(stats))
-    if mechanism:
-        metrics.update(mechanism_metrics(mechanism))
+    if per_update:
+        metrics.update(fork_metrics(per_update, forks.slugs))
     metrics.update({
         "optim/lr": lr_at(update_count - 1, cfg.optim),
         "optim/updates": float(update_count),
@@ -477,6 +466,6 @@ def empty_experience(policy: Policy) -> Experience:
 
 
 def tracked_fork(task):
-    """``task.used_fork`` when the task names a fork word, else None (fork rates are then null,
+    """``task.used_fork`` when the task tracks fork strings, else None (fork rates are then null,
     not 0)."""
-    return task.used_fork if getattr(task, "fork_token", None) else None
+    return task.used_fork if task.fork_tokens else None

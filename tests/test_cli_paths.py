@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 REWARD = "def score(prompt, completion, answer, **sample):\n    return completion.count('1') / max(len(completion), 1)\n"
 RUN = ["model.device=cpu", "progress=false", "steps=2", "prompts_per_step=2", "group_size=2", "updates_per_batch=1",
        "max_new_tokens=6", "num_eval_prompts=2", "eval.num_samples=2", "eval.every=0", "checkpoint_every=1",
-       "dynamic_sampling=false", "data.reward_isolation=main", "data.fork_token=Wait"]
+       "dynamic_sampling=false", "data.reward_isolation=main", "data.fork_tokens=[Wait]"]
 
 
 def reject(constant: str):

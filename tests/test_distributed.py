@@ -290,6 +290,14 @@ def test_reduce_over_ranks_sums_counts_and_averages_the_rest():
     assert out["rollout/accuracy"] == 0.375 and out["rollout/fork_rate"] == 0.5 and out["only/here"] == 7.0
     undefined = reduce_over_ranks([{"rollout/fork_rate": nan, "rollout/reward_errors": nan}, {}])
     assert math.isnan(undefined["rollout/fork_rate"]) and math.isnan(undefined["rollout/reward_errors"])
+    # per fork string: counts summed, shares averaged
+    forks = reduce_over_ranks([{"fork/wait/count": 2.0, "fork/wait/pos_above_k2": 1.0, "fork/let_me_check/tokens_k1": 1.0,
+                                "fork/wait/frac_ppo_dropped_k2": 0.5, "fork/wait/pos_mass_above": 0.2},
+                               {"fork/wait/count": 3.0, "fork/wait/pos_above_k2": 2.0, "fork/let_me_check/tokens_k1": 4.0,
+                                "fork/wait/frac_ppo_dropped_k2": 1.0, "fork/wait/pos_mass_above": 0.4}])
+    assert forks["fork/wait/count"] == 5.0 and forks["fork/wait/pos_above_k2"] == 3.0
+    assert forks["fork/let_me_check/tokens_k1"] == 5.0
+    assert forks["fork/wait/frac_ppo_dropped_k2"] == 0.75 and forks["fork/wait/pos_mass_above"] == pytest.approx(0.3)
 
 
 def test_close_distributed_leaves_the_process_group(tmp_path):

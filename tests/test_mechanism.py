@@ -1,7 +1,7 @@
-"""The mechanism check (issue 28, item 3): positive-advantage, low-probability fork tokens above
-1 + eps_high (the paper's case: PPO's upper mask drops their gradient, CISPO keeps it), and the
-share of the gradient-mass proxy (1 - p) |w A| that lies above the bound — on a batch whose every
-number is computed by hand below."""
+"""The fork diagnostics per string and the mechanism check (issue 28, item 3; issue 31, item 3):
+positive-advantage, low-probability fork tokens above 1 + eps_high (the paper's case: PPO's upper
+mask drops their gradient, CISPO keeps it), and the share of the gradient-mass proxy (1 - p) |w A|
+that lies above the bound — on a batch whose every number is computed by hand below."""
 
 import math
 
@@ -9,45 +9,78 @@ import pytest
 import torch
 
 from cispo.experience import Experience
-from cispo.metrics import MECHANISM_COUNT, mechanism_metrics, mechanism_sums
+from cispo.metrics import FORK_COLUMNS, MECHANISM_COUNT, fork_metrics, fork_rollout_metrics, fork_sums
 from cispo.objective import policy_loss, preset
+
+NAMES = ("wait", "however")
+COL = {c: i for i, c in enumerate(FORK_COLUMNS)}
 
 
 def batch():
-    """Row 0 (A = +1): a rare fork (p_old 0.05, r 1.5), a common fork (p_old 0.5, r 1.5), a plain
-    token (p_old 0.5, r 1.0). Row 1 (A = -1): a rare fork above the bound (never counted: A < 0)."""
+    """Row 0 (A = +1): a rare "Wait" (p_old 0.05, r 1.5), a common "However" (p_old 0.5, r 1.5), a plain
+    token (p_old 0.5, r 1.0). Row 1 (A = -1): a rare "Wait" above the bound (never counted as positive),
+    two plain tokens."""
     p_old = torch.tensor([[0.05, 0.5, 0.5], [0.05, 0.5, 0.5]], dtype=torch.float64)
     r = torch.tensor([[1.5, 1.5, 1.0], [1.5, 1.0, 1.0]], dtype=torch.float64)
     logp_old = p_old.log()
     logp_new = logp_old + r.log()
     exp = Experience(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long),
                      torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float64),
-                     torch.tensor([1.0, -1.0], dtype=torch.float64), logp_old=logp_old)
-    is_fork = torch.tensor([[True, True, False], [True, False, False]])
-    return exp, logp_new, is_fork
+                     torch.tensor([1.0, -1.0], dtype=torch.float64), logp_old=logp_old,
+                     extras={"fork_index": torch.tensor([[0, 1, -1], [0, -1, -1]])})
+    return exp, logp_new
 
 
-@pytest.mark.parametrize("name, overrides, w_fork", [("cispo", {}, 1.5), ("dapo", {}, 1.5),
-                                                     ("cispo", {"eps_high_is": 0.2}, 1.2)])  # the weight capped
-def test_the_counts_and_the_mass_shares_by_hand(name, overrides, w_fork):
-    exp, logp_new, is_fork = batch()
+@pytest.mark.parametrize("name, overrides, w_fork, capped", [
+    ("cispo", {}, 1.5, [0, 0, 0]), ("dapo", {}, 1.5, [0, 0, 0]),
+    ("cispo", {"eps_high_is": 0.2}, 1.2, [2, 1, 0])])  # the weight capped at 1.2: both rows' r = 1.5 tokens
+def test_the_counts_and_the_mass_shares_by_hand(name, overrides, w_fork, capped):
+    exp, logp_new = batch()
     _, stats = policy_loss(logp_new, exp.logp_old, exp.advantages, exp.response_mask, preset(name, **overrides))
-    sums = mechanism_sums(exp, stats, is_fork, eps_high=0.2)
-    assert sums["fork_pos_lowp_above"] == 1  # only row 0's rare fork: the other is common, row 1's has A < 0
+    sums = fork_sums(exp, stats, len(NAMES), eps_high=0.2)  # rows: wait, however, other
+    column = lambda c: sums[:, COL[c]].tolist()  # noqa: E731
+    assert column("tokens") == [2, 1, 3] and column("pos") == [1, 1, 1] and column("capped") == capped
+    assert column("ppo_dropped") == [1, 1, 0]  # A > 0 and r = 1.5 > 1 + eps_high; row 1's A < 0, r > 1: kept
+    assert column("pos_above") == [1, 1, 0]
+    assert column("pos_lowp_above") == [1, 0, 0]  # only row 0's rare Wait: However is common, row 1 has A < 0
     rare, common = (1 - 0.05 * 1.5) * w_fork, (1 - 0.5 * 1.5) * w_fork  # (1 - p_new) |w A|, A = 1
-    assert sums["fork_mass"] == pytest.approx(rare + common) and sums["fork_mass_above"] == pytest.approx(rare + common)
-    assert sums["other_mass"] == pytest.approx((1 - 0.5) * 1.0) and sums["other_mass_above"] == 0.0
-    out = mechanism_metrics([sums, {**sums, "fork_pos_lowp_above": 0, "fork_mass_above": 0.0}])
+    assert column("mass") == pytest.approx([rare, common, (1 - 0.5) * 1.0])
+    assert column("mass_above") == pytest.approx([rare, common, 0.0])
+
+    later = sums.clone()  # a second update in which nothing is above the bound any more
+    later[:, [COL["pos_above"], COL["pos_lowp_above"], COL["mass_above"]]] = 0.0
+    out = fork_metrics([sums, later], NAMES)
     assert out[MECHANISM_COUNT] == 1.0 and out[f"{MECHANISM_COUNT}_k1"] == 1.0 and out[f"{MECHANISM_COUNT}_k2"] == 0.0
     assert out["objective/fork_pos_mass_above"] == pytest.approx(0.5)  # pooled over the two updates
     assert out["objective/fork_pos_mass_above_k2"] == 0.0 and out["objective/other_pos_mass_above"] == 0.0
+    # per string and per update index
+    assert out["fork/wait/tokens_k1"] == 2.0 and out["fork/however/tokens_k2"] == 1.0
+    assert out["fork/wait/pos_above"] == 1.0 and out["fork/wait/pos_above_k1"] == 1.0
+    assert out["fork/wait/pos_above_k2"] == 0.0 and out["fork/however/pos_lowp_above"] == 0.0
+    assert out["fork/wait/frac_ppo_dropped_k1"] == 0.5 and out["fork/however/frac_ppo_dropped"] == 1.0
+    assert out["fork/wait/frac_capped"] == capped[0] / 2 and out["fork/other/frac_ppo_dropped_k2"] == 0.0
+    assert out["fork/however/pos_mass_above_k1"] == 1.0 and out["fork/however/pos_mass_above_k2"] == 0.0
+    assert out["fork/wait/pos_mass_above"] == pytest.approx(0.5) and out["fork/other/pos_mass_above"] == 0.0
+
+
+def test_the_batch_as_sampled_per_string():
+    exp, _ = batch()
+    out = fork_rollout_metrics(exp, NAMES)
+    assert out["fork/wait/count"] == 2.0 and out["fork/wait/rate"] == 1.0 and out["fork/however/rate"] == 0.5
+    assert out["fork/wait/p_old"] == pytest.approx(0.05) and out["fork/wait/frac_lowp"] == 1.0
+    assert out["fork/however/p_old"] == pytest.approx(0.5) and out["fork/however/frac_lowp"] == 0.0
+    assert out["fork/other/count"] == 3.0 and out["fork/other/p_old"] == pytest.approx(0.5)
+    assert "fork/other/rate" not in out
 
 
 def test_no_positive_fork_token_is_nan_not_zero():
-    exp, logp_new, is_fork = batch()
+    exp, logp_new = batch()
+    exp.extras["fork_index"] = torch.full((2, 3), -1)
     _, stats = policy_loss(logp_new, exp.logp_old, exp.advantages, exp.response_mask, preset("cispo"))
-    sums = mechanism_sums(exp, stats, torch.zeros_like(is_fork), eps_high=0.2)
-    assert math.isnan(mechanism_metrics([sums])["objective/fork_pos_mass_above"])
+    out = fork_metrics([fork_sums(exp, stats, len(NAMES), eps_high=0.2)], NAMES)
+    assert math.isnan(out["objective/fork_pos_mass_above"]) and math.isnan(out["fork/wait/frac_capped"])
+    assert out["fork/wait/pos"] == 0.0 and out[MECHANISM_COUNT] == 0.0
+    assert "fork/wait/tokens_k1" not in out and out["fork/other/tokens_k1"] == 6.0  # per update: sampled strings only
 
 
 def test_a_run_logs_the_check_per_update(tiny_model, tmp_path):
@@ -61,3 +94,7 @@ def test_a_run_logs_the_check_per_update(tiny_model, tmp_path):
     ks = sorted(int(k.rsplit("_k", 1)[1]) for k in row if k.startswith(MECHANISM_COUNT + "_k"))
     assert ks == list(range(1, int(row["optim/step_updates"]) + 1)) and ks
     assert row[MECHANISM_COUNT] == sum(row[f"{MECHANISM_COUNT}_k{k}"] for k in ks)
+    # the per-string block of the task's one fork string "W": every row is in one update's mini-batch
+    assert sum(row.get(f"fork/w/tokens_k{k}", 0.0) for k in ks) == row["fork/w/count"]  # none: no _k keys
+    assert sum(row.get(f"fork/w/pos_lowp_above_k{k}", 0.0) for k in ks) == row[MECHANISM_COUNT]
+    assert sum(row[f"fork/other/tokens_k{k}"] for k in ks) == row["fork/other/count"]

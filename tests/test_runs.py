@@ -13,8 +13,8 @@ from cispo.config import TrainConfig, apply_overrides, save_yaml
 from cispo.data import FileSource
 from cispo.experience import Completion, collate
 from cispo.tracking import read_metrics
-from cispo.setup import fork_token_ids
-from cispo.trainer import fork_tokens, tracked_fork
+from cispo.setup import fork_matcher
+from cispo.trainer import tracked_fork
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -34,26 +34,30 @@ def bpe_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
-def task(fork_token):
-    return FileSource(name="t", train=(), eval=(), reward=lambda *a, **k: 0.0, fork_token=fork_token,
+def task(*fork_tokens):
+    return FileSource(name="t", train=(), eval=(), reward=lambda *a, **k: 0.0, fork_tokens=fork_tokens,
                       max_new_tokens=8)
+
+
+def response_batch(tokenizer, text):
+    resp = torch.tensor(tokenizer.encode(text))
+    return collate([Completion({}, [0], resp, torch.zeros(len(resp)), "length", "")], torch.ones(1), 0)
 
 
 def test_fork_word_matches_with_and_without_a_leading_space(bpe_tokenizer):
     vocab = bpe_tokenizer.get_vocab()
     assert "Wait" in vocab and "ĠWait" in vocab
     for word in ("Wait", " Wait"):
-        ids = fork_token_ids(bpe_tokenizer, task(word))
-        assert sorted(ids.tolist()) == sorted([vocab["Wait"], vocab["ĠWait"]])
+        forks = fork_matcher(bpe_tokenizer, task(word))
+        assert {(vocab["Wait"],), (vocab["ĠWait"],)} <= forks.spellings("Wait")
     # a mid-sentence "ĠWait" is counted as a fork token by the PPO-drop diagnostic
-    resp = torch.tensor(bpe_tokenizer.encode("Hmm Wait then Wait"))
-    exp = collate([Completion({}, [0], resp, torch.zeros(len(resp)), "length", "")], torch.ones(1), 0)
-    assert int(fork_tokens(exp, ids).sum()) == 2
+    exp = response_batch(bpe_tokenizer, "Hmm Wait then Wait")
+    assert int((forks.index(exp.response_ids, exp.response_mask) >= 0).sum()) == 2
 
 
 def test_no_fork_word_means_null_fork_metrics(bpe_tokenizer):
-    assert fork_token_ids(bpe_tokenizer, task(None)) is None
-    assert tracked_fork(task(None)) is None  # fork rates then come out null, not 0.0
+    assert fork_matcher(bpe_tokenizer, task()) is None
+    assert tracked_fork(task()) is None  # fork rates then come out null, not 0.0
     assert tracked_fork(task("Wait"))("so Wait") is True
 
 
@@ -62,7 +66,7 @@ def test_builtin_fork_token_is_unchanged(tiny_model):
 
     _, tok = load_policy(tiny_model)
     base = cispo.tasks.get_task("addition")
-    assert fork_token_ids(tok, base).tolist() == [tok.convert_tokens_to_ids(base.fork_token)]
+    assert fork_matcher(tok, base).sequences == ((0, (tok.convert_tokens_to_ids(base.fork_tokens[0]),)),)
 
 
 def test_run_without_any_update_warns_and_fails(tiny_model, tmp_path, monkeypatch, capsys):

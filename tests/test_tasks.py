@@ -18,8 +18,8 @@ def task() -> Task:
 def test_registry(task):
     assert "addition" in list_tasks()
     assert task.name == "addition"
-    assert task.fork_token == ar.FORK_TOKEN == "W"
-    assert set(task.fork_token) <= set(task.alphabet)
+    assert task.fork_tokens == (ar.FORK_TOKEN,) and ar.FORK_TOKEN == "W"
+    assert set(ar.FORK_TOKEN) <= set(task.alphabet)
     with pytest.raises(UnknownTaskError, match="addition, addition4, chain"):
         get_task("nope")
 
@@ -152,7 +152,7 @@ def test_corpus_is_seeded_and_verifies(task):
         assert not ar.is_heldout(*ar.parse_prompt(ex.prompt))
         assert ex.forked == task.used_fork(ex.completion)
         if ex.forked:
-            guess = ex.completion.split(task.fork_token)[0]
+            guess = ex.completion.split(ar.FORK_TOKEN)[0]
             n_wrong_guess += guess != ex.answer                      # an intended wrong guess,
             assert not any(ex.loss_mask[: len(guess)])               # never trained on
             assert all(ex.loss_mask[len(guess) + 1:])                 # derivation + answer + EOS
@@ -169,7 +169,7 @@ def test_corpus_fork_decision_frequency(task):
     trained_forks = trained_stops = 0
     for ex in c:
         if ex.forked:
-            trained_forks += ex.loss_mask[ex.completion.index(task.fork_token)]
+            trained_forks += ex.loss_mask[ex.completion.index(ar.FORK_TOKEN)]
         else:
             trained_stops += 1
     assert abs(trained_forks / (trained_forks + trained_stops) - 0.03) < 0.005
@@ -178,7 +178,7 @@ def test_corpus_fork_decision_frequency(task):
 def test_plain_corpus_when_fractions_are_equal(task):
     c = task.corpus(0, 2000, fork_fraction=0.05, derivation_fraction=0.05, wrong_guess_fraction=0.0)
     for ex in c:
-        assert all(ex.loss_mask[ex.completion.find(task.fork_token):])  # fork, derivation, answer
+        assert all(ex.loss_mask[ex.completion.find(ar.FORK_TOKEN):])  # fork, derivation, answer
     with pytest.raises(ValueError):
         task.corpus(0, 10, fork_fraction=0.3, derivation_fraction=0.1)
 
@@ -251,7 +251,7 @@ def test_chain_verifier():
 
 def test_chain_task_samples_and_splits():
     task = get_task("chain")
-    assert task.fork_token == "W" and set(task.alphabet) >= set("0123456789+=,;W")
+    assert task.fork_tokens == ("W",) and set(task.alphabet) >= set("0123456789+=,;W")
     train, ev = task.train_samples(0, 600), task.eval_samples(0, 300)
     assert train == task.train_samples(0, 600) and train != task.train_samples(1, 600)
     assert not {s["prompt"] for s in train} & {s["prompt"] for s in ev}

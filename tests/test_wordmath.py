@@ -72,7 +72,7 @@ def test_splits_are_disjoint_seeded_and_chat_shaped():
 
 def test_the_task_names_its_model_and_the_chat_template():
     task = get_task("wordmath")
-    assert task.model == "builtin:smollm2-135m" and task.chat and task.fork_token == "Wait"
+    assert task.model == "builtin:smollm2-135m" and task.chat and task.fork_tokens == wordmath.FORK_TOKENS
     with pytest.raises(ValueError, match="no pretraining corpus"):
         task.corpus(0, 10)
 

@@ -29,8 +29,9 @@ class Task:
     """
 
     name: str
-    fork_token: str
-    """The rare reflective token (a single character / token)."""
+    fork_tokens: tuple[str, ...]
+    """The reflective (fork) strings the fork diagnostics track (`cispo.forks`; ``data.fork_tokens``
+    overrides them). The character-level tasks' is one character, the token their corpus plants."""
     alphabet: str
     """Every character prompts and completions use (the tokenizer's vocabulary)."""
     max_new_tokens: int
@@ -42,6 +43,7 @@ class Task:
     reward: Callable[..., float]
     """``reward(prompt, completion, **sample) -> 1.0 | 0.0``."""
     used_fork: Callable[[str], bool]
+    """Whether a completion uses a fork string (``rollout/fork_rate``, ``eval/fork_rate``)."""
     extract_answer: Callable[[str], str | None]
     corpus: Callable[..., list] = field(repr=False)
     """``corpus(seed, n, **options) -> [CorpusExample, ...]`` for pretraining the base model."""
@@ -73,7 +75,7 @@ def _addition(digits: tuple[int, ...], name: str) -> Task:
     longest = (n + 1) + 1 + 8 * n + (n - 1) + 1 + (n + 1) + 1
     return Task(
         name=name,
-        fork_token=arithmetic.FORK_TOKEN,
+        fork_tokens=(arithmetic.FORK_TOKEN,),
         alphabet=arithmetic.ALPHABET,
         max_new_tokens=longest,
         train_samples=partial(arithmetic.samples, split="train", digits=digits),
@@ -90,7 +92,7 @@ def _chain(steps: tuple[int, ...], name: str, carry_prob: float = chain.CARRY_PR
            base_task: str | None = None) -> Task:
     return Task(
         name=name,
-        fork_token=chain.FORK_TOKEN,
+        fork_tokens=(chain.FORK_TOKEN,),
         alphabet=chain.ALPHABET,
         max_new_tokens=chain.max_new_tokens(steps),
         train_samples=partial(chain.samples, split="train", steps=steps, carry_prob=carry_prob, min_carries=min_carries),
@@ -114,7 +116,7 @@ def _no_corpus(*args, **kwargs):
 def _wordmath() -> Task:
     return Task(
         name=wordmath.NAME,
-        fork_token=wordmath.FORK_TOKEN,
+        fork_tokens=wordmath.FORK_TOKENS,
         alphabet="",  # a real BPE vocabulary, not a built character set
         max_new_tokens=wordmath.MAX_NEW_TOKENS,
         train_samples=partial(wordmath.samples, split="train"),

@@ -26,8 +26,13 @@ import hashlib
 import random
 import re
 
+from cispo.forks import used_any
+
 NAME = "wordmath"
-FORK_TOKEN = "Wait"  # a reflective word the fork-rate diagnostics track (see docs/real-models.md)
+FORK_TOKENS = ("Wait", "However", "Actually", "Hmm", "Alternatively", "Hold on", "Let me check", "Let me verify",
+               "double-check", "recheck", "I made a mistake")
+"""The reflective words and phrases the fork diagnostics track (``cispo.forks``: either case of the first
+letter, with or without a leading space, whole words; ``data.fork_tokens`` overrides them)."""
 SYSTEM_PROMPT = "You are a helpful math assistant. Be brief."
 INSTRUCTION = "Write one short line of working, then the final answer as: #### <number>"
 """Appended to each problem in the user turn (a 135M model follows it there more often than in the
@@ -158,4 +163,5 @@ def reward(prompt, completion: str, answer=None, **sample) -> float:
 
 
 def used_fork(completion: str) -> bool:
-    return FORK_TOKEN.lower() in completion.lower()
+    """Whether the completion uses one of `FORK_TOKENS` (whole words, ``cispo.forks.used_any``)."""
+    return used_any(FORK_TOKENS, completion)
