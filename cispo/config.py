@@ -423,7 +423,7 @@ class TrainConfig:
         if problems:  # all of them at once: a user fixes them in one go, not one error per run
             raise ValueError(problems[0] if len(problems) == 1 else
                              f"{len(problems)} settings to fix: " + "; ".join(problems))
-        from cispo.objective import preset
+        from cispo.presets import preset
         from cispo.tracking import check_sink_kinds
 
         check_sink_kinds(self.trackers)  # unknown name -> ValueError with a suggestion
