@@ -121,6 +121,7 @@ def cmd_eval(args) -> int:
     cfg = _build_config(TrainConfig, config_file, args.overrides + model)
     from cispo.data import load_eval_sets, load_source  # the config is good: now torch and the rest
     from cispo.evaluation import evaluate, evaluate_sets
+    from cispo.rewards import start_reward_workers
     from cispo.runner import check_model, load_policy_for, resolve_device
     from cispo.samples import HELD_OUT, eval_records
     from cispo.setup import default_max_new_tokens
@@ -136,6 +137,7 @@ def cmd_eval(args) -> int:
                 out.writelines(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n"
                                for r in eval_records(set_name, mode, groups, task.extract_answer))
 
+        start_reward_workers(task.reward)  # while the model loads
         policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
         samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
         max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
@@ -304,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("compare", "GRPO vs DAPO vs CISPO from the same base model over seeds; table and plots (resumable); "
             "key=value that are not comparison fields apply to every run", "cispo.experiments.compare:CompareConfig",
             cmd_compare)
-    p.add_argument("--quick", action="store_true", help="a small size (9 runs of 8 steps): 3.5-12.5 min on 2 cores (3 min 38 "
-                   "s and 12 min 22 s measured, the second with other jobs loading the machine)")
+    p.add_argument("--quick", action="store_true", help="a small size (9 runs of 8 steps): 3.5-12.5 min on 2 "
+                   "cores (3 min 38 s and 12 min 22 s measured, the second with other jobs loading the machine)")
     p = add("sweep", "the comparison for each K (off-policy updates per batch): CISPO - DAPO / GRPO gaps",
             "cispo.experiments.compare:SweepConfig", cmd_compare)
     p.add_argument("--quick", action="store_true", help="the quick size for every K")
