@@ -61,7 +61,8 @@ def worker(a, arm: str) -> dict:
     folder = Path(a.dir)
     cfg = apply_overrides(TrainConfig(), [
         f"model.path={folder / 'model'}", "model.device=cpu", f"data.path={folder / 'prompts.jsonl'}",
-        f"data.reward={folder / 'trl_reward.py'}:reward", f"data.reward_isolation={'main' if arm == 'main' else 'process'}", "data.num_eval_prompts=0",
+        f"data.reward={folder / 'trl_reward.py'}:reward", "data.num_eval_prompts=0",
+        f"data.reward_isolation={'main' if arm == 'main' else 'process'}",
         "eval.every=0", "progress=false", f"steps={a.steps}", f"prompts_per_step={a.prompts}",
         f"group_size={a.group_size}", f"updates_per_batch={a.updates}", f"max_new_tokens={a.max_new_tokens}",
         "dynamic_sampling=false", "threads=1", f"out_dir={folder / 'runs'}", f"run_name={arm}-{time.time_ns()}",

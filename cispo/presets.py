@@ -122,5 +122,6 @@ def preset(name: str, **overrides) -> ObjectiveConfig:
     fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}
     for key in overrides:
         if key not in fields:
-            raise ValueError(f"ObjectiveConfig has no field {key!r}{other_name_hint(key, fields) or did_you_mean(key, fields)}")
+            hint = other_name_hint(key, fields) or did_you_mean(key, fields)  # TRL's 'beta', or a typo
+            raise ValueError(f"ObjectiveConfig has no field {key!r}{hint}")
     return dataclasses.replace(PRESETS[name], **overrides)
