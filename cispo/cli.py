@@ -19,37 +19,60 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import json
 import sys
 from pathlib import Path
 
-from cispo.checkpoint import CheckpointError
-from cispo.config import ConfigError, TrainConfig, apply_overrides, format_help, load_yaml
-from cispo.datasets import DataError
-from cispo.rewards.loading import RewardSpecError
-from cispo.tasks import UnknownTaskError
+# Start-up imports nothing heavy: `cispo --help`, `cispo train --help` and a config error answer
+# before torch, transformers or pandas would have loaded (each command imports what it runs).
+
+INPUT_ERRORS = ("cispo.config_engine.ConfigError", "cispo.datasets.DataError", "cispo.rewards.loading.RewardSpecError",
+                "builtins.FileExistsError", "cispo.tasks.UnknownTaskError")
+"""Bad input: one line on stderr, exit status 2, no traceback."""
+RUN_ERRORS = ("cispo.checkpoint.CheckpointError",)
+"""A run that cannot go on (its checkpoints): one line, exit status 1."""
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.yaml", "curves.png", "checkpoints/")
+"""What the closing line of `cispo train` lists of its run folder (those that exist)."""
+
+
+def is_one_of(error: BaseException, names: tuple[str, ...]) -> bool:
+    """Whether ``error`` is an instance of a class named ``module.Class`` in ``names``. By name, so
+    that catching imports nothing: a class whose module was never imported was never raised."""
+    return any(f"{c.__module__}.{c.__qualname__}" in names for c in type(error).__mro__)
+
+
+def config_class(name: str) -> type:
+    """The config class ``module:Class`` (imported on use: `cispo.pretrain` loads torch)."""
+    module, _, cls = name.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def _build_config(cls, config_file: str | None, overrides: list[str]):
+    from cispo.config import apply_overrides, load_yaml
+
     cfg = load_yaml(cls, config_file) if config_file else cls()
     return apply_overrides(cfg, overrides)
 
 
 def cmd_train(args) -> int:
-    from cispo.distributed import close_distributed
+    from cispo.config import TrainConfig
     from cispo.runfolder import resume_config
-    from cispo.runner import format_summary, train
 
     if args.resume:  # the run's saved config.yaml, with the given keys on top (checked by train)
         cfg = resume_config(args.config, args.overrides)
     else:
         cfg = _build_config(TrainConfig, args.config, args.overrides)
+    from cispo.distributed import close_distributed  # the config is good: now torch and the rest
+    from cispo.runner import format_summary, train
+
     try:
         result = train(cfg, resume=args.resume, overwrite=args.overwrite)
     finally:  # under torchrun: leave the process group, also when the run fails or is stopped
         close_distributed()
     print(format_summary(result.summary))
-    print(f"run folder: {result.run_dir}  (metrics.jsonl, curves.png, checkpoints/)")
+    files = [name for name in RUN_FILES if (result.run_dir / name).exists()]
+    print(f"run folder: {result.run_dir}  ({', '.join(files)})")
     if result.updates == 0:
         print("cispo train: error: the run made no optimizer update (see the warning above)", file=sys.stderr)
         return 1
@@ -87,13 +110,7 @@ def run_config_of(model: str | None) -> Path | None:
 
 
 def cmd_eval(args) -> int:
-    from cispo.data import load_eval_sets, load_source
-    from cispo.runner import check_model, load_policy_for, resolve_device
-    from cispo.evaluation import evaluate, evaluate_sets
-    from cispo.setup import default_max_new_tokens
-    from cispo.samples import HELD_OUT, eval_records
-    from cispo.tracking import json_safe
-    from cispo.trainer import tracked_fork
+    from cispo.config import TrainConfig
 
     config_file = args.config or run_config_of(args.model)
     if config_file and not args.config:
@@ -102,6 +119,15 @@ def cmd_eval(args) -> int:
     # a checkpoint's model/ is a plain (merged) model: no LoRA on top, one process
     model = [f"model.path={args.model}", "model.lora_rank=0", "model.fsdp=false"] if args.model else []
     cfg = _build_config(TrainConfig, config_file, args.overrides + model)
+    from cispo.data import load_eval_sets, load_source  # the config is good: now torch and the rest
+    from cispo.evaluation import evaluate, evaluate_sets
+    from cispo.rewards import start_reward_workers
+    from cispo.runner import check_model, load_policy_for, resolve_device
+    from cispo.samples import HELD_OUT, eval_records
+    from cispo.setup import default_max_new_tokens
+    from cispo.tracking import json_safe
+    from cispo.trainer import tracked_fork
+
     check_model(cfg)  # before the data is loaded
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)
@@ -111,6 +137,7 @@ def cmd_eval(args) -> int:
                 out.writelines(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n"
                                for r in eval_records(set_name, mode, groups, task.extract_answer))
 
+        start_reward_workers(task.reward)  # while the model loads
         policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
         samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
         max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
@@ -136,6 +163,8 @@ def _samples_file(path: str | None):
     try:
         f = open(path, "w", encoding="utf-8")
     except OSError as e:
+        from cispo.config import ConfigError
+
         raise ConfigError(f"--samples {path}: cannot write it ({e.strerror or e})") from None
     with f:
         yield f
@@ -151,6 +180,7 @@ def _split_overrides(cls, overrides: list[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_compare(args) -> int:
+    from cispo.config import ConfigError, TrainConfig, apply_overrides
     from cispo.experiments.compare import CompareConfig, SweepConfig, compare, sweep
     from cispo.experiments.tables import format_sweep, format_table
 
@@ -227,43 +257,59 @@ def cmd_plot(args) -> int:
     return 0
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser whose epilog, the help of every field of its config class
+    (``config``: ``module:Class``), is written only when the help is printed."""
+
+    def __init__(self, *args, config: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = config
+
+    def format_help(self) -> str:
+        if self.config is not None:
+            from cispo.config import format_help
+
+            self.epilog = format_help(config_class(self.config))
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cispo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
-    def add(name, help_text, cls, fn):
-        p = sub.add_parser(name, help=help_text, description=help_text, epilog=format_help(cls),
+    def add(name, help_text, config, fn):
+        p = sub.add_parser(name, help=help_text, description=help_text, config=config,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see below)")
         p.add_argument("--config", help="YAML config file (overrides apply on top)")
         p.set_defaults(fn=fn)
         return p
 
-    from cispo.pretrain import PretrainConfig
-
-    p = add("train", "train a policy with CISPO (or another preset) on a verifiable task", TrainConfig, cmd_train)
+    p = add("train", "train a policy with CISPO (or another preset) on a verifiable task", "cispo.config:TrainConfig",
+            cmd_train)
     p.add_argument("--resume", action="store_true",
                    help="continue the run from its last intact checkpoint, with its saved config.yaml (key=value "
                    "may change only: steps, checkpoint_every, eval.*, trackers, ...; see docs/reliability.md)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name "
                    "(only a folder cispo created: one with a .cispo-run marker, directly in out_dir)")
-    p = add("pretrain", "pretrain the built-in base model (cached; `train` does this on first use)",
-            PretrainConfig, cmd_pretrain)
+    p = add("pretrain", "pretrain a built-in base model into the model cache or --out (the package ships the "
+            "addition and chain models pretrained, and `train` uses those: this rebuilds one, e.g. with other "
+            "settings)", "cispo.pretrain:PretrainConfig", cmd_pretrain)
     p.add_argument("--out", help="output folder (default: the model cache)")
     p.add_argument("--measure", type=int, default=0, help="sample N held-out prompts and report fork rate / accuracy")
     p.add_argument("--measure-seed", type=int, default=0)
     p = add("eval", "held-out accuracy and fork rate of a model (default: the built-in base model)",
-            TrainConfig, cmd_eval)
+            "cispo.config:TrainConfig", cmd_eval)
     p.add_argument("--model", help="model folder (a checkpoint's model/ or any HF causal LM)")
     p.add_argument("--samples", metavar="FILE", help="write every completion scored (prompt, completion, reward, "
                    "parsed answer, reference answer; greedy and sampled, each set) to FILE as JSONL")
-    from cispo.experiments.compare import CompareConfig, SweepConfig
-
     p = add("compare", "GRPO vs DAPO vs CISPO from the same base model over seeds; table and plots (resumable); "
-            "key=value that are not comparison fields apply to every run", CompareConfig, cmd_compare)
-    p.add_argument("--quick", action="store_true", help="a small size that finishes in about 10 minutes on 2 cores")
+            "key=value that are not comparison fields apply to every run", "cispo.experiments.compare:CompareConfig",
+            cmd_compare)
+    p.add_argument("--quick", action="store_true", help="a small size (9 runs of 8 steps): 3.5-12.5 min on 2 "
+                   "cores (3 min 38 s and 12 min 22 s measured, the second with other jobs loading the machine)")
     p = add("sweep", "the comparison for each K (off-policy updates per batch): CISPO - DAPO / GRPO gaps",
-            SweepConfig, cmd_compare)
+            "cispo.experiments.compare:SweepConfig", cmd_compare)
     p.add_argument("--quick", action="store_true", help="the quick size for every K")
     p = sub.add_parser("study-data", help="collect run folders' curves and key metrics into one CSV (the raw data)",
                        description="Every run folder (with metrics.jsonl) below RUN_DIR: its evaluation curve and "
@@ -295,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run folders (with metrics.jsonl), or folders of runs such as a `cispo compare` output")
     p.add_argument("-o", "--output", default="plot.html", help="output path; .png and .html are written (default plot.html)")
     p.add_argument("--metrics", help="comma-separated metric names (default: reward, accuracy, fork rate, "
-                   "capped / dropped fractions, entropy, length)")
+                   "capped / dropped fractions, entropy, length, KL: each that some run logged)")
     p.add_argument("--title", default="", help="figure and page title (default: the run names)")
     p.set_defaults(fn=cmd_plot)
     return parser
@@ -312,18 +358,17 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + rest
     try:
         return args.fn(args)
-    except (ConfigError, DataError, RewardSpecError, FileExistsError, UnknownTaskError) as e:  # bad input: one line, no traceback
-        print(f"cispo {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        print(f"cispo {args.command}: error: {e}", file=sys.stderr)
-        return 1
     except FloatingPointError as e:
         print(f"cispo {args.command}: stopped: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         print(f"cispo {args.command}: {e or 'interrupted'}", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not is_one_of(e, INPUT_ERRORS + RUN_ERRORS):
+            raise
+        print(f"cispo {args.command}: error: {e}", file=sys.stderr)
+        return 2 if is_one_of(e, INPUT_ERRORS) else 1
 
 
 if __name__ == "__main__":

@@ -514,7 +514,7 @@ class TrainConfig:
             raise ValueError(problems[0] if len(problems) == 1 else
                              f"{len(problems)} settings to fix: " + "; ".join(problems))
         check_vllm_kwargs(r.vllm_kwargs)  # an argument cispo sets itself -> ValueError naming how
-        from cispo.objective import preset
+        from cispo.presets import preset
         from cispo.tracking import check_sink_kinds
 
         check_sink_kinds(self.trackers)  # unknown name -> ValueError with a suggestion

@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal, TypeVar
 
 import yaml
 
-from cispo.suggest import did_you_mean
+from cispo.suggest import did_you_mean, other_name_hint
 
 __all__ = ["ConfigError", "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml", "rename_key",
            "save_yaml", "to_dict"]
@@ -102,7 +102,8 @@ def _problem(cls: type, err: dict) -> str:
     key, tp, got = _dotted(loc), fields.get(loc), err.get("input")
     if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         same_leaf = [_dotted(k) for k in fields if k[-1] == loc[-1]]  # 'lr' where 'optim.lr' belongs
-        hint = (did_you_mean(key, same_leaf, len(same_leaf), 0) if same_leaf else "") or did_you_mean(
+        hint = (did_you_mean(key, same_leaf, len(same_leaf), 0) if same_leaf else "") or other_name_hint(
+            str(loc[-1]), map(_dotted, fields)) or did_you_mean(  # TRL's 'beta', verl's 'kl_loss_coef'
             key, map(_dotted, fields)) or did_you_mean(loc[-1], {k[-1] for k in fields})  # a short name
         return f"{key}: unknown key{hint}"
     if err["type"] == "value_error":  # a __post_init__ check; its message names the key

@@ -1,6 +1,11 @@
 """Curves from ``metrics.jsonl`` rows: one run (``curves.png``), any runs overlaid
 (``cispo plot RUN_DIR...``: one PNG and a self-contained HTML page), and the bands of the
-comparison plots, clamped to [0, 1] for fractions."""
+comparison plots, clamped to [0, 1] for fractions.
+
+Every panel whose metrics a run logged is drawn, and only those (``objective/kl``, logged as 0
+when the KL penalty is off, counts once it is non-zero). A fraction is drawn on a [0, 1] axis
+while its values lie in [0, 1]; ``accuracy`` is the mean task reward, so a reward outside
+[0, 1] takes it outside, and then the axis follows the data."""
 
 from __future__ import annotations
 
@@ -24,7 +29,11 @@ PANELS = [  # (title, [(metric, label), ...])
                                 ("objective/frac_capped", "IS weight capped")]),
     ("policy entropy", [("objective/entropy", "entropy")]),
     ("response length", [("rollout/response_length", "mean tokens")]),
+    ("KL", [("objective/kl", "KL(pi_theta || pi_ref), the penalty's"),
+            ("objective/approx_kl", "KL(pi_old || pi_theta), k3")]),
 ]
+ZERO_WHEN_OFF = ("objective/kl",)
+"""Metrics logged as 0 when their feature is off: a run has them once a value is non-zero."""
 
 
 FRACTION_PREFIXES = ("frac_", "accuracy")
@@ -38,10 +47,16 @@ def is_fraction(key: str) -> bool:
     return name.startswith(FRACTION_PREFIXES) or name in FRACTION_NAMES
 
 
+def in_unit_interval(values) -> bool:
+    """All finite ``values`` lie in [0, 1] (None and NaN are skipped)."""
+    return all(0.0 <= v <= 1.0 for v in values if v is not None and math.isfinite(v))
+
+
 def band_limits(key: str, low: list[float], high: list[float]) -> tuple[list[float], list[float]]:
-    """A band ``[low, high]`` clamped to [0, 1] when ``key`` is a fraction (a mean ± interval
-    of a fraction can run past its range; the values themselves cannot)."""
-    if not is_fraction(key):
+    """A band ``[low, high]`` clamped to [0, 1] when ``key`` is a fraction whose band centres lie
+    in [0, 1] (a mean ± interval of a fraction can run past its range; the values themselves
+    cannot). An ``accuracy`` of rewards outside [0, 1] is not a fraction: not clamped."""
+    if not (is_fraction(key) and in_unit_interval((lo + hi) / 2 for lo, hi in zip(low, high))):
         return list(low), list(high)
     return [min(max(v, 0.0), 1.0) for v in low], [min(max(v, 0.0), 1.0) for v in high]
 
@@ -57,13 +72,38 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def has_metric(rows: list[dict], key: str, asked: bool = False) -> bool:
+    """Some row has a finite value of ``key``; a non-zero one for `ZERO_WHEN_OFF` metrics unless
+    ``asked`` (named by the user)."""
+    values = [v for v in series(rows, key)[1] if isinstance(v, (int, float)) and math.isfinite(v)]
+    return any(values) if key in ZERO_WHEN_OFF and not asked else bool(values)
+
+
+def grid(n: int, cols: int = 3, size: tuple[float, float] = (4.5, 3.3)):
+    """A figure of ``n`` panels in rows of ``cols``: (fig, the first ``n`` axes); the rest hidden."""
+    cols = max(1, min(cols, n))
+    nrows = max(1, math.ceil(n / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(size[0] * cols, size[1] * nrows), squeeze=False)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)[:n]
+
+
+def unit_axis_if_fraction(ax, key: str, values) -> None:
+    """A [0, 1] y-axis for a fraction whose ``values`` lie in [0, 1]; else the data's own range."""
+    if is_fraction(key) and in_unit_interval(values):
+        ax.set_ylim(-0.03, 1.03)
+
+
 def plot_run(rows: list[dict], path: Path, title: str = "") -> Path:
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (name, keys) in zip(axes.flat, PANELS):
+    """``curves.png`` of one run: each of `PANELS` whose metrics the run has (`has_metric`)."""
+    panels = [(name, [(k, label) for k, label in keys if has_metric(rows, k)]) for name, keys in PANELS]
+    panels = [(name, keys) for name, keys in panels if keys] or PANELS[:1]
+    fig, axes = grid(len(panels), size=(13 / 3, 3.25))
+    for ax, (name, keys) in zip(axes, panels):
         for key, label in keys:
             x, y = series(rows, key)
-            if x:
-                ax.plot(x, y, marker="o" if len(x) < 15 else None, ms=3, label=label)
+            ax.plot(x, y, marker="o" if len(x) < 15 else None, ms=3, label=label)
         style_axis(ax, name)
     return save_figure(fig, path, title)
 
@@ -148,25 +188,30 @@ def final_value(rows: list[dict], key: str) -> tuple[int, float] | None:
     return None
 
 
-def plot_overlay(runs: dict[str, list[dict]], path: Path, metrics: list[str] | None = None, title: str = "") -> Path:
-    """One panel per metric (of ``metrics``, default ``OVERLAY_METRICS``, that some run has),
-    one line per run: ``runs`` maps label -> metrics rows. ``ValueError`` if no run has any."""
-    keys = [k for k in (metrics or OVERLAY_METRICS) if any(final_value(rows, k) for rows in runs.values())]
+def shown_metrics(runs: dict[str, list[dict]], metrics: list[str] | None = None) -> list[str]:
+    """The metrics of ``metrics`` (default ``OVERLAY_METRICS``) that some run has (`has_metric`);
+    ``ValueError`` if none."""
+    keys = [k for k in (metrics or OVERLAY_METRICS) if any(has_metric(rows, k, metrics is not None)
+                                                          for rows in runs.values())]
     if not keys:
         raise ValueError(f"none of the metrics {', '.join(metrics or OVERLAY_METRICS)} is in these runs")
-    cols = min(3, len(keys))
-    nrows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.3 * nrows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
+    return keys
+
+
+def plot_overlay(runs: dict[str, list[dict]], path: Path, metrics: list[str] | None = None, title: str = "") -> Path:
+    """One panel per metric (`shown_metrics`), one line per run: ``runs`` maps label -> metrics
+    rows. ``ValueError`` if no run has any."""
+    keys = shown_metrics(runs, metrics)
+    fig, axes = grid(len(keys))
+    for ax, key in zip(axes, keys):
+        drawn = []
         for i, (label, rows) in enumerate(runs.items()):
             x, y = series(rows, key)
             if x:  # one colour per run in every panel
                 ax.plot(x, y, marker="o" if len(x) < 15 else None, ms=3, label=label, color=f"C{i % 10}")
-        if is_fraction(key):
-            ax.set_ylim(-0.03, 1.03)
+                drawn += y
+        unit_axis_if_fraction(ax, key, drawn)
         style_axis(ax, key)
-    for ax in list(axes.flat)[len(keys):]:
-        ax.set_visible(False)
     return save_figure(fig, path, title)
 
 
@@ -177,10 +222,9 @@ def _cell(value) -> str:
     return f"{v:.4g} <small>(step {step})</small>"
 
 
-def report_html(runs: dict[str, list[dict]], png: bytes, metrics: list[str], title: str) -> str:
+def report_html(runs: dict[str, list[dict]], png: bytes, keys: list[str], title: str) -> str:
     """A self-contained HTML page: ``png`` embedded as base64 and a table of each run's final
-    value of each metric (no script, no external file)."""
-    keys = [k for k in metrics if any(final_value(rows, k) for rows in runs.values())]
+    value of each metric of ``keys`` (no script, no external file)."""
     head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
     body = "".join(
         f"<tr><td>{html.escape(label)}</td><td>{max((r['step'] for r in rows), default='&ndash;')}</td>"
@@ -212,5 +256,5 @@ def plot_runs(paths: list[str | Path], out: Path, metrics: list[str] | None = No
     title = title or ", ".join(runs)
     png = plot_overlay(runs, out.with_suffix(".png"), metrics, title if len(title) < 120 else "")
     page = out.with_suffix(".html")
-    page.write_text(report_html(runs, png.read_bytes(), metrics or OVERLAY_METRICS, title))
+    page.write_text(report_html(runs, png.read_bytes(), shown_metrics(runs, metrics), title))
     return png, page

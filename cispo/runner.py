@@ -22,7 +22,7 @@ from cispo.checkpoint import (check_trainer_state, fsync_file, gather_full_state
                              nonfinite_parameters, save_checkpoint)
 from cispo.config import ConfigError, TrainConfig, to_dict
 from cispo.data import PromptStream
-from cispo.rewards import closing_reward_pools
+from cispo.rewards import closing_reward_pools, start_reward_workers
 from cispo.rewards.loading import check_reward_fields
 from cispo.distributed import (DistInfo, any_rank, barrier, broadcast_parameters, gather_objects, init_distributed,
                                rank_seed, shard_model)
@@ -251,7 +251,7 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
     is refused before it changes anything (``RunFolderInUse``)."""
     run_dir = run_dir_of(cfg)  # run_name checked before any work
     main = int(os.environ.get("RANK", "0")) == 0
-    with run_lock(run_dir) if main else contextlib.nullcontext():
+    with run_lock(run_dir) if main else contextlib.nullcontext(), closing_reward_pools():  # started in set-up
         return _train(cfg, resume, overwrite)
 
 
@@ -282,6 +282,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
     check_reward_fields(task, cfg.data)  # before any model is loaded or sampled from
+    start_reward_workers(task.reward)  # they start while the model loads, not in the first step
     sampling = sampling_config(cfg.rollout, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
     obj = make_objective(cfg.algo, cfg.rollout.max_new_tokens)
@@ -378,7 +379,7 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     bar = _progress(cfg, start) if main else None
     first_update_count = update_count
     bad_steps = 0
-    with stop.installed(), (sink if sink is not None else contextlib.nullcontext()), closing_reward_pools():
+    with stop.installed(), (sink if sink is not None else contextlib.nullcontext()):
         for step in range(start + 1, cfg.steps + 1):
             before = stream.state_dict(), {n: g.get_state() for n, g in generators.items()}
             try:

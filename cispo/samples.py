@@ -13,6 +13,7 @@ per line (``SAMPLE_FIELDS``):
   ``ppo_dropped_tokens``: tokens a PPO mask with the objective's eps_low / eps_high would
   drop (eq. 7), both counted at the update that used the row (summed over ``algo.epochs``).
 
+A step that kept no group saves the groups it sampled and dropped (advantage and counts None).
 The file stops growing, with one note on stderr, once it would pass ``samples_max_mb``.
 
 ``cispo eval --samples FILE`` writes every completion of its evaluation (`eval_records`), whole.
@@ -61,16 +62,18 @@ def _cut(text: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[:max_chars] + "…"
 
 
-def sample_records(step: int, groups: list[list[Completion]], exp: Experience, fork_tokens: tuple[str, ...],
+def sample_records(step: int, groups: list[list[Completion]], exp: Experience | None, fork_tokens: tuple[str, ...],
                    max_rows: int, max_chars: int, decode=None) -> list[dict]:
     """The first ``max_rows`` responses of the step as ``SAMPLE_FIELDS`` dicts (rows of ``exp``
-    are the flattened ``groups``, in order). ``decode(ids) -> str``: the tokenizer's, to record the
-    prompt as the model saw it (``templated_prompt``: system prompt and chat template included);
-    None: no such field (null)."""
+    are the flattened ``groups``, in order; ``exp`` None: groups no update used, dropped by dynamic
+    sampling, whose advantage and token counts are null). ``decode(ids) -> str``: the tokenizer's,
+    to record the prompt as the model saw it (``templated_prompt``: system prompt and chat template
+    included); None: no such field (null)."""
     flat = [c for group in groups for c in group][:max_rows]
     G = len(groups[0]) if groups else 1
-    counts = [exp.extras[k][: len(flat)].tolist() if k in exp.extras else [None] * len(flat) for k in COUNT_KEYS]
-    advantages = exp.advantages[: len(flat)].tolist()
+    extras = exp.extras if exp is not None else {}
+    counts = [extras[k][: len(flat)].tolist() if k in extras else [None] * len(flat) for k in COUNT_KEYS]
+    advantages = exp.advantages[: len(flat)].tolist() if exp is not None else [None] * len(flat)
     return [
         {
             "step": step,

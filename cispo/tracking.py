@@ -36,8 +36,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-from cispo.samples import parse_step_lines, replace_atomically
 from cispo.suggest import did_you_mean
+
+# cispo.samples (it imports torch) is imported where it is used: cispo.config imports this module
+# to check sink names, and a config is checked without loading torch.
 
 SINK_KINDS = ("jsonl", "tensorboard", "wandb", "mlflow")
 IDS_FILE = "tracking.json"  # per run folder: the W&B / MLflow run ids, for resumes
@@ -108,6 +110,8 @@ class JsonlSink:
                               f"step {step} committed, are lost; the run continues from step {step + 1} and the "
                               f"file holds only the steps from there", RuntimeWarning, stacklevel=2)
             return
+        from cispo.samples import parse_step_lines, replace_atomically
+
         rows, bad, _ = parse_step_lines(self.path)
         if bad and step >= 0:
             lines = "; ".join(f"line {n}: {what}" for n, what in bad)
@@ -483,6 +487,8 @@ def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
+    from cispo.samples import parse_step_lines
+
     rows, bad, last = parse_step_lines(path)
     inner = [(n, what) for n, what in bad if n != last]
     if inner:

@@ -334,17 +334,20 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count).
     Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups.
     ``on_samples(groups, exp)``, if given, is called after the updates with this rank's batch
-    (``exp.extras`` then holds the per-row counts of ``cispo.samples``). ``stop_requested()``,
+    (``exp.extras`` then holds the per-row counts of ``cispo.samples``); when this rank kept no
+    group, with every group it sampled (all dropped) and ``exp=None``. ``stop_requested()``,
     if given, says whether a stop signal has come: true once the rewards are scored, with a
     failed call on any rank, raises `StepInterrupted` before the updates (the weights, the
     optimizer and the update count unchanged; the prompt stream and the generators advanced)."""
     t0 = time.perf_counter()
     errors: list[str] = []
+    sampled: list = []  # every group of every round, kept or dropped: the samples of a step that keeps none
 
     def generate(samples):
         groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
                                cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s)
         errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
+        sampled.extend(groups)
         return groups
 
     groups, report = fill_groups(
@@ -363,6 +366,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         print(f"cispo: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})", file=sys.stderr)
     t1 = time.perf_counter()
     if not groups and not dist_info.enabled:  # every group uninformative, every round: nothing to learn
+        if on_samples is not None:  # what was sampled and dropped: when a user most needs to see it
+            on_samples(sampled, None)
         return {"rollout/groups_kept": 0.0, "rollout/rounds": float(report.rounds), "optim/step_updates": 0.0,
                 "optim/updates": float(update_count), "perf/step_s": t1 - t0,
                 "rollout/reward_errors": float(len(errors))}, update_count
@@ -393,6 +398,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     t4 = time.perf_counter()
     if on_samples is not None and groups:
         on_samples(groups, exp)
+    elif on_samples is not None:  # this rank kept no group: the ones it dropped
+        on_samples(sampled, None)
     tokens = float(exp.response_mask.sum())
     metrics = rollout_metrics(groups, exp, report, tracked_fork(task)) if groups else {}
     metrics["rollout/reward_errors"] = float(len(errors))

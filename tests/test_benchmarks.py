@@ -26,6 +26,7 @@ SCRIPTS = {  # script -> the string(s) its --tiny output must contain
     "bench_step.py": "logp_old s (share)",
     "bench_rewards.py": "us / call",
     "bench_precision.py": "vs float32",
+    "bench_first_step.py": ("first-call", "step 1 / main's step 1"),
 }
 
 RUNNER = """

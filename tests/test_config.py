@@ -313,3 +313,63 @@ def test_did_you_mean():
     assert did_you_mean("dapoo", PRESETS) == " (did you mean 'dapo'?)"
     assert did_you_mean("zzz", PRESETS) == ""
     assert did_you_mean("cispoo", ["ppo", "cisp", "cispo"], n=2) == " (did you mean 'cispo' or 'cisp'?)"
+
+
+# ---------------------------------------------------------------------------------------
+# TRL's and verl's names (issue 30, item 7)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("beta=0.04", "beta: unknown key (did you mean 'algo.objective_overrides.kl_coef'? 'beta' in TRL:"),
+        ("kl_coef=0.1", "(did you mean 'algo.objective_overrides.kl_coef'?"),
+        ("num_generations=4", "(did you mean 'rollout.group_size'? 'num_generations' in TRL"),
+        ("num_iterations=2", "(did you mean 'algo.epochs'?"),
+        ("epsilon=0.2", "(did you mean 'algo.objective_overrides.eps_low'?"),
+        ("epsilon_high=0.28", "(did you mean 'algo.objective_overrides.eps_high'?"),
+        ("loss_type=dapo", "(did you mean 'algo.objective'?"),
+        ("max_completion_length=64", "(did you mean 'rollout.max_new_tokens'?"),
+        ("learning_rate=1e-5", "(did you mean 'optim.lr'?"),
+        ("use_kl_loss=true", "(did you mean 'algo.objective_overrides.kl_coef'? 'use_kl_loss' in verl"),
+        ("kl_loss_coef=0.001", "(did you mean 'algo.objective_overrides.kl_coef'?"),
+        ("clip_ratio_low=0.2", "(did you mean 'algo.objective_overrides.eps_low'?"),
+        ("clip_ratio_high=0.28", "(did you mean 'algo.objective_overrides.eps_high'?"),
+        ("algo.beta=0.04", "algo.beta: unknown key (did you mean 'algo.objective_overrides.kl_coef'?"),
+        ("objective_overrides.beta=0.04", "ObjectiveConfig has no field 'beta' (did you mean 'kl_coef'? 'beta' in TRL"),
+    ],
+)
+def test_trl_and_verl_names_are_answered_with_cispos_key(override, expected):
+    assert expected in _error([override])
+
+
+def test_other_names_in_a_yaml_file_and_in_another_config(tmp_path):
+    from cispo.pretrain import PretrainConfig
+
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  num_generations: 4\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml:2: rollout\.num_generations: unknown key \(did you mean "
+                                          r"'rollout\.group_size'\?"):
+        load_yaml(TrainConfig, path)
+    with pytest.raises(ConfigError) as e:  # PretrainConfig has its own lr, and no KL
+        apply_overrides(PretrainConfig(), ["learning_rate=1e-3"])
+    assert "(did you mean 'lr'? 'learning_rate' in TRL" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(PretrainConfig(), ["beta=0.1"])
+    assert "kl_coef" not in str(e.value)
+
+
+def test_the_integrations_doc_shows_the_names_table():
+    """docs/integrations.md's table of TRL's and verl's names is `cispo.suggest.OTHER_NAMES`, row for row."""
+    from pathlib import Path
+
+    from cispo.suggest import OTHER_NAMES
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
+    section = doc.split("## TRL's and verl's names in `cispo train`", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| `")]
+    table = {name.strip("`"): (source, tuple(k.strip(" `") for k in keys.split(",")), what)
+             for name, source, keys, what in rows}
+    assert table == OTHER_NAMES

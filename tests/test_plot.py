@@ -86,3 +86,52 @@ def test_find_runs_keeps_order_and_drops_duplicates(tmp_path):
     a = _write_run(tmp_path / "a", [0.0], [0.0])
     b = _write_run(tmp_path / "b", [0.0], [0.0])
     assert find_runs([b, a, tmp_path]) == [b, a]
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures `cispo.plotting` saves: {panel title: (y limits, plotted y values)} per figure."""
+    import cispo.plotting
+
+    saved = []
+    original = cispo.plotting.save_figure
+
+    def spy(fig, path, title=""):
+        saved.append({ax.get_title(): (ax.get_ylim(), [y for line in ax.get_lines() for y in line.get_ydata()])
+                      for ax in fig.axes if ax.get_visible()})
+        return original(fig, path, title)
+
+    monkeypatch.setattr(cispo.plotting, "save_figure", spy)
+    return saved
+
+
+def test_accuracy_of_rewards_outside_the_unit_interval_is_drawn_on_its_own_scale(tmp_path, figures):
+    """`accuracy` is the mean task reward: with rewards in [-1, 5] a [0, 1] axis would show nothing."""
+    wide = _write_run(tmp_path / "wide", [-1.0, 2.0, 4.5], [-0.5, 2.5, 5.0])
+    unit = _write_run(tmp_path / "unit", [0.1, 0.2, 0.3], [0.2, 0.4, 0.6])
+    assert main(["plot", str(wide), "-o", str(tmp_path / "w.html")]) == 0
+    assert main(["plot", str(unit), "-o", str(tmp_path / "u.html")]) == 0
+    (low, high), values = figures[0]["eval/accuracy"]
+    assert low <= min(values) == -0.5 and high >= max(values) == 5.0
+    assert figures[1]["eval/accuracy"][0] == (-0.03, 1.03)  # a true fraction keeps the [0, 1] axis
+    assert band_limits("eval/accuracy", [1.5, 2.0], [2.5, 3.0]) == ([1.5, 2.0], [2.5, 3.0])  # no clamp either
+
+
+def test_every_logged_family_is_a_default_panel(tmp_path, figures):
+    """KL (the penalty's once non-zero, and approx_kl), entropy and the capped fraction: drawn by
+    `cispo plot` and in a run's curves.png; panels with no data are left out of curves.png."""
+    from cispo.plotting import plot_run, shown_metrics
+
+    rows = [{"step": s, "rollout/reward_mean": 0.1 * s, "objective/entropy": 1.0 - 0.1 * s,
+             "objective/frac_capped": 0.01 * s, "objective/approx_kl": 0.001 * s, "objective/kl": 0.0}
+            for s in range(1, 4)]
+    with_kl = [{**r, "objective/kl": 0.02 * r["step"]} for r in rows]
+    keys = shown_metrics({"off": rows})
+    assert {"objective/entropy", "objective/frac_capped", "objective/approx_kl"} <= set(keys)
+    assert "objective/kl" not in keys  # logged as 0: the penalty is off
+    assert "objective/kl" in shown_metrics({"off": rows, "on": with_kl})
+    assert shown_metrics({"off": rows}, ["objective/kl"]) == ["objective/kl"]  # asked for: drawn even at 0
+    plot_run(with_kl, tmp_path / "curves.png")
+    panels = figures[-1]
+    assert {"KL", "policy entropy", "gradient lost / capped", "training reward"} == set(panels)
+    assert sorted(panels["KL"][1]) == sorted([0.001, 0.002, 0.003, 0.02, 0.04, 0.06])

@@ -508,3 +508,66 @@ def test_children_die_with_a_timed_out_or_dead_worker(tmp_path, monkeypatch):
     finally:
         shutdown_pools()
         _kill(_sleepers(seconds))
+
+
+# ---------------------------------------------------------------------------------------
+# Started in set-up (issue 30, item 10)
+# ---------------------------------------------------------------------------------------
+
+MARKING_REWARD = '''
+import os, sys
+with open(os.environ["CISPO_TEST_IMPORTS"], "a") as f:  # one line per process that imports this file
+    f.write(f"{os.getpid()}\\n")
+
+def reward(prompt, completion, **sample):
+    return completion.count("1") / max(len(completion), 1)
+'''
+
+
+def test_started_workers_load_the_reward_before_any_call(tmp_path, monkeypatch):
+    from cispo.rewards import start_reward_workers
+
+    marks = tmp_path / "imports.txt"
+    monkeypatch.setenv("CISPO_TEST_IMPORTS", str(marks))
+    (tmp_path / "marking.py").write_text(MARKING_REWARD)
+    reward = load_reward(f"{tmp_path / 'marking.py'}:reward", workers=2)  # the trial import: one line
+    here = os.getpid()
+    try:
+        start_reward_workers(reward)
+        deadline = time.monotonic() + 120  # a wait for the workers, not a timing: they start on their own
+        while len(set(marks.read_text().split()) - {str(here)}) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(set(marks.read_text().split()) - {str(here)}) == 3  # trial + 2 workers, no call made
+        assert score_rewards(reward, calls("11", "1x"), timeout_s=30) == [(1.0, None), (0.5, None)]
+    finally:
+        shutdown_pools()
+
+
+def test_the_pool_is_started_before_the_first_step(tiny_model, tmp_path, monkeypatch):
+    """With a file reward the workers exist once set-up is done: step 1 does not pay for starting them."""
+    import multiprocessing
+
+    import cispo.runner
+    from cispo.rewards.processes import GroupProcess
+
+    rows = cispo.tasks.get_task("addition").train_samples(0, 64)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("CISPO_TEST_IMPORTS", str(tmp_path / "imports.txt"))
+    (tmp_path / "marking.py").write_text(MARKING_REWARD)
+    seen = []
+    step = cispo.runner.rl_step
+
+    def first_step_sees_workers(*args, **kwargs):
+        if not seen:
+            seen.append([p for p in multiprocessing.active_children() if isinstance(p, GroupProcess)])
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(cispo.runner, "rl_step", first_step_sees_workers)
+    cfg = small_config(tiny_model, tmp_path / "runs", "steps=1", "eval.every=0", "data.num_eval_prompts=0",
+                       f"data.path={data}", f"data.reward={tmp_path / 'marking.py'}:reward", "data.reward_workers=2")
+    try:
+        train(cfg)
+    finally:
+        shutdown_pools()
+    assert len(seen[0]) == 2  # both workers, started during set-up (no evaluation ran before step 1)

@@ -1,6 +1,7 @@
 """Fork words by string, and no silent non-runs (issue 18, items 6 and 7)."""
 
 import dataclasses
+import json
 import math
 import shutil
 
@@ -78,11 +79,17 @@ def test_run_without_any_update_warns_and_fails(tiny_model, tmp_path, monkeypatc
                "steps=2", "prompts_per_step=2", "group_size=2", "updates_per_batch=2", "max_new_tokens=4",
                "max_sampling_rounds=1",
                "num_eval_prompts=2", "eval.num_samples=1", "eval.every=0", "run_name=flat"])
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert rc == 1
     assert "step 1: no update" in err and "not one optimizer update" in err
     rows = read_metrics(tmp_path / "flat" / "metrics.jsonl")
     assert [r.get("optim/step_updates") for r in rows if r["step"] > 0] == [0.0, 0.0]
+    # the dropped groups are saved: that is when a user needs to see them (issue 30, item 8)
+    samples = [json.loads(line) for line in (tmp_path / "flat" / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [1, 1, 1, 1, 2, 2, 2, 2]  # 2 groups x G = 2 a step
+    assert all(r["reward"] == 1.0 and r["advantage"] is None and r["capped_tokens"] is None for r in samples)
+    assert f"run folder: {tmp_path / 'flat'}  (metrics.jsonl, samples.jsonl, config.yaml, curves.png, " \
+           "checkpoints/)" in out
 
 
 def test_progress_line_says_no_update():

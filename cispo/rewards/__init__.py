@@ -107,6 +107,19 @@ def score_rewards(reward_fn: RewardFn, calls: list, timeout_s: float | None = No
     return [safe_reward(reward_fn, p, c, s) for p, c, s in calls]
 
 
+def start_reward_workers(reward_fn: RewardFn) -> None:
+    """Start now, without waiting, the worker processes of a reward whose calls run in them
+    (`score_rewards`' rule), each loading the reward as it starts; nothing for any other reward.
+    A run calls it before loading its model: the workers start (~2 s: a fresh interpreter each,
+    then the reward's imports) while the model loads, instead of at the first reward call."""
+    from cispo.rewards.loading import Reward
+
+    if isinstance(reward_fn, Reward) and reward_fn.isolated:
+        from cispo.rewards.pool import pool_for
+
+        pool_for(reward_fn.spec, reward_fn.workers).start()
+
+
 @_contextlib.contextmanager
 def closing_reward_pools():
     """Stop every reward worker pool when the block ends (normally or by an exception)."""

@@ -8,8 +8,10 @@ reward calling ``sys.exit`` / ``os._exit`` or raising ``KeyboardInterrupt`` woul
 trainer. Here every call runs in a worker of a `pebble.ProcessPool`:
 
 1. the worker loads the reward itself from its spec string (``file.py:fn``, ``module:fn``, a
-   built-in name), so nothing unpicklable crosses, and runs each call in its main thread (so
-   math-verify's ``signal.alarm`` timeouts work there);
+   built-in name) as it starts, so nothing unpicklable crosses, and runs each call in its main
+   thread (so math-verify's ``signal.alarm`` timeouts work there). `RewardPool.start` starts the
+   workers ahead of the first call (the trainer does it before loading the model, so the two
+   overlap and the first step does not wait ~2 s for them);
 2. any ``BaseException`` of the call (``SystemExit``, ``KeyboardInterrupt``, ...) comes back as
    an error message; the worker lives on;
 3. a call past ``timeout_s`` (counted from its start in a worker): pebble stops that worker
@@ -86,6 +88,18 @@ class _Worker:
 _WORKERS: dict[str, _Worker] = {}
 
 
+def start_worker(spec: str) -> None:
+    """A worker's initializer: SIGTERM ignored (`ignore_sigterm`), then the reward loaded (a load
+    error is kept and reported with every call)."""
+    ignore_sigterm()
+    _WORKERS[spec] = _Worker(spec)
+
+
+def ready() -> int:
+    """A no-op call (returns the worker's pid): scheduling it makes pebble start the workers."""
+    return os.getpid()
+
+
 def score_call(spec: str, prompt, completion, sample: dict) -> tuple[float, str | None]:
     """Runs in a worker: ``(reward, None)`` or ``(0.0, message)``; never raises."""
     worker = _WORKERS.get(spec) or _WORKERS.setdefault(spec, _Worker(spec))
@@ -115,13 +129,18 @@ class RewardPool:
 
     def __init__(self, spec: str, workers: int) -> None:
         self.spec, self.workers = spec, workers
-        self._pool = _new_pool(workers)
+        self._pool = _new_pool(spec, workers)
+
+    def start(self) -> None:
+        """Start the workers now, without waiting for them: each loads the reward as it starts
+        (pebble starts every worker when the first call is scheduled; this schedules a no-op)."""
+        self._pool.schedule(ready)
 
     def score(self, calls, timeout_s: float | None) -> list[tuple[float, str | None]]:
         """``[(reward, error)]`` for ``calls = [(prompt, completion, sample), ...]``, in order.
         All calls are submitted at once and gathered; each has its own ``timeout_s``."""
         if not self._pool.active:  # the pool itself broke (never a reward's doing): start over
-            self._pool = _new_pool(self.workers)
+            self._pool = _new_pool(self.spec, self.workers)
         futures = [self._pool.schedule(score_call, args=(self.spec, p, c, s), timeout=timeout_s)
                    for p, c, s in calls]
         return [_outcome(f, timeout_s) for f in futures]
@@ -132,8 +151,9 @@ class RewardPool:
         self._pool.join()
 
 
-def _new_pool(workers: int) -> pebble.ProcessPool:
-    return pebble.ProcessPool(max_workers=workers, initializer=ignore_sigterm, context=worker_context())
+def _new_pool(spec: str, workers: int) -> pebble.ProcessPool:
+    return pebble.ProcessPool(max_workers=workers, initializer=start_worker, initargs=(spec,),
+                              context=worker_context())
 
 
 def _outcome(future, timeout_s) -> tuple[float, str | None]:
@@ -152,7 +172,8 @@ _POOLS: dict[tuple[str, int], RewardPool] = {}
 
 
 def pool_for(spec: str, workers: int) -> RewardPool:
-    """The pool for ``spec`` (started on first use, kept until `shutdown_pools`)."""
+    """The pool for ``spec`` (created on first use, its workers started by `RewardPool.start` or the
+    first call; kept until `shutdown_pools`)."""
     key = (spec, workers)
     if key not in _POOLS:
         _POOLS[key] = RewardPool(spec, workers)
