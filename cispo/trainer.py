@@ -347,7 +347,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
                                cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s)
         errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
-        sampled.extend(groups)
+        if on_samples is not None:
+            sampled.extend(groups)
         return groups
 
     groups, report = fill_groups(
