@@ -500,11 +500,11 @@ def test_children_die_with_a_timed_out_or_dead_worker(tmp_path, monkeypatch):
         reward = load_reward(f"{tmp_path / 'children.py'}:reward", workers=2)
         out = score_rewards(reward, calls("hang", "die"), timeout_s=1.0)
         assert [v for v, _ in out] == [0.0, 0.0] and "timed out" in out[0][1] and "exit status 9" in out[1][1]
-        assert _wait_until_none(seconds) == []
+        assert _wait_until_none(seconds, within=30.0) == []  # generous: pebble notices a dead worker on its own clock
         assert score_rewards(reward, calls("11", "1a"), timeout_s=30) == [(1.0, None), (0.5, None)]
         assert len(_sleepers(seconds)) == 2  # the workers are alive, so are their children
         shutdown_pools()
-        assert _wait_until_none(seconds, within=2.0) == []
+        assert _wait_until_none(seconds, within=10.0) == []
     finally:
         shutdown_pools()
         _kill(_sleepers(seconds))
