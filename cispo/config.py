@@ -354,7 +354,8 @@ class EvalConfig:
     every: int = 10
     """Evaluate every this many steps (and before the first and after the last). 0: only then."""
     num_samples: int = 4
-    """k: samples per prompt for the mean accuracy (the analogue of avg@k)."""
+    """k: samples per prompt for the mean accuracy (the analogue of avg@k). 0: greedy only (half
+    the time or less; ``eval/accuracy`` is then the greedy accuracy)."""
     temperature: float = 1.0
     """Temperature of the k samples (greedy accuracy is also reported)."""
 
@@ -495,7 +496,7 @@ class TrainConfig:
             ("optim.grad_clip", self.optim.grad_clip >= 0, "must be >= 0"),
             ("optim.warmup_updates", self.optim.warmup_updates >= 0, "must be >= 0"),
             ("eval.every", self.eval.every >= 0, "must be >= 0 (0: only before the first and after the last step)"),
-            ("eval.num_samples", self.eval.num_samples >= 1, "must be >= 1"),
+            ("eval.num_samples", self.eval.num_samples >= 0, "must be >= 0 (0: greedy only)"),
             ("eval.temperature", self.eval.temperature >= 0, "must be >= 0"),
             ("log_samples_every", self.log_samples_every >= 0, "must be >= 0 (0: never)"),
             ("max_samples_per_step", self.max_samples_per_step >= 1, "must be >= 1"),

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg: EvalConfig, max_new_tokens: int,
              seed: int, answer_fn=None, reward_timeout_s: float | None = None, on_groups=None) -> dict:
     """Held-out accuracy: greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
-    ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``;
+    ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``; k = 0: greedy
+    only, and ``eval/accuracy``, the fork rate and the length are the greedy answers';
     ``answer_fn(completion)`` gives the answer maj@k votes on). Each reward call is killed past
     ``reward_timeout_s`` (``data.reward_timeout_s``). ``on_groups(mode, groups)``, if given, gets
     the scored completions of each mode (``"greedy"``, ``"sampled"``; a group per prompt)."""
@@ -36,7 +37,8 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=eval_cfg.temperature)
     out, errors = {}, []
-    for name, sampling, k in (("greedy", greedy, 1), ("sampled", sampled, eval_cfg.num_samples)):
+    modes = [("greedy", greedy, 1)] + [("sampled", sampled, eval_cfg.num_samples)] * (eval_cfg.num_samples > 0)
+    for name, sampling, k in modes:
         groups = []
         for start in range(0, len(samples), 256):
             groups += sample_groups(policy, samples[start : start + 256], k, sampling, reward_fn, generator,
@@ -48,10 +50,12 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
         errors += [c.reward_error for c in flat if c.reward_error]
         if name == "greedy":
             out["eval/accuracy_greedy"] = acc
-            continue
-        out[f"eval/accuracy_mean_at_{k}"] = acc
-        out["eval/accuracy"] = acc
-        out.update({f"eval/accuracy_{name}_at_{k}": v for name, v in group_accuracies(groups, answer_fn).items()})
+            if len(modes) > 1:
+                continue
+        else:
+            out[f"eval/accuracy_mean_at_{k}"] = acc
+            out.update({f"eval/accuracy_{m}_at_{k}": v for m, v in group_accuracies(groups, answer_fn).items()})
+        out["eval/accuracy"] = acc  # mean@k; greedy when k = 0 (eval.num_samples=0)
         if used_fork:
             fork = [c for c in flat if used_fork(c.text)]
             rest = [c for c in flat if not used_fork(c.text)]

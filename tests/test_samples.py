@@ -138,3 +138,15 @@ def test_mlflow_artifact_and_wandb_table(tmp_path, monkeypatch):
     assert [json.loads(line) for line in open(path)] == records
     tables = list((tmp_path / "run" / "wandb").glob("offline-run-*/files/media/table/samples_3_*.table.json"))
     assert len(tables) == 1 and json.loads(tables[0].read_text())["columns"] == list(SAMPLE_FIELDS)
+
+
+def test_greedy_only_evaluation(tiny_model, dense_task, tmp_path):
+    """eval.num_samples=0 skips the sampled pass: eval/accuracy is the greedy accuracy, no mean@k."""
+    result = train(small_config(tiny_model, tmp_path, "steps=1", "eval.num_samples=0", "eval.every=0"))
+    evals = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+    assert len(evals) == 2
+    for r in evals:
+        assert r["eval/accuracy"] == r["eval/accuracy_greedy"]
+        assert not [k for k in r if "_at_" in k]
+    with pytest.raises(ValueError, match="eval.num_samples"):
+        small_config(tiny_model, tmp_path, "eval.num_samples=-1")
