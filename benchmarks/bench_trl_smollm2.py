@@ -2,10 +2,10 @@
 the ``wordmath`` task, the same workload on both sides, interleaved in one run (issue 31 item 5); and the
 update passes' FLOP rate as a share of this machine's measured fp32 and bf16 matmul rates.
 
-    python benchmarks/bench_trl_smollm2.py            # needs trl and builtin:smollm2-135m; ~40 min on 2 cores
+    python benchmarks/bench_trl_smollm2.py        # needs trl and builtin:smollm2-135m; the defaults below
     python benchmarks/bench_trl_smollm2.py --pairs 3 --steps 2 --prompts 4 --group 8 --max-new-tokens 64 --updates 4
     python benchmarks/bench_trl_smollm2.py --bf16-steps 1 --bf16-repeats 1    # also cispo under bf16 autocast
-    python benchmarks/bench_trl_smollm2.py --pairs 1 --steps 1 --prompts 2 --group 2 --max-new-tokens 8 --updates 1 --threads 1
+    python benchmarks/bench_trl_smollm2.py --pairs 1 --steps 1 --prompts 2 --group 2 --max-new-tokens 8 --updates 1
 
 The workload, the same on both sides: the model ``--model`` (default ``builtin:smollm2-135m``, cispo's
 converted fp32 folder of the packaged GGUF, ``cispo.packaged``; each side loads it from that folder); the
@@ -175,7 +175,8 @@ def bf16_lines(results: dict[str, list[dict]]) -> list[str]:
         return []
     ratio = {k: median(s[k] for s in bf16) / median(s[k] for s in fp32) for k in ("wall", "update", "sample")}
     gap = {name: median(s["logp_abs_diff"] for s in xs) for name, xs in (("fp32", fp32), ("bf16", bf16))}
-    return [f"cispo bf16 autocast / fp32 time ({len(bf16)} bf16 step(s) vs {len(fp32)} fp32): step x{ratio['wall']:.2f}, "
+    return [f"cispo bf16 autocast / fp32 time ({len(bf16)} bf16 step(s) vs {len(fp32)} fp32): "
+            f"step x{ratio['wall']:.2f}, "
             f"update x{ratio['update']:.2f}, sample x{ratio['sample']:.2f} (> 1: bf16 slower)",
             f"sampler vs trainer log-prob gap, mean |logp_rollout - logp_old| per token: fp32 {gap['fp32']:.2e}, "
             f"bf16 {gap['bf16']:.2e}"]
@@ -194,7 +195,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", default="default", help="torch threads of both sides, or 'default' (each its own)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bf16-steps", type=int, default=0, help="measured steps of each cispo bf16-autocast worker (0: none)")
+    p.add_argument("--bf16-steps", type=int, default=0,
+                   help="measured steps of each cispo bf16-autocast worker (0: none)")
     p.add_argument("--bf16-repeats", type=int, default=1, help="bf16 workers, one after each of the first pairs")
     p.add_argument("--mm-repeats", type=int, default=5, help="timed torch.mm calls per matmul rate")
     p.add_argument("--mm-shape", type=lambda v: tuple(int(x) for x in v.split(",")), default=MATMUL_SHAPE,
@@ -223,7 +225,8 @@ def main(argv=None) -> None:
     B = a.prompts * a.group
     cispo = results["cispo"][0]
     threads = {side: sorted({w["threads"] for w in ws}) for side, ws in results.items() if ws}
-    prompt_tokens = {side: median(s["prompt_tokens"] for w in ws for s in w["steps"]) for side, ws in results.items() if ws}
+    prompt_tokens = {side: median(s["prompt_tokens"] for w in ws for s in w["steps"])
+                     for side, ws in results.items() if ws}
     print(f"{a.model} = {cispo['desc']}; wordmath, B = {a.prompts} prompts x G={a.group} = {B} rows, K = {a.updates} "
           f"optimizer steps of {B // a.updates} rows, L = {a.max_new_tokens} tokens, EOS {a.eos}; {a.pairs} pair(s) x "
           f"{a.steps} measured step(s) per worker (TRL first in even pairs); threads {threads}; cispo sampling: "
