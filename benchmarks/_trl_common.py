@@ -18,7 +18,8 @@ passes over the batch       ``epochs`` = E                     ``num_iterations`
 response length             ``max_new_tokens`` = L             ``max_completion_length`` = L
 logp_old                    one no-grad pass per batch, less   computed, because GA (1) is not a multiple
                             the first update's rows            of steps_per_generation x num_iterations
-                            (``logp_old_from_update``)
+                            (``logp_old_from_update``; none    (with K = E = 1 it is not: on-policy)
+                            with K = E = 1)
 objective                   ``preset("cispo")``: weight        ``loss_type="cispo"``, ``epsilon_high=5``
                             capped at 1 + eps_high_is = 5      (TRL's is the cap itself)
 optimizer                   AdamW, cispo's ``OptimConfig``     the same betas, eps, weight decay, grad-norm
