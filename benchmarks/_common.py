@@ -101,22 +101,25 @@ def model_desc(model) -> str:
 # --------------------------------------------------------------------------- FLOPs and the matmul rate
 
 MATMUL_SHAPE = (1024, 576, 1536)
-"""[m, k] x [k, n] of `matmul_rate`: 1024 tokens through SmolLM2-135M's MLP up-projection (hidden 576 -> 1536)."""
+"""(m, k, n) of `matmul_rate`: 1024 tokens through SmolLM2-135M's MLP up-projection (hidden 576 -> 1536)."""
 
 
 def matmul_rate(dtype: str = "float32", shape: tuple[int, int, int] = MATMUL_SHAPE, repeats: int = 5) -> float:
-    """This machine's matmul rate, FLOP/s, at this process's torch threads: ``torch.mm`` of an [m, k] by a
-    [k, n] matrix in ``dtype`` = 2·m·k·n FLOPs / the median of ``repeats`` timed calls (one untimed first)."""
+    """This machine's matmul rate, FLOP/s, at this process's torch threads: ``torch.nn.functional.linear`` of
+    [m, k] activations and an [n, k] weight in ``dtype`` (the op a model's ``nn.Linear`` layers run, also
+    under autocast) = 2·m·k·n FLOPs / the median of ``repeats`` timed calls (one untimed first). Not
+    ``torch.mm``: in bfloat16 on a CPU without native bf16 instructions it takes a far slower kernel
+    than the one ``linear`` reaches, so it would understate what the model can get."""
     import torch
 
     m, k, n = shape
     g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(r, c, generator=g).to(getattr(torch, dtype)) for r, c in ((m, k), (k, n)))
-    torch.mm(a, b)
+    x, w = (torch.randn(r, c, generator=g).to(getattr(torch, dtype)) for r, c in ((m, k), (n, k)))
+    torch.nn.functional.linear(x, w)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        torch.nn.functional.linear(x, w)
         times.append(time.perf_counter() - t0)
     return 2 * m * k * n / median(times)
 

@@ -28,8 +28,9 @@ in even pairs, cispo first in odd ones); a worker runs 1 + ``--steps`` RL steps 
 logp_old / update / overhead split), cispo / TRL steps/s pair by pair and their median; the prompt
 tokens each side's steps held (equal when the prompts are); whether cispo's sampler took the
 static-cache decode; and per side the update passes' useful FLOP rate (``_common.update_flops``,
-≈ 6 x params x tokens) as a share of the fp32 and the bf16 ``torch.mm`` rate of the model's
-[1024, 576] x [576, 1536] shape (``_common.matmul_rate``), measured in that worker at its threads.
+≈ 6 x params x tokens) as a share of the fp32 and the bf16 matmul rate of the model's MLP shape,
+1024 tokens x 576 -> 1536 (``_common.matmul_rate``, the op of ``nn.Linear``), measured in that worker
+at its threads.
 ``--bf16-steps N`` adds, after each of the first ``--bf16-repeats`` pairs, a cispo worker under bf16
 autocast over FP32 master weights (``model.dtype=bfloat16``): its step and update time against the
 fp32 cispo workers', its share of the bf16 matmul rate, and its sampler-vs-trainer log-prob gap
@@ -163,8 +164,8 @@ def flop_table(results: dict[str, list[dict]]) -> str:
         out.append([side, median(s["update_flops"] for s in steps) / 1e9, median(s["update"] for s in steps),
                     rate / 1e9, mm["float32"] / 1e9, f"{rate / mm['float32']:.1%}", mm["bfloat16"] / 1e9,
                     f"{rate / mm['bfloat16']:.1%}", f"{rate / mm[used]:.1%} ({used})"])
-    return table(["side", "update GFLOP/step", "update s", "update GFLOP/s", "mm fp32 GFLOP/s", "share fp32",
-                  "mm bf16 GFLOP/s", "share bf16", "share, precision used"], out)
+    return table(["side", "update GFLOP/step", "update s", "update GFLOP/s", "matmul fp32 GFLOP/s", "share fp32",
+                  "matmul bf16 GFLOP/s", "share bf16", "share, precision used"], out)
 
 
 def bf16_lines(results: dict[str, list[dict]]) -> list[str]:
@@ -198,9 +199,9 @@ def main(argv=None) -> None:
     p.add_argument("--bf16-steps", type=int, default=0,
                    help="measured steps of each cispo bf16-autocast worker (0: none)")
     p.add_argument("--bf16-repeats", type=int, default=1, help="bf16 workers, one after each of the first pairs")
-    p.add_argument("--mm-repeats", type=int, default=5, help="timed torch.mm calls per matmul rate")
+    p.add_argument("--mm-repeats", type=int, default=5, help="timed matmul calls per matmul rate")
     p.add_argument("--mm-shape", type=lambda v: tuple(int(x) for x in v.split(",")), default=MATMUL_SHAPE,
-                   metavar="M,K,N", help="the matmul timed: [M, K] x [K, N] (default %(default)s)")
+                   metavar="M,K,N", help="the matmul timed: [M, K] x [N, K]^T (default %(default)s)")
     p.add_argument("--in-process", action="store_true", help="run every worker in this process (tests)")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -234,8 +235,8 @@ def main(argv=None) -> None:
     print("prompt tokens per step (median): " + ", ".join(f"{k} {v:.0f}" for k, v in prompt_tokens.items()))
     report({side: [w["steps"] for w in results[side]] for side in ("cispo", "TRL")}, "cispo", "TRL")
     m, k, n = a.mm_shape
-    print(f"\nupdate passes' useful FLOP rate (_common.update_flops) vs torch.mm [{m}, {k}] x [{k}, {n}] in each "
-          "worker at its threads:")
+    print(f"\nupdate passes' useful FLOP rate (_common.update_flops) vs the matmul rate (linear, [{m}, {k}] x "
+          f"[{n}, {k}]^T) in each worker at its threads:")
     print(flop_table(results))
     for line in bf16_lines(results):
         print(line)
