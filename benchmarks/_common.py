@@ -105,23 +105,28 @@ MATMUL_SHAPE = (1024, 576, 1536)
 
 
 def matmul_rate(dtype: str = "float32", shape: tuple[int, int, int] = MATMUL_SHAPE, repeats: int = 5) -> float:
-    """This machine's matmul rate, FLOP/s, at this process's torch threads: ``torch.nn.functional.linear`` of
-    [m, k] activations and an [n, k] weight in ``dtype`` (the op a model's ``nn.Linear`` layers run, also
-    under autocast) = 2·m·k·n FLOPs / the median of ``repeats`` timed calls (one untimed first). Not
-    ``torch.mm``: in bfloat16 on a CPU without native bf16 instructions it takes a far slower kernel
-    than the one ``linear`` reaches, so it would understate what the model can get."""
+    """This machine's matmul rate, FLOP/s, at this process's torch threads: [m, k] activations times an
+    [n, k] weight in ``dtype``, 2·m·k·n FLOPs over the median of ``repeats`` timed calls (one untimed
+    first), by the faster of ``torch.nn.functional.linear`` (the op of a model's ``nn.Linear`` layers,
+    also under autocast) and ``torch.mm`` on the transposed weight: the kernels differ (in bfloat16 on
+    a CPU without native bf16 instructions ``torch.mm`` takes a far slower one than ``linear``), and
+    the limit is the best either reaches."""
     import torch
 
     m, k, n = shape
     g = torch.Generator().manual_seed(0)
     x, w = (torch.randn(r, c, generator=g).to(getattr(torch, dtype)) for r, c in ((m, k), (n, k)))
-    torch.nn.functional.linear(x, w)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        times.append(time.perf_counter() - t0)
-    return 2 * m * k * n / median(times)
+    wt = w.t().contiguous()  # [k, n]
+    best = 0.0
+    for op in (lambda: torch.nn.functional.linear(x, w), lambda: torch.mm(x, wt)):
+        op()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+        best = max(best, 2 * m * k * n / median(times))
+    return best
 
 
 def update_flops(model, rows: int, prompt_len: float, response_len: float) -> dict:

@@ -29,8 +29,8 @@ logp_old / update / overhead split), cispo / TRL steps/s pair by pair and their 
 tokens each side's steps held (equal when the prompts are); whether cispo's sampler took the
 static-cache decode; and per side the update passes' useful FLOP rate (``_common.update_flops``,
 ≈ 6 x params x tokens) as a share of the fp32 and the bf16 matmul rate of the model's MLP shape,
-1024 tokens x 576 -> 1536 (``_common.matmul_rate``, the op of ``nn.Linear``), measured in that worker
-at its threads.
+1024 tokens x 576 -> 1536 (``_common.matmul_rate``: the faster of ``linear`` and ``mm``), measured in
+that worker at its threads.
 ``--bf16-steps N`` adds, after each of the first ``--bf16-repeats`` pairs, a cispo worker under bf16
 autocast over FP32 master weights (``model.dtype=bfloat16``): its step and update time against the
 fp32 cispo workers', its share of the bf16 matmul rate, and its sampler-vs-trainer log-prob gap
@@ -235,8 +235,8 @@ def main(argv=None) -> None:
     print("prompt tokens per step (median): " + ", ".join(f"{k} {v:.0f}" for k, v in prompt_tokens.items()))
     report({side: [w["steps"] for w in results[side]] for side in ("cispo", "TRL")}, "cispo", "TRL")
     m, k, n = a.mm_shape
-    print(f"\nupdate passes' useful FLOP rate (_common.update_flops) vs the matmul rate (linear, [{m}, {k}] x "
-          f"[{n}, {k}]^T) in each worker at its threads:")
+    print(f"\nupdate passes' useful FLOP rate (_common.update_flops) vs the matmul rate ([{m}, {k}] x "
+          f"[{n}, {k}]^T, the faster of linear and mm) in each worker at its threads:")
     print(flop_table(results))
     for line in bf16_lines(results):
         print(line)
