@@ -205,6 +205,8 @@ def main(argv=None) -> None:
     p.add_argument("--in-process", action="store_true", help="run every worker in this process (tests)")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if min(a.pairs, a.steps, a.prompts, a.group, a.max_new_tokens, a.updates) < 1 or a.bf16_steps < 0:
+        p.error("--pairs, --steps, --prompts, --group, --max-new-tokens and --updates must be >= 1")
     if a.worker:
         print(json.dumps(worker_trl(a) if a.worker == "TRL" else worker_cispo(a, a.worker == "cispo-bf16")))
         return
