@@ -98,6 +98,60 @@ def model_desc(model) -> str:
             f"mlp {c.intermediate_size}, vocab {c.vocab_size}, {n / 1e6:.2f}M params")
 
 
+# --------------------------------------------------------------------------- FLOPs and the matmul rate
+
+MATMUL_SHAPE = (1024, 576, 1536)
+"""(m, k, n) of `matmul_rate`: 1024 tokens through SmolLM2-135M's MLP up-projection (hidden 576 -> 1536)."""
+
+
+def matmul_rate(dtype: str = "float32", shape: tuple[int, int, int] = MATMUL_SHAPE, repeats: int = 5) -> float:
+    """This machine's matmul rate, FLOP/s, at this process's torch threads: [m, k] activations times an
+    [n, k] weight in ``dtype``, 2·m·k·n FLOPs over the median of ``repeats`` timed calls (one untimed
+    first), by the faster of ``torch.nn.functional.linear`` (the op of a model's ``nn.Linear`` layers,
+    also under autocast) and ``torch.mm`` on the transposed weight: the kernels differ (in bfloat16 on
+    a CPU without native bf16 instructions ``torch.mm`` takes a far slower one than ``linear``), and
+    the limit is the best either reaches."""
+    import torch
+
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(r, c, generator=g).to(getattr(torch, dtype)) for r, c in ((m, k), (n, k)))
+    wt = w.t().contiguous()  # [k, n]
+    best = 0.0
+    for op in (lambda: torch.nn.functional.linear(x, w), lambda: torch.mm(x, wt)):
+        op()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+        best = max(best, 2 * m * k * n / median(times))
+    return best
+
+
+def update_flops(model, rows: int, prompt_len: float, response_len: float) -> dict:
+    """Useful FLOPs of one pass, forward and backward, over ``rows`` rows of ``prompt_len`` prompt and
+    ``response_len`` response tokens: ≈ 6 × params × tokens (2 per parameter per token forward, 4
+    backward), counted the usual training-FLOPs way, with S = P + T - 1 decoder positions a row and the
+    LM head on the T response positions only:
+
+        6 * (decoder linear params) * rows * S  +  6 * (LM head params) * rows * T  +  12 * layers * hidden * S^2 * rows
+
+    (embedding lookups, norms, softmax and the optimizer are not counted; the LM-head recompute of a
+    chunked backward and the causal half of attention count as waste, not work). With a mean P over
+    ragged prompts the attention term is a slight underestimate (S^2 of the mean)."""
+    import torch
+
+    c = model.config
+    head = model.get_output_embeddings().weight.numel()
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - head
+    S = prompt_len + response_len - 1
+    parts = {"linear": 6 * linear * rows * S, "head": 6 * head * rows * response_len,
+             "attention": 12 * c.num_hidden_layers * c.hidden_size * S * S * rows}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
 # --------------------------------------------------------------------------- memory (Linux)
 
 
@@ -160,15 +214,34 @@ class TimedSampler:
         return getattr(self.inner, name)
 
 
+class InOrder:
+    """A prompt stream (``take`` is all ``rl_step`` asks of one) that hands out ``samples`` in the given
+    order, cycling: two trainers given the same list take the same prompts at every step."""
+
+    def __init__(self, samples: list[dict]):
+        self.samples, self.index = list(samples), 0
+
+    def take(self, n: int) -> list[dict]:
+        out = [self.samples[(self.index + i) % len(self.samples)] for i in range(n)]
+        self.index += n
+        return out
+
+
 def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, prompts: int = 32,
                max_new_tokens: int = 57, seed: int = 0, suppress_eos: bool = False, extra: tuple = (),
-               model_path: str | None = None):
-    """Everything ``rl_step`` needs, for the built-in addition task and a built-in Llama of
-    ``size`` with random init (or the checkpoint at ``model_path``), on CPU.
+               model_path: str | None = None, task: str = "addition", samples: list[dict] | None = None):
+    """Everything ``rl_step`` needs for the built-in ``task`` on CPU: a built-in Llama of ``size``
+    with random init (character tasks), or the model at ``model_path`` (a folder or
+    ``builtin:<name>``) loaded as ``cispo train`` loads it (``cispo.runner.load_policy_for``: the
+    chat template of a chat task, ``model.dtype`` from ``extra``, the FP32 head, ``decode=auto``).
 
     ``suppress_eos``: the sampler gets an EOS id outside the vocabulary, so every response runs
-    to ``max_new_tokens`` (fixed lengths, for comparisons). Returns a dict of the pieces.
+    to ``max_new_tokens`` (fixed lengths, for comparisons), and the repetition early stop is off.
+    ``samples``: the prompts to take, in this order (`InOrder`); None: the task's shuffled train
+    stream. Returns a dict of the pieces.
     """
+    import dataclasses
+
     import torch
 
     import cispo.setup as setup_mod
@@ -176,41 +249,45 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     from cispo.compile import train_body
     from cispo.config import TrainConfig, apply_overrides
     from cispo.data import PromptStream
-    from cispo.models import build_model, build_tokenizer, load_policy
+    from cispo.models import build_model, build_tokenizer
     from cispo.policy import Policy
     from cispo.rollout import TorchSampler
+    from cispo.runner import load_policy_for
     from cispo.tasks import get_task
 
-    task = get_task("addition")
-    if model_path:
-        model, tok = load_policy(model_path, device="cpu")
-    else:
-        tok = build_tokenizer(task.alphabet)
-        model = build_model(tok, size=size, seed=seed)
+    the_task = get_task(task)
     cfg = apply_overrides(TrainConfig(), [
         "model.device=cpu", "progress=false", f"prompts_per_step={prompts}", f"group_size={group_size}",
         f"updates_per_batch={updates}", f"max_new_tokens={max_new_tokens}", "dynamic_sampling=false",
-        f"seed={seed}", *extra,
+        f"seed={seed}", f"data.task={task}", *([f"model.path={model_path}"] if model_path else []), *extra,
     ])
-    eos = len(tok) if suppress_eos else tok.eos_token_id  # an id outside the vocab is never sampled
-    sampler = TimedSampler(TorchSampler(model, eos, tok.pad_token_id))
-    policy = Policy(model, tok, sampler, torch.device("cpu"),
-                    train_body=train_body(cfg.model, model, torch.device("cpu"), tok.pad_token_id))
-    sampling = setup_mod.sampling_config(cfg.rollout, setup_mod.default_max_new_tokens(task))
+    cpu = torch.device("cpu")
+    if model_path:
+        policy = load_policy_for(cfg, the_task, cpu)
+    else:
+        tok = build_tokenizer(the_task.alphabet)
+        model = build_model(tok, size=size, seed=seed)
+        policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.pad_token_id), cpu,
+                        train_body=train_body(cfg.model, model, cpu, tok.pad_token_id))
+    model, tok = policy.model, policy.tokenizer
+    sampler = policy.sampler
+    if suppress_eos:  # an id past the last logit is never sampled
+        sampler = TorchSampler(model, model.get_output_embeddings().weight.shape[0], tok.pad_token_id,
+                               autocast=policy.autocast, fp32_head=sampler.fp32_head, decode=sampler.decode)
+    policy = dataclasses.replace(policy, sampler=TimedSampler(sampler))
+    sampling = setup_mod.sampling_config(cfg.rollout, setup_mod.default_max_new_tokens(the_task))
     if suppress_eos:
-        from dataclasses import replace
-
-        sampling = replace(sampling, repetition_stop_tokens=None)
+        sampling = dataclasses.replace(sampling, repetition_stop_tokens=None)
     score = trainer_mod.score_rewards
     if not isinstance(score, Stopwatch):  # rl_step -> sample_groups -> score_rewards: dispatch + verifier
         score = trainer_mod.score_rewards = Stopwatch(score)
     return {
-        "policy": policy, "cfg": cfg, "task": task, "sampling": sampling, "score": score,
+        "policy": policy, "cfg": cfg, "task": the_task, "sampling": sampling, "score": score,
         "optimizer": setup_mod.make_optimizer(model, cfg.optim),
         "obj": setup_mod.make_objective(cfg.algo, cfg.rollout.max_new_tokens),
-        "stream": PromptStream(task.train_samples(cfg.data.seed, 4096), seed=seed),
+        "stream": InOrder(samples) if samples else PromptStream(the_task.train_samples(cfg.data.seed, 4096), seed=seed),
         "generators": {"sample": torch.Generator().manual_seed(seed), "shuffle": torch.Generator().manual_seed(seed + 1)},
-        "forks": setup_mod.fork_matcher(tok, task),
+        "forks": setup_mod.fork_matcher(tok, the_task),
         "params": sum(p.numel() for p in model.parameters()),
         "desc": model_desc(model),
     }
@@ -220,7 +297,8 @@ def ours_steps(setup: dict, steps: int) -> list[dict]:
     """Run ``steps`` RL steps; per step: wall seconds split into sample (``generate``), score
     (reward calls incl. their dispatch), logp_old (the ``perf/logp_old_s`` phase: collate + one
     no-grad forward), update (``perf/update_s``: the K optimizer steps) and overhead (the rest:
-    decoding, building completions, metrics); plus response tokens and rows."""
+    decoding, building completions, metrics); plus response tokens, rows, and the mean |sampler log-prob -
+    trainer log-prob| of the sampled tokens (``rollout/logp_abs_diff``)."""
     from cispo.trainer import rl_step
 
     s = setup
@@ -234,7 +312,8 @@ def ours_steps(setup: dict, steps: int) -> list[dict]:
         wall = time.perf_counter() - t0
         sample, sc = gen.seconds - g0, score.seconds - r0
         row = {"wall": wall, "sample": sample, "score": sc, "logp_old": m["perf/logp_old_s"],
-               "update": m["perf/update_s"], "response_len": m.get("rollout/response_length", float("nan"))}
+               "update": m["perf/update_s"], "response_len": m.get("rollout/response_length", float("nan")),
+               "logp_abs_diff": m.get("rollout/logp_abs_diff", float("nan"))}
         row["overhead"] = wall - sample - sc - row["logp_old"] - row["update"]
         row["rows"] = s["cfg"].rollout.prompts_per_step * s["cfg"].rollout.group_size
         row["tokens"] = row["response_len"] * row["rows"]

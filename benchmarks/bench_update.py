@@ -13,13 +13,8 @@ AdamW step), on a batch shaped like the default run's: B rows of a ``--prompt-le
 and a ``--response-len``-token response (random ids: every row has the same length, so there is
 no padding in the count), built-in Llama of ``--size`` with random init, CPU, fp32.
 
-Useful FLOPs (the usual training-FLOPs convention; the LM-head recompute in the chunked
-backward and the causal half of attention count as waste, not work):
-
-    per mini-batch of b rows, S = P + T - 1 decoder positions, T head positions:
-    6 * (decoder linear params) * b * S  +  6 * (LM head params) * b * T  +  12 * layers * hidden * S^2 * b
-
-(embedding lookups, norms, softmax and the optimizer are not counted). The reference rate is a
+Useful FLOPs: ``_common.update_flops`` (≈ 6 × params × tokens, split into the decoder's linear
+layers, the LM head on the response positions and attention; its docstring has the formula). The reference rate is a
 square fp32 ``torch.mm`` (``--mm-size``) at the same thread count, timed interleaved with the
 update passes; the fraction is median(update FLOP/s) / median(matmul FLOP/s). A short
 ``torch.profiler`` pass over one call then splits the time into matmul / attention / other
@@ -36,7 +31,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, load_average, machine_note, median, model_desc, set_threads, spread, table  # noqa: E402
+from _common import (interleaved, load_average, machine_note, median, model_desc, set_threads, spread,  # noqa: E402
+                     table, update_flops)
 
 
 def build(args):
@@ -83,19 +79,6 @@ def bare_updates(model, opt, exp, k: int, grad_clip: float):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
         opt.step()
-
-
-def useful_flops(model, B: int, P: int, T: int) -> dict:
-    import torch
-
-    c = model.config
-    head = model.get_output_embeddings().weight.numel()
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - head
-    S = P + T - 1
-    parts = {"linear": 6 * linear * B * S, "head": 6 * head * B * T,
-             "attention": 12 * c.num_hidden_layers * c.hidden_size * S * S * B}
-    parts["total"] = sum(parts.values())
-    return parts
 
 
 def profile_once(run) -> dict:
@@ -184,7 +167,7 @@ def main(argv=None) -> None:
         fns["logp_old"] = lambda: compute_logp_old(policy, exp, cfg)
         fns["logp_old compiled"] = lambda: compute_logp_old(compiled, exp, cfg)
     times = interleaved(fns, args.repeats, warmup=1)
-    flops = useful_flops(policy.model, args.rows, args.prompt_len, args.response_len)
+    flops = update_flops(policy.model, args.rows, args.prompt_len, args.response_len)
     upd_rate = flops["total"] / median(times["update"])
     mm_rate = 2 * n**3 / median(times["mm"])
     print(f"model: built-in '{args.size}' = {model_desc(policy.model)}; batch {args.rows} rows x "

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from cispo.packaged import save_tiny_smollm2
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPTS = {  # script -> the string(s) its --tiny output must contain
@@ -55,7 +58,7 @@ def test_benchmarks_tiny():
 
 def test_every_benchmark_is_covered():
     scripts = {p.name for p in BENCH.glob("bench_*.py")}
-    assert scripts == set(SCRIPTS) | {"bench_trl.py"}
+    assert scripts == set(SCRIPTS) | {"bench_trl.py", "bench_trl_smollm2.py"}
 
 
 def _trl_importable() -> bool:
@@ -74,6 +77,39 @@ def test_bench_trl_tiny():
                          timeout=240, cwd=BENCH.parent, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ours / TRL" in out.stdout and "| TRL" in out.stdout, out.stdout
+
+
+def _number(pattern: str, text: str) -> float:
+    found = re.search(pattern, text)
+    assert found, f"{pattern!r} not in:\n{text}"
+    return float(found.group(1))
+
+
+@pytest.mark.skipif(not _trl_importable(), reason="trl is not importable in this interpreter (pip install 'cispo[bench]')")
+def test_bench_trl_smollm2_end_to_end(tmp_path):
+    """The SmolLM2 benchmark's whole path on a tiny random Llama with SmolLM2's tokenizer and chat template
+    (every worker in one process, a small matmul): both trainers take the same prompts, cispo samples
+    on the static-cache decode, and the ratio and every FLOP share are printed as finite numbers."""
+    model = save_tiny_smollm2(tmp_path / "tiny_smollm")
+    out = subprocess.run([sys.executable, str(BENCH / "bench_trl_smollm2.py"), "--model", str(model), "--pairs", "1",
+                          "--steps", "1", "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--updates", "1",
+                          "--threads", "1", "--in-process", "--bf16-steps", "1", "--mm-repeats", "1",
+                          "--mm-shape", "64,64,64"], capture_output=True, text=True, timeout=240, cwd=BENCH.parent,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "cispo sampling: static-cache decode" in text, text
+    tokens = dict(re.findall(r"(TRL|cispo|cispo-bf16) (\d+)", text.split("prompt tokens per step (median): ")[1]
+                             .split("\n")[0]))
+    assert set(tokens) == {"TRL", "cispo", "cispo-bf16"} and len(set(tokens.values())) == 1, tokens
+    for pattern in (r"steps/s by pair .*?: ([\d.]+); median", r"; median ([\d.]+)", r"steps/s x([\d.]+)",
+                    r"bf16 autocast / fp32 time .*?step x([\d.]+)", r"log-prob gap.*?fp32 ([\d.e+-]+)"):
+        assert math.isfinite(_number(pattern, text)) and _number(pattern, text) >= 0, pattern
+    flop_table = text.split("useful FLOP rate")[1]
+    for side in ("TRL", "cispo", "cispo-bf16"):
+        row = next(line for line in flop_table.splitlines() if line.startswith(f"| {side} "))
+        shares = [float(x) for x in re.findall(r"([\d.]+)%", row)]
+        assert len(shares) == 3 and all(math.isfinite(x) and x > 0 for x in shares), row
 
 
 # --------------------------------------------------------------------------- gpu_check.py

@@ -291,3 +291,30 @@ def test_compiled_step_under_bf16_autocast():
         bf16_error = (want.logp_rollout - exact.logp_rollout)[m].abs().max().item()
         assert m.float().mean() > 0.5 and bf16_error > 1e-5, "bf16 must round, on mostly equal tokens"
         assert_same(want, got, atol=2 * bf16_error)
+
+
+# SmolLM2-135M-Instruct's config.json as cispo.packaged converts it (builtin:smollm2-135m), with 2 of its
+# 30 layers and a 24-token vocabulary: 9 query heads over 3 key/value heads of 64, tied embeddings,
+# rope theta 1e5 (issue 31: its sampling must take the static-cache decode).
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                     head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                     rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, hidden_act="silu",
+                     num_hidden_layers=2, vocab_size=V, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+
+
+def test_smollm2_shape_takes_the_static_decode(monkeypatch):
+    """``decode="auto"`` (the default) decodes a Llama of SmolLM2's shape with the static cache, with the
+    forward path's tokens and log-probs."""
+    built = []
+    monkeypatch.setattr(static_cache.StaticDecoder, "__init__",
+                        lambda self, *a, **k: built.append(1) or StaticDecoder_init(self, *a, **k))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM2_SHAPE)).eval()
+    assert model.config.model_type == "llama" and unsupported_reason(model) is None
+    cfg = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    auto = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD).generate(PROMPTS, cfg,
+                                                                            torch.Generator().manual_seed(0))
+    assert built, "decode='auto' did not take the static-cache decode"
+    a, b = both(model, cfg)
+    assert_same(a, b, atol=1e-5)
+    assert_same(auto, b, atol=0)
