@@ -390,12 +390,13 @@ def measure_base_model(model, tokenizer=None, task="addition", n: int = 2000, te
 # --------------------------------------------------------------------------- chain task
 
 
-def chain_recheck_policy(numbers_of, rule: str):
+def chain_recheck_policy(numbers_of, rule: str, bugs=None):
     """A `steer` for `sample_completions` on the `chain` task that decides every
     "recheck or go on" token (right after a step's direct result) by `rule`:
 
-    * ``"carry"``: recheck exactly the steps whose written operands carry (the policy the
-      length budget favours; its accuracy estimates the best achievable);
+    * ``"carry"``: recheck exactly the steps whose written operands the base model gets wrong
+      (`chain.is_buggy` with `bugs`; chain: those that carry) (the policy the length budget
+      favours; its accuracy estimates the best achievable);
     * ``"never"`` / ``"always"``: no recheck / a recheck after every step.
 
     Everything else is the model's own sample. `numbers_of(i)` gives prompt i's numbers.
@@ -414,7 +415,7 @@ def chain_recheck_policy(numbers_of, rule: str):
         if m is None:                                   # not right after a direct result
             return tok
         a, b = int(m.group(1)), int(m.group(2))
-        if rule == "always" or (rule == "carry" and chain.has_carry(a, b)):
+        if rule == "always" or (rule == "carry" and chain.is_buggy(a, b, bugs)):
             return chain.FORK_TOKEN
         if tok != chain.FORK_TOKEN:
             return tok
@@ -431,7 +432,8 @@ def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, bat
       ``rechecks_per_response``; ``accuracy_with_recheck`` / ``_without``: sampled
       completions that rechecked at least once vs never;
     * ``carry_step_value_correct_with_recheck`` / ``_without``: on steps whose written
-      operands carry, how often the value the chain goes on from is right;
+      operands the base model gets wrong (`chain.is_buggy` with the task's `chain.TASK_BUGS`;
+      chain: those that carry), how often the value the chain goes on from is right;
     * ``step_error_rate``: direct results that are wrong (all steps);
     * ``accuracy_forced_{carry,never,always}``: sampled, with every recheck decision forced
       (`chain_recheck_policy`); ``answer_correct_forced_always``: the answer is right, the
@@ -442,7 +444,8 @@ def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, bat
 
     if isinstance(model, (str, Path)):
         model, tokenizer = load_policy(model)
-    task = get_task(task_name)  # chain, or a variant of it (chain_sparse)
+    task = get_task(task_name)  # chain, or a variant of it (chain_sparse, chain_hidden)
+    bugs = chain.TASK_BUGS.get(task_name)
     was_training = model.training
     model.eval()
     samples = task.eval_samples(seed, n)
@@ -461,7 +464,7 @@ def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, bat
     for ss in steps:
         for st in ss:
             wrong_direct.append(st.result != st.a + st.b)
-            if chain.has_carry(st.a, st.b):
+            if chain.is_buggy(st.a, st.b, bugs):
                 (carry_with if st.corrected is not None else carry_without).append(st.value == st.a + st.b)
     out = {
         "n": n, "accuracy": mean(r), "greedy_accuracy": mean(rg),
@@ -476,11 +479,11 @@ def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, bat
         "n_carry_steps_rechecked": len(carry_with),
         "step_error_rate": mean(wrong_direct),
         "mean_length": mean([len(c) for c in comps]),
-        "optimal_rechecks_per_response": mean([len(chain.carry_steps(ns)) for ns in numbers]),
+        "optimal_rechecks_per_response": mean([len(chain.buggy_steps(ns, bugs)) for ns in numbers]),
     }
     for rule in ("carry", "never", "always"):
         forced = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 1.0, seed + 1, batch_size,
-                                    steer=chain_recheck_policy(lambda i: numbers[i], rule))
+                                    steer=chain_recheck_policy(lambda i: numbers[i], rule, bugs))
         out[f"accuracy_forced_{rule}"] = mean(rew(forced))
         if rule == "always":
             out["answer_correct_forced_always"] = mean([chain.extract_answer(c) == s["answer"]
