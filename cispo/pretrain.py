@@ -14,6 +14,8 @@ Departures from a plain LM pretraining, in plain words:
 2. Every step draws a fixed share of direct and of forked examples and runs them as two
    micro-batches (their lengths differ ~4x), one loss normalised by their total number
    of loss tokens.
+3. A corpus may weight loss tokens (a `loss_mask` entry other than 0 or 1, e.g. the
+   `chain_hidden_sharp` corpus's rare carry pairs); the loss is then sum(w * loss) / sum(w).
 
 Deterministic: the same config and seed give bit-identical weights on the same machine
 (`torch.manual_seed`, a `torch.Generator` for batches, CPU ops only; 1 and 2 threads
@@ -118,10 +120,24 @@ def _encode(examples, vocab: dict[str, int], eos_id: int, pad_id: int):
     return input_ids, labels
 
 
+def _loss_weights(examples, T: int):
+    """[N, T-1] float loss weights aligned with `_encode`'s labels, or None when every
+    `loss_mask` entry is 0 or 1 (the plain masked loss: nothing to weight)."""
+    import numpy as np
+
+    if all(m in (0, 1) for ex in examples for m in ex.loss_mask):
+        return None
+    w = np.zeros((len(examples), T - 1), dtype=np.float32)
+    for i, ex in enumerate(examples):
+        start = len(ex.prompt) - 1                          # the label of the prompt's last position
+        w[i, start: start + len(ex.loss_mask)] = ex.loss_mask
+    return torch.from_numpy(w)
+
+
 def build_dataset(cfg: PretrainConfig, tokenizer):
-    """``{"direct": (ids, labels), "forked": (ids, labels)}`` from the task's corpus (`cfg`
-    resolved), or
-    ``{"all": (ids, labels)}`` for a task without a `stratified_corpus`."""
+    """``{"direct": (ids, labels, weights), "forked": (...)}`` from the task's corpus (`cfg`
+    resolved), or ``{"all": (ids, labels, weights)}`` for a task without a `stratified_corpus`;
+    ``weights`` is None unless the corpus weights some loss tokens (`_loss_weights`)."""
     from cispo.tasks import get_task
 
     task = get_task(cfg.task)
@@ -129,18 +145,23 @@ def build_dataset(cfg: PretrainConfig, tokenizer):
                            derivation_fraction=cfg.derivation_fraction,
                            wrong_guess_fraction=cfg.wrong_guess_fraction)
     vocab = tokenizer.get_vocab()
+
+    def encoded(part):
+        ids, labels = _encode(part, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        return ids, labels, _loss_weights(part, ids.shape[1] + 1)
+
     if not task.stratified_corpus:
-        return {"all": _encode(examples, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)}
+        return {"all": encoded(examples)}
     out = {}
     for kind in ("direct", "forked"):
         part = [ex for ex in examples if ex.forked == (kind == "forked")]
         if part:
-            out[kind] = _encode(part, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+            out[kind] = encoded(part)
     return out
 
 
-def _length_sorted_halves(ids, labels):
-    """``[(ids, labels), (ids, labels)]``: the rows sorted by length, split in two, each cut
+def _length_sorted_halves(ids, labels, weights=None):
+    """``[(ids, labels, weights), (...)]``: the rows sorted by length, split in two, each cut
     to its longest row (right padding carries no loss and, causally, changes no logit)."""
     lengths = (labels != -100).long().cumsum(1).argmax(1) + 1                   # [B] last loss position + 1
     order = torch.argsort(lengths, stable=True)
@@ -148,7 +169,7 @@ def _length_sorted_halves(ids, labels):
     for part in (order[: len(order) // 2], order[len(order) // 2:]):
         if len(part):
             t = int(lengths[part].max())
-            out.append((ids[part, :t], labels[part, :t]))
+            out.append((ids[part, :t], labels[part, :t], None if weights is None else weights[part, :t]))
     return out
 
 
@@ -198,21 +219,26 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
         batches = []
-        for kind, (ids, labels) in data.items():
+        for kind, (ids, labels, weights) in data.items():
             if share[kind] == 0:
                 continue
             idx = torch.randint(len(ids), (share[kind],), generator=gen)
+            w = None if weights is None else weights[idx]
             if kind == "all":  # one mixed-length corpus: two length-sorted, trimmed micro-batches
-                batches += _length_sorted_halves(ids[idx], labels[idx])
+                batches += _length_sorted_halves(ids[idx], labels[idx], w)
             else:
-                batches.append((ids[idx], labels[idx]))
-        n_tokens = sum(int((lab != -100).sum()) for _, lab in batches)
+                batches.append((ids[idx], labels[idx], w))
+        n_tokens = sum(int((lab != -100).sum()) if w is None else float(w.sum()) for _, lab, w in batches)
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for ids, labels in batches:
+        for ids, labels, w in batches:
             logits = model(input_ids=ids).logits.float()                       # [B, T, V]
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                   reduction="sum") / n_tokens
+            if w is None:   # sum over loss tokens / their number
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                       reduction="sum") / n_tokens
+            else:           # weighted: sum(w * loss) / sum(w)
+                loss = (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                        reduction="none") * w.flatten()).sum() / n_tokens
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -326,7 +326,8 @@ def max_new_tokens(steps: tuple[int, ...] = STEPS) -> int:
 
 def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fraction: float = 0.5,
            wrong_guess_fraction: float = 1.0, steps: tuple[int, ...] = STEPS,
-           carry_prob: float = CARRY_PROB, bugs: frozenset[tuple[int, int]] | None = None) -> list[CorpusExample]:
+           carry_prob: float = CARRY_PROB, bugs: frozenset[tuple[int, int]] | None = None,
+           pair_weight_cap: float = 1.0, bug_weight: float = 1.0) -> list[CorpusExample]:
     """`n` seeded pretraining chains from the train split.
 
     * Each step is followed by a recheck with probability `derivation_fraction` (practice:
@@ -339,10 +340,18 @@ def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fractio
       base model's systematic bug), else correctly; every other step correctly; the direct
       result carries loss either way. The chain goes on from the
       written (or corrected) value, so an error propagates.
+    * `pair_weight_cap` > 1: the direct result of a carrying step carries loss **weight**
+      ``w = min(cap, max(1, median count / count))``, its (tens digit, addend) pair's count among
+      the corpus's carrying steps against the median pair's, so every entry of the 72-pair table
+      (buggy or not) gets about the same total weight and the rare pairs (an addend of 1-2
+      carries only after a units digit of 8-9) are learned as sharply as the common ones; a buggy
+      step's result (`is_buggy` with `bugs`) weighs `bug_weight` times more, so its right value
+      (the "direct fix", carried over from the pairs the model adds right) is pushed down
+      harder. Both 1: no weights (chain's corpus, unchanged).
     """
     q = decision_keep_prob(fork_fraction, derivation_fraction)
     rng = random.Random(f"chain/corpus/{','.join(map(str, steps))}/{carry_prob}/{seed}")
-    out = []
+    out, results = [], []          # results: (example index, first result character, pair) per carrying step
     for numbers in sample_chains(seed, n, "train", steps, carry_prob, stream="corpus"):
         total, text, mask, forked = numbers[0], "", [], False
         for i, b in enumerate(numbers[1:]):
@@ -353,6 +362,9 @@ def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fractio
             if is_buggy(total, b, bugs) and rng.random() < wrong_guess_fraction:
                 r = dropped_carry_sum(total, b)
             step = f"{total}+{b}={r}"
+            if has_carry(total, b):
+                results.append((len(out), len(text) + step.index("=") + 1, (total // 10 % 10, b),
+                                bug_weight if is_buggy(total, b, bugs) else 1.0))
             text += step
             mask += [1] * len(step)
             if rng.random() < derivation_fraction:
@@ -364,4 +376,19 @@ def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fractio
             total = r
         mask.append(1)                                           # EOS: the "stop" decision
         out.append(CorpusExample(make_prompt(numbers), text, tuple(mask), forked))
-    return out
+    return _weight_pairs(out, results, pair_weight_cap) if pair_weight_cap > 1 or bug_weight != 1 else out
+
+
+def _weight_pairs(examples: list[CorpusExample], results, cap: float) -> list[CorpusExample]:
+    """`examples` with each carrying step's two result characters weighted (`corpus`'s
+    `pair_weight_cap` and `bug_weight`); `results` holds (example index, first result
+    character, pair, bug factor) per carrying step."""
+    counts: dict[tuple[int, int], int] = {}
+    for _, _, pair, _ in results:
+        counts[pair] = counts.get(pair, 0) + 1
+    median = sorted(counts.values())[len(counts) // 2]
+    masks = [list(ex.loss_mask) for ex in examples]
+    for i, start, pair, factor in results:
+        w = min(cap, max(1.0, median / counts[pair])) * factor
+        masks[i][start: start + 2] = [w, w]                      # a+b <= 99, a >= 10: two digits
+    return [CorpusExample(ex.prompt, ex.completion, tuple(m), ex.forked) for ex, m in zip(examples, masks)]
