@@ -63,7 +63,8 @@ HIDDEN_BUGS = _hidden_bugs()
 """`chain_hidden`'s bug set: (tens digit of the running sum, addend) pairs on which the base model
 drops the carry. A carrying step ``a+b`` (``a`` <= 89, since the sum stays below 100) has one of
 8 x 9 = 72 such pairs; for each tens digit 1-8, 3 of the 9 addends are buggy."""
-TASK_BUGS: dict[str, frozenset[tuple[int, int]]] = {"chain_hidden": HIDDEN_BUGS, "chain_hidden_strict": HIDDEN_BUGS}
+TASK_BUGS: dict[str, frozenset[tuple[int, int]]] = {"chain_hidden": HIDDEN_BUGS, "chain_hidden_strict": HIDDEN_BUGS,
+                                                    "chain_hidden_sharp": HIDDEN_BUGS}
 """The bug set of each chain variant whose base model errs on a subset of the carrying steps
 (a task not listed: `chain`, `chain_sparse`, errs on every carrying step)."""
 
