@@ -522,3 +522,42 @@ def test_chain_hidden_tasks_prompts_bug_counts_splits_and_corpus():
         for s in ch.parse_steps(ex.completion):
             wrong = ch.dropped_carry_sum(s.a, s.b) if ch.is_buggy(s.a, s.b, ch.HIDDEN_BUGS) else s.a + s.b
             assert s.result == wrong and s.corrected in (None, s.a + s.b)
+
+
+def test_chain_corpus_pair_weights_balance_the_carry_table_and_weigh_the_bugs():
+    bugs = ch.HIDDEN_BUGS
+    plain = ch.corpus(0, 3000, bugs=bugs)
+    weighted = ch.corpus(0, 3000, bugs=bugs, pair_weight_cap=32.0, bug_weight=16.0)
+    assert [e.completion for e in plain] == [e.completion for e in weighted]   # same text, other weights
+    assert all(set(e.loss_mask) <= {0, 1} for e in plain)
+    by_pair: dict = {}
+    for ex, ref in zip(weighted, plain):
+        pos = 0
+        for part in ex.completion.split(";"):
+            s = ch.parse_steps(part)[0]
+            start = pos + part.index("=") + 1                       # the direct result's two digits
+            w = ex.loss_mask[start: start + 2]
+            if ch.has_carry(s.a, s.b):
+                assert w[0] == w[1] >= (16.0 if ch.is_buggy(s.a, s.b, bugs) else 1.0)
+                by_pair.setdefault((s.a // 10, s.b), set()).add(w[0])
+            else:
+                assert w == (1, 1)
+            pos += len(part) + 1
+        changed = [i for i, (a, b) in enumerate(zip(ex.loss_mask, ref.loss_mask)) if a != b]
+        assert all(ref.loss_mask[i] == 1 for i in changed)           # only loss tokens are re-weighted
+    assert all(len(ws) == 1 for ws in by_pair.values())             # one weight per pair
+    w = {p: ws.pop() for p, ws in by_pair.items()}
+    assert max(w.values()) <= 32.0 * 16.0 and w[(8, 2)] > w[(5, 8)] > w[(5, 9)]   # rare buggy > common buggy > plain
+    assert w[(8, 1)] > 1.0 and (8, 1) not in bugs                   # a rare pair that adds right is balanced too
+
+
+def test_pretraining_loss_weights_align_with_the_labels():
+    from cispo.models import build_tokenizer
+    from cispo.pretrain import PretrainConfig, build_dataset
+
+    task = get_task("chain_hidden_sharp")
+    assert task.base_task is None and task.reward.keywords == {"slack": 0, "bugs": ch.HIDDEN_BUGS}
+    tok = build_tokenizer(task.alphabet, task.max_positions)
+    ids, labels, weights = build_dataset(PretrainConfig(task="chain_hidden_sharp", corpus_size=300).resolved(), tok)["all"]
+    assert weights.shape == labels.shape and ((weights > 0) == (labels != -100)).all() and weights.max() > 16
+    assert build_dataset(PretrainConfig(task="chain_hidden", corpus_size=50).resolved(), tok)["all"][2] is None
