@@ -4,9 +4,12 @@ From a run's ``samples.jsonl`` (the logged training completions, `log_samples_ev
 `max_samples_per_step`): for every step ``a+b`` of a well-formed completion (on the operands as
 written), whether a ``W`` follows it, grouped into *buggy* (the task's `chain.TASK_BUGS`: the
 base model errs there, so the recheck pays), *other carrying* and *no carry*; and how often a
-buggy step's direct result is already right (a "direct fix", no recheck needed).
+buggy step's direct result is already right (a "direct fix", no recheck needed). From its
+``metrics.jsonl``, per phase: the ``W`` tokens of the training batches (`fork/w/count`), those with
+a positive advantage (`fork/w/pos`), of them above 1 + eps_high (`fork/w/pos_above`) and the
+paper's case (`fork/w/pos_lowp_above`), and their mean p_old.
 
-    python benchmarks/recheck_placement.py chain_hidden docs/results/v3/gate/chain_hidden_dapo_s100/samples.jsonl
+    python benchmarks/recheck_placement.py chain_hidden docs/results/v3/gate/chain_hidden_dapo_s100
 """
 
 from __future__ import annotations
@@ -47,7 +50,27 @@ def placement(task_name: str, rows: list[dict], phases=PHASES) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    task, path = sys.argv[1], sys.argv[2]
+def fork_counts(rows: list[dict], phases=PHASES) -> dict:
+    """``{"a-b": {"w_tokens", "w_positive", "w_positive_above", "w_paper_case", "w_p_old_mean"}}``."""
+    out = {}
+    for lo, hi in phases:
+        rs = [r for r in rows if lo <= r.get("step", 0) <= hi and "fork/w/count" in r]
+        n = sum(r["fork/w/count"] for r in rs)
+        out[f"{lo}-{hi}"] = {
+            "w_tokens": n, "w_positive": sum(r["fork/w/pos"] for r in rs),
+            "w_positive_above": sum(r["fork/w/pos_above"] for r in rs),
+            "w_paper_case": sum(r["fork/w/pos_lowp_above"] for r in rs),
+            "w_p_old_mean": sum((r["fork/w/p_old"] or 0.0) * r["fork/w/count"] for r in rs) / n if n else None,
+        }
+    return out
+
+
+def _read(path) -> list[dict]:
     with open(path) as f:
-        print(json.dumps(placement(task, [json.loads(line) for line in f]), indent=1))
+        return [json.loads(line) for line in f]
+
+
+if __name__ == "__main__":
+    task, run = sys.argv[1], sys.argv[2]
+    print(json.dumps({"placement_in_logged_samples": placement(task, _read(f"{run}/samples.jsonl")),
+                      "w_tokens_in_training_batches": fork_counts(_read(f"{run}/metrics.jsonl"))}, indent=1))
