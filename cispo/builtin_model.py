@@ -245,8 +245,8 @@ def main(argv=None):
           f"final loss {log['loss'][-1]:.4f}")
     if args.measure:
         t = time.perf_counter()
-        if cfg.task == "chain":  # recurring rechecks: per-step statistics (measure_chain_model)
-            report = pretraining.measure_chain_model(out, n=args.measure, seed=args.measure_seed)
+        if cfg.task.startswith("chain"):  # recurring rechecks: per-step statistics (measure_chain_model)
+            report = pretraining.measure_chain_model(out, n=args.measure, seed=args.measure_seed, task_name=cfg.task)
         else:
             report = pretraining.measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed).to_dict()
         print(json.dumps(report, indent=2))

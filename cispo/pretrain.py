@@ -14,6 +14,8 @@ Departures from a plain LM pretraining, in plain words:
 2. Every step draws a fixed share of direct and of forked examples and runs them as two
    micro-batches (their lengths differ ~4x), one loss normalised by their total number
    of loss tokens.
+3. A corpus may weight loss tokens (a `loss_mask` entry other than 0 or 1, e.g. the
+   `chain_hidden_sharp` corpus's rare carry pairs); the loss is then sum(w * loss) / sum(w).
 
 Deterministic: the same config and seed give bit-identical weights on the same machine
 (`torch.manual_seed`, a `torch.Generator` for batches, CPU ops only; 1 and 2 threads
@@ -118,10 +120,24 @@ def _encode(examples, vocab: dict[str, int], eos_id: int, pad_id: int):
     return input_ids, labels
 
 
+def _loss_weights(examples, T: int):
+    """[N, T-1] float loss weights aligned with `_encode`'s labels, or None when every
+    `loss_mask` entry is 0 or 1 (the plain masked loss: nothing to weight)."""
+    import numpy as np
+
+    if all(m in (0, 1) for ex in examples for m in ex.loss_mask):
+        return None
+    w = np.zeros((len(examples), T - 1), dtype=np.float32)
+    for i, ex in enumerate(examples):
+        start = len(ex.prompt) - 1                          # the label of the prompt's last position
+        w[i, start: start + len(ex.loss_mask)] = ex.loss_mask
+    return torch.from_numpy(w)
+
+
 def build_dataset(cfg: PretrainConfig, tokenizer):
-    """``{"direct": (ids, labels), "forked": (ids, labels)}`` from the task's corpus (`cfg`
-    resolved), or
-    ``{"all": (ids, labels)}`` for a task without a `stratified_corpus`."""
+    """``{"direct": (ids, labels, weights), "forked": (...)}`` from the task's corpus (`cfg`
+    resolved), or ``{"all": (ids, labels, weights)}`` for a task without a `stratified_corpus`;
+    ``weights`` is None unless the corpus weights some loss tokens (`_loss_weights`)."""
     from cispo.tasks import get_task
 
     task = get_task(cfg.task)
@@ -129,18 +145,23 @@ def build_dataset(cfg: PretrainConfig, tokenizer):
                            derivation_fraction=cfg.derivation_fraction,
                            wrong_guess_fraction=cfg.wrong_guess_fraction)
     vocab = tokenizer.get_vocab()
+
+    def encoded(part):
+        ids, labels = _encode(part, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        return ids, labels, _loss_weights(part, ids.shape[1] + 1)
+
     if not task.stratified_corpus:
-        return {"all": _encode(examples, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)}
+        return {"all": encoded(examples)}
     out = {}
     for kind in ("direct", "forked"):
         part = [ex for ex in examples if ex.forked == (kind == "forked")]
         if part:
-            out[kind] = _encode(part, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id)
+            out[kind] = encoded(part)
     return out
 
 
-def _length_sorted_halves(ids, labels):
-    """``[(ids, labels), (ids, labels)]``: the rows sorted by length, split in two, each cut
+def _length_sorted_halves(ids, labels, weights=None):
+    """``[(ids, labels, weights), (...)]``: the rows sorted by length, split in two, each cut
     to its longest row (right padding carries no loss and, causally, changes no logit)."""
     lengths = (labels != -100).long().cumsum(1).argmax(1) + 1                   # [B] last loss position + 1
     order = torch.argsort(lengths, stable=True)
@@ -148,7 +169,7 @@ def _length_sorted_halves(ids, labels):
     for part in (order[: len(order) // 2], order[len(order) // 2:]):
         if len(part):
             t = int(lengths[part].max())
-            out.append((ids[part, :t], labels[part, :t]))
+            out.append((ids[part, :t], labels[part, :t], None if weights is None else weights[part, :t]))
     return out
 
 
@@ -198,21 +219,26 @@ def pretrain(cfg: PretrainConfig, out_dir, progress: bool = True, callback=None,
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
         batches = []
-        for kind, (ids, labels) in data.items():
+        for kind, (ids, labels, weights) in data.items():
             if share[kind] == 0:
                 continue
             idx = torch.randint(len(ids), (share[kind],), generator=gen)
+            w = None if weights is None else weights[idx]
             if kind == "all":  # one mixed-length corpus: two length-sorted, trimmed micro-batches
-                batches += _length_sorted_halves(ids[idx], labels[idx])
+                batches += _length_sorted_halves(ids[idx], labels[idx], w)
             else:
-                batches.append((ids[idx], labels[idx]))
-        n_tokens = sum(int((lab != -100).sum()) for _, lab in batches)
+                batches.append((ids[idx], labels[idx], w))
+        n_tokens = sum(int((lab != -100).sum()) if w is None else float(w.sum()) for _, lab, w in batches)
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for ids, labels in batches:
+        for ids, labels, w in batches:
             logits = model(input_ids=ids).logits.float()                       # [B, T, V]
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                   reduction="sum") / n_tokens
+            if w is None:   # sum over loss tokens / their number
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                       reduction="sum") / n_tokens
+            else:           # weighted: sum(w * loss) / sum(w)
+                loss = (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                        reduction="none") * w.flatten()).sum() / n_tokens
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -390,12 +416,13 @@ def measure_base_model(model, tokenizer=None, task="addition", n: int = 2000, te
 # --------------------------------------------------------------------------- chain task
 
 
-def chain_recheck_policy(numbers_of, rule: str):
+def chain_recheck_policy(numbers_of, rule: str, bugs=None):
     """A `steer` for `sample_completions` on the `chain` task that decides every
     "recheck or go on" token (right after a step's direct result) by `rule`:
 
-    * ``"carry"``: recheck exactly the steps whose written operands carry (the policy the
-      length budget favours; its accuracy estimates the best achievable);
+    * ``"carry"``: recheck exactly the steps whose written operands the base model gets wrong
+      (`chain.is_buggy` with `bugs`; chain: those that carry) (the policy the length budget
+      favours; its accuracy estimates the best achievable);
     * ``"never"`` / ``"always"``: no recheck / a recheck after every step.
 
     Everything else is the model's own sample. `numbers_of(i)` gives prompt i's numbers.
@@ -414,7 +441,7 @@ def chain_recheck_policy(numbers_of, rule: str):
         if m is None:                                   # not right after a direct result
             return tok
         a, b = int(m.group(1)), int(m.group(2))
-        if rule == "always" or (rule == "carry" and chain.has_carry(a, b)):
+        if rule == "always" or (rule == "carry" and chain.is_buggy(a, b, bugs)):
             return chain.FORK_TOKEN
         if tok != chain.FORK_TOKEN:
             return tok
@@ -431,7 +458,8 @@ def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, bat
       ``rechecks_per_response``; ``accuracy_with_recheck`` / ``_without``: sampled
       completions that rechecked at least once vs never;
     * ``carry_step_value_correct_with_recheck`` / ``_without``: on steps whose written
-      operands carry, how often the value the chain goes on from is right;
+      operands the base model gets wrong (`chain.is_buggy` with the task's `chain.TASK_BUGS`;
+      chain: those that carry), how often the value the chain goes on from is right;
     * ``step_error_rate``: direct results that are wrong (all steps);
     * ``accuracy_forced_{carry,never,always}``: sampled, with every recheck decision forced
       (`chain_recheck_policy`); ``answer_correct_forced_always``: the answer is right, the
@@ -442,7 +470,8 @@ def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, bat
 
     if isinstance(model, (str, Path)):
         model, tokenizer = load_policy(model)
-    task = get_task(task_name)  # chain, or a variant of it (chain_sparse)
+    task = get_task(task_name)  # chain, or a variant of it (chain_sparse, chain_hidden)
+    bugs = chain.TASK_BUGS.get(task_name)
     was_training = model.training
     model.eval()
     samples = task.eval_samples(seed, n)
@@ -461,7 +490,7 @@ def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, bat
     for ss in steps:
         for st in ss:
             wrong_direct.append(st.result != st.a + st.b)
-            if chain.has_carry(st.a, st.b):
+            if chain.is_buggy(st.a, st.b, bugs):
                 (carry_with if st.corrected is not None else carry_without).append(st.value == st.a + st.b)
     out = {
         "n": n, "accuracy": mean(r), "greedy_accuracy": mean(rg),
@@ -476,11 +505,11 @@ def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, bat
         "n_carry_steps_rechecked": len(carry_with),
         "step_error_rate": mean(wrong_direct),
         "mean_length": mean([len(c) for c in comps]),
-        "optimal_rechecks_per_response": mean([len(chain.carry_steps(ns)) for ns in numbers]),
+        "optimal_rechecks_per_response": mean([len(chain.buggy_steps(ns, bugs)) for ns in numbers]),
     }
     for rule in ("carry", "never", "always"):
         forced = sample_completions(model, tokenizer, prompts, task.max_new_tokens, 1.0, seed + 1, batch_size,
-                                    steer=chain_recheck_policy(lambda i: numbers[i], rule))
+                                    steer=chain_recheck_policy(lambda i: numbers[i], rule, bugs))
         out[f"accuracy_forced_{rule}"] = mean(rew(forced))
         if rule == "always":
             out["answer_correct_forced_always"] = mean([chain.extract_answer(c) == s["answer"]

@@ -355,3 +355,15 @@ def test_the_v3_mechanism_gate_applies_the_protocols_criteria():
     assert not gate(rows(14, 0.2, 0.1))["mechanism_acts"]  # chain's pattern: only early
     assert not gate(rows(30, 0.09, 0.01))["mechanism_acts"]  # too small
     assert not gate(rows(30, 0.2, 0.15))["mechanism_acts"]  # no larger than for the other tokens
+
+
+def test_the_committed_v3_gate_verdicts_recompute_from_their_data():
+    """Each docs/results/v3/gate/RUN.gate.json is the gate script's output on RUN/metrics.jsonl."""
+    from cispo.experiments.mechanism_gate import gate
+    from cispo.tracking import read_metrics
+
+    verdicts = sorted((ROOT / "docs" / "results" / "v3" / "gate").glob("*.gate.json"))
+    assert len(verdicts) >= 3
+    for path in verdicts:
+        run = path.parent / path.name.removesuffix(".gate.json")
+        assert json.loads(path.read_text()) == gate(read_metrics(run / "metrics.jsonl")), path.name

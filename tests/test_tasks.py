@@ -305,7 +305,8 @@ def test_chain_corpus_masks_and_reflection_rate():
 # --------------------------------------------------------------------------- shipped base models
 
 
-@pytest.mark.parametrize("name,prompt,params", [("addition", "12+34=", 335_712), ("chain", "12+34+5=", 335_904)])
+@pytest.mark.parametrize("name,prompt,params", [("addition", "12+34=", 335_712), ("chain", "12+34+5=", 335_904),
+                                               ("chain_hidden", "12+34+5=", 335_904)])
 def test_shipped_weights_load_and_match_their_checksums(name, prompt, params, tmp_path, monkeypatch):
     from cispo.builtin_model import SHIPPED_ROOT, ensure_builtin_model, read_checksums, verify_checksums
     from cispo.models import load_policy
@@ -467,3 +468,129 @@ def test_chain_sparse_starts_from_chains_shipped_base_model():
     from cispo.builtin_model import SHIPPED_ROOT, ensure_builtin_model
 
     assert ensure_builtin_model("chain_sparse", progress=False) == SHIPPED_ROOT / "chain"
+
+
+# --------------------------------------------------------------------------- chain_hidden
+
+
+def test_hidden_bug_set_is_24_of_the_72_carry_pairs_3_per_tens_digit():
+    bugs = ch.HIDDEN_BUGS
+    assert len(bugs) == 24 and bugs <= {(t, b) for t in range(1, 9) for b in range(1, 10)}
+    assert all(sum(1 for t, _ in bugs if t == tens) == 3 for tens in range(1, 9))
+    assert ch.TASK_BUGS["chain_hidden"] is bugs is ch.TASK_BUGS["chain_hidden_strict"]
+    # a step is buggy when it carries and its (tens digit, addend) pair is in the set
+    assert (1, 2) in bugs and ch.is_buggy(18, 2, bugs) and not ch.is_buggy(11, 2, bugs)   # 11+2 does not carry
+    assert (2, 7) not in bugs and ch.has_carry(23, 7) and not ch.is_buggy(23, 7, bugs)     # carries, not buggy
+    assert ch.is_buggy(23, 7) and not ch.is_buggy(30, 4)                                   # chain: every carry
+
+
+def test_chain_hidden_reference_rechecks_only_the_buggy_steps():
+    bugs, numbers = ch.HIDDEN_BUGS, (18, 2, 9, 7, 6)     # 18+2 (1,2) and 36+6 (3,6) buggy; 29+7 (2,7) carries, right
+    assert ch.carry_steps(numbers) == [0, 2, 3] and ch.buggy_steps(numbers, bugs) == [0, 3]
+    assert ch.buggy_steps(numbers) == ch.carry_steps(numbers)                             # chain's own bug
+    # the base model: only buggy steps dropped, the error propagated (10+9=19, then 19+7: (1,7) buggy)
+    assert ch.completion(numbers, bugs=bugs) == "18+2=10;10+9=19;19+7=16;16+6=22"
+    ref = ch.reference(numbers, bugs)
+    assert ref == "18+2=10W8+2+0=10,1+0+1=02=20;20+9=29;29+7=36;36+6=32W6+6+0=12,3+0+1=04=42"
+    assert ch.length_budget(numbers, bugs=bugs) == len(ref) + ch.LENGTH_SLACK
+    prompt = ch.make_prompt(numbers)
+    hidden, strict = get_task("chain_hidden").reward, get_task("chain_hidden_strict").reward
+    extra = ch.completion(numbers, recheck_after={0, 2, 3}, bugs=bugs)                  # one unneeded recheck
+    assert hidden(prompt, ref) == strict(prompt, ref) == 1.0
+    assert hidden(prompt, extra) == 1.0 and strict(prompt, extra) == 0.0                   # strict: no slack
+    assert hidden(prompt, ch.completion(numbers, bugs=bugs)) == 0.0                         # the bug unchecked
+    # a direct fix (no recheck, every sum right) is shorter than the reference, so it earns the reward:
+    # the base model must never write it (test_chain_hidden_base_model_errs_on_exactly_the_bug_pairs)
+    assert strict(prompt, ch.completion(numbers, base_bug=False)) == 1.0
+
+
+def test_chain_hidden_tasks_prompts_bug_counts_splits_and_corpus():
+    hidden, strict = get_task("chain_hidden"), get_task("chain_hidden_strict")
+    assert hidden.base_task is None and strict.base_task == "chain_hidden"
+    assert hidden.pretrain_defaults == get_task("chain").pretrain_defaults
+    for task, lo, hi in ((hidden, 1, 6), (strict, 0, 1)):
+        train, ev = task.train_samples(0, 1500), task.eval_samples(0, 300)
+        assert train == task.train_samples(0, 1500) and not {s["prompt"] for s in train} & {s["prompt"] for s in ev}
+        counts = [len(ch.buggy_steps(ch.parse_prompt(s["prompt"]), ch.HIDDEN_BUGS)) for s in train + ev]
+        assert all(lo <= k <= hi for k in counts)
+        assert all(ch.is_heldout(ch.parse_prompt(s["prompt"])) for s in ev)
+        for s in ev[:50]:
+            numbers = ch.parse_prompt(s["prompt"])
+            assert task.reward(s["prompt"], ch.reference(numbers, ch.HIDDEN_BUGS), answer=s["answer"]) == 1.0
+    assert 0.40 < sum(k == 0 for k in counts) / len(counts) < 0.52   # strict: ~46% of prompts need no recheck
+    chains = ch.sample_chains(0, 3000, "train")                       # chain's own stream
+    share = sum(len(ch.buggy_steps(n, ch.HIDDEN_BUGS)) for n in chains) / sum(len(ch.carry_steps(n)) for n in chains)
+    assert 0.24 < share < 0.30                                        # 27% of the carrying steps are buggy
+    for ex in hidden.corpus(0, 500, fork_fraction=0.04, derivation_fraction=0.5, wrong_guess_fraction=1.0):
+        for s in ch.parse_steps(ex.completion):
+            wrong = ch.dropped_carry_sum(s.a, s.b) if ch.is_buggy(s.a, s.b, ch.HIDDEN_BUGS) else s.a + s.b
+            assert s.result == wrong and s.corrected in (None, s.a + s.b)
+
+
+def test_chain_corpus_pair_weights_balance_the_carry_table_and_weigh_the_bugs():
+    bugs = ch.HIDDEN_BUGS
+    plain = ch.corpus(0, 3000, bugs=bugs)
+    weighted = ch.corpus(0, 3000, bugs=bugs, pair_weight_cap=32.0, bug_weight=16.0)
+    assert [e.completion for e in plain] == [e.completion for e in weighted]   # same text, other weights
+    assert all(set(e.loss_mask) <= {0, 1} for e in plain)
+    by_pair: dict = {}
+    for ex, ref in zip(weighted, plain):
+        pos = 0
+        for part in ex.completion.split(";"):
+            s = ch.parse_steps(part)[0]
+            start = pos + part.index("=") + 1                       # the direct result's two digits
+            w = ex.loss_mask[start: start + 2]
+            if ch.has_carry(s.a, s.b):
+                assert w[0] == w[1] >= (16.0 if ch.is_buggy(s.a, s.b, bugs) else 1.0)
+                by_pair.setdefault((s.a // 10, s.b), set()).add(w[0])
+            else:
+                assert w == (1, 1)
+            pos += len(part) + 1
+        changed = [i for i, (a, b) in enumerate(zip(ex.loss_mask, ref.loss_mask)) if a != b]
+        assert all(ref.loss_mask[i] == 1 for i in changed)           # only loss tokens are re-weighted
+    assert all(len(ws) == 1 for ws in by_pair.values())             # one weight per pair
+    w = {p: ws.pop() for p, ws in by_pair.items()}
+    assert max(w.values()) <= 32.0 * 16.0 and w[(8, 2)] > w[(5, 8)] > w[(5, 9)]   # rare buggy > common buggy > plain
+    assert w[(8, 1)] > 1.0 and (8, 1) not in bugs                   # a rare pair that adds right is balanced too
+
+
+def test_pretraining_loss_weights_align_with_the_labels():
+    from cispo.models import build_tokenizer
+    from cispo.pretrain import PretrainConfig, build_dataset
+
+    task = get_task("chain_hidden_sharp")
+    assert task.base_task is None and task.reward.keywords == {"slack": 0, "bugs": ch.HIDDEN_BUGS}
+    tok = build_tokenizer(task.alphabet, task.max_positions)
+    ids, labels, weights = build_dataset(PretrainConfig(task="chain_hidden_sharp", corpus_size=300).resolved(), tok)["all"]
+    assert weights.shape == labels.shape and ((weights > 0) == (labels != -100)).all() and weights.max() > 16
+    assert build_dataset(PretrainConfig(task="chain_hidden", corpus_size=50).resolved(), tok)["all"][2] is None
+
+
+@pytest.mark.parametrize("task_name,mean_max,pair_max,sampled_max", [("chain_hidden", 2e-3, 0.2, 1e-3),
+                                                                    ("chain_hidden_sharp", 5e-5, 5e-4, 1e-4)])
+def test_chain_hidden_base_model_errs_on_exactly_the_bug_pairs(task_name, mean_max, pair_max, sampled_max, one_thread):
+    """The shipped base model drops the carry on the buggy pairs and adds every other step right,
+    at the rates docs/results/v3/gate/<task>_base_model.json measured (8000 prompts; here 150 again),
+    with `W` after a step at the trained ~4% wherever it is. P(right | buggy step) is a mean over
+    steps (`mean_max`) and per pair (`pair_max`; a rare pair seen twice here can reach ~0.06 on
+    chain_hidden); the sampled rate is checked on the measurement's >= 10^4 buggy steps."""
+    import json
+    from pathlib import Path
+
+    from cispo.builtin_model import ensure_builtin_model
+    from cispo.chain_probe import probe
+    from cispo.models import load_policy
+
+    model, tok = load_policy(ensure_builtin_model(task_name, progress=False))
+    r = probe(model, tok, task_name, n_prompts=150, samples_per_step=1, seed=0)
+    measured = json.loads((Path(__file__).parent.parent / "docs/results/v3/gate" / f"{task_name}_base_model.json").read_text())
+    for report in (r, measured["probe"]):
+        tf = report["teacher_forced"]
+        assert tf["buggy"]["p_dropped"] > 0.99 and tf["buggy"]["p_right"] < mean_max
+        assert tf["other_carry"]["p_right"] > 0.99 and tf["no_carry"]["p_right"] > 0.99
+        assert all(0.02 < tf[g]["p_w"] < 0.06 for g in ("buggy", "other_carry", "no_carry"))
+        for pair in report["per_pair"]:            # exactly the bug set: every buggy pair low, every other high
+            assert (pair["p_right"] < pair_max) if pair["buggy"] else (pair["p_right"] > 0.5), pair
+    sampled = measured["probe"]["sampled"]["buggy"]
+    assert sampled["n"] >= 10_000 and sampled["right"] / sampled["n"] < sampled_max
+    assert measured["probe"]["pairs_seen"] == {"buggy": 24, "other_carry": 48}

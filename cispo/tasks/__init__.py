@@ -89,18 +89,25 @@ def _addition(digits: tuple[int, ...], name: str) -> Task:
 
 
 def _chain(steps: tuple[int, ...], name: str, carry_prob: float = chain.CARRY_PROB, min_carries: int = 0,
-           base_task: str | None = None) -> Task:
+           base_task: str | None = None, bug_range: tuple[int, int | None] = (0, None),
+           slack: int = chain.LENGTH_SLACK, corpus_weights: dict | None = None) -> Task:
+    bugs = chain.TASK_BUGS.get(name)  # None: the base model errs on every carrying step
+    prompts = dict(steps=steps, carry_prob=carry_prob, min_carries=min_carries)
+    if bugs is not None:
+        prompts.update(bugs=bugs, bug_range=bug_range)
+    variant = bugs is not None or slack != chain.LENGTH_SLACK
     return Task(
         name=name,
         fork_tokens=(chain.FORK_TOKEN,),
         alphabet=chain.ALPHABET,
         max_new_tokens=chain.max_new_tokens(steps),
-        train_samples=partial(chain.samples, split="train", steps=steps, carry_prob=carry_prob, min_carries=min_carries),
-        eval_samples=partial(chain.samples, split="eval", steps=steps, carry_prob=carry_prob, min_carries=min_carries),
-        reward=chain.reward,
+        train_samples=partial(chain.samples, split="train", **prompts),
+        eval_samples=partial(chain.samples, split="eval", **prompts),
+        reward=partial(chain.reward, slack=slack, bugs=bugs) if variant else chain.reward,
         used_fork=chain.used_fork,
         extract_answer=chain.extract_answer,
-        corpus=partial(chain.corpus, steps=steps),
+        corpus=(partial(chain.corpus, steps=steps, bugs=bugs, **(corpus_weights or {})) if bugs is not None
+                else partial(chain.corpus, steps=steps)),
         count_forks=chain.count_reflections,
         max_positions=384,
         stratified_corpus=False,
@@ -137,6 +144,15 @@ _REGISTRY: dict[str, Callable[[], Task]] = {
     # chain's prompts with rare carries (>= 1 per prompt); its base model is chain's, whose per-step
     # behaviour (carries dropped, W ~4% per step, correct derivations) does not depend on the carry rate
     "chain_sparse": partial(_chain, chain.STEPS, "chain_sparse", chain.SPARSE_CARRY_PROB, 1, "chain"),
+    # chain's prompts with >= 1 buggy step; its own base model errs only on chain.HIDDEN_BUGS' carrying steps
+    "chain_hidden": partial(_chain, chain.STEPS, "chain_hidden", bug_range=(1, None)),
+    # the same base model; 0 or 1 buggy step per prompt and no slack: an unneeded recheck costs the reward
+    "chain_hidden_strict": partial(_chain, chain.STEPS, "chain_hidden_strict", base_task="chain_hidden",
+                                   bug_range=(0, 1), slack=0),
+    # chain_hidden_strict with its own base model, pretrained with the carry table's results weighted
+    # (rare pairs balanced, buggy ones x16) so that the right value at a buggy step is (almost) never sampled
+    "chain_hidden_sharp": partial(_chain, chain.STEPS, "chain_hidden_sharp", bug_range=(0, 1), slack=0,
+                                  corpus_weights=dict(pair_weight_cap=32.0, bug_weight=16.0)),
     "wordmath": _wordmath,
 }
 

@@ -188,7 +188,8 @@ class CorpusExample:
     """One pretraining example.
 
     `loss_mask` has one entry per completion character followed by one for the final
-    EOS (the tokenizer is character-level): 1 = the next-token loss counts there. The
+    EOS (the tokenizer is character-level): 1 = the next-token loss counts there, 0 = it
+    does not, another positive value = it counts with that weight (`cispo.pretrain`). The
     prompt never carries loss.
     """
 

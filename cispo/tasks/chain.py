@@ -24,6 +24,13 @@ recur inside a longer chain of thought, as in MiniMax-M1 (arXiv 2506.13585, sect
   must learn *where* a recheck helps. Steps carry with probability `CARRY_PROB` but
   never all of them, so the shortest correct completion rechecks ~3.2 steps of 4-6.
 
+Variants whose base model errs on a **hidden subset** of the carrying steps (`chain_hidden`,
+issue 28): a step ``a+b`` is *buggy* when it carries and its (tens digit of ``a``, ``b``) pair
+is in the task's bug set (`TASK_BUGS`; `HIDDEN_BUGS`: 24 of the 72 pairs a carrying step can
+have); the base model adds every other step correctly, so a recheck pays only after a buggy
+step, and where it pays is a 24-entry table the policy must learn, not the units digits.
+With ``bugs=None`` (chain itself) every carrying step is buggy.
+
 Splits: a prompt is held out when a fixed hash of its numbers falls in the lowest
 `HELDOUT_PERCENT` percent; train prompts and the pretraining corpus use the rest.
 """
@@ -45,6 +52,21 @@ ALPHABET = "0123456789+=,;" + FORK_TOKEN
 SPARSE_CARRY_PROB = 0.15
 """`chain_sparse`: steps carry this rarely (at least one per prompt), so a recheck pays after
 ~1.2 of 4-6 steps and the reflective token must stay rare everywhere else (issue 28 item 4)."""
+
+def _hidden_bugs() -> frozenset[tuple[int, int]]:
+    """3 addends drawn for each tens digit 1-8 (a fixed seeded draw): 24 of the 72 pairs."""
+    rng = random.Random("chain_hidden/bugs")
+    return frozenset((tens, b) for tens in range(1, 9) for b in sorted(rng.sample(range(1, 10), 3)))
+
+
+HIDDEN_BUGS = _hidden_bugs()
+"""`chain_hidden`'s bug set: (tens digit of the running sum, addend) pairs on which the base model
+drops the carry. A carrying step ``a+b`` (``a`` <= 89, since the sum stays below 100) has one of
+8 x 9 = 72 such pairs; for each tens digit 1-8, 3 of the 9 addends are buggy."""
+TASK_BUGS: dict[str, frozenset[tuple[int, int]]] = {"chain_hidden": HIDDEN_BUGS, "chain_hidden_strict": HIDDEN_BUGS,
+                                                    "chain_hidden_sharp": HIDDEN_BUGS}
+"""The bug set of each chain variant whose base model errs on a subset of the carrying steps
+(a task not listed: `chain`, `chain_sparse`, errs on every carrying step)."""
 
 STEPS = (4, 5, 6)
 """Default chain lengths (number of additions), drawn uniformly per prompt."""
@@ -73,6 +95,12 @@ def has_carry(a: int, b: int) -> bool:
             return True
         a, b = a // 10, b // 10
     return False
+
+
+def is_buggy(a: int, b: int, bugs: frozenset[tuple[int, int]] | None = None) -> bool:
+    """Whether the base model gets ``a+b`` wrong: it carries and (``bugs`` None, chain's base
+    model) always, or its (tens digit of `a`, `b`) pair is in `bugs`."""
+    return has_carry(a, b) and (bugs is None or (a // 10 % 10, b) in bugs)
 
 
 def dropped_carry_sum(a: int, b: int) -> int:
@@ -146,39 +174,49 @@ def _draw_chain(rng: random.Random, steps: tuple[int, ...], carry_prob: float, m
 
 
 def sample_chains(seed: int, n: int, split: str = "train", steps: tuple[int, ...] = STEPS,
-                  carry_prob: float = CARRY_PROB, stream: str = "prompts", min_carries: int = 0) -> list[tuple[int, ...]]:
-    """`n` seeded prompts' numbers from `split` ("train" or "eval")."""
+                  carry_prob: float = CARRY_PROB, stream: str = "prompts", min_carries: int = 0,
+                  bugs: frozenset[tuple[int, int]] | None = None,
+                  bug_range: tuple[int, int | None] = (0, None)) -> list[tuple[int, ...]]:
+    """`n` seeded prompts' numbers from `split` ("train" or "eval"); with `bugs`, only chains
+    whose number of buggy steps (`buggy_steps`) lies in `bug_range` = (min, max or None)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     bounds = f"/min{min_carries}" if min_carries else ""  # chain's own streams unchanged
+    if bugs is not None:
+        bounds += f"/bugs{bug_range[0]}-{bug_range[1]}"
     rng = random.Random(f"chain/{stream}/{split}/{','.join(map(str, steps))}/{carry_prob}{bounds}/{seed}")
+    lo, hi = bug_range
     out = []
     while len(out) < n:
         numbers = _draw_chain(rng, steps, carry_prob, min_carries)
+        if bugs is not None and not lo <= len(buggy_steps(numbers, bugs)) <= (len(numbers) if hi is None else hi):
+            continue
         if is_heldout(numbers) == (split == "eval"):
             out.append(numbers)
     return out
 
 
 def samples(seed: int, n: int, split: str = "train", steps: tuple[int, ...] = STEPS,
-            carry_prob: float = CARRY_PROB, min_carries: int = 0) -> list[dict]:
+            carry_prob: float = CARRY_PROB, min_carries: int = 0,
+            bugs: frozenset[tuple[int, int]] | None = None, bug_range: tuple[int, int | None] = (0, None)) -> list[dict]:
     """``{"prompt": "23+7+4+8+9=", "answer": "51"}`` dicts from `split`."""
     return [{"prompt": make_prompt(ns), "answer": str(sum(ns))}
-            for ns in sample_chains(seed, n, split, steps, carry_prob, min_carries=min_carries)]
+            for ns in sample_chains(seed, n, split, steps, carry_prob, min_carries=min_carries, bugs=bugs,
+                                    bug_range=bug_range)]
 
 
 # --------------------------------------------------------------------------- completions
 
 
-def completion(numbers, recheck_after=(), base_bug: bool = True) -> str:
+def completion(numbers, recheck_after=(), base_bug: bool = True, bugs: frozenset[tuple[int, int]] | None = None) -> str:
     """The chain for `numbers` with a recheck after the steps (0-based) in `recheck_after`.
 
-    With `base_bug`, unchecked steps with a carry are written as the base model does
-    (carries dropped) and the chain goes on from that value.
+    With `base_bug`, unchecked buggy steps (`is_buggy` with `bugs`: for chain every step with a
+    carry) are written as the base model does (carry dropped) and the chain goes on from that value.
     """
     total, parts = numbers[0], []
     for i, b in enumerate(numbers[1:]):
-        r = dropped_carry_sum(total, b) if base_bug else total + b
+        r = dropped_carry_sum(total, b) if base_bug and is_buggy(total, b, bugs) else total + b
         step = f"{total}+{b}={r}"
         if i in recheck_after:
             step += recheck(total, b)
@@ -189,24 +227,31 @@ def completion(numbers, recheck_after=(), base_bug: bool = True) -> str:
 
 
 def carry_steps(numbers) -> list[int]:
-    """0-based steps whose addition carries (those the base model gets wrong), on the true sums."""
+    """0-based steps whose addition carries (those chain's base model gets wrong), on the true sums."""
+    return buggy_steps(numbers)
+
+
+def buggy_steps(numbers, bugs: frozenset[tuple[int, int]] | None = None) -> list[int]:
+    """0-based steps the base model gets wrong (`is_buggy`), on the true sums; `bugs` None:
+    `carry_steps`."""
     total, out = numbers[0], []
     for i, b in enumerate(numbers[1:]):
-        if has_carry(total, b):
+        if is_buggy(total, b, bugs):
             out.append(i)
         total += b
     return out
 
 
-def reference(numbers) -> str:
-    """The shortest correct completion: a recheck after exactly the steps with a carry."""
-    return completion(numbers, recheck_after=set(carry_steps(numbers)))
+def reference(numbers, bugs: frozenset[tuple[int, int]] | None = None) -> str:
+    """The shortest correct completion: a recheck after exactly the buggy steps (chain: those
+    with a carry)."""
+    return completion(numbers, recheck_after=set(buggy_steps(numbers, bugs)), bugs=bugs)
 
 
-def length_budget(numbers, slack: int = LENGTH_SLACK) -> int:
+def length_budget(numbers, slack: int = LENGTH_SLACK, bugs: frozenset[tuple[int, int]] | None = None) -> int:
     """Longest completion (characters, EOS excluded) that can earn the reward: the shortest
     correct one plus `slack` characters."""
-    return len(reference(numbers)) + slack
+    return len(reference(numbers, bugs)) + slack
 
 
 # --------------------------------------------------------------------------- verifier
@@ -258,12 +303,12 @@ def count_reflections(completion_text: str) -> int:
 
 
 def reward(prompt: str, completion: str, answer: str | None = None, *, slack: int = LENGTH_SLACK,
-           **sample) -> float:
+           bugs: frozenset[tuple[int, int]] | None = None, **sample) -> float:
     """1.0 when the final answer is the sum of the prompt's numbers and the completion
-    (up to ``<eos>``) is at most `length_budget` (with `slack`) characters long, else 0.0."""
+    (up to ``<eos>``) is at most `length_budget` (with `slack` and `bugs`) characters long, else 0.0."""
     numbers = parse_prompt(prompt)
     answer = str(sum(numbers)) if answer is None else str(answer)
-    if len(strip_completion(completion)) > length_budget(numbers, slack):
+    if len(strip_completion(completion)) > length_budget(numbers, slack, bugs):
         return 0.0
     return 1.0 if extract_answer(completion) == answer else 0.0
 
@@ -282,7 +327,8 @@ def max_new_tokens(steps: tuple[int, ...] = STEPS) -> int:
 
 def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fraction: float = 0.5,
            wrong_guess_fraction: float = 1.0, steps: tuple[int, ...] = STEPS,
-           carry_prob: float = CARRY_PROB) -> list[CorpusExample]:
+           carry_prob: float = CARRY_PROB, bugs: frozenset[tuple[int, int]] | None = None,
+           pair_weight_cap: float = 1.0, bug_weight: float = 1.0) -> list[CorpusExample]:
     """`n` seeded pretraining chains from the train split.
 
     * Each step is followed by a recheck with probability `derivation_fraction` (practice:
@@ -290,14 +336,23 @@ def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fractio
     * The token that decides "recheck or go on" after a step carries loss whenever it is
       ``;`` or EOS, and for a ``W`` only with `decision_keep_prob`, so the trained
       frequency of ``W`` per step is `fork_fraction` (the base model's reflective rate).
-    * An unchecked or checked step with a carry is written with the carry dropped with
-      probability `wrong_guess_fraction` (1: the base model's systematic bug), else
-      correctly; the direct result carries loss either way. The chain goes on from the
+    * An unchecked or checked buggy step (`is_buggy` with `bugs`; chain: every step with a
+      carry) is written with the carry dropped with probability `wrong_guess_fraction` (1: the
+      base model's systematic bug), else correctly; every other step correctly; the direct
+      result carries loss either way. The chain goes on from the
       written (or corrected) value, so an error propagates.
+    * `pair_weight_cap` > 1: the direct result of a carrying step carries loss **weight**
+      ``w = min(cap, max(1, median count / count))``, its (tens digit, addend) pair's count among
+      the corpus's carrying steps against the median pair's, so every entry of the 72-pair table
+      (buggy or not) gets about the same total weight and the rare pairs (an addend of 1-2
+      carries only after a units digit of 8-9) are learned as sharply as the common ones; a buggy
+      step's result (`is_buggy` with `bugs`) weighs `bug_weight` times more, so its right value
+      (the "direct fix", carried over from the pairs the model adds right) is pushed down
+      harder. Both 1: no weights (chain's corpus, unchanged).
     """
     q = decision_keep_prob(fork_fraction, derivation_fraction)
     rng = random.Random(f"chain/corpus/{','.join(map(str, steps))}/{carry_prob}/{seed}")
-    out = []
+    out, results = [], []          # results: (example index, first result character, pair) per carrying step
     for numbers in sample_chains(seed, n, "train", steps, carry_prob, stream="corpus"):
         total, text, mask, forked = numbers[0], "", [], False
         for i, b in enumerate(numbers[1:]):
@@ -305,9 +360,12 @@ def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fractio
                 text += STEP_SEP
                 mask.append(1)                                   # ";" : the "go on" decision
             r = total + b
-            if has_carry(total, b) and rng.random() < wrong_guess_fraction:
+            if is_buggy(total, b, bugs) and rng.random() < wrong_guess_fraction:
                 r = dropped_carry_sum(total, b)
             step = f"{total}+{b}={r}"
+            if has_carry(total, b):
+                results.append((len(out), len(text) + step.index("=") + 1, (total // 10 % 10, b),
+                                bug_weight if is_buggy(total, b, bugs) else 1.0))
             text += step
             mask += [1] * len(step)
             if rng.random() < derivation_fraction:
@@ -319,4 +377,19 @@ def corpus(seed: int, n: int, *, fork_fraction: float = 0.04, derivation_fractio
             total = r
         mask.append(1)                                           # EOS: the "stop" decision
         out.append(CorpusExample(make_prompt(numbers), text, tuple(mask), forked))
-    return out
+    return _weight_pairs(out, results, pair_weight_cap) if pair_weight_cap > 1 or bug_weight != 1 else out
+
+
+def _weight_pairs(examples: list[CorpusExample], results, cap: float) -> list[CorpusExample]:
+    """`examples` with each carrying step's two result characters weighted (`corpus`'s
+    `pair_weight_cap` and `bug_weight`); `results` holds (example index, first result
+    character, pair, bug factor) per carrying step."""
+    counts: dict[tuple[int, int], int] = {}
+    for _, _, pair, _ in results:
+        counts[pair] = counts.get(pair, 0) + 1
+    median = sorted(counts.values())[len(counts) // 2]
+    masks = [list(ex.loss_mask) for ex in examples]
+    for i, start, pair, factor in results:
+        w = min(cap, max(1.0, median / counts[pair])) * factor
+        masks[i][start: start + 2] = [w, w]                      # a+b <= 99, a >= 10: two digits
+    return [CorpusExample(ex.prompt, ex.completion, tuple(m), ex.forked) for ex, m in zip(examples, masks)]
