@@ -8,6 +8,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -373,3 +374,25 @@ def test_the_integrations_doc_shows_the_names_table():
     table = {name.strip("`"): (source, tuple(k.strip(" `") for k in keys.split(",")), what)
              for name, source, keys, what in rows}
     assert table == OTHER_NAMES
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    """(dotted key, value) of every leaf of a nested YAML mapping."""
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_load_with_every_value(path):
+    """Every shipped example loads as a TrainConfig, and each value it sets is the value the run gets."""
+    import yaml
+
+    cfg = load_yaml(TrainConfig, path)
+    for key, value in _leaves(yaml.safe_load(path.read_text())):
+        got = cfg
+        for part in key.split("."):
+            got = getattr(got, part)
+        assert got == value, key
