@@ -50,6 +50,51 @@ def test_the_verifier_scores_the_stated_final_answer_only(completion, score):
     assert wordmath.reward(Q, completion, answer="51") == score
 
 
+# (completion, score) under wordmath_working: the right answer pays only after a line of true working
+# that ends in it — what the task's instruction asks, and what a bare guess skips.
+WORKING_VERDICTS = [
+    ("30 + 21 = 51\n#### 51", 1.0),
+    ("Ava starts with 30 apples and gets 21 more, so 30 + 21 = 51 apples.\nThe answer is 51.", 1.0),
+    ("Ava has 30 + 21 = 51 apples. 51 - 0 = 51.\n#### 51", 1.0),  # every equation true, the last ends in 51
+    ("30 x 21 = 630. No: 30 + 21 = 51\n#### 51", 1.0),  # x as times; true, the last one ends in 51
+    ("(30 + 21) * 1 = 51\n#### 51", 1.0),
+    ("#### 51", 0.0),  # a bare right answer: no working
+    ("51", 0.0),
+    ("The answer is 51.", 0.0),
+    ("1 + 1 = 2\n#### 51", 0.0),  # a trivial true equation, then a guess: the working does not end in 51
+    ("30 * 21 = 51\n#### 51", 0.0),  # false arithmetic that lands on the gold
+    ("30 + 21 = 50, 50 + 1 = 51\n#### 51", 0.0),  # one false step is enough
+    ("30 apples + 21 apples = 51\n#### 51", 0.0),  # words between the numbers: not an equation
+    ("30 + 21 = 51\n#### 51\n#### 52", 0.0),  # a hedge stays a hedge
+    ("30 + 21 = 51\n#### 51, or maybe 52", 0.0),
+    ("30 + 21 = 52\n#### 52", 0.0),  # true-looking form, wrong sum, wrong answer
+    ("30 + 21 =", 0.0),  # the echo
+    (Q, 0.0),
+    ("#### 51\n30 + 21 = 51", 0.0),  # working after the answer is not working towards it
+    ("", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion, score", WORKING_VERDICTS)
+def test_wordmath_working_pays_a_right_answer_only_after_true_working(completion, score):
+    assert wordmath.reward_working(Q, completion, answer="51") == score
+
+
+def test_wordmath_working_is_wordmath_with_that_reward():
+    plain, working = get_task("wordmath"), get_task("wordmath_working")
+    assert working.train_samples(0, 5) == plain.train_samples(0, 5)
+    assert working.eval_samples(3, 5) == plain.eval_samples(3, 5)
+    assert (working.model, working.chat) == (plain.model, plain.chat)
+    assert working.reward(Q, "#### 51", answer="51") == 0.0 and plain.reward(Q, "#### 51", answer="51") == 1.0
+
+
+def test_equations_reads_chains_times_signs_and_thousands():
+    assert wordmath.equations("2 x 4 = 8 - 7 = 1") == [(8, 8), (1, 1)]
+    assert wordmath.equations("so 2 * 4 = 8. 8 - 7 = 2") == [(8, 8), (1, 2)]
+    assert wordmath.equations("1,000 + 51 = 1,051 and 10 / 4 = 2.5") == [(1051, 1051), (2.5, 2.5)]
+    assert wordmath.equations("6 marbles - 3 marbles = 3, 12 = 12, 3 / 0 = 1") == []
+
+
 def test_extract_answer_is_the_one_stated_answer():
     assert wordmath.extract_answer("x\n#### 1,234") == "1234"
     assert wordmath.extract_answer("#### 3\n#### 4") is None and wordmath.extract_answer("3") is None

@@ -120,15 +120,15 @@ def _no_corpus(*args, **kwargs):
     raise ValueError("wordmath has no pretraining corpus: its model is a real pretrained one (builtin:smollm2-135m)")
 
 
-def _wordmath() -> Task:
+def _wordmath(name: str = wordmath.NAME, reward: Callable[..., float] = wordmath.reward) -> Task:
     return Task(
-        name=wordmath.NAME,
+        name=name,
         fork_tokens=wordmath.FORK_TOKENS,
         alphabet="",  # a real BPE vocabulary, not a built character set
         max_new_tokens=wordmath.MAX_NEW_TOKENS,
         train_samples=partial(wordmath.samples, split="train"),
         eval_samples=partial(wordmath.samples, split="eval"),
-        reward=wordmath.reward,
+        reward=reward,
         used_fork=wordmath.used_fork,
         extract_answer=wordmath.extract_answer,
         corpus=_no_corpus,
@@ -154,6 +154,8 @@ _REGISTRY: dict[str, Callable[[], Task]] = {
     "chain_hidden_sharp": partial(_chain, chain.STEPS, "chain_hidden_sharp", bug_range=(0, 1), slack=0,
                                   corpus_weights=dict(pair_weight_cap=32.0, bug_weight=16.0)),
     "wordmath": _wordmath,
+    # the same problems and instruction; the answer pays only after a line of true working that ends in it
+    "wordmath_working": partial(_wordmath, "wordmath_working", wordmath.reward_working),
 }
 
 

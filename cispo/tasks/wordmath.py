@@ -22,7 +22,9 @@ answers: they are compared as integers.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import operator
 import random
 import re
 
@@ -160,6 +162,63 @@ def reward(prompt, completion: str, answer=None, **sample) -> float:
     """1.0 iff the completion states a final answer and every one it states equals ``answer``."""
     stated = stated_answers(completion)
     return 1.0 if stated and all(v is not None and v == _value(str(answer)) for v in stated) else 0.0
+
+
+# --- wordmath_working: the instruction's "one short line of working" is part of the answer -------------
+
+_EQUALS = re.compile(rf"=\s*\$?\s*({_NUMBER})")
+_EXPRESSION_TAIL = re.compile(r"[\d\s.,+\-*/x×÷()$]*$")
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _evaluate(node: ast.AST) -> float:
+    """The value of an arithmetic syntax tree of numbers, + - * / and parentheses (ValueError otherwise)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        return _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand)
+    raise ValueError("not arithmetic")
+
+
+def equations(working: str) -> list[tuple[float, float]]:
+    """Every ``E = c`` in ``working`` whose left side ``E`` is arithmetic with at least one operator
+    (``x`` / ``×`` read as times, ``÷`` as divided by), in order: ``(value of E, c)``. "2 x 4 = 8 - 7 = 1"
+    holds two; "6 marbles - 3 marbles = 3" none (the text between numbers is not arithmetic)."""
+    out = []
+    for m in _EQUALS.finditer(working):
+        tail = _EXPRESSION_TAIL.search(working[:m.start()]).group()
+        tail = re.split(r"[.,:]\s", tail)[-1]  # a sentence or clause break ends the expression
+        lhs = re.sub(r"^[^\d(]*", "", tail).replace("x", "*").replace("×", "*").replace("÷", "/")
+        lhs = re.sub(r"(?<=\d),(?=\d{3})", "", lhs).replace("$", "").strip()
+        try:
+            tree = ast.parse(lhs, mode="eval").body
+            if not isinstance(tree, ast.BinOp):
+                continue
+            out.append((_evaluate(tree), _value(m.group(1))))
+        except (SyntaxError, ValueError, ZeroDivisionError):
+            continue
+    return out
+
+
+def shows_working(completion: str) -> bool:
+    """Whether the text before the first stated final answer holds the instruction's working: at least
+    one equation ``E = c`` (`equations`), every one of them true (``E`` = c), the last one ending in the
+    stated answer. A bare "#### 5", a guess after a trivial or wrong equation ("1 + 1 = 2 #### 7",
+    "6 * 3 = 3 #### 3") and an echo of the question show none."""
+    first = _MARKERS.search(completion)
+    stated = extract_answer(completion)
+    if first is None or stated is None:
+        return False
+    shown = equations(completion[:first.start()])
+    return bool(shown) and all(abs(e - c) < 1e-9 for e, c in shown) and shown[-1][1] == _value(stated)
+
+
+def reward_working(prompt, completion: str, answer=None, **sample) -> float:
+    """`reward` (every stated final answer equals ``answer``) times `shows_working`: 1.0 iff the answer
+    is right *and* reached by a line of true working that ends in it, as the task's instruction asks."""
+    return reward(prompt, completion, answer) if shows_working(completion) else 0.0
 
 
 def used_fork(completion: str) -> bool:
