@@ -41,7 +41,7 @@ class Task:
     eval_samples: Callable[[int, int], list[dict]]
     """``(seed, n) -> [...]`` from the held-out split, disjoint from train and corpus."""
     reward: Callable[..., float]
-    """``reward(prompt, completion, **sample) -> 1.0 | 0.0``."""
+    """``reward(prompt, completion, **sample) -> 1.0 | 0.0`` (`chain_hidden_graded`: a value in [0, 1])."""
     used_fork: Callable[[str], bool]
     """Whether a completion uses a fork string (``rollout/fork_rate``, ``eval/fork_rate``)."""
     extract_answer: Callable[[str], str | None]
@@ -90,7 +90,8 @@ def _addition(digits: tuple[int, ...], name: str) -> Task:
 
 def _chain(steps: tuple[int, ...], name: str, carry_prob: float = chain.CARRY_PROB, min_carries: int = 0,
            base_task: str | None = None, bug_range: tuple[int, int | None] = (0, None),
-           slack: int = chain.LENGTH_SLACK, corpus_weights: dict | None = None) -> Task:
+           slack: int = chain.LENGTH_SLACK, corpus_weights: dict | None = None,
+           recheck_cost: float | None = None) -> Task:
     bugs = chain.TASK_BUGS.get(name)  # None: the base model errs on every carrying step
     prompts = dict(steps=steps, carry_prob=carry_prob, min_carries=min_carries)
     if bugs is not None:
@@ -103,7 +104,8 @@ def _chain(steps: tuple[int, ...], name: str, carry_prob: float = chain.CARRY_PR
         max_new_tokens=chain.max_new_tokens(steps),
         train_samples=partial(chain.samples, split="train", **prompts),
         eval_samples=partial(chain.samples, split="eval", **prompts),
-        reward=partial(chain.reward, slack=slack, bugs=bugs) if variant else chain.reward,
+        reward=(partial(chain.graded_reward, cost=recheck_cost, bugs=bugs) if recheck_cost is not None
+                else partial(chain.reward, slack=slack, bugs=bugs) if variant else chain.reward),
         used_fork=chain.used_fork,
         extract_answer=chain.extract_answer,
         corpus=(partial(chain.corpus, steps=steps, bugs=bugs, **(corpus_weights or {})) if bugs is not None
@@ -153,6 +155,11 @@ _REGISTRY: dict[str, Callable[[], Task]] = {
     # (rare pairs balanced, buggy ones x16) so that the right value at a buggy step is (almost) never sampled
     "chain_hidden_sharp": partial(_chain, chain.STEPS, "chain_hidden_sharp", bug_range=(0, 1), slack=0,
                                   corpus_weights=dict(pair_weight_cap=32.0, bug_weight=16.0)),
+    # chain_hidden_sharp's prompts and base model (same corpus and prompt stream: only the reward differs);
+    # an unneeded recheck costs chain.GRADED_COST of the reward, the fraction at which a recheck after a
+    # random step has expected reward change ~0 at the base model's rate (chain.balanced_recheck_cost)
+    "chain_hidden_graded": partial(_chain, chain.STEPS, "chain_hidden_graded", base_task="chain_hidden_sharp",
+                                   bug_range=(0, 1), slack=0, recheck_cost=chain.GRADED_COST),
     "wordmath": _wordmath,
     # the same problems and instruction; the answer pays only after a line of true working that ends in it
     "wordmath_working": partial(_wordmath, "wordmath_working", wordmath.reward_working),

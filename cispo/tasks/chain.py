@@ -29,7 +29,9 @@ issue 28): a step ``a+b`` is *buggy* when it carries and its (tens digit of ``a`
 is in the task's bug set (`TASK_BUGS`; `HIDDEN_BUGS`: 24 of the 72 pairs a carrying step can
 have); the base model adds every other step correctly, so a recheck pays only after a buggy
 step, and where it pays is a 24-entry table the policy must learn, not the units digits.
-With ``bugs=None`` (chain itself) every carrying step is buggy.
+With ``bugs=None`` (chain itself) every carrying step is buggy. `chain_hidden_graded` replaces the
+length budget's all-or-nothing cost of an unneeded recheck by a fraction of the reward
+(`graded_reward`, `balanced_recheck_cost`).
 
 Splits: a prompt is held out when a fixed hash of its numbers falls in the lowest
 `HELDOUT_PERCENT` percent; train prompts and the pretraining corpus use the rest.
@@ -64,7 +66,7 @@ HIDDEN_BUGS = _hidden_bugs()
 drops the carry. A carrying step ``a+b`` (``a`` <= 89, since the sum stays below 100) has one of
 8 x 9 = 72 such pairs; for each tens digit 1-8, 3 of the 9 addends are buggy."""
 TASK_BUGS: dict[str, frozenset[tuple[int, int]]] = {"chain_hidden": HIDDEN_BUGS, "chain_hidden_strict": HIDDEN_BUGS,
-                                                    "chain_hidden_sharp": HIDDEN_BUGS}
+                                                    "chain_hidden_sharp": HIDDEN_BUGS, "chain_hidden_graded": HIDDEN_BUGS}
 """The bug set of each chain variant whose base model errs on a subset of the carrying steps
 (a task not listed: `chain`, `chain_sparse`, errs on every carrying step)."""
 
@@ -79,6 +81,11 @@ HELDOUT_PERCENT = 10
 LENGTH_SLACK = 22
 """Characters a completion may use beyond the shortest correct one (a recheck is 21
 characters, ``W3+7+0=10,2+0+1=03=30``), so one unneeded recheck fits the budget, two do not."""
+RECHECK_CHARS = 21
+"""Length of every recheck (``W`` + two columns + ``=`` + a two-digit sum): `recheck` of any step."""
+GRADED_COST = 0.225
+"""`chain_hidden_graded`'s cost per unneeded recheck, a fraction of the reward: `balanced_recheck_cost`
+of its training prompts at the base model's recheck rate 0.0364 per step (0.2247; issue 28, candidate (b))."""
 
 _NUMBER = re.compile(r"(0|[1-9][0-9]*)")
 _PROMPT = re.compile(r"[0-9]+(\+[0-9]+)+=")
@@ -311,6 +318,46 @@ def reward(prompt: str, completion: str, answer: str | None = None, *, slack: in
     if len(strip_completion(completion)) > length_budget(numbers, slack, bugs):
         return 0.0
     return 1.0 if extract_answer(completion) == answer else 0.0
+
+
+def unneeded_rechecks(completion_text: str) -> int:
+    """Rechecks after a step whose written result was already right (``a+b=r`` with r = a + b, on the
+    operands as written): they change nothing. 0 when the completion is not well-formed."""
+    steps = parse_steps(completion_text)
+    return 0 if steps is None else sum(s.corrected is not None and s.result == s.a + s.b for s in steps)
+
+
+def graded_reward(prompt: str, completion: str, answer: str | None = None, *, cost: float = GRADED_COST,
+                  bugs: frozenset[tuple[int, int]] | None = None, **sample) -> float:
+    """``max(0, 1 - cost * u)`` with u = `unneeded_rechecks`, when `reward` with slack ``RECHECK_CHARS * u``
+    is 1 (the answer right, and nothing but the u unneeded rechecks beyond the shortest correct
+    completion), else 0. With u = 0 it is `reward` with no slack (`chain_hidden_strict`'s)."""
+    u = unneeded_rechecks(completion)
+    if reward(prompt, completion, answer, slack=RECHECK_CHARS * u, bugs=bugs) == 0.0:
+        return 0.0
+    return max(0.0, 1.0 - cost * u)
+
+
+def balanced_recheck_cost(chains, w_rate: float, bugs: frozenset[tuple[int, int]] | None) -> float:
+    """The cost per unneeded recheck at which a recheck after a step drawn at random (over the steps of
+    `chains`, each with 0 or 1 buggy step) leaves the expected reward unchanged, for a policy that
+    rechecks each step independently with probability `w_rate` (the base model's) and never writes a
+    buggy step right without one. Forcing ``W`` after step i changes the reward by
+    ``1 - c w (n - 1)`` (k = 1, i the buggy step: 0 becomes 1 minus the other steps' costs),
+    ``-c`` (k = 0) and ``-c w`` (k = 1, i another step: costs only when the bug was rechecked), so
+    E[dR] = 0 gives
+
+        c = P(k = 1) / (E[(1 - k) n] + 2 w E[k (n - 1)])      (n steps, k buggy steps of a prompt).
+
+    For the mean-centred advantages (Dr. GRPO, RLOO) E[dR] = 0 is E[A | W] = 0."""
+    ks = [len(buggy_steps(ns, bugs)) for ns in chains]
+    if any(k > 1 for k in ks):
+        raise ValueError("balanced_recheck_cost assumes 0 or 1 buggy step per chain")
+    m = len(chains)
+    p1 = sum(ks) / m
+    no_bug_steps = sum((1 - k) * (len(ns) - 1) for k, ns in zip(ks, chains)) / m
+    other_steps = sum(k * (len(ns) - 2) for k, ns in zip(ks, chains)) / m
+    return p1 / (no_bug_steps + 2 * w_rate * other_steps)
 
 
 def max_new_tokens(steps: tuple[int, ...] = STEPS) -> int:
