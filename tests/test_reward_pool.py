@@ -431,8 +431,13 @@ CHILD_REWARD = '''
 import os, subprocess, sys, time
 
 def reward(prompt, completion, **sample):
-    """Starts a long-sleeping child (stdout inherited) in every call; then hangs or dies if asked."""
-    subprocess.Popen(["sleep", os.environ["SLEEP_FOR"]])
+    """Starts a long-sleeping child (stdout inherited) in every call and waits until it shows in
+    /proc as ``sleep SLEEP_FOR`` (Popen returns mid-exec, while its command line is still empty:
+    the tests, counting children by command line, would miss it); then hangs or dies if asked."""
+    child = subprocess.Popen(["sleep", os.environ["SLEEP_FOR"]])
+    deadline = time.monotonic() + 30
+    while not open(f"/proc/{child.pid}/cmdline", "rb").read() and time.monotonic() < deadline:
+        time.sleep(0.001)
     if completion == "hang":
         time.sleep(600)
     if completion == "die":
@@ -490,8 +495,6 @@ def test_children_a_reward_starts_do_not_outlive_the_run(tiny_model, tmp_path):
 
 
 @needs_proc
-@pytest.mark.slow  # flaky, not root-caused: 2 of 4 runs on an idle machine (2026-12-03) found 1 of the 2
-# sleepers of the replacement workers' calls (line 'workers are alive'): something still kills one group; issue 28/31 note
 def test_children_die_with_a_timed_out_or_dead_worker(tmp_path, monkeypatch):
     """A worker stopped at its call's timeout, or dead by ``os._exit``, takes the processes its
     reward started with it (its process group is killed); so does closing the pool."""
