@@ -515,6 +515,41 @@ def test_children_die_with_a_timed_out_or_dead_worker(tmp_path, monkeypatch):
         _kill(_sleepers(seconds))
 
 
+@needs_proc
+@pytest.mark.parametrize("reaper", ["join", "active_children", "another_start"])
+def test_a_child_dies_with_its_process_whoever_reaps_it(reaper):
+    """A `GroupProcess` that ended by itself takes its child with it also when it is reaped by
+    ``join``, by ``multiprocessing.active_children`` or by the clean-up of finished children that
+    any ``Process.start`` runs (pebble starting a worker of any pool); before, only ``is_alive``
+    killed its group and the other three left the child running."""
+    import multiprocessing
+
+    from cispo.rewards.processes import worker_context
+
+    seconds = f"302.{os.getpid()}"
+    proc = worker_context().Process(target=os.system, args=(f"sleep {seconds} & sleep 0.2",))
+    other = worker_context().Process(target=os.getpid)
+    try:
+        proc.start()
+        deadline = time.monotonic() + 30  # a wait for its child to run `sleep`, not a timing
+        while not _sleepers(seconds) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(_sleepers(seconds)) == 1
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # it has ended; not reaped yet
+        if reaper == "join":
+            proc.join()
+        elif reaper == "active_children":
+            multiprocessing.active_children()
+        else:
+            other.start()
+        assert _wait_until_none(seconds, within=10.0) == []
+    finally:
+        _kill(_sleepers(seconds))
+        proc.join()
+        if other.pid is not None:
+            other.join()
+
+
 # ---------------------------------------------------------------------------------------
 # Started in set-up (issue 30, item 10)
 # ---------------------------------------------------------------------------------------
