@@ -431,8 +431,13 @@ CHILD_REWARD = '''
 import os, subprocess, sys, time
 
 def reward(prompt, completion, **sample):
-    """Starts a long-sleeping child (stdout inherited) in every call; then hangs or dies if asked."""
-    subprocess.Popen(["sleep", os.environ["SLEEP_FOR"]])
+    """Starts a long-sleeping child (stdout inherited) in every call and waits until it shows in
+    /proc as ``sleep SLEEP_FOR`` (Popen returns mid-exec, while its command line is still empty:
+    the tests, counting children by command line, would miss it); then hangs or dies if asked."""
+    child = subprocess.Popen(["sleep", os.environ["SLEEP_FOR"]])
+    deadline = time.monotonic() + 30
+    while not open(f"/proc/{child.pid}/cmdline", "rb").read() and time.monotonic() < deadline:
+        time.sleep(0.001)
     if completion == "hang":
         time.sleep(600)
     if completion == "die":
@@ -490,8 +495,6 @@ def test_children_a_reward_starts_do_not_outlive_the_run(tiny_model, tmp_path):
 
 
 @needs_proc
-@pytest.mark.slow  # flaky, not root-caused: 2 of 4 runs on an idle machine (2026-12-03) found 1 of the 2
-# sleepers of the replacement workers' calls (line 'workers are alive'): something still kills one group; issue 28/31 note
 def test_children_die_with_a_timed_out_or_dead_worker(tmp_path, monkeypatch):
     """A worker stopped at its call's timeout, or dead by ``os._exit``, takes the processes its
     reward started with it (its process group is killed); so does closing the pool."""
@@ -510,6 +513,41 @@ def test_children_die_with_a_timed_out_or_dead_worker(tmp_path, monkeypatch):
     finally:
         shutdown_pools()
         _kill(_sleepers(seconds))
+
+
+@needs_proc
+@pytest.mark.parametrize("reaper", ["join", "active_children", "another_start"])
+def test_a_child_dies_with_its_process_whoever_reaps_it(reaper):
+    """A `GroupProcess` that ended by itself takes its child with it also when it is reaped by
+    ``join``, by ``multiprocessing.active_children`` or by the clean-up of finished children that
+    any ``Process.start`` runs (pebble starting a worker of any pool); before, only ``is_alive``
+    killed its group and the other three left the child running."""
+    import multiprocessing
+
+    from cispo.rewards.processes import worker_context
+
+    seconds = f"302.{os.getpid()}"
+    proc = worker_context().Process(target=os.system, args=(f"sleep {seconds} & sleep 0.2",))
+    other = worker_context().Process(target=os.getpid)
+    try:
+        proc.start()
+        deadline = time.monotonic() + 30  # a wait for its child to run `sleep`, not a timing
+        while not _sleepers(seconds) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(_sleepers(seconds)) == 1
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # it has ended; not reaped yet
+        if reaper == "join":
+            proc.join()
+        elif reaper == "active_children":
+            multiprocessing.active_children()
+        else:
+            other.start()
+        assert _wait_until_none(seconds, within=10.0) == []
+    finally:
+        _kill(_sleepers(seconds))
+        proc.join()
+        if other.pid is not None:
+            other.join()
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,10 +8,11 @@ threads, and no shared fork server whose death would fail every worker) that
    (a scheduler's or systemd's SIGTERM, Ctrl-C in a terminal) reaches neither it nor the
    processes its reward starts;
 2. is stopped, with every process of its session, by SIGKILL to that process group at once
-   (``terminate`` / ``kill``), and the group is also killed when the process is found dead by
-   itself (``os._exit``, a crash): children a reward starts do not outlive their worker. A
-   child that starts a session of its own (``start_new_session=True``) leaves the group and is
-   not followed;
+   (``terminate`` / ``kill``), and the group is also killed when the process, dead by itself
+   (``os._exit``, a crash), is reaped, whoever reaps it (``is_alive``, ``join``, the clean-up of
+   finished children that every ``Process.start`` runs): children a reward starts do not outlive
+   their worker. A child that starts a session of its own (``start_new_session=True``) leaves
+   the group and is not followed;
 3. (a pool worker) ignores SIGTERM sent to it directly (`ignore_sigterm`; systemd and Slurm
    signal every process of a job): its call finishes and the trainer decides (it stops after
    the step);
@@ -27,6 +28,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 from multiprocessing.context import SpawnContext, SpawnProcess
 
 from cispo.rewards import cap_message
@@ -47,7 +49,13 @@ OUTPUT_LIMIT_BYTES = 64 << 20
 
 class GroupProcess(SpawnProcess):
     """A spawned process that leads its own session; `terminate` / `kill` SIGKILL its whole
-    process group, and so does finding it dead (`is_alive`)."""
+    process group, and so does reaping it once it has ended by itself, whoever reaps it
+    (`is_alive`, ``join``, ``exitcode``, or multiprocessing's clean-up of finished children that
+    every ``Process.start`` runs): the reap is `_GroupPopen.poll`."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _GroupPopen(process_obj) if os.name == "posix" else SpawnProcess._Popen(process_obj)
 
     def run(self) -> None:
         try:
@@ -57,34 +65,57 @@ class GroupProcess(SpawnProcess):
         super().run()
 
     def terminate(self) -> None:
-        self._kill_group()
+        self.kill()
 
     def kill(self) -> None:
-        self._kill_group()
-
-    def is_alive(self) -> bool:
-        if self._exited_unreaped():  # dead by itself: what it started goes with it
-            self._kill_group()
-        return super().is_alive()
-
-    def _exited_unreaped(self) -> bool:
-        """Exited, but not yet reaped (its pid, so its group id, cannot have been reused)."""
-        if self._popen is None or self._popen.returncode is not None or not hasattr(os, "waitid"):
-            return False
-        try:
-            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:
-            return False
-
-    def _kill_group(self) -> None:
-        if self._popen is None or self._popen.returncode is not None:  # never started, or reaped
+        if self._popen is None:  # never started
             return
-        try:
-            os.killpg(self.pid, signal.SIGKILL)  # it and every process of its session
-            return
-        except (AttributeError, ProcessLookupError, PermissionError):  # not POSIX, or before its setsid
-            pass
-        super().kill()
+        if os.name == "posix":
+            self._popen.kill_group()
+        else:
+            super().kill()
+
+
+def _exited(pid: int, block: bool) -> bool:
+    """Whether child ``pid`` has exited (waiting for it if ``block``), without reaping it."""
+    if not hasattr(os, "waitid"):  # e.g. macOS: no group kill for a process that ended by itself
+        return False
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG)) is not None
+    except ChildProcessError:  # already reaped
+        return False
+
+
+if os.name == "posix":  # multiprocessing.popen_fork does not import elsewhere
+    from multiprocessing import popen_spawn_posix
+
+    class _GroupPopen(popen_spawn_posix.Popen):
+        """``spawn``'s Popen for a `GroupProcess`. Its group is killed only while the process is
+        unreaped (its pid, so its group id, cannot have been reused), under one lock with the reap."""
+
+        def __init__(self, process_obj) -> None:
+            self._reaping = threading.RLock()
+            super().__init__(process_obj)
+
+        def poll(self, flag: int = os.WNOHANG):
+            if flag != os.WNOHANG and self.returncode is None:  # a blocking reap: wait outside the lock
+                if not _exited(self.pid, block=True):
+                    return super().poll(flag)  # no os.waitid, or reaped meanwhile
+                flag = os.WNOHANG
+            with self._reaping:
+                if self.returncode is None and _exited(self.pid, block=False):  # ended by itself:
+                    self.kill_group()                                           # what it started goes too
+                return super().poll(flag)
+
+        def kill_group(self) -> None:
+            """SIGKILL to it and every process of its session (to it alone before its ``setsid``)."""
+            with self._reaping:
+                if self.returncode is not None:  # reaped
+                    return
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):  # before its setsid
+                    self._send_signal(signal.SIGKILL)
 
 
 class GroupContext(SpawnContext):
