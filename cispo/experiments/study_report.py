@@ -24,9 +24,11 @@ Statistics:
   95% t-interval, paired t-test p-value;
 * **Holm's correction** over each family (`Family`; per part and task): the protocol's for the
   parts named ``main`` (all pairs × final accuracy, mean accuracy, steps to 90%: 9 tests),
-  ``ksweep`` (CISPO − DAPO and CISPO − GRPO × every K × final accuracy and steps to target)
-  and ``ablation`` / ``ablation_k32`` (each arm − CISPO × final and mean accuracy); any other part: CISPO − each
-  arm, one family per measure. "Significant" = Holm-adjusted p <= 0.05;
+  ``ksweep`` (CISPO − DAPO and CISPO − GRPO × every K × final accuracy and steps to target),
+  ``ablation`` / ``ablation_k32`` (each arm − CISPO × final and mean accuracy) and ``v3_chain``
+  (a declared family: cispo_lowmask − cispo, cispo_highmask − cispo, cispo_lowmask − dapo ×
+  final and mean accuracy, 6 tests; a declared test that cannot run counts as p = 1); any other
+  part: CISPO − each arm, one family per measure. "Significant" = Holm-adjusted p <= 0.05;
 * **Q1, "≤ 50% of the steps"**: d_s = T_contrast,s − 0.5 · T_other,s (steps to target,
   censored as above); *yes* if the 95% t-interval of mean d lies below 0, *no* if above,
   *unclear* otherwise — one pre-specified test, no correction (against the reference arm;
@@ -34,8 +36,9 @@ Statistics:
   interval (`stats.fieller_ratio`) and the censored counts;
 * **"grows with K"**: per seed, the least-squares slope of the gap (contrast − other, mean
   accuracy over training) on log2 K; t-interval over seeds; *yes* only if it lies above 0;
-* **collapse fraction** per arm: collapsed / runs that learned, Wilson's 95% interval (two
-  arms differ only where the intervals do not overlap);
+* **collapse fraction** per arm: collapsed / runs that learned, and **never learned** / all the
+  arm's runs, each with Wilson's 95% interval (two arms differ only where the intervals do not
+  overlap);
 * **tuning** (``role = tune``): per (part, task, K, arm) and rate, the score averaged over the
   tuning seeds; the choice (`stats.pick_lr`: near ties within `tune_tie` to the smaller
   rate) and whether it sits at the grid's edge;
@@ -63,15 +66,29 @@ from cispo.experiments.study_data import METRICS, read_csv
 class Family:
     """A family of paired comparisons, Holm-corrected together (per part and task)."""
 
-    pairs: Literal["contrast_vs_each", "each_vs_contrast", "all_pairs"]
+    pairs: Literal["contrast_vs_each", "each_vs_contrast", "all_pairs"] | tuple[tuple[str, str], ...]
     """``contrast_vs_each``: contrast − arm; ``each_vs_contrast``: arm − contrast;
-    ``all_pairs``: every pair, contrast first, then the reference, then by name."""
+    ``all_pairs``: every pair, contrast first, then the reference, then by name; or an explicit
+    tuple of ``(arm_a, arm_b)`` pairs, each the difference arm_a − arm_b, in that order. An explicit
+    family is *declared*: Holm counts every declared test (`declared_size`), run or not."""
     measures: tuple[str, ...]
     """Names of `measure`."""
     pooled: bool = True
     """One family over all its measures; False: one family per measure."""
     others: tuple[str, ...] | None = None
     """Only these other arms (None: every arm of the group)."""
+    note: str = ""
+    """Printed under the comparisons table (what the family's results may and may not be read as)."""
+
+
+V3_CHAIN_FAMILY = Family(
+    (("cispo_lowmask", "cispo"), ("cispo_highmask", "cispo"), ("cispo_lowmask", "dapo")),
+    ("final_accuracy", "mean_accuracy"),
+    note="Part 3 of study v3 (protocol amendment of 2026-12-03, 07:39 UTC): one Holm family of 3 pairs × final and "
+         "mean accuracy, 6 tests. On `chain` at lr 1e-4 these answer (a) and (c) as questions about stability at "
+         "that rate, not about the fork-token effect (the mechanism does not bind on `chain`). cispo_lowmask − dapo "
+         "stays in the family so that the correction is the preregistered one; it is reported as "
+         "\"cispo_lowmask − dapo on chain\", not as an answer to (b).")
 
 
 PROTOCOL_FAMILIES = {
@@ -80,6 +97,7 @@ PROTOCOL_FAMILIES = {
     "ablation": Family("each_vs_contrast", ("final_accuracy", "mean_accuracy")),
 }
 PROTOCOL_FAMILIES["ablation_k32"] = PROTOCOL_FAMILIES["ablation"]  # the K = 32 ablations (session 9 amendment)
+PROTOCOL_FAMILIES["v3_chain"] = V3_CHAIN_FAMILY  # part 3 of study v3 (amendment of 2026-12-03, 07:39 UTC)
 DEFAULT_FAMILY = Family("contrast_vs_each", ("final_accuracy", "mean_accuracy", "steps_to_target"), pooled=False)
 
 
@@ -264,6 +282,8 @@ def mechanism_table(groups: Groups, part: str, st: Settings) -> str:
 
 
 def _pairs(arms: list[str], fam: Family, st: Settings) -> list[tuple[str, str]]:
+    if isinstance(fam.pairs, tuple):  # declared pairs: those whose two arms both ran
+        return [(a, b) for a, b in fam.pairs if a in arms and b in arms]
     if st.contrast not in arms and fam.pairs != "all_pairs":
         return []
     others = [a for a in arms if a != st.contrast and (fam.others is None or a in fam.others)]
@@ -275,9 +295,26 @@ def _pairs(arms: list[str], fam: Family, st: Settings) -> list[tuple[str, str]]:
     return [(a, b) for i, a in enumerate(order) for b in order[i + 1:]]
 
 
+def declared_size(fam: Family) -> int | None:
+    """m of a declared family, per Holm family: |pairs| × |measures| when pooled, |pairs| when
+    one family per measure; None when the pairs are a rule (m = the tests that ran)."""
+    if not isinstance(fam.pairs, tuple):
+        return None
+    return len(fam.pairs) * (len(fam.measures) if fam.pooled else 1)
+
+
+def holm_of_declared(pvalues: list[float], size: int | None) -> list[float]:
+    """`stats.holm` over a family of `size` tests of which only `pvalues` ran: each missing test
+    counts as p = 1, so the tests that ran keep the multipliers m, m − 1, … of the declared
+    m (conservative: a missing test is never rejected). size None: m = len(pvalues)."""
+    pad = max(0, (size or 0) - len(pvalues))
+    return holm(list(pvalues) + [1.0] * pad)[:len(pvalues)]
+
+
 def comparisons(groups: Groups, part: str, st: Settings) -> list[dict]:
     """Every paired comparison of the part's family, with Holm-adjusted p-values (a family per
-    task, and per measure unless the family is pooled)."""
+    task, and per measure unless the family is pooled; a declared family counts its declared
+    number of tests, `holm_of_declared`)."""
     fam = st.families.get(part, DEFAULT_FAMILY)
     rows = []
     for task, k, arms in _groups_of(groups, part):
@@ -290,8 +327,9 @@ def comparisons(groups: Groups, part: str, st: Settings) -> list[dict]:
                     rows.append({"task": task, "K": k, "a": a, "b": b, "measure": name, "t": paired_t(diffs)})
     for key in {(r["task"], None if fam.pooled else r["measure"]) for r in rows}:
         family = [r for r in rows if (r["task"], None if fam.pooled else r["measure"]) == key]
-        for r, adj in zip(family, holm([r["t"].p for r in family])):
-            r["holm_p"], r["family"] = adj, len(family)
+        size = declared_size(fam)
+        for r, adj in zip(family, holm_of_declared([r["t"].p for r in family], size)):
+            r["holm_p"], r["family"] = adj, size or len(family)
     return rows
 
 
@@ -306,6 +344,11 @@ def comparisons_table(rows: list[dict], fam: Family) -> str:
     what = "over all its measures" if fam.pooled else "per measure"
     lines += ["", f"Paired by seed; two-sided 95% t-intervals (unadjusted) and paired t-tests; Holm's correction within "
               f"each task's family {what} (family = its number of tests); significant: Holm p <= 0.05."]
+    if isinstance(fam.pairs, tuple):
+        lines.append("The family is declared: its size counts every declared test; one that could not run (an arm "
+                     "missing) counts as p = 1.")
+    if fam.note:
+        lines += ["", fam.note]
     return "\n".join(lines)
 
 
@@ -382,20 +425,23 @@ def slope_table(rows: list[dict], st: Settings) -> str:
 
 
 def collapse_table(groups: Groups, part: str, st: Settings) -> str:
-    lines = ["| task | K | arm | lr | runs that learned | collapsed | fraction | Wilson 95% CI | never learned |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | K | arm | lr | runs that learned | collapsed | fraction | Wilson 95% CI | never learned "
+             "| Wilson 95% CI |", "|---|---|---|---|---|---|---|---|---|---|"]
     for task, k, arms in _groups_of(groups, part):
         for arm, runs in arms.items():
             flags = [collapsed(r.curve(), st.floor) for r in runs.values()]
             learned = [f for f in flags if f is not None]
+            never = len(flags) - len(learned)
             lo, hi = wilson(sum(learned), len(learned))
+            nlo, nhi = wilson(never, len(flags))
             frac = f"{sum(learned) / len(learned):.2f}" if learned else "n/a"
             lines.append(f"| {task} | {k} | {_arm_label(arm, runs, part)} | {_lrs(runs)} | {len(learned)} "
                          f"| {sum(learned)} | {frac} "
-                         f"| [{lo:.2f}, {hi:.2f}] | {len(flags) - len(learned)} |")
+                         f"| [{lo:.2f}, {hi:.2f}] | {never} | [{nlo:.2f}, {nhi:.2f}] |")
     lines += ["", "Collapsed: held-out accuracy below half its peak P (over all evaluations) from some evaluation after "
-              f"the peak to the last one; never learned: P < {st.floor:g} (left out of the fraction). Two arms differ "
-              "only where their intervals do not overlap."]
+              f"the peak to the last one; never learned: P < {st.floor:g} (left out of the fraction). Wilson 95% "
+              "intervals: collapsed out of the runs that learned, never learned out of all the arm's runs. Two arms "
+              "differ only where their intervals do not overlap."]
     return "\n".join(lines)
 
 
