@@ -27,7 +27,8 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
              seed: int, answer_fn=None, reward_timeout_s: float | None = None, on_groups=None) -> dict:
     """Held-out accuracy: greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
     ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``; k = 0: greedy
-    only, and ``eval/accuracy``, the fork rate and the length are the greedy answers';
+    only, and ``eval/accuracy``, the fork rate, the length and ``eval/truncated`` (the share cut at
+    ``max_new_tokens``) are the greedy answers';
     ``answer_fn(completion)`` gives the answer maj@k votes on). Each reward call is killed past
     ``reward_timeout_s`` (``data.reward_timeout_s``). ``on_groups(mode, groups)``, if given, gets
     the scored completions of each mode (``"greedy"``, ``"sampled"``; a group per prompt)."""
@@ -63,6 +64,7 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
             out["eval/accuracy_with_fork"] = sum(c.task_reward for c in fork) / len(fork) if fork else float("nan")
             out["eval/accuracy_without_fork"] = sum(c.task_reward for c in rest) / len(rest) if rest else float("nan")
         out["eval/response_length"] = sum(c.length for c in flat) / len(flat)
+        out["eval/truncated"] = sum(c.finish_reason == "length" for c in flat) / len(flat)  # cut at max_new_tokens
     out["eval/reward_errors"] = float(len(errors))  # greedy and sampled calls together
     if errors:
         print(f"cispo: evaluation: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})",

@@ -150,3 +150,27 @@ def test_greedy_only_evaluation(tiny_model, dense_task, tmp_path):
         assert not [k for k in r if "_at_" in k]
     with pytest.raises(ValueError, match="eval.num_samples"):
         small_config(tiny_model, tmp_path, "eval.num_samples=-1")
+
+
+def test_evaluation_reports_the_share_cut_at_the_length_limit(monkeypatch):
+    """eval/truncated = #(finish_reason == "length") / #answers, over the greedy answers (k = 0)."""
+    import torch
+
+    from cispo import evaluation
+    from cispo.config import EvalConfig
+    from cispo.experience import Completion
+
+    reasons = ["length", "eos", "length", "repetition"]
+
+    def fake_groups(policy, samples, k, sampling, reward_fn, generator, reward_timeout_s=None):
+        return [[Completion(s, [1], torch.ones(3 + i), torch.zeros(3 + i), reasons[i], "x", task_reward=1.0)]
+                for i, s in enumerate(samples)]
+
+    monkeypatch.setattr(evaluation, "sample_groups", fake_groups)
+
+    class Device:
+        device = "cpu"
+
+    out = evaluation.evaluate(Device(), [{}] * 4, None, None, EvalConfig(num_samples=0), 8, seed=0)
+    assert out["eval/truncated"] == 0.5
+    assert out["eval/response_length"] == (3 + 4 + 5 + 6) / 4
