@@ -1,0 +1,76 @@
+"""The SmolLM2 pilot's table (queue.md), read from the committed run folders' ``summary.json``:
+per run the greedy held-out accuracy under ``wordmath_working`` before -> after and the final
+held-out answer length; per objective the mean gain; per seed the paired differences of the final
+accuracy CISPO - DAPO and CISPO - GRPO, with their mean and range. A pilot: three seeds give no
+test worth the name, so none is computed.
+
+    python docs/results/smollm2/pilot_table.py            # from the repository root
+
+Run #1 (CISPO, seed 0) is stage D of the search, ``docs/results/smollm2/run_working_s0``; the
+others are ``docs/results/smollm2/pilot/<objective>_s<seed>``. A run not yet in is shown as such.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent
+OBJECTIVES = ("cispo", "dapo", "grpo")
+SEEDS = (0, 1, 2)
+
+
+def run_dir(objective: str, seed: int) -> Path:
+    """Where the pilot's run of (objective, seed) is committed."""
+    if (objective, seed) == ("cispo", 0):
+        return ROOT / "run_working_s0"
+    return ROOT / "pilot" / f"{objective}_s{seed}"
+
+
+def read_run(path: Path) -> dict | None:
+    """{before, after, gain, length} from ``summary.json``; None while the run is not in."""
+    summary = path / "summary.json"
+    if not summary.exists():
+        return None
+    s = json.loads(summary.read_text())
+    acc = s["eval/accuracy"]
+    return {"before": acc["before"], "after": acc["after"], "gain": acc["after"] - acc["before"],
+            "length": s["eval/response_length"]["after"]}
+
+
+def paired(runs: dict, a: str, b: str) -> list[float]:
+    """Final accuracy a - b on every seed where both runs are in."""
+    return [runs[a, s]["after"] - runs[b, s]["after"] for s in SEEDS if runs.get((a, s)) and runs.get((b, s))]
+
+
+def table(runs: dict) -> str:
+    """The markdown tables: runs, per-objective mean gain, paired differences."""
+    lines = ["| objective | seed | held-out before | after | gain | final answer length (tokens) |",
+             "|---|---|---|---|---|---|"]
+    for o in OBJECTIVES:
+        for s in SEEDS:
+            r = runs.get((o, s))
+            lines.append(f"| {o} | {s} | " + ("not yet run | | | |" if r is None else
+                         f"{r['before']:.2f} | {r['after']:.2f} | {r['gain']:+.2f} | {r['length']:.1f} |"))
+    lines += ["", "| objective | runs in | mean gain | gains |", "|---|---|---|---|"]
+    for o in OBJECTIVES:
+        gains = [runs[o, s]["gain"] for s in SEEDS if runs.get((o, s))]
+        mean = f"{sum(gains) / len(gains):+.3f}" if gains else "-"
+        lines.append(f"| {o} | {len(gains)} of {len(SEEDS)} | {mean} | {', '.join(f'{g:+.2f}' for g in gains)} |")
+    lines += ["", "| paired final accuracy | seeds | mean | range |", "|---|---|---|---|"]
+    for b in ("dapo", "grpo"):
+        d = paired(runs, "cispo", b)
+        stats = f"{sum(d) / len(d):+.3f} | {min(d):+.2f} .. {max(d):+.2f}" if d else "- | -"
+        lines.append(f"| cispo - {b} | {len(d)} | {stats} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    runs = {(o, s): read_run(run_dir(o, s)) for o in OBJECTIVES for s in SEEDS}
+    print(table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
