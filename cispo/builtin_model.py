@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import cispo.pretrain as pretraining
-from cispo.pretrain import PretrainConfig
+from cispo.pretrain_config import PretrainConfig
 
 SHIPPED_ROOT = Path(__file__).parent / "tasks" / "base_models"
 """Package data: one folder per built-in task whose base model ships."""

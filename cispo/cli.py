@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(only a folder cispo created: one with a .cispo-run marker, directly in out_dir)")
     p = add("pretrain", "pretrain a built-in base model into the model cache or --out (the package ships the "
             "addition and chain models pretrained, and `train` uses those: this rebuilds one, e.g. with other "
-            "settings)", "cispo.pretrain:PretrainConfig", cmd_pretrain)
+            "settings)", "cispo.pretrain_config:PretrainConfig", cmd_pretrain)
     p.add_argument("--out", help="output folder (default: the model cache)")
     p.add_argument("--measure", type=int, default=0, help="sample N held-out prompts and report fork rate / accuracy")
     p.add_argument("--measure-seed", type=int, default=0)

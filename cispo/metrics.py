@@ -15,18 +15,8 @@ import torch
 from cispo.data import FillReport
 from cispo.experience import Experience
 from cispo.forks import OTHER
+from cispo.nan import is_nan, nan_mean
 from cispo.objective import LOW_PROB, ObjectiveStats
-
-
-def is_nan(x) -> bool:
-    """A float NaN (a metric that is not defined)."""
-    return isinstance(x, float) and x != x
-
-
-def nan_mean(values) -> float:
-    """The mean of ``values`` that are neither None nor NaN; NaN when none is left."""
-    kept = [v for v in values if v is not None and not is_nan(v)]
-    return sum(kept) / len(kept) if kept else float("nan")
 
 
 # Per-rank counts and rates: the step's value is their sum over ranks (each rank samples its

@@ -34,7 +34,8 @@ from cispo.threads import auto_threads
 from cispo.compile import compile_wanted, train_body
 from cispo.tracking import make_sinks, read_metrics
 from cispo.evaluation import evaluate, evaluate_sets
-from cispo.metrics import is_nan, reduce_over_ranks
+from cispo.metrics import reduce_over_ranks
+from cispo.nan import is_nan
 from cispo.policy import Policy, loss_scaler
 from cispo.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_matcher, fsdp_settings,
                          make_objective, make_optimizer, sampling_config, vllm_settings)

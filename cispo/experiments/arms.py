@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from cispo.objective import PRESETS, preset
+from cispo.presets import PRESETS, preset
 from cispo.suggest import did_you_mean
 
 

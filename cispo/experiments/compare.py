@@ -35,7 +35,7 @@ from cispo.experiments.arms import ArmConfig, describe, resolve_arms
 from cispo.experiments.stats import at_edge, final_accuracy, mean_accuracy, pick_lr
 from cispo.experiments.tables import (analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep,
                                       sweep_gaps)
-from cispo.metrics import nan_mean
+from cispo.nan import nan_mean
 from cispo.runfolder import is_finished
 from cispo.tracking import read_metrics
 

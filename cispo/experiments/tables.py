@@ -11,7 +11,7 @@ from typing import Any
 
 from cispo.experiments.stats import (COLLAPSE_FLOOR, censored_steps, collapsed, final_accuracy, mean_accuracy,
                                      mean_band, steps_to_target, wilson)
-from cispo.metrics import nan_mean
+from cispo.nan import nan_mean
 
 
 def curve(rows: list[dict], key: str) -> dict[int, float]:
