@@ -42,6 +42,7 @@ METRICS = [
     "rollout/groups_kept", "rollout/truncated",
     "objective/frac_capped", "objective/frac_ppo_dropped", "objective/frac_ppo_dropped_fork",
     "objective/frac_ppo_dropped_low_prob", "objective/entropy", "objective/approx_kl",
+    "objective/fork_pos_lowp_above", "objective/fork_pos_mass_above", "objective/other_pos_mass_above",
     "optim/lr", "optim/grad_norm", "perf/step_s",
 ]
 COLUMNS = RUN_COLUMNS + ["step"] + METRICS

@@ -14,7 +14,8 @@ Measures, per evaluation run (``role = eval``), on its held-out accuracy curve:
 * **steps to 90%** of the run's own final accuracy (how early the curve flattens);
 * **response length** and **fork (W) tokens per response**, means over the last 5 steps;
 * the mechanism metrics (PPO-dropped fork tokens, capped IS weights, entropy), means over
-  the steps, descriptive only;
+  the steps, descriptive only; and, for runs that logged it, the v3 mechanism check's level
+  (`mechanism_gate.gate`'s figures over steps 1–40, averaged per arm, descriptive);
 * **collapsed**: `stats.collapsed` (peak P over all evaluations; below P / 2 from some
   evaluation after the peak to the end; P below `floor` = never learned, left out).
 
@@ -29,11 +30,15 @@ Statistics:
   (a declared family: cispo_lowmask − cispo, cispo_highmask − cispo, cispo_lowmask − dapo ×
   final and mean accuracy, 6 tests; a declared test that cannot run counts as p = 1); any other
   part: CISPO − each arm, one family per measure. "Significant" = Holm-adjusted p <= 0.05;
+* **steps to target apart from the family** (``v3_chain``, `Family.steps_apart`): each run's
+  steps to target per seed, and the family's pairs' paired differences with unadjusted 95%
+  t-intervals, no test (`study_tables`);
 * **Q1, "≤ 50% of the steps"**: d_s = T_contrast,s − 0.5 · T_other,s (steps to target,
   censored as above); *yes* if the 95% t-interval of mean d lies below 0, *no* if above,
   *unclear* otherwise — one pre-specified test, no correction (against the reference arm;
   the other arms as secondary). Beside it: the ratio of mean steps with Fieller's 95%
-  interval (`stats.fieller_ratio`) and the censored counts;
+  interval (`stats.fieller_ratio`) and the censored counts. ``Settings.q1_notes`` says what a
+  part's table may be read as (``v3_chain``: descriptive, neither Q1 nor the gated (d));
 * **"grows with K"**: per seed, the least-squares slope of the gap (contrast − other, mean
   accuracy over training) on log2 K; t-interval over seeds; *yes* only if it lies above 0;
 * **collapse fraction** per arm: collapsed / runs that learned, and **never learned** / all the
@@ -50,16 +55,21 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cispo.experiments.doc_quotes import MARKER, check_doc, update_doc  # noqa: F401  (the report's doc check)
+from cispo.experiments.mechanism_gate import gate
 from cispo.experiments.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, collapsed, fieller_ratio, final_accuracy,
                                      holm, mean_accuracy, mean_band, mean_over_last_steps, paired_t, pick_lr, slope,
                                      steps_to_own_fraction, wilson)
 from cispo.experiments.study_data import METRICS, read_csv
+from cispo.experiments.study_tables import ci as _ci
+from cispo.experiments.study_tables import (has_mechanism_log, mechanism_level_table, paired_steps, paired_steps_table,
+                                            steps_per_seed_table)
+from cispo.experiments.study_tables import pm as _pm
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,9 @@ class Family:
     """Only these other arms (None: every arm of the group)."""
     note: str = ""
     """Printed under the comparisons table (what the family's results may and may not be read as)."""
+    steps_apart: bool = False
+    """Also report steps to target per seed and the pairs' paired steps-to-target differences with
+    unadjusted intervals, outside the family (`study_tables`; explicit pairs only)."""
 
 
 V3_CHAIN_FAMILY = Family(
@@ -88,7 +101,16 @@ V3_CHAIN_FAMILY = Family(
          "mean accuracy, 6 tests. On `chain` at lr 1e-4 these answer (a) and (c) as questions about stability at "
          "that rate, not about the fork-token effect (the mechanism does not bind on `chain`). cispo_lowmask − dapo "
          "stays in the family so that the correction is the preregistered one; it is reported as "
-         "\"cispo_lowmask − dapo on chain\", not as an answer to (b).")
+         "\"cispo_lowmask − dapo on chain\", not as an answer to (b).",
+    steps_apart=True)
+
+V3_CHAIN_Q1_NOTE = (
+    "Part 3 of study v3 (protocol amendment of 2026-12-03, 07:39 UTC): this ≤ 50% rule is printed as \"Statistics\" "
+    "defines it and is **descriptive only**. No row is a primary test: it is not Q1 (the original study's, answered by "
+    "its part `main`) and not an answer to (d) (\"does the best arm reach DAPO's final accuracy in ≤ 50% of DAPO's "
+    "steps\"), which stays gated: only a task that passes the mechanism gate answers it, and on `chain` the mechanism "
+    "does not bind.")
+Q1_NOTES = {"v3_chain": V3_CHAIN_Q1_NOTE}
 
 
 PROTOCOL_FAMILIES = {
@@ -112,6 +134,9 @@ class Settings:
     tune_score: str = "mean_accuracy"
     tune_tie: float = 0.005
     families: dict[str, Family] = field(default_factory=lambda: dict(PROTOCOL_FAMILIES))
+    q1_notes: dict[str, str] = field(default_factory=lambda: dict(Q1_NOTES))
+    """PART -> what its ≤ 50% table may be read as; it replaces the default's "against the
+    reference: the primary test" sentence."""
     lend: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=lambda: {
         "ablation": ("main", ("cispo",)), "explore_lr1e4": ("main", ("dapo",))})
     """PART -> (OTHER, ARMS): where PART has no runs of its own of an arm of ARMS at a task and
@@ -223,19 +248,6 @@ def _label(name: str) -> str:
 # --------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------
-
-
-def _pm(values: list[float], p: int = 3) -> str:
-    values = [v for v in values if v == v]
-    if not values:
-        return "n/a"
-    mb = mean_band(values)
-    return f"{mb[0]:.{p}f} ± {mb[2]:.{p}f}"
-
-
-def _ci(lo: float, hi: float, p: int = 3) -> str:
-    f = lambda v: "inf" if v == math.inf else "-inf" if v == -math.inf else f"{v:+.{p}f}"  # noqa: E731
-    return f"[{f(lo)}, {f(hi)}]"
 
 
 def _lrs(runs: dict[int, RunData]) -> str:
@@ -376,7 +388,9 @@ def verdict(t) -> str:
     return "yes" if t.hi < 0 else "no" if t.lo > 0 else "unclear"
 
 
-def q1_table(rows: list[dict], st: Settings) -> str:
+def q1_table(rows: list[dict], st: Settings, note: str = "") -> str:
+    """The ≤ 50% rule's table; `note` (``Settings.q1_notes``) replaces the sentence that calls the
+    row against the reference the primary test."""
     c = st.contrast
     lines = [f"| task | K | {c} vs | target | seeds | {c} steps (censored) | its steps (censored) | ratio | Fieller 95% CI "
              f"| T_{c} − 0.5·T_other | 95% CI | ≤ 50% of the steps |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -389,9 +403,10 @@ def q1_table(rows: list[dict], st: Settings) -> str:
     lines += ["", f"Target: {st.reference}'s final held-out accuracy (mean over seeds of the mean of its last "
               f"{st.final_evals} evaluations). Steps to target per run, censored at the last step + one evaluation "
               f"interval (censored runs in brackets). Rule: d = T_{c} − 0.5·T_other paired by seed; yes if the 95% "
-              f"t-interval of mean d lies below 0, no if above, else unclear. Against {st.reference}: the primary, "
-              "uncorrected test; the other rows are secondary. Ratio of mean steps with Fieller's interval: descriptive."]
-    return "\n".join(lines)
+              f"t-interval of mean d lies below 0, no if above, else unclear. "
+              + (f"Against {st.reference}: the primary, uncorrected test; the other rows are secondary. " if not note else "")
+              + "Ratio of mean steps with Fieller's interval: descriptive."]
+    return "\n".join(lines + (["", note] if note else []))
 
 
 def slope_rows(groups: Groups, part: str, st: Settings) -> list[dict]:
@@ -445,6 +460,43 @@ def collapse_table(groups: Groups, part: str, st: Settings) -> str:
     return "\n".join(lines)
 
 
+def steps_outputs(groups: Groups, part: str, st: Settings) -> dict[str, str]:
+    """For a declared family with `Family.steps_apart`: ``steps/PART`` (steps to target per run),
+    ``steps_paired/PART`` (the family's pairs, paired by seed, unadjusted intervals; `study_tables`)
+    and each difference as ``steps_paired/PART/TASK/K{k}/A-B`` ("+mean [lo, hi]")."""
+    fam = st.families.get(part, DEFAULT_FAMILY)
+    if not (fam.steps_apart and isinstance(fam.pairs, tuple)):
+        return {}
+    cells, rows = [], []
+    for task, k, arms in _groups_of(groups, part):
+        if (target := target_of(arms, st)) is None:
+            continue
+        steps = {a: {s: censored_steps(r.curve(), target) for s, r in sorted(arms[a].items())}
+                 for a in sorted(arms, key=lambda a: (a != st.reference, a))}
+        cells.append((task, k, target, steps))
+        rows += [{"task": task, "K": k, "a": a, "b": b, **d} for a, b in _pairs(list(arms), fam, st)
+                 if (d := paired_steps(steps[a], steps[b]))]
+    out = {f"steps/{part}": steps_per_seed_table(cells, st.reference, st.final_evals)} if cells else {}
+    if rows:
+        out[f"steps_paired/{part}"] = paired_steps_table(rows)
+        out.update({f"steps_paired/{part}/{r['task']}/K{r['K']}/{r['a']}-{r['b']}":
+                    f"{r['t'].mean:+.1f} {_ci(r['t'].lo, r['t'].hi, 1)}" for r in rows})
+    return out
+
+
+def mechanism_level(groups: Groups, part: str) -> str | None:
+    """``mechanism_check/PART``: per arm, `mechanism_gate.gate`'s figures averaged over the runs
+    that logged the mechanism check (`study_tables.mechanism_level_table`); None when none did."""
+    cells = []
+    for task, k, arms in _groups_of(groups, part):
+        rows = {a: [[{"step": s, **m} for s, m in sorted(r.steps.items())] for r in runs.values()]
+                for a, runs in arms.items()}
+        per_arm = {a: [gate(x) for x in rs if has_mechanism_log(x)] for a, rs in rows.items()}
+        if per_arm := {a: g for a, g in per_arm.items() if g}:
+            cells.append((task, k, per_arm))
+    return mechanism_level_table(cells) if cells else None
+
+
 def tuning_table(runs: list[RunData], part: str, st: Settings) -> str | None:
     cells: dict[tuple[str, int, str], dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
@@ -489,13 +541,14 @@ def compute_table(runs: list[RunData]) -> tuple[str, dict[str, float]]:
 
 
 # --------------------------------------------------------------------------------------
-# The report and the doc check
+# The report (the doc check: `doc_quotes`)
 # --------------------------------------------------------------------------------------
 
 
 def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings = Settings()) -> dict[str, str]:
     """name -> text of every table (``summary/PART``, ``mechanism/PART``, ``comparisons/PART``,
-    ``q1/PART``, ``slope/PART``, ``collapse/PART``, ``tuning/PART``, ``compute``) and quoted
+    ``q1/PART``, ``slope/PART``, ``collapse/PART``, ``steps/PART``, ``steps_paired/PART``,
+    ``mechanism_check/PART``, ``tuning/PART``, ``compute``) and quoted
     value (``target/PART/TASK/K16``; ``ratio/PART/TASK/K16/ARM`` "0.52 [0.41, 0.66]";
     ``q1/PART/TASK/K16/ARM`` yes / no / unclear; ``slope/PART/TASK/ARM``; ``hours/PART``,
     ``hours/total``). With `out_dir`: each table as ``NAME.md`` (``/`` -> ``_``), the values
@@ -514,7 +567,7 @@ def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings
             if comp := comparisons(groups, part, st):
                 out[f"comparisons/{part}"] = comparisons_table(comp, st.families.get(part, DEFAULT_FAMILY))
             if q1 := q1_rows(groups, part, st):
-                out[f"q1/{part}"] = q1_table(q1, st)
+                out[f"q1/{part}"] = q1_table(q1, st, st.q1_notes.get(part, ""))
             for r in q1:
                 tag = f"{part}/{r['task']}/K{r['K']}"
                 (v, lo, hi) = r["ratio"]
@@ -526,6 +579,9 @@ def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings
                 for r in slopes:
                     out[f"slope/{part}/{r['task']}/{r['base']}"] = f"{r['t'].mean:+.4f} {_ci(r['t'].lo, r['t'].hi, 4)}"
             out[f"collapse/{part}"] = collapse_table(groups, part, st)
+            out.update(steps_outputs(groups, part, st))
+            if level := mechanism_level(groups, part):
+                out[f"mechanism_check/{part}"] = level
             if out_dir is not None:
                 plot_curves(groups, part, Path(out_dir) / f"curves_{part}.png")
                 plot_gaps(groups, part, st.contrast, Path(out_dir) / f"gaps_{part}.png")
@@ -541,34 +597,3 @@ def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings
                 (d / (name.replace("/", "_") + ".md")).write_text(text + "\n")
         (d / "numbers.json").write_text(json.dumps({k: v for k, v in out.items() if "\n" not in v}, indent=1) + "\n")
     return out
-
-
-MARKER = re.compile(r"<!-- study:(?P<name>\S+) -->(?P<body>.*?)<!-- /study:(?P=name) -->", re.S)
-"""A quoted table or number in a doc: ``<!-- study:ratio/main/chain/K16 -->0.52 [0.41, 0.66]<!-- /study:ratio/main/chain/K16 -->``;
-a table sits on its own lines between the two markers."""
-
-
-def check_doc(text: str, outputs: dict[str, str], where: str = "doc") -> list[str]:
-    """Every quoted block of `text` that differs from the report's output (or names no output),
-    as ``where:line: name: ...``; [] when all agree. A doc with no marker has nothing to check."""
-    problems = []
-    for m in MARKER.finditer(text):
-        line, name = text.count("\n", 0, m.start()) + 1, m["name"]
-        if name not in outputs:
-            problems.append(f"{where}:{line}: {name}: not an output of the report")
-        elif m["body"].strip() != outputs[name].strip():
-            problems.append(f"{where}:{line}: {name}: the doc says {m['body'].strip()[:200]!r}, the data give "
-                            f"{outputs[name].strip()[:200]!r}")
-    return problems
-
-
-def update_doc(text: str, outputs: dict[str, str]) -> str:
-    """`text` with every quoted block replaced by the report's output (unknown names kept)."""
-    def fill(m: re.Match) -> str:
-        if m["name"] not in outputs:
-            return m[0]
-        body = outputs[m["name"]].strip()
-        body = f"\n{body}\n" if "\n" in body or m["body"].startswith("\n") else body
-        return f"<!-- study:{m['name']} -->{body}<!-- /study:{m['name']} -->"
-
-    return MARKER.sub(fill, text)

@@ -1,0 +1,124 @@
+"""Tables of the study report kept apart from ``cispo.experiments.study_report`` (which calls
+them): pure functions of per-run values already computed there, so this module imports only
+the statistics and the mechanism gate, never the report.
+
+* **Steps to target, per seed and paired** (protocol amendment of 2026-12-03, 07:39 UTC, for
+  part ``v3_chain``: "steps-to-target differences are reported with their unadjusted intervals,
+  outside the family"). Per run T_s = steps to the reference arm's final accuracy, censored at
+  the last step + one evaluation interval (`stats.censored_steps`). For a pair (A, B), over the
+  seeds both ran: d_s = T_A,s − T_B,s, mean d ± the two-sided 95% t half-width, t_{n−1}
+  (`stats.paired_t`), **no** Holm adjustment and **no** p-value (the protocol asks for the
+  interval; the Holm family covers final and mean accuracy only). The censored runs of each
+  side are counted beside, and the seeds on which both sides are censored (d_s = 0 by
+  construction, not a measured tie).
+* **The mechanism check's level per arm** (same amendment: "each run's level on the mechanism
+  check ... gives the gate's two figures ..., averaged per arm"): per run, `mechanism_gate.gate`'s
+  figures (steps of 11–40 with the paper's case; the mean positive-fork and other-token mass
+  shares above 1 + eps_high over steps 1–40), then mean ± 95% t half-width over the arm's
+  runs. Descriptive: no verdict, no test.
+"""
+
+from __future__ import annotations
+
+import math
+
+from cispo.experiments.stats import mean_band, paired_t
+
+Steps = dict[int, tuple[float, bool]]
+"""seed -> (steps to target, reached) of one arm (`stats.censored_steps`)."""
+
+
+def pm(values: list[float], p: int = 3) -> str:
+    """``mean ± 95% t half-width`` of the non-NaN values, ``n/a`` with none."""
+    values = [v for v in values if v == v]
+    if not values:
+        return "n/a"
+    mb = mean_band(values)
+    return f"{mb[0]:.{p}f} ± {mb[2]:.{p}f}"
+
+
+def ci(lo: float, hi: float, p: int = 3) -> str:
+    """An interval as ``[lo, hi]`` with signs (``inf`` spelled out)."""
+    f = lambda v: "inf" if v == math.inf else "-inf" if v == -math.inf else f"{v:+.{p}f}"  # noqa: E731
+    return f"[{f(lo)}, {f(hi)}]"
+
+
+# --------------------------------------------------------------------------------------
+# Steps to target
+# --------------------------------------------------------------------------------------
+
+
+def paired_steps(a: Steps, b: Steps) -> dict | None:
+    """d_s = T_a,s − T_b,s over the seeds both ran, summarised by `stats.paired_t` (95%), with
+    the censored counts of each side and of both; None with fewer than 2 shared seeds."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    return {"seeds": seeds, "t": paired_t([a[s][0] - b[s][0] for s in seeds]),
+            "censored_a": sum(not a[s][1] for s in seeds), "censored_b": sum(not b[s][1] for s in seeds),
+            "censored_both": sum(not a[s][1] and not b[s][1] for s in seeds)}
+
+
+def steps_per_seed_table(cells: list[tuple[str, int, float, dict[str, Steps]]], reference: str, final_evals: int) -> str:
+    """One row per (task, K, arm) of `cells` = [(task, K, target, arm -> Steps)]: T per seed,
+    ``*`` where censored, ``–`` where the arm has no run of that seed."""
+    seeds = sorted({s for *_, arms in cells for steps in arms.values() for s in steps})
+    lines = ["| task | K | target | arm | " + " | ".join(f"seed {s}" for s in seeds) + " | reached |",
+             "|---|---|---|---|" + "---|" * (len(seeds) + 1)]
+    for task, k, target, arms in cells:
+        for arm, steps in arms.items():
+            cell = lambda s: "–" if s not in steps else f"{steps[s][0]:g}" + ("" if steps[s][1] else "*")  # noqa: E731
+            lines.append(f"| {task} | {k} | {target:.3f} | {arm} | " + " | ".join(cell(s) for s in seeds)
+                         + f" | {sum(r for _, r in steps.values())}/{len(steps)} |")
+    lines += ["", f"Steps to target per run: the first evaluated step at which held-out accuracy is ≥ the target, "
+              f"{reference}'s final held-out accuracy (mean over its seeds of the mean of its last {final_evals} "
+              "evaluations) at that task and K. `*`: never reached, censored at the last step + one evaluation interval."]
+    return "\n".join(lines)
+
+
+def paired_steps_table(rows: list[dict]) -> str:
+    """`rows`: dicts with task, K, a, b and the output of `paired_steps`."""
+    lines = ["| task | K | difference | seeds | mean steps | 95% CI | censored (first / second / both) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["t"]
+        lines.append(f"| {r['task']} | {r['K']} | {r['a']} − {r['b']} | {t.n} | {t.mean:+.1f} | {ci(t.lo, t.hi, 1)} "
+                     f"| {r['censored_a']} / {r['censored_b']} / {r['censored_both']} |")
+    lines += ["", "Steps to target paired by seed, d = T_first − T_second (negative: the first arm reaches the target "
+              "sooner); mean with its two-sided 95% t-interval, **unadjusted and outside the Holm family** (the family "
+              "covers final and mean accuracy), no test. A censored run counts its censoring step, so a censored side "
+              "makes d a bound, not a measurement; on a seed where both are censored d = 0 by construction."]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# The mechanism check's level per arm
+# --------------------------------------------------------------------------------------
+
+
+LEVELS = (("late_steps_with_paper_case", 1), ("fork_pos_mass_above_mean", 3), ("other_pos_mass_above_mean", 3))
+"""The gate's figures averaged per arm (`mechanism_gate.gate` keys), with their decimals."""
+
+
+def has_mechanism_log(rows: list[dict]) -> bool:
+    """Did the run log the mechanism check (``objective/fork_pos_lowp_above``) at some step?"""
+    return any("objective/fork_pos_lowp_above" in r for r in rows)
+
+
+def mechanism_level_table(cells: list[tuple[str, int, dict[str, list[dict]]]]) -> str:
+    """`cells` = [(task, K, arm -> [`mechanism_gate.gate` of each run])]: per arm, each figure's
+    mean ± 95% t half-width over its runs (a mass share over the runs that had a positive fork
+    token in steps 1–40; their number beside)."""
+    lines = ["| task | K | arm | runs | steps 11–40 with the paper's case | positive-W mass share above the bound "
+             "| other tokens' share | runs with a positive W |", "|---|---|---|---|---|---|---|---|"]
+    for task, k, arms in cells:
+        for arm, gates in arms.items():
+            with_w = sum(g["fork_pos_mass_above_mean"] == g["fork_pos_mass_above_mean"] for g in gates)
+            lines.append(f"| {task} | {k} | {arm} | {len(gates)} | "
+                         + " | ".join(pm([g[key] for g in gates], p) for key, p in LEVELS) + f" | {with_w} |")
+    lines += ["", "Per run, the figures of `python -m cispo.experiments.mechanism_gate` (criteria (i) and (ii) of the "
+              "v3 gate, over the run's steps 1–40): the steps of 11–40 in which a positive-advantage fork token with "
+              "p_old < 0.1 had r > 1 + eps_high, and the mean over steps 1–40 (steps without a positive fork token left "
+              "out) of the positive fork tokens' and the other positive tokens' gradient-mass share above the bound. "
+              "Then mean ± 95% t half-width over the arm's runs. Descriptive only: the level, not the gate's verdict."]
+    return "\n".join(lines)
