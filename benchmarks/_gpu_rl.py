@@ -234,7 +234,7 @@ def section_long_responses(ctx) -> None:
     res.update(rows=s.long_rows, lengths=lengths, micro_batch_size=s.long_micro, runs={})
     for checkpointing in (False, True):
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         cfg = train_config(model={"dtype": "bfloat16", "gradient_checkpointing": checkpointing},
                            algo={"updates_per_batch": 1, "micro_batch_size": s.long_micro})
         policy = user_policy(ctx, model, tok, cfg)

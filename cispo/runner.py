@@ -131,8 +131,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     if tokenizer.pad_token_id is None:  # common for base models: pad with EOS (masked out anyway)
         print(f"cispo: tokenizer of {path} has no pad token; using its EOS token for padding", file=sys.stderr)
         tokenizer.pad_token = tokenizer.eos_token
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if cfg.model.gradient_checkpointing:  # transformers >= 5.2x names it activation checkpointing (the old name warns)
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     if cfg.model.lora_rank:
         from cispo.lora import apply_lora
 
