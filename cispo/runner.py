@@ -531,13 +531,14 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def format_summary(summary: dict) -> str:
+    """The held-out metrics before -> after, one per line; one line saying so when nothing was
+    evaluated (``num_eval_prompts=0``)."""
+    rows = [(k, v["before"], v["after"]) for k, v in summary.items() if isinstance(v, dict)]
+    if not rows:
+        return "no held-out evaluation (num_eval_prompts=0): no before -> after to show"
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     lines = [f"after {summary.get('steps', 0)} steps (held-out, before -> after):"]
-    for k, v in summary.items():
-        if isinstance(v, dict):
-            b, a = v["before"], v["after"]
-            fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-            lines.append(f"  {k:32s} {fmt(b)} -> {fmt(a)}")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"  {k:32s} {fmt(b)} -> {fmt(a)}" for k, b, a in rows])
 
 
 def _progress(cfg: TrainConfig, start: int):

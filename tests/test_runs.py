@@ -134,3 +134,12 @@ def test_missing_chat_template_is_a_config_error_before_the_data(tiny_model, tmp
     assert rc == 2
     err = capsys.readouterr().err
     assert "no chat template" in err and "does-not-exist" not in err
+
+
+def test_the_printed_summary_says_when_nothing_was_evaluated():
+    from cispo.runner import format_summary
+
+    text = format_summary({"steps": 3, "eval/accuracy": {"before": 0.25, "after": None}})
+    assert text.splitlines() == ["after 3 steps (held-out, before -> after):",
+                                 f"  {'eval/accuracy':32s} 0.250 -> n/a"]
+    assert format_summary({}) == "no held-out evaluation (num_eval_prompts=0): no before -> after to show"
