@@ -14,14 +14,14 @@ trainer. Here every call runs in a worker process of a `RewardPool`:
    overlap and the first step does not wait ~2 s for them);
 2. any ``BaseException`` of the call (``SystemExit``, ``KeyboardInterrupt``, ...) comes back as
    an error message; the worker lives on;
-3. each worker has a pipe of its own and is sent one call at a time, the next only once the
-   last one's result has been read; one thread of the trainer (the pool's dispatcher) sends the
-   calls and reads the pipes. So a call's outcome is what came back on its worker's pipe: a
-   worker's death is acted on only after everything it sent before dying has been read (a pipe
-   keeps its order), and it fails only the call that worker had started (a call sent to a
-   worker that died before starting it goes to another). **A call whose result was sent is
+3. each worker has a pipe of its own, on which it is sent calls ahead (`AHEAD_S`) and says
+   when it starts each and what each returned; one thread of the trainer (the pool's
+   dispatcher) sends the calls and reads the pipes. So a call's outcome is what came back on its
+   worker's pipe: a worker's death is acted on only after everything it sent before dying has
+   been read (a pipe keeps its order), and it fails only the call that worker had started (one
+   sent to it but not started goes to another worker). **A call whose result was sent is
    never reported as failed, and a death is never charged to another call.**
-   A call past ``timeout_s`` (counted from when it was sent to its idle worker) has its worker
+   A call past ``timeout_s`` (counted from when its worker said it started it) has its worker
    killed and replaced; a worker that dies (``os._exit``, a signal, out of memory) is replaced
    the same way. The call scores 0 with a message;
 4. each worker (a `cispo.rewards.processes.GroupProcess`) leads a session of its own, so
@@ -55,6 +55,7 @@ import os
 import pickle
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 
@@ -64,11 +65,18 @@ from cispo.rewards.processes import (OUTPUT_LIMIT_BYTES, OUTPUT_TAIL_CHARS, Outp
 
 __all__ = ["RewardPool", "pool_for", "shutdown_pools", "OUTPUT_TAIL_CHARS", "OUTPUT_LIMIT_BYTES"]
 
+AHEAD_S = 0.05
+"""A worker is sent as many calls ahead (waiting in its pipe while it runs one) as it runs in
+about this long at the recent call time, at least 1, at most `MAX_AHEAD`: a fast reward's
+worker does not wait for a round trip through the dispatcher after each call (on a loaded
+machine each one cost ~10 ms), and a slow reward's calls are not held behind one another."""
+MAX_AHEAD = 16
 MAX_SENDS = 3
-"""The most workers one call is sent to when each dies before the call starts."""
+"""The most workers one call is sent to when each dies (or is stopped) before the call starts."""
 LIVENESS_CHECK_S = 0.1
-"""How often the dispatcher also asks each busy or starting worker whether it is alive (besides
-watching its pipe and exit sentinel, which a process the reward forked may keep open)."""
+"""The longest the dispatcher waits before asking each busy or starting worker whether it is
+alive (besides watching its pipe and exit sentinel, which a process the reward forked may keep
+open)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -117,8 +125,8 @@ def score_call(spec: str, prompt, completion, sample: dict) -> tuple[float, str 
 
 def worker_main(spec: str, conn) -> None:
     """A worker process: load the reward, send its pid (ready), then for each pickled call it
-    receives send None (started), score it and send ``(reward, error)``, until the pool closes
-    the pipe."""
+    receives send None (started), score it and send ``(reward, error, seconds)``, until the pool
+    closes the pipe."""
     os.set_inheritable(conn.fileno(), False)  # programs the reward runs do not hold the pipe
     start_worker(spec)
     conn.send(os.getpid())
@@ -128,11 +136,12 @@ def worker_main(spec: str, conn) -> None:
         except (EOFError, OSError):  # the pool closed
             return
         conn.send(None)
+        started = time.perf_counter()
         try:
-            result = score_call(spec, *pickle.loads(call))
+            value, error = score_call(spec, *pickle.loads(call))
         except BaseException as e:  # noqa: BLE001 - e.g. an argument whose class cannot be imported here
-            result = 0.0, f"could not run in a worker process: {describe_error(e)}"
-        conn.send(result)
+            value, error = 0.0, f"could not run in a worker process: {describe_error(e)}"
+        conn.send((value, error, time.perf_counter() - started))
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,60 +151,86 @@ def worker_main(spec: str, conn) -> None:
 
 class _Call:
     """One call: its pickled arguments, time limit and future ``(reward, error)``; whether its
-    worker said it started, and how many workers it was sent to."""
+    worker said it started (and its deadline then), and how many workers it was sent to."""
 
     def __init__(self, call: tuple, timeout_s: float | None) -> None:
         self.timeout_s, self.future, self.payload = timeout_s, Future(), b""
-        self.started, self.sends = False, 0
+        self.started, self.deadline, self.sends = False, None, 0
         try:
             self.payload = pickle.dumps(tuple(call), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - arguments that cannot be pickled
             self.future.set_result((0.0, f"could not run in a worker process: {describe_error(e)}"))
 
 
-class _Proc:
-    """A worker process, the trainer's end of its pipe, and the call it runs (None: idle)."""
+class _CallTime:
+    """The recent time of one call in a worker (an exponential moving average), and so how many
+    calls to send a worker ahead (`AHEAD_S`)."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def add(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds is None else 0.8 * self.seconds + 0.2 * seconds
+
+    def ahead(self) -> int:
+        if self.seconds is None:
+            return 1
+        return max(1, min(MAX_AHEAD, int(AHEAD_S / max(self.seconds, 1e-6))))
+
+
+class _Proc:
+    """A worker process, the trainer's end of its pipe, and the calls sent to it, in order (the
+    first one runs)."""
+
+    def __init__(self, spec: str, call_time: _CallTime) -> None:
+        self.call_time = call_time
         self.conn, theirs = worker_context().Pipe()
         self.process = worker_context().Process(target=worker_main, args=(spec, theirs), name="cispo-reward-worker")
         self.process.start()
         theirs.close()
-        self.ready, self.call, self.deadline = False, None, None
+        self.ready, self.calls = False, collections.deque()
+
+    @property
+    def deadline(self) -> float | None:
+        return self.calls[0].deadline if self.calls else None
 
     def take_messages(self) -> bool:
-        """Read every message already sent: the ready pid, the running call's start (None) or
-        its result (which completes it). False once the pipe is closed (the worker is gone)."""
+        """Read every message already sent: the ready pid, then for each call its start (None,
+        which sets its deadline) and its result (which completes it). False once the pipe is
+        closed (the worker is gone)."""
         try:
             while self.conn.poll(0):
                 message = self.conn.recv()
                 if not self.ready:
                     self.ready = True
-                elif message is None and self.call is not None:
-                    self.call.started = True
-                elif self.call is not None:
-                    self.call.future.set_result(message)
-                    self.call = self.deadline = None
+                elif message is None:
+                    call = self.calls[0]
+                    call.started = True
+                    call.deadline = None if call.timeout_s is None else time.monotonic() + call.timeout_s
+                else:
+                    value, error, seconds = message
+                    self.calls.popleft().future.set_result((value, error))
+                    self.call_time.add(seconds)
         except (EOFError, OSError):
             return False
         return True
 
-    def end(self, outcome: str | None) -> _Call | None:
-        """Kill and reap it (its process group with it), keep a result it sent before, else give
-        its call ``outcome`` (None: the cause of its death). A call it died before starting
-        (sent to a worker that had just died) is returned, to be sent again (at most
-        `MAX_SENDS` times in all)."""
+    def end(self, outcome: str | None = None) -> list[_Call]:
+        """Kill and reap it (its process group with it) and keep the results it sent before;
+        its started call gets ``outcome`` (None: the cause of its death). The calls it had not
+        started are returned, to be sent to another worker (each at most `MAX_SENDS` times)."""
         self.process.kill()
         self.process.join()
         self.take_messages()
         self.conn.close()
-        call, self.call = self.call, None
-        if call is None:
-            return None
-        if outcome is None and not call.started and call.sends < MAX_SENDS:
-            return call
-        call.future.set_result((0.0, outcome or _death(self.process.exitcode)))
-        return None
+        calls, self.calls = self.calls, collections.deque()
+        unstarted = []
+        for call in calls:
+            if call.started or call.sends >= MAX_SENDS:
+                call.future.set_result((0.0, outcome if call.started and outcome else _death(self.process.exitcode)))
+            else:
+                unstarted.append(call)
+        return unstarted
 
 
 def _how(exitcode: int) -> str:
@@ -218,6 +253,7 @@ class RewardPool:
         self._dispatcher: threading.Thread | None = None
         self._closing = False
         self._start_failed = False
+        self._call_time = _CallTime()
 
     def start(self) -> None:
         """Start the workers now, without waiting for them (each loads the reward as it starts)."""
@@ -232,6 +268,7 @@ class RewardPool:
             self._start_locked()
             self._queue.extend(c for c in batch if not c.future.done())
         self._wake()
+        futures.wait([c.future for c in batch])  # one wake-up for the batch, not one per call
         return [c.future.result() for c in batch]
 
     def close(self) -> None:
@@ -248,7 +285,7 @@ class RewardPool:
     def _start_locked(self) -> None:
         if self._dispatcher is None:
             self._closing, self._start_failed = False, False
-            self._procs = [_Proc(self.spec) for _ in range(self.workers)]
+            self._procs = [_Proc(self.spec, self._call_time) for _ in range(self.workers)]
             self._dispatcher = threading.Thread(target=self._dispatch, name="cispo-reward-pool", daemon=True)
             self._dispatcher.start()
 
@@ -281,40 +318,45 @@ class RewardPool:
                 self._queue.clear()
                 procs, self._procs = self._procs, []
             for proc in procs:
+                calls = list(proc.calls)
                 try:
-                    proc.end(reason)
-                except Exception:  # noqa: BLE001 - its call still fails, below
-                    pass
-                if proc.call is not None and not proc.call.future.done():
-                    proc.call.future.set_result((0.0, reason))
+                    queued += proc.end(reason)
+                finally:  # its calls fail even if ending it failed
+                    queued += [c for c in calls if not c.future.done()]
             for call in queued:
-                call.future.set_result((0.0, reason))
+                if not call.future.done():
+                    call.future.set_result((0.0, reason))
 
     def _top_up(self) -> None:
         if not self._start_failed or self._queue:  # a worker died while starting: wait for work
-            self._procs += [_Proc(self.spec) for _ in range(self.workers - len(self._procs))]
+            self._procs += [_Proc(self.spec, self._call_time) for _ in range(self.workers - len(self._procs))]
 
     def _send_calls(self) -> None:
-        for proc in self._procs:
-            if not (proc.ready and proc.call is None):
-                continue
-            with self._lock:
-                if not self._queue:
-                    return
-                call = self._queue.popleft()
-            try:
-                proc.conn.send_bytes(call.payload)
-            except OSError:  # it died while idle: the call waits for another worker
-                with self._lock:
-                    self._queue.appendleft(call)
-                continue
-            proc.call = call
-            call.sends += 1
-            proc.deadline = None if call.timeout_s is None else time.monotonic() + call.timeout_s
+        """Queued calls to ready workers: one to each, then a second to each, ... up to
+        `_CallTime.ahead` each."""
+        for depth in range(1, self._call_time.ahead() + 1):
+            for proc in self._procs:
+                while proc.ready and len(proc.calls) < depth:
+                    with self._lock:
+                        if not self._queue:
+                            return
+                        call = self._queue.popleft()
+                    try:
+                        proc.conn.send_bytes(call.payload)
+                    except OSError:  # it died: the call waits for another worker
+                        with self._lock:
+                            self._queue.appendleft(call)
+                        break
+                    call.sends += 1
+                    proc.calls.append(call)
+
+    def _requeue(self, calls: list[_Call]) -> None:
+        with self._lock:
+            self._queue.extendleft(reversed(calls))
 
     def _wait_s(self) -> float | None:
         """Until the next deadline, at most `LIVENESS_CHECK_S` while a worker is busy or starting."""
-        if all(p.ready and p.call is None for p in self._procs):
+        if all(p.ready and not p.calls for p in self._procs):
             return None
         deadlines = [p.deadline - time.monotonic() for p in self._procs if p.deadline is not None]
         return max(0.0, min(deadlines + [LIVENESS_CHECK_S]))
@@ -322,7 +364,7 @@ class RewardPool:
     def _collect(self, ready: set) -> None:
         """Results first, then deaths: a worker is ended only after its pipe has been read."""
         for proc in list(self._procs):
-            watched = proc.conn in ready or proc.process.sentinel in ready or not (proc.ready and proc.call is None)
+            watched = proc.conn in ready or proc.process.sentinel in ready or not (proc.ready and not proc.calls)
             if not watched:
                 continue
             open_pipe = proc.take_messages()
@@ -331,10 +373,7 @@ class RewardPool:
             if open_pipe and proc.process.is_alive():
                 continue
             self._procs.remove(proc)
-            unstarted = proc.end(None)
-            if unstarted is not None:
-                with self._lock:
-                    self._queue.appendleft(unstarted)
+            self._requeue(proc.end())
             if not proc.ready:  # e.g. os._exit while importing the reward in the worker
                 self._start_failed = True
                 if not any(p.ready for p in self._procs):
@@ -343,9 +382,12 @@ class RewardPool:
     def _expire(self) -> None:
         now = time.monotonic()
         for proc in list(self._procs):
-            if proc.deadline is not None and now >= proc.deadline and proc.take_messages() and proc.call is not None:
-                proc.end(f"timed out after {proc.call.timeout_s} s (its worker process was killed and replaced)")
+            if proc.deadline is not None and now >= proc.deadline and proc.take_messages() \
+                    and proc.deadline is not None and now >= proc.deadline:
+                timeout_s = proc.calls[0].timeout_s
+                self._call_time.add(timeout_s)  # no more calls held behind hanging ones
                 self._procs.remove(proc)
+                self._requeue(proc.end(f"timed out after {timeout_s} s (its worker process was killed and replaced)"))
 
     def _fail_queued(self, reason: str) -> None:
         with self._lock:
