@@ -536,7 +536,7 @@ def test_children_die_with_a_timed_out_or_dead_worker(tmp_path, monkeypatch):
         reward = load_reward(f"{tmp_path / 'children.py'}:reward", workers=2)
         out = score_rewards(reward, calls("hang", "die"), timeout_s=1.0)
         assert [v for v, _ in out] == [0.0, 0.0] and "timed out" in out[0][1] and "exit status 9" in out[1][1]
-        assert _wait_until_none(seconds, within=30.0) == []  # generous: pebble notices a dead worker on its own clock
+        assert _wait_until_none(seconds, within=30.0) == []  # generous: the machine may be loaded
         assert score_rewards(reward, calls("11", "1a"), timeout_s=30) == [(1.0, None), (0.5, None)]
         assert len(_sleepers(seconds)) == 2  # the workers are alive, so are their children
         shutdown_pools()
@@ -551,7 +551,7 @@ def test_children_die_with_a_timed_out_or_dead_worker(tmp_path, monkeypatch):
 def test_a_child_dies_with_its_process_whoever_reaps_it(reaper):
     """A `GroupProcess` that ended by itself takes its child with it also when it is reaped by
     ``join``, by ``multiprocessing.active_children`` or by the clean-up of finished children that
-    any ``Process.start`` runs (pebble starting a worker of any pool); before, only ``is_alive``
+    any ``Process.start`` runs (the reward pool starting a worker); before, only ``is_alive``
     killed its group and the other three left the child running."""
     import multiprocessing
 
