@@ -88,13 +88,15 @@ def test_user_rewards_run_in_the_pool_builtins_in_the_main_thread(hostile):
 
 def test_exit_interrupt_and_death_are_counted_errors(hostile):
     started = time.perf_counter()
-    out = score_rewards(hostile, calls("exit", "interrupt", "exit0", "die", "ok"), timeout_s=30)
+    out = score_rewards(hostile, calls("exit", "interrupt", "exit0", "die", "ok"), timeout_s=60)
     assert out[0] == (0.0, "SystemExit: 3")
     assert out[1] == (0.0, "KeyboardInterrupt")
     assert out[2][0] == 0.0 and "worker process died (exit status 0)" in out[2][1]  # os._exit(0): not lost
     assert out[3][0] == 0.0 and "worker process died (exit status 9)" in out[3][1]
     assert out[4] == (2.0, None)
-    assert time.perf_counter() - started < 20  # the lost calls were reported, not waited out
+    # the lost calls were reported, not waited out: under one timeout (not a bound on worker
+    # start-up, which took 23-37 s on a loaded machine, more than the 20 s this said before)
+    assert time.perf_counter() - started < 60
     assert score_rewards(hostile, calls("a", "abc"), timeout_s=30) == [(1.0, None), (3.0, None)]  # replaced
 
 
