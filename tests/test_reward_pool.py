@@ -127,7 +127,7 @@ def test_hanging_calls_are_killed_and_do_not_jam_the_pool(hostile):
     out = score_rewards(hostile, calls(*["hang"] * 5, "ok"), timeout_s=0.3)  # 5 hangs > 2 workers
     assert [v for v, _ in out] == [0.0] * 5 + [2.0]
     assert all("timed out after 0.3 s (its worker process was killed and replaced)" == e for _, e in out[:5])
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 120  # each hang sleeps 600 s: killed (the rest is starting workers)
     assert score_rewards(hostile, calls("abcd"), timeout_s=0.3) == [(4.0, None)]
 
 
@@ -205,7 +205,7 @@ def test_the_process_exits_promptly_with_a_hung_call(tmp_path):
     """)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "timed out after 0.3 s" in out.stdout and "exiting" in out.stdout
-    assert time.perf_counter() - started < 30  # the hung reward sleeps 600 s
+    assert time.perf_counter() - started < 120  # the hung reward sleeps 600 s
 
 
 # ---------------------------------------------------------------------------------------
