@@ -88,13 +88,15 @@ def test_user_rewards_run_in_the_pool_builtins_in_the_main_thread(hostile):
 
 def test_exit_interrupt_and_death_are_counted_errors(hostile):
     started = time.perf_counter()
-    out = score_rewards(hostile, calls("exit", "interrupt", "exit0", "die", "ok"), timeout_s=30)
+    out = score_rewards(hostile, calls("exit", "interrupt", "exit0", "die", "ok"), timeout_s=60)
     assert out[0] == (0.0, "SystemExit: 3")
     assert out[1] == (0.0, "KeyboardInterrupt")
     assert out[2][0] == 0.0 and "worker process died (exit status 0)" in out[2][1]  # os._exit(0): not lost
     assert out[3][0] == 0.0 and "worker process died (exit status 9)" in out[3][1]
     assert out[4] == (2.0, None)
-    assert time.perf_counter() - started < 20  # the lost calls were reported, not waited out
+    # the lost calls were reported, not waited out: under one timeout (not a bound on worker
+    # start-up, which took 23-37 s on a loaded machine, more than the 20 s this said before)
+    assert time.perf_counter() - started < 60
     assert score_rewards(hostile, calls("a", "abc"), timeout_s=30) == [(1.0, None), (3.0, None)]  # replaced
 
 
@@ -125,7 +127,7 @@ def test_hanging_calls_are_killed_and_do_not_jam_the_pool(hostile):
     out = score_rewards(hostile, calls(*["hang"] * 5, "ok"), timeout_s=0.3)  # 5 hangs > 2 workers
     assert [v for v, _ in out] == [0.0] * 5 + [2.0]
     assert all("timed out after 0.3 s (its worker process was killed and replaced)" == e for _, e in out[:5])
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 120  # each hang sleeps 600 s: killed (the rest is starting workers)
     assert score_rewards(hostile, calls("abcd"), timeout_s=0.3) == [(4.0, None)]
 
 
@@ -203,7 +205,7 @@ def test_the_process_exits_promptly_with_a_hung_call(tmp_path):
     """)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "timed out after 0.3 s" in out.stdout and "exiting" in out.stdout
-    assert time.perf_counter() - started < 30  # the hung reward sleeps 600 s
+    assert time.perf_counter() - started < 120  # the hung reward sleeps 600 s
 
 
 # ---------------------------------------------------------------------------------------

@@ -377,7 +377,8 @@ class RewardPool:
             if not proc.ready:  # e.g. os._exit while importing the reward in the worker
                 self._start_failed = True
                 if not any(p.ready for p in self._procs):
-                    self._fail_queued(f"the reward's worker process died while starting ({_how(proc.process.exitcode)})")
+                    how = _how(proc.process.exitcode)
+                    self._fail_queued(f"the reward's worker process died while starting ({how})")
 
     def _expire(self) -> None:
         now = time.monotonic()
