@@ -290,10 +290,9 @@ class RewardPool:
             self._dispatcher.start()
 
     def _wake(self) -> None:
-        try:
-            self._wake_write.send_bytes(b"")
-        except OSError:
-            pass
+        """Make the dispatcher look at the queue (or at ``_closing``) now. Never silenced: with every
+        worker idle it waits on this pipe alone, so a lost wake-up would leave the batch waiting."""
+        self._wake_write.send_bytes(b"")
 
     def _dispatch(self) -> None:
         """Until closed: keep `workers` processes, send queued calls to idle ready ones, read
