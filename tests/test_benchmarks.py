@@ -194,8 +194,11 @@ def _check_figures(report: dict, tmp_path: Path) -> None:
     assert ckpt["save_s"] > 0 and ckpt["load_s"] > 0 and ckpt["gib_on_disk"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny(tmp_path):
-    """Every section but the compiled RL step (~30 s on 2 shared cores): numbers, a report, a plot."""
+    """Every section but the compiled RL step (~30 s on 2 shared cores): numbers, a report, a plot.
+    Slow: the bare-image test below runs the same sections and checks the same numbers with fewer
+    packages importable; this one adds only the full environment, which the rest of the suite uses."""
     report = _gpu_check(tmp_path, "--sections", ",".join(FAST_SECTIONS))
     _check_sections(report, FAST_SECTIONS, tmp_path)
     _check_figures(report, tmp_path)
@@ -206,6 +209,7 @@ def test_gpu_check_tiny_on_a_bare_image(tmp_path):
     transformers only): every section still runs."""
     report = _gpu_check(tmp_path, "--sections", ",".join(FAST_SECTIONS), bare=True)
     _check_sections(report, FAST_SECTIONS, tmp_path)
+    _check_figures(report, tmp_path)  # the same numbers, report and plot as test_gpu_check_tiny's
     versions = report["sections"]["environment"]["results"]["versions"]
     assert versions["pydantic"] is None and "hidden" not in str(versions)
 

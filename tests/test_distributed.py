@@ -2,6 +2,7 @@
 
 import json
 import math
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -73,12 +74,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama",
+           "cispo.trainer", "cispo.setup", "cispo.rollout", "cispo.distributed"]
+"""What every rank imports. A spawned rank starts a fresh interpreter and imports them itself (~6 CPU-s
+each, 2 ranks per test); a rank forked from the forkserver gets them already imported, and the server
+imports them once for the whole module. The server runs no torch op before it forks (so no thread pool
+is copied into a rank, which is why a plain fork of the pytest process is not used)."""
+
+
+def spawn_two_ranks(fn, *args):
+    """``mp.spawn(fn, args=(2, port, *args), nprocs=2)``, the ranks forked from a forkserver (PRELOAD)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)  # no effect once the server runs: it already has them
+    mp.start_processes(fn, args=(2, free_port(), *args), nprocs=2, join=True, start_method="forkserver")
+
+
 # split cost 0: a cut wherever the length changes, so each rank runs several length-sorted
 # micro-batches of its own rows
 @pytest.mark.parametrize(("objective", "split_cost"), [("cispo", "128"), ("grpo", "0")])
 def test_two_gloo_ranks_equal_one_process(objective, split_cost, tmp_path):
     out = tmp_path / "params.pt"
-    mp.spawn(_worker, args=(2, free_port(), objective, str(out), split_cost), nprocs=2, join=True)
+    spawn_two_ranks(_worker, objective, str(out), split_cost)
     two = torch.load(out, weights_only=True)
     torch.set_num_threads(1)
     policy, cfg, exp = make_setup(objective, split_cost)
@@ -170,7 +185,7 @@ def test_fsdp_two_gloo_ranks_equal_one_process(tmp_path):
     """FSDP2 over 2 gloo ranks with uneven rows (so idle forward/backward passes) == 1 process
     on the union: greedy samples, logp_old, and the parameters after one optimizer step."""
     out = tmp_path / "params.pt"
-    mp.spawn(_fsdp_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_two_ranks(_fsdp_worker, str(out))
     two = torch.load(out, weights_only=True)
     torch.set_num_threads(1)
     policy, cfg, exp = make_setup("cispo")
@@ -377,7 +392,7 @@ def test_fsdp_mixed_precision_gathers_layers_in_bf16_over_fp32_shards(tmp_path):
     and gather bf16 weights; the root (embeddings, norm, head) stays FP32; shards, gradients and the
     AdamW step stay FP32; model.fsdp_offload=true adds CPUOffloadPolicy. One update on 2 gloo ranks."""
     out = tmp_path / "precision.json"
-    mp.spawn(_fsdp_precision_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn_two_ranks(_fsdp_precision_worker, str(out))
     got = json.loads(out.read_text())
     layers = [c for c in got["calls"] if c[0] == "LlamaDecoderLayer"]
     assert len(layers) == 2 and all(c[1:] == ["torch.bfloat16", "torch.float32", "CPUOffloadPolicy"] for c in layers)
@@ -435,7 +450,7 @@ def test_vllm_engine_per_rank_under_two_gloo_ranks(tmp_path):
 
     tok = build_tokenizer(arithmetic.ALPHABET)
     save_policy(build_model(tok, size="tiny", seed=0), tok, tmp_path / "model")
-    mp.spawn(_vllm_worker, args=(2, free_port(), str(tmp_path / "model"), str(tmp_path)), nprocs=2, join=True)
+    spawn_two_ranks(_vllm_worker, str(tmp_path / "model"), str(tmp_path))
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         kw = got["kwargs"]

@@ -160,6 +160,7 @@ def test_a_wordmath_run_logs_every_string_per_update(tmp_path):
     model = save_tiny_smollm2(tmp_path / "tiny")
     args = [f"model.path={model}", f"out_dir={tmp_path}", "data.task=wordmath", "model.device=cpu", "progress=false",
             "steps=1", "prompts_per_step=2", "group_size=4", "updates_per_batch=2", "max_new_tokens=12",
+            "num_train_prompts=64",  # not the default 20,000, each chat-templated at the start (~9 CPU-s)
             "num_eval_prompts=2", "eval.num_samples=1", "eval.every=0", "dynamic_sampling=false", "run_name=r"]
     assert main(["train", *args]) == 0
     row = [r for r in read_metrics(tmp_path / "r" / "metrics.jsonl") if r["step"] == 1][0]

@@ -125,8 +125,13 @@ def test_a_read_only_out_dir_is_one_sentence(tiny_model, dense_task, tmp_path, c
     assert list((tmp_path / "runs").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_an_overwrite_while_a_real_training_runs_is_refused(tiny_model, dense_task, tmp_path):
-    """End to end: ``cispo train --overwrite`` on the folder of a ``cispo train`` that is running."""
+    """End to end: ``cispo train --overwrite`` on the folder of a ``cispo train`` that is running.
+    Slow (two interpreter starts and a running training, ~12 CPU-s): the default run pins the same
+    refusal with ``test_a_second_process_on_a_run_folder_in_use_is_refused_and_changes_nothing``
+    (the lock held by another process, ``--overwrite`` refused with exit 2, nothing touched) and
+    ``test_the_lock_is_held_for_the_run_and_released_after`` (a training holds that lock)."""
     args = tiny_args(tiny_model, tmp_path / "runs", "run_name=r", "steps=500")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen([sys.executable, "-m", "cispo", "train", *args], env=env, stderr=subprocess.DEVNULL)

@@ -128,9 +128,12 @@ def tiny_smollm(tmp_path_factory):
 
 
 def tiny_args(model, out, *extra):
+    """A 1-step run. num_train_prompts=64: the default 20,000 are each chat-templated and tokenized
+    at the start (to drop overlong ones), ~9 of the run's ~15 CPU-s for the 2 prompts it trains on."""
     return [f"model.path={model}", f"out_dir={out}", "data.task=wordmath", "model.device=cpu", "progress=false",
             "steps=1", "prompts_per_step=2", "group_size=4", "updates_per_batch=2", "max_new_tokens=12",
-            "num_eval_prompts=4", "eval.num_samples=1", "eval.every=0", "dynamic_sampling=false", *extra]
+            "num_train_prompts=64", "num_eval_prompts=4", "eval.num_samples=1", "eval.every=0",
+            "dynamic_sampling=false", *extra]
 
 
 def test_a_wordmath_run_templates_the_prompts_and_stops_at_the_end_of_turn(tiny_smollm, tmp_path):
