@@ -32,7 +32,7 @@ def make_setup(objective, split_cost="128"):
     tok = build_tokenizer(arithmetic.ALPHABET)
     model = build_model(tok, size="tiny", seed=0)
     cfg = apply_overrides(TrainConfig(), [f"objective={objective}", "updates_per_batch=1", "micro_batch_size=3",
-                                          "lr=1e-2", "warmup_updates=0", "group_size=2",
+                                          "lr=1e-2", "warmup_updates=0", "optim.grad_clip=0", "group_size=2",
                                           f"micro_batch_split_cost={split_cost}"])
     policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.pad_token_id), torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
@@ -49,7 +49,11 @@ def make_setup(objective, split_cost="128"):
 
 
 def run_update(policy, cfg, exp, info):
-    optimizer = make_optimizer(policy.model, cfg.optim)
+    """One update with plain SGD and no gradient clipping: the parameters move by lr * gradient, so a
+    gradient summed where it should be averaged (or normalised per rank instead of over the whole
+    batch) changes the result. AdamW's first step (eps 1e-15) is ~lr * sign(g) and a clipped norm
+    is scale-free, so either would hide a factor of 2."""
+    optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.optim.lr)
     update_policy(policy, optimizer, exp, preset(cfg.algo.objective), cfg, torch.Generator().manual_seed(0), 0, None,
                   info)
     return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
