@@ -242,6 +242,10 @@ class RolloutConfig:
     overlong_buffer: int | None = None
     """DAPO's soft overlong penalty: the last ``overlong_buffer`` tokens before
     max_new_tokens are penalised linearly down to -1. None: off."""
+    overlong_scope: Literal["all", "paid"] = "all"
+    """Which responses the overlong penalty reaches: ``all`` (DAPO) or ``paid``, only those the
+    verifier pays (task reward > 0), so a group of unpaid answers stays uninformative
+    (`cispo.rewards.shaped_reward`)."""
     engine: Literal["torch", "vllm"] = "torch"
     """Sampler: ``torch`` (the built-in KV-cache sampler) or ``vllm`` (needs a CUDA GPU and
     ``pip install "cispo[vllm]"``; weights are pushed to it after every step)."""

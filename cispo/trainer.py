@@ -42,7 +42,7 @@ from cispo.metrics import (fork_metrics, fork_rollout_metrics, fork_sums, frac_p
 from cispo.objective import ObjectiveConfig, ObjectiveStats, policy_loss
 from cispo.fused_head import token_objective
 from cispo.policy import Policy, policy_fused_loss, policy_logprobs
-from cispo.rewards import overlong_penalty, score_rewards
+from cispo.rewards import score_rewards, shaped_reward
 from cispo.rollout import SamplingConfig, truncated_is_weights
 from cispo.samples import add_token_counts, start_token_counts
 
@@ -64,6 +64,7 @@ def sample_groups(
     generator: torch.Generator,
     overlong_buffer: int | None = None,
     reward_timeout_s: float | None = None,
+    overlong_scope: str = "all",
 ) -> list[list[Completion]]:
     """G responses to each sample's prompt, decoded and scored, the whole batch at once
     (`cispo.rewards.score_rewards`: user rewards in worker processes, each call killed past
@@ -83,9 +84,7 @@ def sample_groups(
         group = []
         for i in range(g * group_size, (g + 1) * group_size):
             task_reward, error = scored[i]
-            reward = task_reward
-            if overlong_buffer:
-                reward += overlong_penalty(lengths[i], sampling.max_new_tokens, overlong_buffer)
+            reward = shaped_reward(task_reward, lengths[i], sampling.max_new_tokens, overlong_buffer, overlong_scope)
             group.append(
                 Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
                            batch.finish_reason[i], texts[i], task_reward, reward, error)
@@ -345,7 +344,7 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
 
     def generate(samples):
         groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
-                               cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s)
+                               cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s, cfg.rollout.overlong_scope)
         errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
         if on_samples is not None:
             sampled.extend(groups)

@@ -12,7 +12,7 @@ from cispo.data import PromptStream, fill_groups
 from cispo.experience import Completion, collate
 from cispo.policy import policy_logprobs
 from cispo.objective import PRESETS
-from cispo.rewards import overlong_penalty
+from cispo.rewards import overlong_penalty, shaped_reward
 from cispo.runner import train
 from conftest import small_config
 from cispo.tracking import read_metrics
@@ -80,6 +80,35 @@ def test_overlong_penalty_formula():
     assert [overlong_penalty(n, 20, 4) for n in (1, 16, 17, 18, 20, 21)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
     with pytest.raises(ValueError):
         overlong_penalty(5, 20, 0)
+
+
+def test_shaped_reward_scope():
+    """``all`` (DAPO): every response pays for length; ``paid``: only those the verifier pays, so a
+    group of unpaid answers of different lengths keeps equal rewards (no advantage, dropped)."""
+    lengths = (10, 18, 20)  # free, -0.5, -1 at L_max = 20, L_cache = 4
+    assert [shaped_reward(1.0, n, 20, 4) for n in lengths] == [1.0, 0.5, 0.0]
+    assert [shaped_reward(0.0, n, 20, 4) for n in lengths] == [0.0, -0.5, -1.0]
+    assert [shaped_reward(1.0, n, 20, 4, "paid") for n in lengths] == [1.0, 0.5, 0.0]
+    assert [shaped_reward(0.0, n, 20, 4, "paid") for n in lengths] == [0.0, 0.0, 0.0]
+    assert shaped_reward(0.25, 18, 20, 4, "paid") == -0.25  # a partly paid answer (graded rewards) pays too
+    assert [shaped_reward(r, 20, 20, None, scope) for r in (0.0, 1.0) for scope in ("all", "paid")] == [0, 0, 1, 1]
+
+
+def test_sample_groups_applies_the_overlong_scope():
+    """The trainer's sampling step passes ``rollout.overlong_scope`` through: an unpaid group of a
+    random tiny model's answers (most run to the limit) gets penalties under ``all``, none under ``paid``."""
+    from cispo.rollout import SamplingConfig
+    from cispo.trainer import sample_groups
+
+    policy = _ragged_setup(torch.float32)[0]
+    sampling = SamplingConfig(max_new_tokens=8)
+    rewards = {}
+    for scope in ("all", "paid"):
+        groups = sample_groups(policy, [{"prompt": "12+34="}], 8, sampling, lambda *a, **k: 0.0,
+                               torch.Generator().manual_seed(0), overlong_buffer=8, overlong_scope=scope)
+        rewards[scope] = [c.reward for c in groups[0]]
+        assert all(c.task_reward == 0.0 for c in groups[0])
+    assert min(rewards["all"]) < 0 and rewards["paid"] == [0.0] * 8
 
 
 def test_dynamic_sampling_refills_until_full():

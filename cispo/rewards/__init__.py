@@ -18,7 +18,7 @@ from typing import Callable
 
 RewardFn = Callable[..., float]
 
-__all__ = ["RewardFn", "overlong_penalty", "safe_reward", "score_rewards", "check_reward_value", "describe_error",
+__all__ = ["RewardFn", "overlong_penalty", "shaped_reward", "safe_reward", "score_rewards", "check_reward_value", "describe_error",
            "cap_message", "closing_reward_pools", "MESSAGE_HEAD_CHARS", "MESSAGE_TAIL_CHARS"]
 
 MESSAGE_HEAD_CHARS = MESSAGE_TAIL_CHARS = 2000
@@ -43,6 +43,17 @@ def overlong_penalty(length: int, max_length: int, cache_length: int) -> float:
     if length <= max_length:
         return (safe - length) / cache_length
     return -1.0
+
+
+def shaped_reward(task_reward: float, length: int, max_length: int, overlong_buffer: int | None,
+                  scope: str = "all") -> float:
+    """The reward RL sees: R = task_reward + overlong_penalty(|y|) (`overlong_penalty`; 0 when
+    ``overlong_buffer`` is None). ``scope="paid"``: the penalty only where task_reward > 0, so that
+    R = task_reward + 1[task_reward > 0] * overlong_penalty(|y|) — it ranks long against short among
+    answers the verifier pays, and cannot make a group of unpaid answers informative (all 0)."""
+    if not overlong_buffer or (scope == "paid" and task_reward <= 0):
+        return task_reward
+    return task_reward + overlong_penalty(length, max_length, overlong_buffer)
 
 
 # ---------------------------------------------------------------------------------------

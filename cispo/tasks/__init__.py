@@ -47,8 +47,6 @@ class Task:
     extract_answer: Callable[[str], str | None]
     corpus: Callable[..., list] = field(repr=False)
     """``corpus(seed, n, **options) -> [CorpusExample, ...]`` for pretraining the base model."""
-    count_forks: Callable[[str], int] | None = None
-    """Number of reflective tokens in a completion (None: 0 or 1, as `used_fork`)."""
     max_positions: int = 128
     """Context of the base model: the longest prompt plus 1.25 x `max_new_tokens` fits."""
     pretrain_defaults: dict = field(default_factory=dict)
@@ -110,7 +108,6 @@ def _chain(steps: tuple[int, ...], name: str, carry_prob: float = chain.CARRY_PR
         extract_answer=chain.extract_answer,
         corpus=(partial(chain.corpus, steps=steps, bugs=bugs, **(corpus_weights or {})) if bugs is not None
                 else partial(chain.corpus, steps=steps)),
-        count_forks=chain.count_reflections,
         max_positions=384,
         stratified_corpus=False,
         pretrain_defaults=dict(steps=1000, batch_size=48, fork_fraction=0.04, derivation_fraction=0.5, wrong_guess_fraction=1.0),
