@@ -1,6 +1,7 @@
 """The SmolLM2 pilot's table (queue.md), read from the committed run folders' ``summary.json``:
-per run the greedy held-out accuracy under ``wordmath_working`` before -> after and the final
-held-out answer length; per objective the mean gain; per seed the paired differences of the final
+per run the greedy held-out accuracy under ``wordmath_working`` before -> after, the final
+held-out answer length and the share of final answers cut at the 64-token limit (``eval/truncated``,
+logged from session 14 on; a descriptive column added in session 15 after DAPO seed 1 ran to the limit); per objective the mean gain; per seed the paired differences of the final
 accuracy CISPO - DAPO and CISPO - GRPO, with their mean and range. A pilot: three seeds give no
 test worth the name, so none is computed.
 
@@ -35,8 +36,9 @@ def read_run(path: Path) -> dict | None:
         return None
     s = json.loads(summary.read_text())
     acc = s["eval/accuracy"]
+    cut = s.get("eval/truncated")  # logged from session 14 on: None for the runs before
     return {"before": acc["before"], "after": acc["after"], "gain": acc["after"] - acc["before"],
-            "length": s["eval/response_length"]["after"]}
+            "length": s["eval/response_length"]["after"], "cut": None if cut is None else cut["after"]}
 
 
 def paired(runs: dict, a: str, b: str) -> list[float]:
@@ -46,13 +48,14 @@ def paired(runs: dict, a: str, b: str) -> list[float]:
 
 def table(runs: dict) -> str:
     """The markdown tables: runs, per-objective mean gain, paired differences."""
-    lines = ["| objective | seed | held-out before | after | gain | final answer length (tokens) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| objective | seed | held-out before | after | gain | final answer length (tokens) | final answers cut at the limit |",
+             "|---|---|---|---|---|---|---|"]
     for o in OBJECTIVES:
         for s in SEEDS:
             r = runs.get((o, s))
-            lines.append(f"| {o} | {s} | " + ("not yet run | | | |" if r is None else
-                         f"{r['before']:.2f} | {r['after']:.2f} | {r['gain']:+.2f} | {r['length']:.1f} |"))
+            cut = "not logged" if r is None or r["cut"] is None else f"{r['cut']:.0%}"
+            lines.append(f"| {o} | {s} | " + ("not yet run | | | | |" if r is None else
+                         f"{r['before']:.2f} | {r['after']:.2f} | {r['gain']:+.2f} | {r['length']:.1f} | {cut} |"))
     lines += ["", "| objective | runs in | mean gain | gains |", "|---|---|---|---|"]
     for o in OBJECTIVES:
         gains = [runs[o, s]["gain"] for s in SEEDS if runs.get((o, s))]
