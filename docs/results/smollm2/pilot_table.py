@@ -1,7 +1,9 @@
 """The SmolLM2 pilot's table (queue.md), read from the committed run folders' ``summary.json``:
 per run the greedy held-out accuracy under ``wordmath_working`` before -> after, the final
 held-out answer length and the share of final answers cut at the 64-token limit (``eval/truncated``,
-logged from session 14 on; a descriptive column added in session 15 after DAPO seed 1 ran to the limit); per objective the mean gain; per seed the paired differences of the final
+logged from session 14 on; a descriptive column added in session 15 after DAPO seed 1 ran to the limit;
+for the three seed-0 runs, which came before it, measured in session 16 by re-evaluating their final
+checkpoint, ``posthoc_eval.json`` beside ``summary.json``, marked "re-evaluated"); per objective the mean gain; per seed the paired differences of the final
 accuracy CISPO - DAPO and CISPO - GRPO, with their mean and range. A pilot: three seeds give no
 test worth the name, so none is computed.
 
@@ -37,8 +39,17 @@ def read_run(path: Path) -> dict | None:
     s = json.loads(summary.read_text())
     acc = s["eval/accuracy"]
     cut = s.get("eval/truncated")  # logged from session 14 on: None for the runs before
+    cut = None if cut is None else cut["after"]
+    posthoc = path / "posthoc_eval.json"  # the final checkpoint re-evaluated (``cispo eval``), for those runs
+    if cut is None and posthoc.exists():
+        again = json.loads(posthoc.read_text())["metrics"]
+        if again["eval/accuracy_greedy"] != acc["after"]:
+            raise SystemExit(f"{posthoc}: re-evaluated accuracy {again['eval/accuracy_greedy']} != logged {acc['after']}")
+        cut = f"{again['eval/truncated']:.0%} (re-evaluated)"
+    elif cut is not None:
+        cut = f"{cut:.0%}"
     return {"before": acc["before"], "after": acc["after"], "gain": acc["after"] - acc["before"],
-            "length": s["eval/response_length"]["after"], "cut": None if cut is None else cut["after"]}
+            "length": s["eval/response_length"]["after"], "cut": cut}
 
 
 def paired(runs: dict, a: str, b: str) -> list[float]:
@@ -53,7 +64,7 @@ def table(runs: dict) -> str:
     for o in OBJECTIVES:
         for s in SEEDS:
             r = runs.get((o, s))
-            cut = "not logged" if r is None or r["cut"] is None else f"{r['cut']:.0%}"
+            cut = "not logged" if r is None or r["cut"] is None else r["cut"]
             lines.append(f"| {o} | {s} | " + ("not yet run | | | | |" if r is None else
                          f"{r['before']:.2f} | {r['after']:.2f} | {r['gain']:+.2f} | {r['length']:.1f} | {cut} |"))
     lines += ["", "| objective | runs in | mean gain | gains |", "|---|---|---|---|"]
