@@ -5,7 +5,11 @@ logged from session 14 on; a descriptive column added in session 15 after DAPO s
 for the three seed-0 runs, which came before it, measured in session 16 by re-evaluating their final
 checkpoint, ``posthoc_eval.json`` beside ``summary.json``, marked "re-evaluated"); per objective the mean gain; per seed the paired differences of the final
 accuracy CISPO - DAPO and CISPO - GRPO, with their mean and range. A pilot: three seeds give no
-test worth the name, so none is computed.
+test worth the name, so none is computed. A last table (added in session 16, after all runs but one
+were in; descriptive) says how far the objectives' updates could differ at all: per run, over its
+steps, the mean share of tokens whose IS weight CISPO's cap bounds (``objective/frac_capped``), the
+mean share PPO's trust region drops or would drop (``objective/frac_ppo_dropped``, logged for every
+objective), the mean ``objective/approx_kl`` and the largest ratio (``objective/ratio_max``).
 
     python docs/results/smollm2/pilot_table.py            # from the repository root
 
@@ -52,6 +56,18 @@ def read_run(path: Path) -> dict | None:
             "length": s["eval/response_length"]["after"], "cut": cut}
 
 
+def trust_region(path: Path) -> dict | None:
+    """Step means of the clip diagnostics in ``metrics.jsonl`` (steps with an update only)."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "objective/frac_capped" in r]
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    return {"steps": len(rows), "capped": mean("objective/frac_capped"),
+            "dropped": mean("objective/frac_ppo_dropped"), "kl": mean("objective/approx_kl"),
+            "ratio_max": max(r["objective/ratio_max"] for r in rows)}
+
+
 def paired(runs: dict, a: str, b: str) -> list[float]:
     """Final accuracy a - b on every seed where both runs are in."""
     return [runs[a, s]["after"] - runs[b, s]["after"] for s in SEEDS if runs.get((a, s)) and runs.get((b, s))]
@@ -77,6 +93,14 @@ def table(runs: dict) -> str:
         d = paired(runs, "cispo", b)
         stats = f"{sum(d) / len(d):+.3f} | {min(d):+.2f} .. {max(d):+.2f}" if d else "- | -"
         lines.append(f"| cispo - {b} | {len(d)} | {stats} |")
+    lines += ["", "| objective | seed | steps with an update | tokens capped (CISPO's weight bound) | tokens PPO's mask drops or would drop | mean approx KL | largest ratio |",
+              "|---|---|---|---|---|---|---|"]
+    for o in OBJECTIVES:
+        for s in SEEDS:
+            t = trust_region(run_dir(o, s))
+            if t is not None:
+                capped = f"{t['capped']:.2%}" if o == "cispo" else "- (no weight bound)"
+                lines.append(f"| {o} | {s} | {t['steps']} | {capped} | {t['dropped']:.2%} | {t['kl']:.4f} | {t['ratio_max']:.2f} |")
     return "\n".join(lines)
 
 
