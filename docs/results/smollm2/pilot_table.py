@@ -9,7 +9,7 @@ test worth the name, so none is computed. A last table (added in session 16, aft
 were in; descriptive) says how far the objectives' updates could differ at all: per run, over its
 steps, the mean share of tokens whose IS weight CISPO's cap bounds (``objective/frac_capped``), the
 mean share PPO's trust region drops or would drop (``objective/frac_ppo_dropped``, logged for every
-objective), the mean ``objective/approx_kl`` and the largest ratio (``objective/ratio_max``).
+objective at its own edges eps_low / eps_high: CISPO's defaults 0.2 / 0.2, DAPO's 0.2 / 0.28), the mean ``objective/approx_kl`` and the largest ratio (``objective/ratio_max``).
 
     python docs/results/smollm2/pilot_table.py            # from the repository root
 
