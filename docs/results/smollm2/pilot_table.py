@@ -36,7 +36,8 @@ def run_dir(objective: str, seed: int) -> Path:
 
 
 def read_run(path: Path) -> dict | None:
-    """{before, after, gain, length} from ``summary.json``; None while the run is not in."""
+    """{before, after, gain, length, cut, cut_reevaluated} from ``summary.json`` (and ``posthoc_eval.json``);
+    None while the run is not in."""
     summary = path / "summary.json"
     if not summary.exists():
         return None
@@ -49,11 +50,15 @@ def read_run(path: Path) -> dict | None:
         again = json.loads(posthoc.read_text())["metrics"]
         if again["eval/accuracy_greedy"] != acc["after"]:
             raise SystemExit(f"{posthoc}: re-evaluated accuracy {again['eval/accuracy_greedy']} != logged {acc['after']}")
-        cut = f"{again['eval/truncated']:.0%} (re-evaluated)"
-    elif cut is not None:
-        cut = f"{cut:.0%}"
+        return {**read_summary(s), "cut": again["eval/truncated"], "cut_reevaluated": True}
+    return {**read_summary(s), "cut": cut, "cut_reevaluated": False}
+
+
+def read_summary(s: dict) -> dict:
+    """{before, after, gain, length} of one run's ``summary.json``."""
+    acc = s["eval/accuracy"]
     return {"before": acc["before"], "after": acc["after"], "gain": acc["after"] - acc["before"],
-            "length": s["eval/response_length"]["after"], "cut": cut}
+            "length": s["eval/response_length"]["after"]}
 
 
 def trust_region(path: Path) -> dict | None:
@@ -80,7 +85,8 @@ def table(runs: dict) -> str:
     for o in OBJECTIVES:
         for s in SEEDS:
             r = runs.get((o, s))
-            cut = "not logged" if r is None or r["cut"] is None else r["cut"]
+            cut = ("not logged" if r is None or r["cut"] is None else
+                   f"{r['cut']:.0%}" + (" (re-evaluated)" if r["cut_reevaluated"] else ""))
             lines.append(f"| {o} | {s} | " + ("not yet run | | | | |" if r is None else
                          f"{r['before']:.2f} | {r['after']:.2f} | {r['gain']:+.2f} | {r['length']:.1f} | {cut} |"))
     lines += ["", "| objective | runs in | mean gain | gains |", "|---|---|---|---|"]
