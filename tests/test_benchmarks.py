@@ -235,12 +235,30 @@ def test_gpu_check_budget_skips_sections(tmp_path):
     assert "## lm_head: skipped" in (tmp_path / "gpu_check.md").read_text()
 
 
+STALLED_RL_STEP = """import runpy, sys, time
+import cispo.trainer as tr
+rl_step = tr.rl_step
+def stalled(*a, **k):  # a training step far past any cap: the stop no longer depends on how fast compiling is
+    time.sleep(600)
+    return rl_step(*a, **k)
+tr.rl_step = stalled
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def test_gpu_check_a_section_past_its_cap_stops_and_keeps_what_it_measured(tmp_path):
-    """``--cap-scale`` shrinks each section's cap: rl_compiled (compiling takes tens of seconds here) is
+    """``--cap-scale`` shrinks each section's cap: rl_compiled, whose training step is made to stall, is
     stopped at 21 s with its partial results (the EOS calibration) in the report; the next section runs."""
-    report = _gpu_check(tmp_path, "--cap-scale", "0.3", "--sections", "rl_compiled,environment")
+    cmd = [sys.executable, "-c", STALLED_RL_STEP, str(GPU_CHECK), "--tiny", "--out", str(tmp_path), "--cap-scale", "0.3",
+           "--sections", "rl_compiled,environment"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=BENCH.parent, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
     stopped, env = report["sections"]["rl_compiled"], report["sections"]["environment"]
     assert stopped["status"] == "stopped" and "time limit" in stopped["error"]
+    assert 20 <= stopped["seconds"] < 60
     assert stopped["results"]["eos"]["swapped_with"] > 2 and env["status"] == "ok"
     assert "## rl_compiled: stopped" in (tmp_path / "gpu_check.md").read_text()
 
