@@ -16,7 +16,7 @@ import pytest
 
 from cispo.rewards import _harness
 from cispo.rewards.code import code_reward, code_reward_partial, run_sandboxed, run_tests
-from test_code_reward import ADD_TESTS, cfg, netns, nothing_survives, program  # noqa: F401  (shared fixtures)
+from sandbox_helpers import ADD_TESTS, cfg, netns, nothing_survives, program  # noqa: F401  (shared fixtures)
 
 MEMORY = textwrap.dedent('''
     import dis, re, struct, types
