@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny random Llama saved like a checkpoint, a dense reward."""
+"""Shared fixtures: a tiny random Llama saved like a checkpoint, a dense reward, reward calls."""
 
 import dataclasses
 
@@ -38,6 +38,12 @@ def tiny_model(tmp_path_factory):
 def dense_task(monkeypatch):
     base = cispo.tasks.get_task("addition")
     monkeypatch.setattr(cispo.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
+
+
+def reward_calls(*completions, sample=None):
+    """``score_rewards``' calls: one ``(prompt, completion, sample)`` per completion, each with its own
+    copy of `sample`."""
+    return [("p", c, dict(sample or {})) for c in completions]
 
 
 def small_config(model_path, out_dir, *extra):
