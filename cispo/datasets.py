@@ -429,11 +429,16 @@ def _read_hub(hub_id: str, spec: _Spec, split: str | None, name: str | None) -> 
     if split is None:
         raise DataError(hub_id, "no such file or directory; read as a datasets hub id, it needs a split "
                                 "(data.split, e.g. train)")
+    from cispo.hub import hub_unreachable, offline_datasets
+
     try:
-        ds = datasets.load_dataset(hub_id, name=name, split=split)
+        with offline_datasets(hub_id):
+            ds = datasets.load_dataset(hub_id, name=name, split=split)
     except Exception as e:
+        offline = hub_unreachable()
         raise DataError(hub_id, f"no such file or directory, and datasets.load_dataset failed: "
-                                f"{type(e).__name__}: {e}") from e
+                                f"{type(e).__name__}: {e}" + (f" (the hub cannot be reached: {offline}; only "
+                                                              f"datasets' cache was read)" if offline else "")) from e
     yield from _dataset_rows(ds, spec)
 
 

@@ -176,11 +176,16 @@ def load_policy(path, dtype=None, device=None, *, dropout: bool = True):
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from cispo.hub import hub_kwargs
+
     config = from_pretrained(AutoConfig, path)
+    kwargs = hub_kwargs(path)
+    if kwargs:  # transformers 5's AutoModel looks for a PEFT adapter without its local_files_only
+        kwargs["adapter_kwargs"] = dict(kwargs)
     if not dropout:
         disable_dropout(config)
     dtype = _as_dtype(dtype)
-    kwargs = {} if dtype is None else {"dtype": dtype}
+    kwargs.update({} if dtype is None else {"dtype": dtype})
     model, info = AutoModelForCausalLM.from_pretrained(str(path), config=config, output_loading_info=True, **kwargs)
     problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if any(problems.values()):
@@ -204,12 +209,20 @@ def load_policy(path, dtype=None, device=None, *, dropout: bool = True):
 def from_pretrained(loader, path):
     """``loader.from_pretrained(path)`` (``AutoConfig``, ``AutoTokenizer``); an ``OSError`` or
     ``ValueError`` (a hub id that cannot be fetched, an unreadable or unknown ``config.json``)
-    becomes a one-line ``ConfigError`` naming ``path``, not a transformers traceback."""
+    becomes a one-line ``ConfigError`` naming ``path``, not a transformers traceback. A hub id
+    without network is read from the Hugging Face cache (`cispo.hub`)."""
+    from cispo.hub import hub_kwargs, hub_unreachable
+
+    kwargs = hub_kwargs(path)
     try:
-        return loader.from_pretrained(str(path))
+        return loader.from_pretrained(str(path), **kwargs)
     except (OSError, ValueError) as e:
         from cispo.config import ConfigError
 
+        if kwargs:
+            raise ConfigError(f"{path}: not in the Hugging Face cache, and the hub cannot be reached "
+                              f"({hub_unreachable()}); download it where there is network "
+                              f"(`hf download {path}`) or give a local model folder") from None
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(f"{path}: cannot load it as a model ({loader.__name__}: {reason[:300]})") from None
 

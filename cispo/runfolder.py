@@ -182,12 +182,13 @@ def _check_deletable(out_dir: Path, run_dir: Path) -> None:
 def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
     """Create (or, resuming, reuse) the run folder of ``cfg`` and make sure it is marked.
 
-    An existing non-empty folder is refused unless ``resume`` (it must be a run folder: marked,
-    or with a ``config.yaml`` from before the marker existed) or ``overwrite`` (it is deleted
-    if ``_check_deletable`` allows)."""
+    An existing folder that holds more than the marker (a run that stopped before writing anything,
+    e.g. at a model path that did not load, leaves only that: it is reused) is refused unless
+    ``resume`` (it must be a run folder: marked, or with a ``config.yaml`` from before the marker
+    existed) or ``overwrite`` (it is deleted if ``_check_deletable`` allows)."""
     out_dir = Path(cfg.out_dir).expanduser()
     run_dir = run_dir_of(cfg)
-    if run_dir.is_dir() and any(run_dir.iterdir()):
+    if run_dir.is_dir() and any(p.name != MARKER for p in run_dir.iterdir()):
         if resume:
             if not is_run_folder(run_dir) and not (run_dir / "config.yaml").is_file():
                 raise FileExistsError(f"--resume: {run_dir} is not a cispo run folder (no {MARKER}, no config.yaml); "

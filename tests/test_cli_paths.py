@@ -6,6 +6,9 @@ another folder."""
 import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import yaml
@@ -69,19 +72,58 @@ def test_a_hub_id_still_goes_to_from_pretrained(monkeypatch):
     reachable); its failure is one line naming the id."""
     import transformers
 
+    import cispo.hub
+    import cispo.models
+
     check_model_folder("HuggingFaceTB/SmolLM2-135M-Instruct")  # no error: a hub id
     asked = []
 
     def offline(name, *args, **kwargs):
-        asked.append(name)
+        asked.append((name, kwargs))
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection")
 
+    monkeypatch.setattr(cispo.hub, "hub_unreachable", lambda: None)  # as where the hub's name resolves
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
-    from cispo.models import load_policy
-
     with pytest.raises(ConfigError, match=r"^org/model: cannot load it as a model \(AutoConfig: We couldn't connect"):
-        load_policy("org/model")
-    assert asked == ["org/model"]
+        cispo.models.load_policy("org/model")
+    assert asked == [("org/model", {})]
+
+
+def test_without_network_a_hub_id_is_read_from_the_cache_at_once(tiny_model, tmp_path):
+    """The hub's host does not resolve (``HF_ENDPOINT`` on ``.invalid``, which never does): a hub id in the
+    Hugging Face cache loads from it with ``local_files_only`` (before: ~26 s of retries per file first),
+    one that is not there is one line saying so, as is a hub data set (datasets' cache only); and the run folder such a failure created is reused by
+    the next try, not refused as "already exists"."""
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model, snapshot)
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    (tmp_path / "rewards.py").write_text(REWARD)
+    script = textwrap.dedent(f"""
+        import sys, time
+        from cispo.cli import main
+        from cispo.hub import hub_unreachable
+        from cispo.models import load_policy
+        assert hub_unreachable().startswith("no network: nothing.invalid does not resolve"), hub_unreachable()
+        model, tok = load_policy("org/tiny")
+        assert model.config.vocab_size == len(tok)
+        started = time.perf_counter()
+        args = {[*RUN, f"data.reward={tmp_path / 'rewards.py'}:score", f"out_dir={tmp_path / 'runs'}"]!r}
+        assert main(["train", "model.path=org/missing", *args]) == 2
+        print("failed in", time.perf_counter() - started, file=sys.stderr)
+        assert main(["train", "model.path=org/tiny", *args]) == 0
+        assert main(["train", "model.path=org/tiny", "data.path=org/nodata", "data.split=train", "--overwrite", *args]) == 2
+    """)
+    env = {**os.environ, "HF_ENDPOINT": "https://nothing.invalid", "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "HF_HUB_OFFLINE": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("cispo train: error: org/missing: not in the Hugging Face cache, and the hub cannot be reached "
+            "(no network: nothing.invalid does not resolve") in proc.stderr
+    assert ("org/nodata: no such file or directory, and datasets.load_dataset failed: ConnectionError: "
+            "Couldn't reach 'org/nodata' on the Hub (OfflineModeIsEnabled) (the hub cannot be reached: no network: "
+            "nothing.invalid does not resolve") in proc.stderr
+    assert "Retrying" not in proc.stderr
 
 
 def test_a_run_or_its_checkpoints_folder_names_the_newest_checkpoint(relative_run, capsys):
