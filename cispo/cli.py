@@ -10,7 +10,7 @@
     cispo sweep ks=[1,4,16]                       # the gap vs the number of off-policy updates K
     cispo compare arms=[dapo,cispo,cispo_seqmean] # named arms: presets, ablations, arm_defs.NAME...
     cispo study-data runs/study -o docs/results/study.csv.gz   # every run's curves in one CSV
-    cispo study-report docs/results/study.csv.gz -o docs/results/study --check-doc docs/results.md
+    cispo study-report docs/results/study.csv.gz docs/results/v3/chain.csv.gz -o docs/results/study --check-doc docs/results.md
     cispo plot runs/a runs/b -o runs/ab.html      # overlay runs' curves: ab.png + ab.html
 """
 
@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Tables (markdown), figures and quoted numbers from the CSV alone; the statistics "
                        "are stated in cispo.experiments.study_report. --check-doc exits 1 when a value quoted in the "
                        "doc between <!-- study:NAME --> markers differs from the data.")
-    p.add_argument("data", help="the CSV of `cispo study-data`")
+    p.add_argument("data", nargs="+", help="the CSV of `cispo study-data`, or several (their parts side by side, "
+                   "e.g. docs/results/study.csv.gz docs/results/v3/chain.csv.gz)")
     p.add_argument("-o", "--output", default="docs/results/study", help="folder for the tables and figures")
     p.add_argument("--reference", help="arm whose final accuracy is the target (default dapo)")
     p.add_argument("--contrast", help="arm compared with the others (default cispo)")

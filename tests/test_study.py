@@ -208,15 +208,20 @@ def test_cli_study_data_and_report_check_doc(study, tmp_path, capsys):
 
 
 def test_docs_results_quotes_equal_the_study_data():
-    """Every table and number docs/results.md quotes between <!-- study:NAME --> markers is what
-    `cispo study-report docs/results/study.csv.gz` prints."""
+    """Every table and number docs/results.md and the README quote between <!-- study:NAME -->
+    markers is what `cispo study-report docs/results/study.csv.gz docs/results/v3/chain.csv.gz`
+    prints (the original study and study v3's part on `chain`, side by side)."""
     doc = (ROOT / "docs" / "results.md").read_text()
     if not MARKER.search(doc):
         pytest.skip("docs/results.md quotes no study table yet (no <!-- study:NAME --> markers): the study "
                     "(issue 14) has not been run; the mechanism is exercised on synthetic data above")
-    data = ROOT / "docs" / "results" / "study.csv.gz"
-    assert data.exists(), "docs/results.md quotes study values but docs/results/study.csv.gz is missing"
-    assert check_doc(doc, report(data), "docs/results.md") == []
+    data = [ROOT / "docs" / "results" / "study.csv.gz", ROOT / "docs" / "results" / "v3" / "chain.csv.gz"]
+    assert all(d.exists() for d in data), "docs/results.md quotes study values but a data file is missing"
+    out = report(data)
+    assert check_doc(doc, out, "docs/results.md") == []
+    readme = (ROOT / "README.md").read_text()
+    assert MARKER.search(readme), "the README's study summary quotes its numbers between markers"
+    assert check_doc(readme, out, "README.md") == []
 
 
 def test_paired_t_matches_scipy():

@@ -5,8 +5,9 @@ both the never-learned and the collapsed counts. Synthetic runs, 4 arms × 8 see
 import pytest
 
 from cispo.experiments.stats import paired_t, wilson
-from cispo.experiments.study_report import (RunData, Settings, collapse_table, comparisons, comparisons_table,
-                                            group_eval_runs, holm_of_declared)
+from cispo.experiments.study_report import (RunData, Settings, collapse_counts, collapse_table, comparisons,
+                                            comparisons_table, group_eval_runs, holm_of_declared, load_study, report)
+from cispo.experiments.study_tables import comparison_values, count_values, drop_steps, drop_table
 
 # Per arm and seed (m, f): the held-out curve is [0, m, f, f] at steps 0, 5, 10, 15, so
 # final (mean of the last 2) = f and mean over training (steps > 0) = (m + 2f) / 3.
@@ -102,3 +103,55 @@ def test_wilson_intervals_of_the_never_learned_and_collapsed_counts():
     assert f"| chain | 16 | cispo | 0.0001 | 7 | 0 | 0.00 | [{lo7:.2f}, {hi7:.2f}] | 1 | [0.02, 0.47] |" in table
     assert "| chain | 16 | cispo_lowmask | 0.0001 | 8 | 0 | 0.00 | [0.00, 0.32] | 0 | [0.00, 0.32] |" in table
     assert "| chain | 16 | cispo_highmask | 0.0001 | 8 | 1 | 0.12 | [0.02, 0.47] | 0 | [0.00, 0.32] |" in table
+
+
+def test_the_quotable_values_are_the_tables_rows():
+    """``diff/...`` is the comparisons table's row (mean, unadjusted CI, Holm p) and ``never/...`` /
+    ``collapsed/...`` the collapse table's counts with their Wilson intervals, for a doc to quote."""
+    rows = comparisons(_groups(), "v3_chain", Settings())
+    values = comparison_values(rows, "v3_chain")
+    t = paired_t(DIFFS[("cispo_lowmask", "dapo", "mean_accuracy")])  # mean 1.44 / 24 = 0.060, no rounding tie
+    lo_dapo = next(r for r in rows if (r["a"], r["b"], r["measure"]) == ("cispo_lowmask", "dapo", "mean_accuracy"))
+    assert values["diff/v3_chain/chain/K16/mean_accuracy/cispo_lowmask-dapo"] == \
+        f"+0.060 [{t.lo:+.3f}, {t.hi:+.3f}], Holm p {lo_dapo['holm_p']:.2g}"
+    assert len(values) == 6
+    counts = count_values("v3_chain", collapse_counts(_groups(), "v3_chain", Settings()))
+    assert counts["never/v3_chain/chain/K16/cispo"] == "1 of 8 [0.02, 0.47]"
+    assert counts["collapsed/v3_chain/chain/K16/cispo"] == "0 of 7 [0.00, 0.35]"  # z²/(7 + z²) = 0.354
+    assert counts["collapsed/v3_chain/chain/K16/cispo_highmask"] == "1 of 8 [0.02, 0.47]"
+    assert counts["never/v3_chain/chain/K16/dapo"] == "0 of 8 [0.00, 0.32]"
+
+
+def _csv(path, part, run, accs):
+    cols = "part,role,arm,spec,objective,task,K,seed,lr,prompts_per_step,group_size,warmup_updates,steps,eval_k,run," \
+           "wall_s,commit,base_model,step,eval/accuracy"
+    lines = [f"{part},eval,cispo,cispo,cispo,chain,16,0,0.0001,16,8,16,10,4,{run},60,abc,builtin:x,{5 * i},{a}"
+             for i, a in enumerate(accs)]
+    path.write_text(cols + "\n" + "\n".join(lines) + "\n")
+
+
+def test_two_data_files_are_parts_side_by_side_and_a_run_in_both_is_an_error(tmp_path):
+    _csv(tmp_path / "a.csv", "main", "cispo__chain__K16__seed0", [0.0, 0.5, 0.6])
+    _csv(tmp_path / "b.csv", "v3_chain", "cispo__chain__K16__seed0", [0.0, 0.2, 0.3])
+    runs = load_study([tmp_path / "a.csv", tmp_path / "b.csv"])
+    assert sorted(r.meta["part"] for r in runs) == ["main", "v3_chain"]
+    out = report([tmp_path / "a.csv", tmp_path / "b.csv"])
+    assert "summary/main" in out and "summary/v3_chain" in out
+    assert out["hours/main"] == out["hours/v3_chain"] and float(out["hours/total"]) == pytest.approx(2 * 60 / 3600, abs=0.01)
+    _csv(tmp_path / "c.csv", "main", "cispo__chain__K16__seed0", [0.0, 0.1, 0.1])
+    with pytest.raises(ValueError, match=r"c.csv:2: run cispo__chain__K16__seed0 of part main is also in .*a.csv"):
+        load_study([tmp_path / "a.csv", tmp_path / "c.csv"])
+
+
+def test_post_hoc_drops_by_hand():
+    """A drop: below half the peak so far (once that peak is >= 0.1), recovered or not."""
+    # peak so far 0.44 at step 10, 0.05 at 15 (< 0.22: drop), 0.23 at 20 (not), peak 0.5, 0.2 at 30 (< 0.25: drop)
+    assert drop_steps({0: 0.0, 5: 0.05, 10: 0.44, 15: 0.05, 20: 0.23, 25: 0.5, 30: 0.2}, 0.1) == [15, 30]
+    assert drop_steps({0: 0.0, 5: 0.08, 10: 0.03}, 0.1) == []  # the peak never reached the floor
+    curve = {0: 0.0, 5: 0.05, 10: 0.44, 15: 0.05, 20: 0.23, 25: 0.5, 30: 0.2}
+    table = drop_table([("chain", 16, "cispo", {0: {0: 0.0, 5: 0.5}, 1: curve}), ("chain", 16, "dapo", {0: {0: 0.0}, 1: {0: 0.3}})],
+                       0.1)
+    lo, hi = wilson(1, 2)
+    # seed 1: peak 0.5, lowest at a drop 0.05 (step 15), last 0.2; drops at 15 and 30
+    assert f"| chain | 16 | cispo | 2 | 1 | [{lo:.2f}, {hi:.2f}] | 1: 0.500, 0.050 (15), 0.200; 15, 30 |" in table
+    assert "| chain | 16 | dapo | 2 | 0 | [0.00, 0.66] | none |" in table and "**Post hoc**" in table

@@ -67,8 +67,8 @@ from cispo.experiments.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, co
                                      steps_to_own_fraction, wilson)
 from cispo.experiments.study_data import METRICS, read_csv
 from cispo.experiments.study_tables import ci as _ci
-from cispo.experiments.study_tables import (has_mechanism_log, mechanism_level_table, paired_steps, paired_steps_table,
-                                            steps_per_seed_table)
+from cispo.experiments.study_tables import (comparison_values, count_values, drop_table, has_mechanism_log,
+                                            mechanism_level_table, paired_steps, paired_steps_table, steps_per_seed_table)
 from cispo.experiments.study_tables import pm as _pm
 
 
@@ -137,6 +137,8 @@ class Settings:
     q1_notes: dict[str, str] = field(default_factory=lambda: dict(Q1_NOTES))
     """PART -> what its ≤ 50% table may be read as; it replaces the default's "against the
     reference: the primary test" sentence."""
+    posthoc_drops: tuple[str, ...] = ("v3_chain",)
+    """Parts that get the post hoc ``drops/PART`` table (`study_tables.drop_steps`)."""
     lend: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=lambda: {
         "ablation": ("main", ("cispo",)), "explore_lr1e4": ("main", ("dapo",))})
     """PART -> (OTHER, ARMS): where PART has no runs of its own of an arm of ARMS at a task and
@@ -164,16 +166,21 @@ class RunData:
         return sum(m.get("perf/step_s", 0.0) for m in self.steps.values()), False
 
 
-def load_study(path: str | Path) -> list[RunData]:
-    """The CSV's runs (keyed by part and run folder name), in file order."""
+def load_study(paths: str | Path | list[str | Path]) -> list[RunData]:
+    """The runs of one CSV or several (keyed by part and run folder name), in file order. One
+    run in two files is an error naming both: two data files are parts side by side, not pooled."""
     runs: dict[tuple[str, str], RunData] = {}
-    for i, row in enumerate(read_csv(path), start=2):
-        key = (row["part"], row["run"])
-        run = runs.setdefault(key, RunData({c: row[c] for c in row if c not in METRICS and c != "step"}))
-        try:
-            run.steps[int(row["step"])] = {m: float(row[m]) for m in METRICS if row.get(m)}
-        except ValueError as e:
-            raise ValueError(f"{path}:{i}: {e}") from None
+    source: dict[tuple[str, str], Path] = {}
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        for i, row in enumerate(read_csv(path), start=2):
+            key = (row["part"], row["run"])
+            if source.setdefault(key, Path(path)) != Path(path):
+                raise ValueError(f"{path}:{i}: run {key[1]} of part {key[0]} is also in {source[key]}")
+            run = runs.setdefault(key, RunData({c: row[c] for c in row if c not in METRICS and c != "step"}))
+            try:
+                run.steps[int(row["step"])] = {m: float(row[m]) for m in METRICS if row.get(m)}
+            except ValueError as e:
+                raise ValueError(f"{path}:{i}: {e}") from None
     return list(runs.values())
 
 
@@ -439,6 +446,12 @@ def slope_table(rows: list[dict], st: Settings) -> str:
     return "\n".join(lines)
 
 
+def collapse_counts(groups: Groups, part: str, st: Settings) -> list[tuple[str, int, str, list[bool | None]]]:
+    """(task, K, arm, per run: collapsed, or None for never learned) of the part's arms."""
+    return [(task, k, arm, [collapsed(r.curve(), st.floor) for r in runs.values()])
+            for task, k, arms in _groups_of(groups, part) for arm, runs in arms.items()]
+
+
 def collapse_table(groups: Groups, part: str, st: Settings) -> str:
     lines = ["| task | K | arm | lr | runs that learned | collapsed | fraction | Wilson 95% CI | never learned "
              "| Wilson 95% CI |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -545,14 +558,16 @@ def compute_table(runs: list[RunData]) -> tuple[str, dict[str, float]]:
 # --------------------------------------------------------------------------------------
 
 
-def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings = Settings()) -> dict[str, str]:
+def report(csv_path: str | Path | list[str | Path], out_dir: str | Path | None = None, st: Settings = Settings()) -> dict[str, str]:
     """name -> text of every table (``summary/PART``, ``mechanism/PART``, ``comparisons/PART``,
     ``q1/PART``, ``slope/PART``, ``collapse/PART``, ``steps/PART``, ``steps_paired/PART``,
-    ``mechanism_check/PART``, ``tuning/PART``, ``compute``) and quoted
+    ``mechanism_check/PART``, ``drops/PART`` (post hoc), ``tuning/PART``, ``compute``) and quoted
     value (``target/PART/TASK/K16``; ``ratio/PART/TASK/K16/ARM`` "0.52 [0.41, 0.66]";
+    ``diff/PART/TASK/K16/MEASURE/A-B``, ``never/...`` and ``collapsed/PART/TASK/K16/ARM`` (`study_tables`);
     ``q1/PART/TASK/K16/ARM`` yes / no / unclear; ``slope/PART/TASK/ARM``; ``hours/PART``,
     ``hours/total``). With `out_dir`: each table as ``NAME.md`` (``/`` -> ``_``), the values
-    in ``numbers.json``, and the figures ``curves_PART.png`` / ``gaps_PART.png``."""
+    in ``numbers.json``, and the figures ``curves_PART.png`` / ``gaps_PART.png``. Several CSVs
+    are read as one study whose parts sit side by side (`load_study`)."""
     from cispo.experiments.study_figures import plot_curves, plot_gaps
 
     runs = load_study(csv_path)
@@ -566,6 +581,7 @@ def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings
             out[f"mechanism/{part}"] = mechanism_table(groups, part, st)
             if comp := comparisons(groups, part, st):
                 out[f"comparisons/{part}"] = comparisons_table(comp, st.families.get(part, DEFAULT_FAMILY))
+                out.update(comparison_values(comp, part))
             if q1 := q1_rows(groups, part, st):
                 out[f"q1/{part}"] = q1_table(q1, st, st.q1_notes.get(part, ""))
             for r in q1:
@@ -579,6 +595,10 @@ def report(csv_path: str | Path, out_dir: str | Path | None = None, st: Settings
                 for r in slopes:
                     out[f"slope/{part}/{r['task']}/{r['base']}"] = f"{r['t'].mean:+.4f} {_ci(r['t'].lo, r['t'].hi, 4)}"
             out[f"collapse/{part}"] = collapse_table(groups, part, st)
+            out.update(count_values(part, collapse_counts(groups, part, st)))
+            if part in st.posthoc_drops:
+                out[f"drops/{part}"] = drop_table([(task, k, arm, {s: r.curve() for s, r in runs.items()}) for task, k, arms
+                                                   in _groups_of(groups, part) for arm, runs in arms.items()], st.floor)
             out.update(steps_outputs(groups, part, st))
             if level := mechanism_level(groups, part):
                 out[f"mechanism_check/{part}"] = level

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from cispo.experiments.stats import mean_band, paired_t
+from cispo.experiments.stats import mean_band, paired_t, wilson
 
 Steps = dict[int, tuple[float, bool]]
 """seed -> (steps to target, reached) of one arm (`stats.censored_steps`)."""
@@ -121,4 +121,64 @@ def mechanism_level_table(cells: list[tuple[str, int, dict[str, list[dict]]]]) -
               "p_old < 0.1 had r > 1 + eps_high, and the mean over steps 1–40 (steps without a positive fork token left "
               "out) of the positive fork tokens' and the other positive tokens' gradient-mass share above the bound. "
               "Then mean ± 95% t half-width over the arm's runs. Descriptive only: the level, not the gate's verdict."]
+    return "\n".join(lines)
+
+
+def comparison_values(rows: list[dict], part: str) -> dict[str, str]:
+    """Each comparison as a quotable value, ``diff/PART/TASK/K16/MEASURE/A-B`` -> "+0.117
+    [-0.102, +0.336], Holm p 1" (the table's row: mean, unadjusted 95% CI, Holm-adjusted p)."""
+    out = {}
+    for r in rows:
+        t, p = r["t"], (1 if r["measure"].startswith("steps") else 3)
+        out[f"diff/{part}/{r['task']}/K{r['K']}/{r['measure']}/{r['a']}-{r['b']}"] = \
+            f"{t.mean:+.{p}f} {ci(t.lo, t.hi, p)}, Holm p {r['holm_p']:.2g}"
+    return out
+
+
+def count_values(part: str, cells: list[tuple[str, int, str, list[bool | None]]]) -> dict[str, str]:
+    """Per arm, the never-learned and collapsed counts as quotable values with their Wilson 95%
+    intervals: ``never/PART/TASK/K16/ARM`` -> "0 of 8 [0.00, 0.32]" (out of all its runs),
+    ``collapsed/...`` likewise out of the runs that learned. `cells`: (task, K, arm, per run
+    collapsed, or None when it never learned)."""
+    out = {}
+    for task, k, arm, flags in cells:
+        learned = [f for f in flags if f is not None]
+        for name, n, of in (("never", len(flags) - len(learned), len(flags)), ("collapsed", sum(learned), len(learned))):
+            lo, hi = wilson(n, of)
+            out[f"{name}/{part}/{task}/K{k}/{arm}"] = f"{n} of {of} [{lo:.2f}, {hi:.2f}]"
+    return out
+
+
+def drop_steps(curve: dict[int, float], floor: float) -> list[int]:
+    """The evaluated steps at which held-out accuracy is below half the run's peak so far, once
+    that peak has reached `floor`: a run that falls and may recover (the protocol's collapse needs
+    it to stay below half its overall peak to the end). Post hoc: chosen after seeing part
+    v3_chain's curves, descriptive only."""
+    out, peak = [], 0.0
+    for step in sorted(curve):
+        if peak >= floor and curve[step] < peak / 2:
+            out.append(step)
+        peak = max(peak, curve[step])
+    return out
+
+
+def drop_table(cells: list[tuple[str, int, str, dict[int, dict[int, float]]]], floor: float) -> str:
+    """Per arm, the runs with at least one drop (`drop_steps`) with the Wilson 95% interval, and
+    for each such run its seed, peak, lowest evaluation at a drop (step), last evaluation and
+    drop steps. `cells`: (task, K, arm, seed -> held-out curve)."""
+    lines = ["| task | K | arm | runs | runs with a drop | Wilson 95% CI | seed: peak, lowest at a drop (step), last; "
+             "steps below half the peak so far |", "|---|---|---|---|---|---|---|"]
+    for task, k, arm, curves in cells:
+        hit = {s: drop_steps(c, floor) for s, c in sorted(curves.items()) if drop_steps(c, floor)}
+        lo, hi = wilson(len(hit), len(curves))
+        where = []
+        for s, d in hit.items():
+            c = curves[s]
+            low = min(d, key=lambda x: (c[x], x))
+            where.append(f"{s}: {max(c.values()):.3f}, {c[low]:.3f} ({low}), {c[max(c)]:.3f}; {', '.join(map(str, d))}")
+        lines.append(f"| {task} | {k} | {arm} | {len(curves)} | {len(hit)} | [{lo:.2f}, {hi:.2f}] | "
+                     f"{' · '.join(where) or 'none'} |")
+    lines += ["", "**Post hoc** (chosen after seeing this part's curves; not in the protocol, no decision rests on it): a "
+              f"drop is an evaluation below half the run's peak held-out accuracy so far, once that peak is >= {floor:g}; "
+              "unlike the protocol's collapse, the run may recover. Wilson 95% intervals out of the arm's runs."]
     return "\n".join(lines)
