@@ -199,8 +199,10 @@ def test_the_real_model_loads_from_its_package_and_trains_one_step(tmp_path):
     folder = packaged.ensure_packaged("smollm2-135m")
     record = json.loads((Path(folder) / "cispo-packaged.json").read_text())
     assert record["source_sha256"] == packaged.PACKAGED["smollm2-135m"].sha256
-    assert main(["train", "data.task=wordmath", f"out_dir={tmp_path}", "run_name=r", "steps=1", "progress=false",
-                 "prompts_per_step=2", "group_size=4", "updates_per_batch=2", "max_new_tokens=24",
-                 "num_eval_prompts=4", "eval.num_samples=1", "eval.every=0", "lr=1e-5"]) == 0
+    # one step of the shipped example (its sampling settings: at 24 tokens and temperature 1 no
+    # answer was paid in 128 samples, and a run without any update is an error), evaluation off
+    example = Path(__file__).resolve().parents[1] / "examples" / "smollm2-wordmath.yaml"
+    assert main(["train", "--config", str(example), f"out_dir={tmp_path}", "run_name=r", "steps=1", "progress=false",
+                 "updates_per_batch=2", "num_eval_prompts=4", "eval.every=0"]) == 0
     rows = read_metrics(tmp_path / "r" / "metrics.jsonl")
     assert rows[-1]["step"] == 1 and rows[-1]["rollout/logp_corr"] > 0.99
