@@ -141,6 +141,8 @@ def test_two_data_files_are_parts_side_by_side_and_a_run_in_both_is_an_error(tmp
     _csv(tmp_path / "c.csv", "main", "cispo__chain__K16__seed0", [0.0, 0.1, 0.1])
     with pytest.raises(ValueError, match=r"c.csv:2: run cispo__chain__K16__seed0 of part main is also in .*a.csv"):
         load_study([tmp_path / "a.csv", tmp_path / "c.csv"])
+    with pytest.raises(ValueError, match="a data file is given twice: .*a.csv"):
+        load_study([tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "a.csv"])
 
 
 def test_post_hoc_drops_by_hand():

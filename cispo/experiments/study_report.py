@@ -171,10 +171,13 @@ def load_study(paths: str | Path | list[str | Path]) -> list[RunData]:
     run in two files is an error naming both: two data files are parts side by side, not pooled."""
     runs: dict[tuple[str, str], RunData] = {}
     source: dict[tuple[str, str], Path] = {}
-    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+    paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    if len(set(paths)) < len(paths):
+        raise ValueError(f"a data file is given twice: {', '.join(sorted({str(p) for p in paths if paths.count(p) > 1}))}")
+    for path in paths:
         for i, row in enumerate(read_csv(path), start=2):
             key = (row["part"], row["run"])
-            if source.setdefault(key, Path(path)) != Path(path):
+            if source.setdefault(key, path) != path:
                 raise ValueError(f"{path}:{i}: run {key[1]} of part {key[0]} is also in {source[key]}")
             run = runs.setdefault(key, RunData({c: row[c] for c in row if c not in METRICS and c != "step"}))
             try:
