@@ -65,9 +65,9 @@ from cispo.experiments.mechanism_gate import gate
 from cispo.experiments.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, collapsed, fieller_ratio, final_accuracy,
                                      holm, mean_accuracy, mean_band, mean_over_last_steps, paired_t, pick_lr, slope,
                                      steps_to_own_fraction, wilson)
-from cispo.experiments.study_data import METRICS, read_csv
+from cispo.experiments.study_runs import Groups, RunData, group_eval_runs, load_study
 from cispo.experiments.study_tables import ci as _ci
-from cispo.experiments.study_tables import (comparison_values, count_values, drop_table, has_mechanism_log,
+from cispo.experiments.study_tables import (comparison_values, count_values, drop_table, tally, has_mechanism_log,
                                             mechanism_level_table, paired_steps, paired_steps_table, steps_per_seed_table)
 from cispo.experiments.study_tables import pm as _pm
 
@@ -146,63 +146,6 @@ class Settings:
     amendment of session 7; the exploratory CISPO-vs-PPO part at 1e-4 uses part 1's DAPO runs,
     at that same rate, amendment of session 9). The tables label such an arm with the part its
     runs come from, and show its learning rate."""
-
-
-@dataclass
-class RunData:
-    """One run of the CSV: its run columns and its per-step metrics."""
-
-    meta: dict[str, str]
-    steps: dict[int, dict[str, float]] = field(default_factory=dict)
-
-    def curve(self, key: str = "eval/accuracy") -> dict[int, float]:
-        return {s: m[key] for s, m in sorted(self.steps.items()) if key in m}
-
-    @property
-    def wall_s(self) -> tuple[float, bool]:
-        """(seconds, measured): ``wall_s``, or the sum of ``perf/step_s`` (measured = False)."""
-        if self.meta.get("wall_s"):
-            return float(self.meta["wall_s"]), True
-        return sum(m.get("perf/step_s", 0.0) for m in self.steps.values()), False
-
-
-def load_study(paths: str | Path | list[str | Path]) -> list[RunData]:
-    """The runs of one CSV or several (keyed by part and run folder name), in file order. One
-    run in two files is an error naming both: two data files are parts side by side, not pooled."""
-    runs: dict[tuple[str, str], RunData] = {}
-    source: dict[tuple[str, str], Path] = {}
-    paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
-    if len(set(paths)) < len(paths):
-        raise ValueError(f"a data file is given twice: {', '.join(sorted({str(p) for p in paths if paths.count(p) > 1}))}")
-    for path in paths:
-        for i, row in enumerate(read_csv(path), start=2):
-            key = (row["part"], row["run"])
-            if source.setdefault(key, path) != path:
-                raise ValueError(f"{path}:{i}: run {key[1]} of part {key[0]} is also in {source[key]}")
-            run = runs.setdefault(key, RunData({c: row[c] for c in row if c not in METRICS and c != "step"}))
-            try:
-                run.steps[int(row["step"])] = {m: float(row[m]) for m in METRICS if row.get(m)}
-            except ValueError as e:
-                raise ValueError(f"{path}:{i}: {e}") from None
-    return list(runs.values())
-
-
-Groups = dict[tuple[str, str, int], dict[str, dict[int, RunData]]]
-
-
-def group_eval_runs(runs: list[RunData]) -> Groups:
-    """(part, task, K) -> arm -> seed -> run, for the evaluation runs. Two runs of one arm and
-    seed in a group (e.g. two batch sizes at one K in one part) are an error: use two parts."""
-    out: Groups = defaultdict(lambda: defaultdict(dict))
-    for r in runs:
-        if r.meta["role"] == "eval":
-            m = r.meta
-            cell = out[(m["part"], m["task"], int(m["K"]))][m["arm"]]
-            if int(m["seed"]) in cell:
-                raise ValueError(f"part {m['part']}, task {m['task']}, K {m['K']}: arm {m['arm']} has seed {m['seed']} "
-                                 f"twice ({cell[int(m['seed'])].meta['run']} and {m['run']}); put them in separate parts")
-            cell[int(m["seed"])] = r
-    return out
 
 
 def borrow_arms(groups: Groups, st: Settings) -> Groups:
@@ -460,14 +403,11 @@ def collapse_table(groups: Groups, part: str, st: Settings) -> str:
              "| Wilson 95% CI |", "|---|---|---|---|---|---|---|---|---|---|"]
     for task, k, arms in _groups_of(groups, part):
         for arm, runs in arms.items():
-            flags = [collapsed(r.curve(), st.floor) for r in runs.values()]
-            learned = [f for f in flags if f is not None]
-            never = len(flags) - len(learned)
-            lo, hi = wilson(sum(learned), len(learned))
-            nlo, nhi = wilson(never, len(flags))
-            frac = f"{sum(learned) / len(learned):.2f}" if learned else "n/a"
-            lines.append(f"| {task} | {k} | {_arm_label(arm, runs, part)} | {_lrs(runs)} | {len(learned)} "
-                         f"| {sum(learned)} | {frac} "
+            never, n, hit, learned = tally([collapsed(r.curve(), st.floor) for r in runs.values()])
+            lo, hi = wilson(hit, learned)
+            nlo, nhi = wilson(never, n)
+            frac = f"{hit / learned:.2f}" if learned else "n/a"
+            lines.append(f"| {task} | {k} | {_arm_label(arm, runs, part)} | {_lrs(runs)} | {learned} | {hit} | {frac} "
                          f"| [{lo:.2f}, {hi:.2f}] | {never} | [{nlo:.2f}, {nhi:.2f}] |")
     lines += ["", "Collapsed: held-out accuracy below half its peak P (over all evaluations) from some evaluation after "
               f"the peak to the last one; never learned: P < {st.floor:g} (left out of the fraction). Wilson 95% "

@@ -135,6 +135,13 @@ def comparison_values(rows: list[dict], part: str) -> dict[str, str]:
     return out
 
 
+def tally(flags: list[bool | None]) -> tuple[int, int, int, int]:
+    """(never learned, runs, collapsed, runs that learned) of an arm's per-run collapse flags
+    (`stats.collapsed`: None = never learned)."""
+    learned = [f for f in flags if f is not None]
+    return len(flags) - len(learned), len(flags), sum(learned), len(learned)
+
+
 def count_values(part: str, cells: list[tuple[str, int, str, list[bool | None]]]) -> dict[str, str]:
     """Per arm, the never-learned and collapsed counts as quotable values with their Wilson 95%
     intervals: ``never/PART/TASK/K16/ARM`` -> "0 of 8 [0.00, 0.32]" (out of all its runs),
@@ -142,10 +149,10 @@ def count_values(part: str, cells: list[tuple[str, int, str, list[bool | None]]]
     collapsed, or None when it never learned)."""
     out = {}
     for task, k, arm, flags in cells:
-        learned = [f for f in flags if f is not None]
-        for name, n, of in (("never", len(flags) - len(learned), len(flags)), ("collapsed", sum(learned), len(learned))):
-            lo, hi = wilson(n, of)
-            out[f"{name}/{part}/{task}/K{k}/{arm}"] = f"{n} of {of} [{lo:.2f}, {hi:.2f}]"
+        never, n, hit, learned = tally(flags)
+        for name, count, of in (("never", never, n), ("collapsed", hit, learned)):
+            lo, hi = wilson(count, of)
+            out[f"{name}/{part}/{task}/K{k}/{arm}"] = f"{count} of {of} [{lo:.2f}, {hi:.2f}]"
     return out
 
 
@@ -169,7 +176,7 @@ def drop_table(cells: list[tuple[str, int, str, dict[int, dict[int, float]]]], f
     lines = ["| task | K | arm | runs | runs with a drop | Wilson 95% CI | seed: peak, lowest at a drop (step), last; "
              "steps below half the peak so far |", "|---|---|---|---|---|---|---|"]
     for task, k, arm, curves in cells:
-        hit = {s: drop_steps(c, floor) for s, c in sorted(curves.items()) if drop_steps(c, floor)}
+        hit = {s: d for s, c in sorted(curves.items()) if (d := drop_steps(c, floor))}
         lo, hi = wilson(len(hit), len(curves))
         where = []
         for s, d in hit.items():
