@@ -232,7 +232,7 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
                model_path: str | None = None, task: str = "addition", samples: list[dict] | None = None):
     """Everything ``rl_step`` needs for the built-in ``task`` on CPU: a built-in Llama of ``size``
     with random init (character tasks), or the model at ``model_path`` (a folder or
-    ``builtin:<name>``) loaded as ``cispo train`` loads it (``cispo.runner.load_policy_for``: the
+    ``builtin:<name>``) loaded as ``cispo train`` loads it (``cispo.training.runner.load_policy_for``: the
     chat template of a chat task, ``model.dtype`` from ``extra``, the FP32 head, ``decode=auto``).
 
     ``suppress_eos``: the sampler gets an EOS id outside the vocabulary, so every response runs
@@ -244,16 +244,16 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
 
     import torch
 
-    import cispo.setup as setup_mod
-    import cispo.trainer as trainer_mod
-    from cispo.compile import train_body
-    from cispo.config import TrainConfig, apply_overrides
-    from cispo.data import PromptStream
-    from cispo.models import build_model, build_tokenizer
-    from cispo.policy import Policy
+    import cispo.training.setup as setup_mod
+    import cispo.training.trainer as trainer_mod
+    from cispo.config.train import TrainConfig, apply_overrides
+    from cispo.data.prompts import PromptStream
+    from cispo.data.tasks import get_task
+    from cispo.models.compile import train_body
+    from cispo.models.loading import build_model, build_tokenizer
+    from cispo.models.policy import Policy
     from cispo.rollout import TorchSampler
-    from cispo.runner import load_policy_for
-    from cispo.tasks import get_task
+    from cispo.training.runner import load_policy_for
 
     the_task = get_task(task)
     cfg = apply_overrides(TrainConfig(), [
@@ -299,7 +299,7 @@ def ours_steps(setup: dict, steps: int) -> list[dict]:
     no-grad forward), update (``perf/update_s``: the K optimizer steps) and overhead (the rest:
     decoding, building completions, metrics); plus response tokens, rows, and the mean |sampler log-prob -
     trainer log-prob| of the sampled tokens (``rollout/logp_abs_diff``)."""
-    from cispo.trainer import rl_step
+    from cispo.training.trainer import rl_step
 
     s = setup
     gen, score = s["policy"].sampler.generate, s["score"]

@@ -144,8 +144,8 @@ def synthetic_tokenizer(vocab: int):
     """``build_tokenizer`` over the addition task's characters plus filler code points, so that
     it has exactly ``vocab`` ids (every id the model can sample decodes to one character)."""
     if vocab not in _TOKENIZERS:
-        from cispo.models import SPECIAL_TOKENS, build_tokenizer
-        from cispo.tasks import get_task
+        from cispo.models.loading import SPECIAL_TOKENS, build_tokenizer
+        from cispo.data.tasks import get_task
 
         alphabet = get_task("addition").alphabet
         filler = (chr(c) for c in range(0x100, 0x30000) if not 0xD800 <= c < 0xE000)
@@ -204,11 +204,11 @@ def fp32_sampler_head(model, on: bool):
 
 
 def train_config(**sections):
-    """A ``cispo.config.TrainConfig`` with some fields changed: ``train_config(model={"dtype": "bfloat16"},
+    """A ``cispo.config.train.TrainConfig`` with some fields changed: ``train_config(model={"dtype": "bfloat16"},
     steps=3)``. Built with ``dataclasses.replace``, so its checks run but pydantic is not needed."""
     from dataclasses import is_dataclass, replace
 
-    from cispo.config import TrainConfig
+    from cispo.config.train import TrainConfig
 
     cfg = TrainConfig()
     top = {k: v for k, v in sections.items() if not isinstance(v, dict)}

@@ -128,7 +128,7 @@ def _rl(r: dict) -> list[str]:
              + " | " + " / ".join(_f(r["peak_gib_by_phase"].get(k)) for k in ("sample", "logp_old", "update"))
              + " |", ""]
     if "dynamo" in r:
-        lines += [f"torch.compile (cispo.compile; compiled decoder: {r['compiled_decoder']}): "
+        lines += [f"torch.compile (cispo.models.compile; compiled decoder: {r['compiled_decoder']}): "
                   f"{r['dynamo']['unique_graphs']} graph(s), {r['dynamo']['graph_breaks']} graph break(s); the "
                   "warm-up step includes compiling", ""]
     return lines

@@ -1,6 +1,6 @@
 """``gpu_check.py``'s training sections: rl_eager / rl_compiled, head_share, long_responses,
 decode_batch, checkpoint. All run the path ``model.dtype=bfloat16`` gives a user (FP32 master
-weights, bf16 autocast, the FP32 head: ``cispo.models.precision``), built with the trainer's own
+weights, bf16 autocast, the FP32 head: ``cispo.models.loading.precision``), built with the trainer's own
 pieces. Each fills ``ctx.results`` / ``ctx.nulls`` as it measures and calls ``ctx.save()``."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from _gpu_common import (NO_CUDA, Device, Skipped, build_qwen, calibrate_eos, lo
 
 
 def user_policy(ctx, model, tok, cfg, sampler=None):
-    """The ``Policy`` ``cispo.runner.load_policy_for`` builds for ``cfg`` around ``model`` (FP32 weights):
+    """The ``Policy`` ``cispo.training.runner.load_policy_for`` builds for ``cfg`` around ``model`` (FP32 weights):
     bf16 autocast, the FP32 head in the sampler, the compiled decoder where ``model.compile=on``."""
-    from cispo.compile import train_body
-    from cispo.models import precision
-    from cispo.policy import Policy, loss_scaler
+    from cispo.models.compile import train_body
+    from cispo.models.loading import precision
+    from cispo.models.policy import Policy, loss_scaler
     from cispo.rollout import TorchSampler
 
     _, autocast = precision(cfg.model.dtype, None, cfg.model.master_weights)
@@ -69,9 +69,9 @@ def phase(dev: Device, phases: dict, name: str):
 
 @contextlib.contextmanager
 def phases_of_the_trainer(dev: Device, phases: dict):
-    """``cispo.trainer``'s logp_old pass and updates, each under :func:`phase` (module attributes
+    """``cispo.training.trainer``'s logp_old pass and updates, each under :func:`phase` (module attributes
     swapped for the duration: measurement only)."""
-    import cispo.trainer as tr
+    import cispo.training.trainer as tr
 
     originals = {n: getattr(tr, n) for n in ("compute_logp_old", "update_policy")}
 
@@ -92,10 +92,10 @@ def phases_of_the_trainer(dev: Device, phases: dict):
 
 def section_rl(ctx, compiled: bool) -> None:
     """Warm-up + measured ``rl_step``s on the user's default precision path, EOS sampled."""
-    import cispo.setup as su
-    import cispo.trainer as tr
-    from cispo.data import PromptStream
-    from cispo.tasks import get_task
+    import cispo.training.setup as su
+    import cispo.training.trainer as tr
+    from cispo.data.prompts import PromptStream
+    from cispo.data.tasks import get_task
 
     dev, s, res = ctx.dev, ctx.sizes, ctx.results
     task, tok = get_task("addition"), synthetic_tokenizer(s.vocab)
@@ -113,7 +113,7 @@ def section_rl(ctx, compiled: bool) -> None:
                rows=s.prompts * s.group_size, max_new_tokens=s.max_new_tokens, updates_per_batch=s.updates,
                precision="FP32 master weights, bf16 autocast, FP32 head", steps=[], peak_gib_by_phase=phases)
     if compiled and policy.train_body is None:
-        ctx.nulls["compiled_decoder"] = "cispo.compile fell back to eager (its warning is in the log)"
+        ctx.nulls["compiled_decoder"] = "cispo.models.compile fell back to eager (its warning is in the log)"
     sampling = replace(su.sampling_config(cfg.rollout, s.max_new_tokens), repetition_stop_tokens=None)
     optimizer = su.make_optimizer(model, cfg.optim)
     obj = su.make_objective(cfg.algo, cfg.rollout.max_new_tokens)
@@ -170,7 +170,7 @@ def dynamo_counts() -> dict:
 
 def random_experience(s, dev: Device, rows: int, lengths: list[int], prompt_len: int, seed: int = 5):
     """An ``Experience`` of random tokens: ``rows`` responses of the given lengths, advantages +-1."""
-    from cispo.experience import Completion, collate
+    from cispo.foundations.experience import Completion, collate
 
     g = torch.Generator().manual_seed(seed)
     comps = [Completion({"prompt": ""}, torch.randint(3, s.vocab, (prompt_len,), generator=g).tolist(),
@@ -182,8 +182,8 @@ def random_experience(s, dev: Device, rows: int, lengths: list[int], prompt_len:
 
 def timed_update(ctx, policy, exp, cfg) -> float:
     """Seconds of one ``update_policy`` (K=1) on ``exp``, synchronised."""
-    import cispo.setup as su
-    from cispo.trainer import compute_logp_old, update_policy
+    import cispo.training.setup as su
+    from cispo.training.trainer import compute_logp_old, update_policy
 
     exp.logp_old = compute_logp_old(policy, exp, cfg)
     optimizer = su.make_optimizer(policy.model, cfg.optim)
@@ -280,8 +280,8 @@ def section_decode_batch(ctx) -> None:
 def section_checkpoint(ctx) -> None:
     """``save_checkpoint`` / ``load_checkpoint`` of the model with its AdamW state (after one step), in a
     temporary folder next to ``--out``: seconds and size."""
-    from cispo.checkpoint import load_checkpoint, save_checkpoint
-    from cispo.setup import make_optimizer
+    from cispo.training.checkpoint import load_checkpoint, save_checkpoint
+    from cispo.training.setup import make_optimizer
 
     dev, s, res = ctx.dev, ctx.sizes, ctx.results
     tok = synthetic_tokenizer(s.vocab)

@@ -52,7 +52,7 @@ def section_environment(ctx) -> None:
 
 def section_lm_head(ctx) -> None:
     """Chunked vs naive log-probs at the model's vocabulary, bf16 inputs (as in training)."""
-    from cispo.logprobs import naive_token_logprobs, token_logprobs
+    from cispo.objective.logprobs import naive_token_logprobs, token_logprobs
 
     dev, s, nulls = ctx.dev, ctx.sizes, ctx.nulls
     g = torch.Generator(device=dev.device).manual_seed(0)
@@ -110,9 +110,9 @@ def section_lm_head(ctx) -> None:
 
 
 def section_precision(ctx) -> None:
-    """FP32 master weights + bf16 autocast (what ``model.dtype=bfloat16`` gives, ``cispo.models.precision``)
+    """FP32 master weights + bf16 autocast (what ``model.dtype=bfloat16`` gives, ``cispo.models.loading.precision``)
     vs pure bf16 weights (``model.master_weights=false``), AdamW at lr 1e-6. The forward runs under the
-    policy's autocast; ``cispo.logprobs.token_logprobs`` turns autocast off inside, so the head stays FP32."""
+    policy's autocast; ``cispo.objective.logprobs.token_logprobs`` turns autocast off inside, so the head stays FP32."""
     dev, s, lr = ctx.dev, ctx.sizes, 1e-6
     ctx.results.update(lr=lr, steps=s.prec_steps, rows=s.prec_rows, length=s.prec_len)
     for variant in ("fp32 master + bf16 autocast", "pure bf16"):
@@ -126,7 +126,7 @@ def section_precision(ctx) -> None:
 
 def precision_variant(ctx, master: bool, lr: float) -> dict:
     """``prec_steps`` AdamW steps of an LM loss on random tokens; memory, time and how many weights moved."""
-    from cispo.models import precision
+    from cispo.models.loading import precision
 
     dev, s = ctx.dev, ctx.sizes
     optim = train_config().optim
@@ -158,8 +158,8 @@ def precision_variant(ctx, master: bool, lr: float) -> dict:
 
 def lm_adamw_step(model, opt, ids, autocast: torch.dtype | None) -> None:
     """One optimizer step on -mean log p(ids[:, 1:]) (decoder and head under the policy's autocast)."""
-    from cispo.logprobs import token_logprobs
-    from cispo.policy import decoder, lm_head
+    from cispo.models.policy import decoder, lm_head
+    from cispo.objective.logprobs import token_logprobs
 
     on = torch.autocast(ids.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
     with on:
@@ -186,11 +186,11 @@ def section_logprob_agreement(ctx) -> None:
     """Rollout vs trainer log-probs of the same tokens, each head precision on each side. The rollout
     comes from vLLM where it is installed (and a GPU is present): MiniMax-M1's Figure 3. Otherwise from
     ``TorchSampler``, which runs the trainer's own kernels: an upper bound on agreement, not Figure 3."""
-    from cispo.experience import Experience
-    from cispo.metrics import pearson
-    from cispo.policy import Policy
+    from cispo.foundations.experience import Experience
+    from cispo.models.policy import Policy
     from cispo.rollout import SamplingConfig, TorchSampler
-    from cispo.trainer import compute_logp_old
+    from cispo.training.metrics import pearson
+    from cispo.training.trainer import compute_logp_old
 
     dev, s = ctx.dev, ctx.sizes
     vllm = dev.cuda and importlib.util.find_spec("vllm") is not None
@@ -248,7 +248,7 @@ def vllm_rollout(ctx, model, tok, prompts, sampling, fp32_head: bool):
     (``hf_overrides={"head_dtype": "float32"}``); the engine is shut down afterwards."""
     import gc
 
-    from cispo.models import save_policy
+    from cispo.models.loading import save_policy
     from cispo.rollout import VLLMSampler
 
     path = ctx.out / "agreement_model"

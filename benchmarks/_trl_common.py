@@ -51,13 +51,13 @@ from _common import PHASES, load_average, median, table
 
 def worker_threads(threads: str, side: str) -> int:
     """``threads``: N for both sides, or ``default``: each side's own default — cispo's ``threads``
-    rule (``cispo.threads.auto_threads``), TRL torch's (one per core). Returns the count in use."""
+    rule (``cispo.foundations.threads.auto_threads``), TRL torch's (one per core). Returns the count in use."""
     import torch
 
     if threads != "default":
         torch.set_num_threads(int(threads))
     elif side == "ours":
-        from cispo.threads import auto_threads
+        from cispo.foundations.threads import auto_threads
 
         torch.set_num_threads(auto_threads(None))
     return torch.get_num_threads()
@@ -70,7 +70,7 @@ def grpo_config(*, rows: int, group: int, updates: int, epochs: int, max_new_tok
     ``suppress``: token ids never sampled (EOS, for fixed-length responses)."""
     from trl import GRPOConfig
 
-    from cispo.config import OptimConfig
+    from cispo.config.train import OptimConfig
 
     if rows % updates:
         raise ValueError(f"B = {rows} rows must be divisible by K = {updates}")

@@ -4,14 +4,14 @@
     python benchmarks/bench_first_step.py --tiny
 
 A reward given as ``file.py:function`` runs in worker processes (``data.reward_isolation=auto``:
-``cispo.rewards.pool``); starting them (a fresh interpreter each, which then imports the reward)
-takes ~2 s. Each run here is a fresh ``cispo.runner.train`` in its own subprocess, on a JSONL of
+``cispo.data.rewards.pool``); starting them (a fresh interpreter each, which then imports the reward)
+takes ~2 s. Each run here is a fresh ``cispo.training.runner.train`` in its own subprocess, on a JSONL of
 the addition task's prompts and a TRL-style reward file (``def reward(prompts, completions,
 answer, **kwargs)``), with the built-in ``--size`` Llama (random init), no held-out evaluation,
 dynamic sampling off, ``--steps`` steps. Three arms, in turn run by run (the order reversed every
 other round): the reward in its worker processes, started during set-up while the model loads
 (``process``, now); the same with the workers started by the first reward call (``first-call``:
-``cispo.runner.start_reward_workers`` made a no-op, how it was before issue 30); the same reward
+``cispo.training.runner.start_reward_workers`` made a no-op, how it was before issue 30); the same reward
 in the trainer's main thread (``main``, no pool: the baseline). Reported per arm: set-up (``train``
 called -> first step starts), step 1 and the median of the later steps (``perf/step_s``), and step
 1 / later steps; then each pool arm's step 1 over ``main``'s (1.0: the pool costs step 1 nothing).
@@ -40,8 +40,8 @@ def reward(prompts, completions, answer, **kwargs):
 
 def prepare(folder: Path, size: str) -> None:
     """The prompts (JSONL), the reward file and the model in ``folder``."""
-    from cispo.models import build_model, build_tokenizer, save_policy
-    from cispo.tasks import get_task
+    from cispo.data.tasks import get_task
+    from cispo.models.loading import build_model, build_tokenizer, save_policy
 
     task = get_task("addition")
     rows = task.train_samples(0, 2048)
@@ -54,9 +54,9 @@ def prepare(folder: Path, size: str) -> None:
 
 def worker(a, arm: str) -> dict:
     """One fresh run of ``arm``: its set-up seconds and per-step ``perf/step_s``."""
-    import cispo.runner as runner
-    from cispo.config import TrainConfig, apply_overrides
-    from cispo.tracking import read_metrics
+    import cispo.training.runner as runner
+    from cispo.config.train import TrainConfig, apply_overrides
+    from cispo.records.tracking import read_metrics
 
     folder = Path(a.dir)
     cfg = apply_overrides(TrainConfig(), [

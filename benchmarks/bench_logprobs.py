@@ -6,7 +6,7 @@ extra memory, forward and forward+backward, at Qwen2.5-0.5B's hidden size (896).
     python benchmarks/bench_logprobs.py --configs 32000x8192 --chunk-sizes 4096,1024
     python benchmarks/bench_logprobs.py --modes fwd+bwd --configs 32000x4096   # incl. the fused head + objective
 
-In fwd+bwd mode a third variant runs: ``fused`` (``cispo.fused_head.fused_head_loss``, the
+In fwd+bwd mode a third variant runs: ``fused`` (``cispo.objective.fused_head.fused_head_loss``, the
 gradient formed chunk by chunk in the forward, no recompute) on the same loss, sum_t up_t logp_t.
 
 Each measurement runs in a fresh subprocess (one op, one configuration), so peak memory is
@@ -43,8 +43,8 @@ def child(vocab: int, n: int, hidden: int, variant: str, chunk: int, backward: b
     """One op in this (fresh) process: seconds and peak extra RSS (MiB)."""
     import torch
 
-    from cispo.fused_head import fused_head_loss
-    from cispo.logprobs import naive_token_logprobs, token_logprobs
+    from cispo.objective.fused_head import fused_head_loss
+    from cispo.objective.logprobs import naive_token_logprobs, token_logprobs
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(seed)

@@ -19,7 +19,7 @@ those b rows. Strategies (each row is used exactly once per epoch in all of them
   length-biased batches, which changes the algorithm);
 * ``sorted-micro``: random mini-batches as ``unsorted``, each split into micro-batches of
   ``--micro`` rows after sorting its rows by length;
-* ``split-cost``: the trainer's default (``cispo.batching.length_micro_batches``): random
+* ``split-cost``: the trainer's default (``cispo.training.batching.length_micro_batches``): random
   mini-batches, each sorted by length and cut wherever a cut saves more than
   ``--split-cost`` padded positions (``algo.micro_batch_split_cost``).
 
@@ -51,7 +51,7 @@ from _common import median, table  # noqa: E402
 def batch_lengths(dist: str, prompts: int, group_size: int, seed: int, ln_median: float, ln_sigma: float,
                   max_len: int) -> tuple[list[int], list[int]]:
     """(prompt lengths, response lengths) of one generation batch, grouped by prompt."""
-    from cispo.tasks import arithmetic
+    from cispo.data.tasks import arithmetic
 
     rng = random.Random(seed)
     pairs = arithmetic.sample_pairs(seed, prompts, "train")
@@ -77,7 +77,7 @@ def batch_lengths(dist: str, prompts: int, group_size: int, seed: int, ln_median
 def experience(p_len: list[int], r_len: list[int]):
     import torch
 
-    from cispo.experience import Completion, collate
+    from cispo.foundations.experience import Completion, collate
 
     comps = [Completion({}, [5] * p, torch.full((r,), 6), torch.zeros(r), "eos", "") for p, r in zip(p_len, r_len)]
     return collate(comps, torch.zeros(len(comps)), pad_id=0)
@@ -96,7 +96,7 @@ def count(exp, strategy: str, updates: int, micro: int, split_cost: float, seed:
     """(decoder positions computed, real; head positions computed, real; calls) of one epoch."""
     import torch
 
-    from cispo.batching import length_micro_batches
+    from cispo.training.batching import length_micro_batches
 
     B = len(exp)
     order = torch.randperm(B, generator=torch.Generator().manual_seed(seed))
@@ -123,7 +123,7 @@ def count_logp_old(exp, strategy: str, split_cost: float) -> tuple[int, ...]:
     """The same for the single logp_old pass over all B rows."""
     import torch
 
-    from cispo.batching import length_micro_batches
+    from cispo.training.batching import length_micro_batches
 
     rows = torch.arange(len(exp))
     if strategy == "unsorted":
@@ -196,7 +196,7 @@ def main(argv=None) -> None:
     if args.tiny:
         args.seeds, args.prompts = 3, 8
     if args.split_cost is None:
-        from cispo.config import AlgoConfig
+        from cispo.config.train import AlgoConfig
 
         args.split_cost = AlgoConfig().micro_batch_split_cost
     B = args.prompts * args.group_size

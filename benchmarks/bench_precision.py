@@ -25,7 +25,7 @@ def one(mode: str, a) -> dict:
     import torch
     import transformers
 
-    from cispo.models import precision
+    from cispo.models.loading import precision
 
     torch.set_num_threads(a.threads)
     dtype, master = MODES[mode]
@@ -36,8 +36,8 @@ def one(mode: str, a) -> dict:
                                    max_position_embeddings=2 * a.len)
     model = transformers.LlamaForCausalLM(cfg).to(param_dtype).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    from cispo.experience import Completion, collate
-    from cispo.policy import policy_logprobs
+    from cispo.foundations.experience import Completion, collate
+    from cispo.models.policy import policy_logprobs
 
     g = torch.Generator().manual_seed(0)
     rows = [Completion({}, torch.randint(0, a.vocab, (8,), generator=g).tolist(),

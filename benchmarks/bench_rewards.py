@@ -4,13 +4,13 @@
     python benchmarks/bench_rewards.py --tiny
     python benchmarks/bench_rewards.py --batch 1024 --workers 1 2 4 8
 
-One batch = one step's reward calls, as `cispo.trainer.sample_groups` makes them: ``B``
-``(prompt, completion, sample)`` triples scored by one `cispo.rewards.score_rewards` call. Two
+One batch = one step's reward calls, as `cispo.training.trainer.sample_groups` makes them: ``B``
+``(prompt, completion, sample)`` triples scored by one `cispo.data.rewards.score_rewards` call. Two
 rewards, each loaded from a file spec like a user's (``file.py:fn``):
 
 * ``trivial``: returns ``len(completion) % 2`` -- the pure dispatch cost (pickling the call,
   the pipe to the worker, the result back, the per-call output capture);
-* ``math``: `cispo.rewards.math.math_reward` on GSM8K-like completions (math-verify parses
+* ``math``: `cispo.data.rewards.math.math_reward` on GSM8K-like completions (math-verify parses
   and compares) -- a realistic verifier.
 
 Paths: ``main`` (``data.reward_isolation=main``: called one after another in this thread) and
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved, median, spread, table  # noqa: E402
 
 REWARDS = '''
-from cispo.rewards.math import math_reward
+from cispo.data.rewards.math import math_reward
 
 def trivial(prompt, completion, **sample):
     return float(len(completion) % 2)
@@ -62,9 +62,9 @@ def main(argv=None) -> None:
     if args.tiny:
         args.batch, args.workers, args.repeats = 32, [1, 2], 2
 
-    from cispo.rewards import score_rewards
-    from cispo.rewards.loading import load_reward
-    from cispo.rewards.pool import shutdown_pools
+    from cispo.data.rewards import score_rewards
+    from cispo.data.rewards.loading import load_reward
+    from cispo.data.rewards.pool import shutdown_pools
 
     calls = make_calls(args.batch)
     tmp = tempfile.TemporaryDirectory()

@@ -15,7 +15,7 @@ models, 8 prompts x 8 samples, 32 and 128 new tokens. ``--pairs`` interleaved pa
 alternates); each pair gives one ratio hf time / static time; the table gives the median ratio
 and its range (load on a shared machine moves both sides of a pair together).
 
-The model is the built-in ``--size`` Llama (``cispo.models.build_model``, default ``default``; its
+The model is the built-in ``--size`` Llama (``cispo.models.loading.build_model``, default ``default``; its
 shape is printed) with the addition task's character tokenizer (17 ids) and random init; the prompts are the
 addition task's (6-10 tokens, left-padded). Every row generates exactly ``--new-tokens``:
 
@@ -43,8 +43,8 @@ from _common import interleaved, load_average, machine_note, median, model_desc,
 
 
 def setup(size: str, seed: int):
-    from cispo.models import build_model, build_tokenizer
-    from cispo.tasks import get_task
+    from cispo.data.tasks import get_task
+    from cispo.models.loading import build_model, build_tokenizer
 
     task = get_task("addition")
     tok = build_tokenizer(task.alphabet)

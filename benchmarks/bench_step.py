@@ -4,9 +4,9 @@
     python benchmarks/bench_step.py --tiny
     python benchmarks/bench_step.py --only profile       # just the one-step breakdown
     python benchmarks/bench_step.py --only padding       # unsorted vs length-sorted micro-batches
-    python benchmarks/bench_step.py --model-path ~/.cache/cispo/models/addition-<hash>   # a pretrained policy
+    python benchmarks/bench_step.py --model-path ~/.cache/cispo/models/loading/addition-<hash>   # a pretrained policy
 
-Runs ``cispo.trainer.rl_step`` in this process on the built-in addition task (CPU, fp32,
+Runs ``cispo.training.trainer.rl_step`` in this process on the built-in addition task (CPU, fp32,
 ``--threads``), with the built-in Llama (random init unless ``--model-path``) and the
 trainer's defaults otherwise (32 prompts x G=8, K=16, dynamic sampling off so every step has
 the same B). Each step is split into sample (``TorchSampler.generate``), score (reward calls
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import PHASES, load_average, machine_note, median, ours_setup, ours_steps, set_threads, table  # noqa: E402
 
-from cispo.models import MAX_POSITIONS, MODEL_SIZES  # noqa: E402
+from cispo.models.loading import MAX_POSITIONS, MODEL_SIZES  # noqa: E402
 
 
 def configs(a) -> dict[str, dict]:
@@ -63,11 +63,11 @@ def configs(a) -> dict[str, dict]:
 
 
 def main(argv=None) -> None:
-    from cispo.tasks import get_task
-    from cispo.setup import default_max_new_tokens
+    from cispo.data.tasks import get_task
+    from cispo.training.setup import default_max_new_tokens
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="default", help="built-in model size of the base (cispo.models.MODEL_SIZES)")
+    p.add_argument("--size", default="default", help="built-in model size of the base (cispo.models.loading.MODEL_SIZES)")
     p.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens(get_task("addition")),
                    help="L (default: the trainer's for the addition task)")
     p.add_argument("--rounds", type=int, default=3)

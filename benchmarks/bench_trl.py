@@ -6,7 +6,7 @@ on the same tiny model, prompts, reward, G, K and lengths, one thread each.
     python benchmarks/bench_trl.py --size small --prompts 16 --group-size 8 --updates 4 --max-new-tokens 32
     python benchmarks/bench_trl.py --prompts 8 --updates 1 --epochs 4 --steps 5 --rounds 5 --threads default
 
-Both sides: the built-in ``--size`` Llama (``cispo.models.build_model``, random init, seed 0) with
+Both sides: the built-in ``--size`` Llama (``cispo.models.loading.build_model``, random init, seed 0) with
 the addition task's character tokenizer; the addition task's train prompts; its verifier as the
 reward; temperature 1, top-p 1, no top-k; fp32; no KL (TRL ``beta=0``); AdamW with our defaults
 (lr 1e-4, betas (0.9, 0.95), eps 1e-15, no weight decay, grad-norm clip 1, constant lr);
@@ -55,9 +55,9 @@ def worker_trl(a) -> list[dict]:
     from datasets import Dataset
     from trl import GRPOTrainer
 
-    from cispo.config import OptimConfig
-    from cispo.models import build_model, build_tokenizer
-    from cispo.tasks import get_task
+    from cispo.config.train import OptimConfig
+    from cispo.data.tasks import get_task
+    from cispo.models.loading import build_model, build_tokenizer
 
     threads = worker_threads(a.threads, "trl")
     task = get_task("addition")
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
                         "--prompts 8 --updates 1 --epochs 4)")
     p.add_argument("--threads", default="1",
                    help="torch threads of both sides (default 1), or 'default': each side's own default (ours: the "
-                        "cispo.threads rule, TRL: torch's)")
+                        "cispo.foundations.threads rule, TRL: torch's)")
     p.add_argument("--steps", type=int, default=4, help="RL steps per worker (the first is dropped)")
     p.add_argument("--rounds", type=int, default=2, help="ours/TRL worker pairs, alternating")
     p.add_argument("--eos", choices=("suppressed", "natural"), default="suppressed")
@@ -131,8 +131,8 @@ def main(argv=None) -> None:
     B = a.prompts * a.group_size
     from _common import model_desc
 
-    from cispo.models import build_model, build_tokenizer
-    from cispo.tasks import get_task
+    from cispo.data.tasks import get_task
+    from cispo.models.loading import build_model, build_tokenizer
 
     desc = model_desc(build_model(build_tokenizer(get_task("addition").alphabet), size=a.size))
     ours_with = f"; ours with {' '.join(a.ours_set)}" if a.ours_set else ""

@@ -8,7 +8,7 @@ update passes' FLOP rate as a share of this machine's measured fp32 and bf16 mat
     python benchmarks/bench_trl_smollm2.py --pairs 1 --steps 1 --prompts 2 --group 2 --max-new-tokens 8 --updates 1
 
 The workload, the same on both sides: the model ``--model`` (default ``builtin:smollm2-135m``, cispo's
-converted fp32 folder of the packaged GGUF, ``cispo.packaged``; each side loads it from that folder); the
+converted fp32 folder of the packaged GGUF, ``cispo.models.packaged``; each side loads it from that folder); the
 ``wordmath`` train problems (seed ``--seed``) as chat messages (the task's system prompt, then the
 problem), through the tokenizer's chat template with the assistant turn opened; one list of
 (``--steps`` + 1) x ``--prompts`` problems, handed out in the same order to both (cispo through
@@ -74,7 +74,7 @@ DTYPES = ("float32", "bfloat16")
 
 def workload(a) -> list[dict]:
     """The prompts of every worker's steps, in the order both sides take them (the first P: the warm-up)."""
-    from cispo.tasks import get_task
+    from cispo.data.tasks import get_task
 
     return get_task("wordmath").train_samples(a.seed, (a.steps + 1) * a.prompts)
 
@@ -117,8 +117,8 @@ def worker_trl(a) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
-    from cispo.packaged import resolve_model_path
-    from cispo.tasks import get_task
+    from cispo.data.tasks import get_task
+    from cispo.models.packaged import resolve_model_path
 
     threads = worker_threads(a.threads, "trl")
     task = get_task("wordmath")

@@ -7,7 +7,7 @@
     python benchmarks/bench_update.py --compile --no-profile      # also model.compile=on, interleaved
     python benchmarks/bench_update.py --bare --no-profile         # also the bare Hugging Face loop (the floor)
 
-What is timed: ``cispo.trainer.update_policy`` on one generation batch, i.e. the K optimizer
+What is timed: ``cispo.training.trainer.update_policy`` on one generation batch, i.e. the K optimizer
 steps (per mini-batch: ``policy_logprobs`` forward, ``policy_loss``, backward, grad clipping,
 AdamW step), on a batch shaped like the default run's: B rows of a ``--prompt-len``-token prompt
 and a ``--response-len``-token response (random ids: every row has the same length, so there is
@@ -38,13 +38,13 @@ from _common import (interleaved, load_average, machine_note, median, model_desc
 def build(args):
     import torch
 
-    from cispo.config import TrainConfig, apply_overrides
-    from cispo.experience import Experience
-    from cispo.models import build_model, build_tokenizer
+    from cispo.config.train import TrainConfig, apply_overrides
+    from cispo.data.tasks import get_task
+    from cispo.foundations.experience import Experience
+    from cispo.models.loading import build_model, build_tokenizer
+    from cispo.models.policy import Policy, policy_logprobs
     from cispo.rollout import TorchSampler
-    from cispo.tasks import get_task
-    from cispo.policy import Policy, policy_logprobs
-    from cispo.setup import make_objective, make_optimizer
+    from cispo.training.setup import make_objective, make_optimizer
 
     task = get_task("addition")
     tok = build_tokenizer(task.alphabet)
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--fused-head", action="store_true",
-                   help="also time the update with algo.fused_head=true (cispo.fused_head), interleaved")
+                   help="also time the update with algo.fused_head=true (cispo.objective.fused_head), interleaved")
     p.add_argument("--compile", action="store_true",
                    help="also time the update and the logp_old pass with the decoder compiled (model.compile=on), "
                         "interleaved with eager")
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
         args.size, args.rows, args.updates, args.repeats, args.mm_size, args.bare = "tiny", 16, 2, 2, 256, True
     import torch
 
-    from cispo.trainer import update_policy
+    from cispo.training.trainer import update_policy
 
     threads = set_threads(args.threads)
     print(machine_note(threads))
@@ -154,8 +154,8 @@ def main(argv=None) -> None:
         fns["bare"] = lambda: bare_updates(policy.model, opt, exp, args.updates, cfg.optim.grad_clip)
     compile_s = None
     if args.compile:
-        from cispo.compile import compiled_decoder
-        from cispo.trainer import compute_logp_old
+        from cispo.models.compile import compiled_decoder
+        from cispo.training.trainer import compute_logp_old
 
         t0 = time.perf_counter()
         body = compiled_decoder(policy.model, policy.pad_id)

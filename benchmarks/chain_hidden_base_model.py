@@ -1,9 +1,9 @@
 """Measure a `chain_hidden*` task's shipped base model into one JSON (issue 28's gate variants).
 
-* ``probe``: `cispo.chain_probe.probe` on the task's held-out prompts — per step and per (tens
+* ``probe``: `cispo.models.chain_probe.probe` on the task's held-out prompts — per step and per (tens
   digit, addend) pair, the teacher-forced probability of the right / dropped-carry direct result
   and of ``W`` after it, and sampled direct results (``samples_per_step`` draws per step);
-* ``measure``: `cispo.pretrain.measure_chain_model` for each of `tasks` (accuracy, rechecks,
+* ``measure``: `cispo.models.pretrain.measure_chain_model` for each of `tasks` (accuracy, rechecks,
   the forced-recheck policies) on 300 held-out prompts;
 * the model folder's ``SHA256SUMS`` entry for the weights, and the wall time.
 
@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from cispo.builtin_model import ensure_builtin_model, read_checksums
-from cispo.chain_probe import probe
-from cispo.models import load_policy
-from cispo.pretrain import measure_chain_model
+from cispo.models.builtin import ensure_builtin_model, read_checksums
+from cispo.models.chain_probe import probe
+from cispo.models.loading import load_policy
+from cispo.models.pretrain import measure_chain_model
 
 
 def main(task: str, n_prompts: int, samples_per_step: int, tasks: list[str], out: str) -> None:

@@ -13,9 +13,9 @@ import sys
 from dataclasses import replace
 from functools import partial
 
-import cispo.tasks as tasks
+import cispo.data.tasks as tasks
 from cispo.cli import main
-from cispo.tasks import chain
+from cispo.data.tasks import chain
 
 
 def strict_chain(slack: int) -> tasks.Task:

@@ -1,7 +1,7 @@
 """Probe (docs/real-models.md, issue 31 item 3): are reflective tokens low-probability under a model?
 
 Samples ``--group`` responses (temperature 1, the RL rollout's settings) to each of ``--prompts``
-training prompts of a task and prints, for each of the task's fork strings (``cispo.forks``) and for
+training prompts of a task and prints, for each of the task's fork strings (``cispo.foundations.forks``) and for
 the other response tokens, the probability the sampler gave each token it drew: how many, the mean,
 the median, the share below 0.1 (``LOW_PROB``) and the mean percentile among the other tokens (the
 share of other tokens drawn with a lower probability). For strings of several tokens, the first
@@ -25,7 +25,7 @@ import torch
 def token_stats(p: torch.Tensor, others: torch.Tensor) -> dict:
     """Count, mean, median, share < LOW_PROB of probabilities ``p`` [n], and their mean percentile
     among ``others`` [m] (sorted ascending)."""
-    from cispo.objective import LOW_PROB
+    from cispo.objective.loss import LOW_PROB
 
     if not len(p):
         return {"n": 0}
@@ -51,13 +51,13 @@ def later_tokens(forks, response_ids: torch.Tensor, index: torch.Tensor) -> torc
 
 
 def main(argv=None) -> int:
-    from cispo.config import TrainConfig, apply_overrides
-    from cispo.data import load_source
-    from cispo.experience import collate
-    from cispo.runner import load_policy_for, resolve_device
-    from cispo.setup import default_max_new_tokens, fork_matcher, sampling_config
-    from cispo.threads import auto_threads
-    from cispo.trainer import sample_groups
+    from cispo.config.train import TrainConfig, apply_overrides
+    from cispo.data.prompts import load_source
+    from cispo.foundations.experience import collate
+    from cispo.foundations.threads import auto_threads
+    from cispo.training.runner import load_policy_for, resolve_device
+    from cispo.training.setup import default_max_new_tokens, fork_matcher, sampling_config
+    from cispo.training.trainer import sample_groups
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=32)

@@ -21,9 +21,9 @@ over (0, 1) as a trained model's do. Sections (``benchmarks/_gpu_sections.py``, 
 * logprob_agreement: rollout vs trainer log-probs with a bf16 / FP32 head on each side; with
   vLLM installed, vLLM's (MiniMax-M1's Figure 3), else the torch sampler's (same kernels as the
   trainer: an upper bound on agreement, said so in the report);
-* rl_eager / rl_compiled: ``cispo.trainer.rl_step`` on the path ``model.dtype=bfloat16`` gives
+* rl_eager / rl_compiled: ``cispo.training.trainer.rl_step`` on the path ``model.dtype=bfloat16`` gives
   (FP32 master weights, bf16 autocast, FP32 head), EOS sampled (variable lengths), peak memory per
-  phase; compiled = ``model.compile=on`` through ``cispo.compile`` (decoder and decode step);
+  phase; compiled = ``model.compile=on`` through ``cispo.models.compile`` (decoder and decode step);
 * head_share: the FP32 head's share of an update's time, TF32 off and on;
 * long_responses: updates on responses of 1-2k tokens, gradient checkpointing off and on;
 * decode_batch: sampling tokens/s against the batch size;

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from cispo.plotting import save_figure, series, style_axis
+from cispo.foundations.plotting import save_figure, series, style_axis
 
 PANELS = [("held-out accuracy (greedy)", "eval/accuracy_greedy"),
           ("held-out accuracy (mean@4, T=1)", "eval/accuracy"),

@@ -6,7 +6,7 @@ probability `w` (docs/results/v3/gate/chain_hidden_sharp_base_model.json: 0.0364
 written with the carry dropped unless rechecked. For each of `n` training prompts of
 `chain_hidden_sharp`'s stream, a group of 8 such completions is scored by the reward (`strict`:
 `chain_hidden_strict`'s, no slack; `graded`: `chain.graded_reward` at `chain.GRADED_COST`) and given
-group advantages (`cispo.advantages`: ``grpo`` (R - mean) / std, ``drgrpo`` R - mean); every ``W`` of
+group advantages (`cispo.objective.advantages`: ``grpo`` (R - mean) / std, ``drgrpo`` R - mean); every ``W`` of
 the group gets its response's advantage. Printed: the mean advantage of a ``W``, split into needed
 (after a buggy step) and unneeded ones.
 
@@ -21,8 +21,8 @@ import sys
 
 import torch
 
-from cispo.advantages import group_advantages
-from cispo.tasks import chain as ch
+from cispo.data.tasks import chain as ch
+from cispo.objective.advantages import group_advantages
 
 W_RATE = 0.0364
 GROUP = 8

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 
-from cispo.tasks import chain
+from cispo.data.tasks import chain
 
 PHASES = ((1, 5), (6, 10), (11, 20), (21, 40))
 

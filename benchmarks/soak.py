@@ -34,8 +34,8 @@ def last_step(metrics: Path) -> int:
 
 
 def soak(steps: int, warmup: int = 10, size: str = "tiny", workdir: Path | None = None) -> dict:
-    from cispo.models import build_model, build_tokenizer, save_policy
-    from cispo.tasks import arithmetic
+    from cispo.data.tasks import arithmetic
+    from cispo.models.loading import build_model, build_tokenizer, save_policy
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="cispo-soak-"))
     tok = build_tokenizer(arithmetic.ALPHABET)

@@ -27,10 +27,10 @@ from pathlib import Path
 # Start-up imports nothing heavy: `cispo --help`, `cispo train --help` and a config error answer
 # before torch, transformers or pandas would have loaded (each command imports what it runs).
 
-INPUT_ERRORS = ("cispo.config_engine.ConfigError", "cispo.datasets.DataError", "cispo.rewards.loading.RewardSpecError",
-                "builtins.FileExistsError", "cispo.tasks.UnknownTaskError")
+INPUT_ERRORS = ("cispo.config.engine.ConfigError", "cispo.data.datasets.DataError", "cispo.data.rewards.loading.RewardSpecError",
+                "builtins.FileExistsError", "cispo.data.tasks.UnknownTaskError")
 """Bad input: one line on stderr, exit status 2, no traceback."""
-RUN_ERRORS = ("cispo.checkpoint.CheckpointError",)
+RUN_ERRORS = ("cispo.training.checkpoint.CheckpointError",)
 """A run that cannot go on (its checkpoints): one line, exit status 1."""
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.yaml", "curves.png", "checkpoints/")
 """What the closing line of `cispo train` lists of its run folder (those that exist)."""
@@ -43,28 +43,28 @@ def is_one_of(error: BaseException, names: tuple[str, ...]) -> bool:
 
 
 def config_class(name: str) -> type:
-    """The config class ``module:Class`` (imported on use: `cispo.pretrain` loads torch)."""
+    """The config class ``module:Class`` (imported on use: `cispo.models.pretrain` loads torch)."""
     module, _, cls = name.partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
 def _build_config(cls, config_file: str | None, overrides: list[str]):
-    from cispo.config import apply_overrides, load_yaml
+    from cispo.config.train import apply_overrides, load_yaml
 
     cfg = load_yaml(cls, config_file) if config_file else cls()
     return apply_overrides(cfg, overrides)
 
 
 def cmd_train(args) -> int:
-    from cispo.config import TrainConfig
-    from cispo.runfolder import resume_config
+    from cispo.config.train import TrainConfig
+    from cispo.records.runfolder import resume_config
 
     if args.resume:  # the run's saved config.yaml, with the given keys on top (checked by train)
         cfg = resume_config(args.config, args.overrides)
     else:
         cfg = _build_config(TrainConfig, args.config, args.overrides)
-    from cispo.distributed import close_distributed  # the config is good: now torch and the rest
-    from cispo.runner import format_summary, train
+    from cispo.foundations.distributed import close_distributed  # the config is good: now torch and the rest
+    from cispo.training.runner import format_summary, train
 
     try:
         result = train(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -80,8 +80,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from cispo.builtin_model import rebuild_builtin_model
-    from cispo.pretrain import PretrainConfig, measure_base_model, pretrain
+    from cispo.models.builtin import rebuild_builtin_model
+    from cispo.models.pretrain import PretrainConfig, measure_base_model, pretrain
 
     cfg = _build_config(PretrainConfig, args.config, args.overrides)
     if args.out:
@@ -91,7 +91,7 @@ def cmd_pretrain(args) -> int:
         out = rebuild_builtin_model(cfg)
     print(f"model: {out}")
     if args.measure:
-        from cispo.tracking import json_safe
+        from cispo.records.tracking import json_safe
 
         report = measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed)
         print(json.dumps(json_safe(report.to_dict()), indent=2, allow_nan=False))
@@ -110,7 +110,7 @@ def run_config_of(model: str | None) -> Path | None:
 
 
 def cmd_eval(args) -> int:
-    from cispo.config import TrainConfig
+    from cispo.config.train import TrainConfig
 
     config_file = args.config or run_config_of(args.model)
     if config_file and not args.config:
@@ -119,14 +119,14 @@ def cmd_eval(args) -> int:
     # a checkpoint's model/ is a plain (merged) model: no LoRA on top, one process
     model = [f"model.path={args.model}", "model.lora_rank=0", "model.fsdp=false"] if args.model else []
     cfg = _build_config(TrainConfig, config_file, args.overrides + model)
-    from cispo.data import load_eval_sets, load_source  # the config is good: now torch and the rest
-    from cispo.evaluation import evaluate, evaluate_sets
-    from cispo.rewards import start_reward_workers
-    from cispo.runner import check_model, load_policy_for, resolve_device
-    from cispo.samples import HELD_OUT, eval_records
-    from cispo.setup import default_max_new_tokens
-    from cispo.tracking import json_safe
-    from cispo.trainer import tracked_fork
+    from cispo.data.prompts import load_eval_sets, load_source  # the config is good: now torch and the rest
+    from cispo.data.rewards import start_reward_workers
+    from cispo.records.samples import HELD_OUT, eval_records
+    from cispo.records.tracking import json_safe
+    from cispo.training.evaluation import evaluate, evaluate_sets
+    from cispo.training.runner import check_model, load_policy_for, resolve_device
+    from cispo.training.setup import default_max_new_tokens
+    from cispo.training.trainer import tracked_fork
 
     check_model(cfg)  # before the data is loaded
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
@@ -163,7 +163,7 @@ def _samples_file(path: str | None):
     try:
         f = open(path, "w", encoding="utf-8")
     except OSError as e:
-        from cispo.config import ConfigError
+        from cispo.config.train import ConfigError
 
         raise ConfigError(f"--samples {path}: cannot write it ({e.strerror or e})") from None
     with f:
@@ -180,7 +180,7 @@ def _split_overrides(cls, overrides: list[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_compare(args) -> int:
-    from cispo.config import ConfigError, TrainConfig, apply_overrides
+    from cispo.config.train import ConfigError, TrainConfig, apply_overrides
     from cispo.experiments.compare import CompareConfig, SweepConfig, compare, sweep
     from cispo.experiments.tables import format_sweep, format_table
 
@@ -245,7 +245,7 @@ def cmd_study_report(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from cispo.plotting import plot_runs
+    from cispo.foundations.plotting import plot_runs
 
     metrics = [m for m in args.metrics.split(",") if m] if args.metrics else None
     try:
@@ -267,7 +267,7 @@ class CommandParser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         if self.config is not None:
-            from cispo.config import format_help
+            from cispo.config.train import format_help
 
             self.epilog = format_help(config_class(self.config))
         return super().format_help()
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    p = add("train", "train a policy with CISPO (or another preset) on a verifiable task", "cispo.config:TrainConfig",
+    p = add("train", "train a policy with CISPO (or another preset) on a verifiable task", "cispo.config.train:TrainConfig",
             cmd_train)
     p.add_argument("--resume", action="store_true",
                    help="continue the run from its last intact checkpoint, with its saved config.yaml (key=value "
@@ -294,12 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(only a folder cispo created: one with a .cispo-run marker, directly in out_dir)")
     p = add("pretrain", "pretrain a built-in base model into the model cache or --out (the package ships the "
             "addition and chain models pretrained, and `train` uses those: this rebuilds one, e.g. with other "
-            "settings)", "cispo.pretrain_config:PretrainConfig", cmd_pretrain)
+            "settings)", "cispo.models.pretrain_config:PretrainConfig", cmd_pretrain)
     p.add_argument("--out", help="output folder (default: the model cache)")
     p.add_argument("--measure", type=int, default=0, help="sample N held-out prompts and report fork rate / accuracy")
     p.add_argument("--measure-seed", type=int, default=0)
     p = add("eval", "held-out accuracy and fork rate of a model (default: the built-in base model)",
-            "cispo.config:TrainConfig", cmd_eval)
+            "cispo.config.train:TrainConfig", cmd_eval)
     p.add_argument("--model", help="model folder (a checkpoint's model/ or any HF causal LM)")
     p.add_argument("--samples", metavar="FILE", help="write every completion scored (prompt, completion, reward, "
                    "parsed answer, reference answer; greedy and sampled, each set) to FILE as JSONL")

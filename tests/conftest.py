@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-import cispo.tasks
-from cispo.config import TrainConfig, apply_overrides
-from cispo.models import build_model, build_tokenizer, save_policy
-from cispo.tasks import arithmetic
+import cispo.data.tasks
+from cispo.config.train import TrainConfig, apply_overrides
+from cispo.data.tasks import arithmetic
+from cispo.models.loading import build_model, build_tokenizer, save_policy
 
 
 def digit_reward(prompt, completion, **sample):
@@ -36,8 +36,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture
 def dense_task(monkeypatch):
-    base = cispo.tasks.get_task("addition")
-    monkeypatch.setattr(cispo.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
+    base = cispo.data.tasks.get_task("addition")
+    monkeypatch.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
 
 
 def reward_calls(*completions, sample=None):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cispo.rewards.code import SandboxConfig, SandboxUnavailable, check_sandbox
+from cispo.data.rewards.code import SandboxConfig, SandboxUnavailable, check_sandbox
 
 REPO = Path(__file__).resolve().parents[1]
 # A memory limit of our own (it shows in the harness's command line), so sandboxes of other

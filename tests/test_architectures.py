@@ -1,7 +1,7 @@
 """One definition of the policy's distribution for every architecture (issue 18, item 1).
 
 Tiny random models of several Hugging Face architectures, built from configs: the trainer's
-chunked-head log-probs (``cispo.policy.policy_logprobs``) and the sampler's must equal
+chunked-head log-probs (``cispo.models.policy.policy_logprobs``) and the sampler's must equal
 ``log_softmax(model(...).logits / temperature)`` in eval mode, including each model's own
 logit post-processing (Gemma's soft cap, Cohere's ``logit_scale``, Granite's ``logits_scaling``).
 The measured agreement is reported in docs/real-models.md (run with ``-s`` to print it).
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from cispo.experience import Completion, collate  # noqa: E402
-from cispo.policy import policy_logprobs  # noqa: E402
-from cispo.logprobs import LogitTransform, logit_transform  # noqa: E402
+from cispo.foundations.experience import Completion, collate  # noqa: E402
+from cispo.models.policy import policy_logprobs  # noqa: E402
+from cispo.objective.logprobs import LogitTransform, logit_transform  # noqa: E402
 from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -122,7 +122,7 @@ def test_gemma2_softcap_gradient_matches_autograd():
 
 def test_chunked_head_with_transform_matches_naive_in_float64():
     """Log-probs, entropies and their gradients through scale + soft cap, chunked vs full."""
-    from cispo.logprobs import naive_token_logprobs, token_logprobs
+    from cispo.objective.logprobs import naive_token_logprobs, token_logprobs
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(5, 7, 8, dtype=torch.float64, generator=g, requires_grad=True)
@@ -143,13 +143,13 @@ def test_an_unknown_logit_post_processing_is_refused_at_load(monkeypatch):
     """load_policy_for compares the chunked head with the model's own logits once: a model whose
     post-processing logit_transform does not know (simulated: Cohere with the transform forgotten)
     is an error, not training on the wrong log-probs."""
-    import cispo.policy
-    from cispo.runner import check_head
+    import cispo.models.policy
+    from cispo.training.runner import check_head
 
     model = build("cohere").train()
     check_head(model, "cohere")  # known: passes, and leaves the model in train mode
     assert model.training
-    monkeypatch.setattr(cispo.policy, "logit_transform", lambda config: LogitTransform())
+    monkeypatch.setattr(cispo.models.policy, "logit_transform", lambda config: LogitTransform())
     with pytest.raises(ValueError, match="post-processes its logits"):
         check_head(model, "cohere")
 

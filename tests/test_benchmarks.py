@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cispo.packaged import save_tiny_smollm2
+from cispo.models.packaged import save_tiny_smollm2
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPTS = {  # script -> the string(s) its --tiny output must contain
@@ -220,7 +220,7 @@ def test_gpu_check_tiny_on_a_bare_image(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_tiny_all_sections(tmp_path):
-    """The whole --tiny run on a bare image, ``model.compile=on`` (cispo.compile, inductor) included:
+    """The whole --tiny run on a bare image, ``model.compile=on`` (cispo.models.compile, inductor) included:
     minutes on a CPU, so the caps are raised."""
     report = _gpu_check(tmp_path, *LOADED_CPU, bare=True)
     _check_sections(report, ALL_SECTIONS, tmp_path)
@@ -236,7 +236,7 @@ def test_gpu_check_budget_skips_sections(tmp_path):
 
 
 STALLED_RL_STEP = """import runpy, sys, time
-import cispo.trainer as tr
+import cispo.training.trainer as tr
 rl_step = tr.rl_step
 def stalled(*a, **k):  # a training step far past any cap: the stop no longer depends on how fast compiling is
     time.sleep(600)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cispo.tasks import chain as ch
-from cispo.tasks import get_task
+from cispo.data.tasks import chain as ch
+from cispo.data.tasks import get_task
 
 BUGS = ch.HIDDEN_BUGS
 ONE_BUG = (18, 2, 4, 3)        # 18+2 buggy ((1, 2) in the set); 20+4, 24+3 carry nowhere
@@ -120,7 +120,7 @@ def test_graded_cost_is_the_balanced_cost_at_the_measured_base_model_rate():
 
 
 def test_graded_task_is_chain_hidden_sharp_with_another_reward_and_the_same_base_model():
-    from cispo.builtin_model import SHIPPED_ROOT, ensure_builtin_model
+    from cispo.models.builtin import SHIPPED_ROOT, ensure_builtin_model
 
     graded_task, sharp = get_task("chain_hidden_graded"), get_task("chain_hidden_sharp")
     assert graded_task.train_samples(0, 500) == sharp.train_samples(0, 500)       # the same prompt stream

@@ -13,9 +13,9 @@ import textwrap
 import pytest
 import yaml
 
-from cispo.checkpoint import check_model_folder
 from cispo.cli import main
-from cispo.config import ConfigError
+from cispo.config.train import ConfigError
+from cispo.training.checkpoint import check_model_folder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,8 +72,8 @@ def test_a_hub_id_still_goes_to_from_pretrained(monkeypatch):
     reachable); its failure is one line naming the id."""
     import transformers
 
-    import cispo.hub
-    import cispo.models
+    import cispo.foundations.hub
+    import cispo.models.loading
 
     check_model_folder("HuggingFaceTB/SmolLM2-135M-Instruct")  # no error: a hub id
     asked = []
@@ -82,10 +82,10 @@ def test_a_hub_id_still_goes_to_from_pretrained(monkeypatch):
         asked.append((name, kwargs))
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection")
 
-    monkeypatch.setattr(cispo.hub, "hub_unreachable", lambda: None)  # as where the hub's name resolves
+    monkeypatch.setattr(cispo.foundations.hub, "hub_unreachable", lambda: None)  # as where the hub's name resolves
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
     with pytest.raises(ConfigError, match=r"^org/model: cannot load it as a model \(AutoConfig: We couldn't connect"):
-        cispo.models.load_policy("org/model")
+        cispo.models.loading.load_policy("org/model")
     assert asked == [("org/model", {})]
 
 
@@ -102,8 +102,8 @@ def test_without_network_a_hub_id_is_read_from_the_cache_at_once(tiny_model, tmp
     script = textwrap.dedent(f"""
         import sys, time
         from cispo.cli import main
-        from cispo.hub import hub_unreachable
-        from cispo.models import load_policy
+        from cispo.foundations.hub import hub_unreachable
+        from cispo.models.loading import load_policy
         assert hub_unreachable().startswith("no network: nothing.invalid does not resolve"), hub_unreachable()
         model, tok = load_policy("org/tiny")
         assert model.config.vocab_size == len(tok)
@@ -174,7 +174,7 @@ def test_a_relative_path_run_resumes_from_another_folder(relative_run, tmp_path,
 
 
 def test_pretrain_measure_prints_parseable_json(monkeypatch, tmp_path, capsys):
-    import cispo.pretrain as pretrain
+    import cispo.models.pretrain as pretrain
 
     class Report:
         def to_dict(self):

@@ -1,4 +1,4 @@
-"""Tests for cispo.rewards.code and cispo.rewards.sandbox: the sandboxed code reward and a
+"""Tests for cispo.data.rewards.code and cispo.data.rewards.sandbox: the sandboxed code reward and a
 catalogue of hostile programs.
 
 Every hostile program runs under the sandbox's limits (small ones here, to keep the file
@@ -27,19 +27,19 @@ from pathlib import Path
 
 import pytest
 
-from cispo.rewards import code as code_mod
-from cispo.rewards.code import (
-    CodeReward,
-    SandboxConfig,
-    SandboxError,
-    SandboxUnavailable,
-    code_reward,
-    code_reward_partial,
-    extract_code,
-    make_code_reward,
-    run_sandboxed,
-    run_tests,
-)
+from cispo.data.rewards import code as code_mod
+from cispo.data.rewards.code import (
+                                     CodeReward,
+                                     SandboxConfig,
+                                     SandboxError,
+                                     SandboxUnavailable,
+                                     code_reward,
+                                     code_reward_partial,
+                                     extract_code,
+                                     make_code_reward,
+                                     run_sandboxed,
+                                     run_tests,
+                                     )
 from sandbox_helpers import ADD, ADD_TESTS, REPO, config, program, sandbox_pids
 from sandbox_helpers import cfg, netns, nothing_survives  # noqa: F401 - fixtures (nothing_survives is autouse)
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from cispo.rewards.code import (
-    SandboxConfig,
-    SandboxUnavailable,
-    make_code_reward,
-    run_sandboxed,
-    run_tests,
-)
+from cispo.data.rewards.code import (
+                                     SandboxConfig,
+                                     SandboxUnavailable,
+                                     make_code_reward,
+                                     run_sandboxed,
+                                     run_tests,
+                                     )
 from sandbox_helpers import ADD_TESTS, MEMORY_MB, REPO, config, program
 from sandbox_helpers import cfg, netns, nothing_survives  # noqa: F401 - fixtures (nothing_survives is autouse)
 
@@ -278,7 +278,7 @@ def test_without_user_namespaces_the_sandbox_refuses(cfg):
     inner = program("""
         with open("/proc/sys/user/max_user_namespaces", "w") as f:
             f.write("0")
-        from cispo.rewards.code import SandboxUnavailable, make_code_reward
+        from cispo.data.rewards.code import SandboxUnavailable, make_code_reward
         try:
             make_code_reward()
             print("SANDBOX RAN")

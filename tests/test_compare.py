@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from cispo.config import ConfigError
+from cispo.config.train import ConfigError
 
 from cispo.experiments.compare import CompareConfig, SweepConfig, compare, run_configs, sweep, tune, tuning_configs
 from cispo.experiments.stats import mean_band, steps_to_target

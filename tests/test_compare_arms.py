@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from cispo.config import ConfigError, apply_overrides
+from cispo.config.train import ConfigError, apply_overrides
 from cispo.experiments.arms import BUILTIN_ARMS, ArmConfig, resolve_arms
 from cispo.experiments.compare import CompareConfig, SweepConfig, base_config, run_configs, warmup_updates
 from cispo.experiments.stats import (censored_steps, collapsed, fieller_ratio, holm, paired_t, wilson)
-from cispo.objective import PRESETS, preset
+from cispo.objective.loss import PRESETS, preset
 
 
 def test_builtin_arms_are_the_presets_and_the_ablations():
@@ -113,7 +113,7 @@ def test_fieller_ratio_and_censoring():
 
 
 def test_arms_from_a_yaml_file_and_an_error_naming_its_line(tmp_path):
-    from cispo.config import load_yaml
+    from cispo.config.train import load_yaml
 
     good = tmp_path / "study.yaml"
     good.write_text("arms: [dapo, cap3]\narm_defs:\n  cap3:\n    objective: cispo\n    objective_overrides:\n"

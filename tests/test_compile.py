@@ -1,4 +1,4 @@
-"""model.compile (cispo.compile): the compiled decoder computes what the eager one does, falls back
+"""model.compile (cispo.models.compile): the compiled decoder computes what the eager one does, falls back
 to eager when compiling fails, and seeded compiled runs reproduce themselves.
 
 Compiling costs seconds to tens of seconds (inductor, C++), so only ``test_compiled_matches_eager``
@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-import cispo.compile as compile_mod
-from cispo.compile import CompiledDecoder, compile_cache_dir, compile_wanted, compiled_decoder
-from cispo.config import TrainConfig, apply_overrides
-from cispo.experience import Experience
-from cispo.models import build_model, build_tokenizer
-from cispo.policy import policy_logprobs
-from cispo.runner import train
-from cispo.tasks import arithmetic
+import cispo.models.compile as compile_mod
+from cispo.config.train import TrainConfig, apply_overrides
+from cispo.data.tasks import arithmetic
+from cispo.foundations.experience import Experience
+from cispo.models.compile import CompiledDecoder, compile_cache_dir, compile_wanted, compiled_decoder
+from cispo.models.loading import build_model, build_tokenizer
+from cispo.models.policy import policy_logprobs
+from cispo.training.runner import train
 
 from conftest import small_config
 
@@ -208,8 +208,8 @@ def test_compiled_run_with(tiny_model, tmp_path, dense_task, monkeypatch, capsys
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_sampler_compiles_its_step_with_the_trainer(tiny_model, tmp_path, monkeypatch, mode):
     """model.compile decides for the sampler's decode step as for the trainer's passes."""
-    import cispo.runner as runner
-    from cispo.tasks import get_task
+    import cispo.training.runner as runner
+    from cispo.data.tasks import get_task
 
     monkeypatch.setattr(runner, "train_body", lambda *a, **k: None)  # not the trainer's compile here
     cfg = small_config(tiny_model, tmp_path, f"model.compile={mode}")

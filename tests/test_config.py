@@ -12,22 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from cispo.advantages import ESTIMATORS
 from cispo.cli import main
-from cispo.config import (
-    AlgoConfig,
-    ConfigError,
-    TrainConfig,
-    apply_overrides,
-    field_docs,
-    format_help,
-    from_dict,
-    load_yaml,
-    save_yaml,
-    to_dict,
-)
-from cispo.objective import PRESETS
-from cispo.suggest import did_you_mean
+from cispo.config.train import (
+                                AlgoConfig,
+                                ConfigError,
+                                TrainConfig,
+                                apply_overrides,
+                                field_docs,
+                                format_help,
+                                from_dict,
+                                load_yaml,
+                                save_yaml,
+                                to_dict,
+                                )
+from cispo.foundations.suggest import did_you_mean
+from cispo.objective.advantages import ESTIMATORS
+from cispo.objective.loss import PRESETS
 
 SECTIONS = ("model", "data", "rollout", "algo", "optim", "eval")
 
@@ -230,7 +230,7 @@ def test_bad_setting_exits_2_with_one_line(capsys):
 def test_unavailable_cuda_device_is_a_config_error(monkeypatch):
     import torch
 
-    from cispo.runner import resolve_device
+    from cispo.training.runner import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="model.device='cuda': CUDA is not available"):
@@ -241,8 +241,8 @@ def test_unavailable_cuda_device_is_a_config_error(monkeypatch):
 
 
 def test_data_file_too_small_for_a_held_out_set(tmp_path, capsys):
-    from cispo.data import load_source
-    from cispo.datasets import DataError
+    from cispo.data.datasets import DataError
+    from cispo.data.prompts import load_source
 
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
@@ -346,7 +346,7 @@ def test_trl_and_verl_names_are_answered_with_cispos_key(override, expected):
 
 
 def test_other_names_in_a_yaml_file_and_in_another_config(tmp_path):
-    from cispo.pretrain import PretrainConfig
+    from cispo.models.pretrain import PretrainConfig
 
     path = tmp_path / "run.yaml"
     path.write_text("rollout:\n  num_generations: 4\n")
@@ -362,10 +362,10 @@ def test_other_names_in_a_yaml_file_and_in_another_config(tmp_path):
 
 
 def test_the_integrations_doc_shows_the_names_table():
-    """docs/integrations.md's table of TRL's and verl's names is `cispo.suggest.OTHER_NAMES`, row for row."""
+    """docs/integrations.md's table of TRL's and verl's names is `cispo.foundations.suggest.OTHER_NAMES`, row for row."""
     from pathlib import Path
 
-    from cispo.suggest import OTHER_NAMES
+    from cispo.foundations.suggest import OTHER_NAMES
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
     section = doc.split("## TRL's and verl's names in `cispo train`", 1)[1].split("\n## ", 1)[0]

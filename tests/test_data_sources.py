@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from cispo.config import DataConfig, ModelConfig, TrainConfig as Config
-from cispo.datasets import DataError, load_prompts
+from cispo.config.train import DataConfig, ModelConfig, TrainConfig as Config
+from cispo.data.datasets import DataError, load_prompts
 
 
 def write_jsonl(path, rows):
@@ -135,8 +135,8 @@ def test_missing_local_paths_are_not_hub_ids(tmp_path):
 
 
 def test_load_source_passes_name_and_split(monkeypatch):
-    from cispo import datasets as cispo_datasets
-    from cispo.data import load_source
+    import cispo.data.datasets as cispo_datasets
+    from cispo.data.prompts import load_source
 
     seen = {}
 
@@ -159,7 +159,7 @@ def test_system_prompt_needs_chat_template():
 
 
 def test_system_prompt_override_and_yaml(tmp_path):
-    from cispo.config import apply_overrides, load_yaml
+    from cispo.config.train import apply_overrides, load_yaml
 
     y = tmp_path / "c.yaml"
     y.write_text("model:\n  chat_template: true\ndata:\n  system_prompt: Think step by step.\n")
@@ -178,7 +178,7 @@ class RecordingTokenizer:
 
 
 def test_policy_prepends_system_prompt_in_chat_mode():
-    from cispo.policy import Policy
+    from cispo.models.policy import Policy
 
     tok = RecordingTokenizer()
     policy = Policy(model=None, tokenizer=tok, sampler=None, device=None, chat_template=True, system_prompt="Be brief.")
@@ -200,7 +200,7 @@ def file_data(**kw):
 
 
 def test_eval_sets_from_yaml_and_overrides(tmp_path):
-    from cispo.config import ConfigError, EvalSetConfig, apply_overrides, load_yaml, save_yaml
+    from cispo.config.train import ConfigError, EvalSetConfig, apply_overrides, load_yaml, save_yaml
 
     y = tmp_path / "c.yaml"
     y.write_text("model:\n  path: /m\ndata:\n  path: train.jsonl\n  reward: math\n  eval_sets:\n"
@@ -229,8 +229,8 @@ def test_eval_sets_from_yaml_and_overrides(tmp_path):
 
 
 def test_load_eval_sets_each_with_its_own_fields(tmp_path):
-    from cispo.config import EvalSetConfig
-    from cispo.data import load_eval_sets
+    from cispo.config.train import EvalSetConfig
+    from cispo.data.prompts import load_eval_sets
 
     write_jsonl(tmp_path / "g.jsonl", [{"question": f"g{i}", "answer": str(i)} for i in range(5)])
     write_jsonl(tmp_path / "m" / "0.jsonl", [{"problem": "m0", "solution": "x", "level": 3}])
@@ -247,7 +247,7 @@ def test_load_eval_sets_each_with_its_own_fields(tmp_path):
 
 
 def test_evaluate_sets_names_metrics_per_set(monkeypatch):
-    from cispo import evaluation
+    import cispo.training.evaluation as evaluation
 
     def fake_evaluate(policy, samples, *a, **kw):
         return {"eval/accuracy": float(len(samples)), "eval/accuracy_pass_at_4": 1.0}

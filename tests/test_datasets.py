@@ -1,4 +1,4 @@
-"""cispo.datasets: prompt sets from JSONL / Parquet / datasets folders, and their errors."""
+"""cispo.data.datasets: prompt sets from JSONL / Parquet / datasets folders, and their errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from cispo.datasets import DataError, LoadReport, load_prompts, load_prompts_with_report
+from cispo.data.datasets import DataError, LoadReport, load_prompts, load_prompts_with_report
 
 
 def write_jsonl(path, rows):
@@ -204,7 +204,7 @@ def test_skip_mode_counts_and_reports(tmp_path, caplog):
     assert (report.rows, report.loaded, report.skipped) == (5, 2, 3)
     assert len(report.errors) == 3 and "line 3: field 'prompt': empty prompt" in report.errors[1]
     assert "2 samples loaded from 5 rows, 3 skipped" in str(report)
-    with caplog.at_level(logging.WARNING, logger="cispo.datasets"):
+    with caplog.at_level(logging.WARNING, logger="cispo.data.datasets"):
         assert len(load_prompts(p, on_error="skip")) == 2
     assert "3 skipped" in caplog.text
 

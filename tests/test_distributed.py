@@ -13,16 +13,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cispo.config import TrainConfig, apply_overrides
-from cispo.distributed import DistInfo, any_rank
-from cispo.experience import Completion, collate
-from cispo.models import build_model, build_tokenizer
-from cispo.objective import preset
+from cispo.config.train import TrainConfig, apply_overrides
+from cispo.data.tasks import arithmetic
+from cispo.foundations.distributed import DistInfo, any_rank
+from cispo.foundations.experience import Completion, collate
+from cispo.models.loading import build_model, build_tokenizer
+from cispo.models.policy import Policy
+from cispo.objective.loss import preset
 from cispo.rollout import TorchSampler
-from cispo.tasks import arithmetic
-from cispo.policy import Policy
-from cispo.setup import make_optimizer
-from cispo.trainer import compute_logp_old, update_policy
+from cispo.training.setup import make_optimizer
+from cispo.training.trainer import compute_logp_old, update_policy
 
 B = 8  # 4 groups of 2, split 2 + 2 groups over the ranks
 
@@ -79,7 +79,7 @@ def free_port():
 
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "transformers.models.llama.modeling_llama",
-           "cispo.trainer", "cispo.setup", "cispo.rollout", "cispo.distributed"]
+           "cispo.training.trainer", "cispo.training.setup", "cispo.rollout", "cispo.foundations.distributed"]
 """What every rank imports. A spawned rank starts a fresh interpreter and imports them itself (~6 CPU-s
 each, 2 ranks per test); a rank forked from the forkserver gets them already imported, and the server
 imports them once for the whole module. The server runs no torch op before it forks (so no thread pool
@@ -110,7 +110,7 @@ def test_two_gloo_ranks_equal_one_process(objective, split_cost, tmp_path):
 
 def test_torchrun_cli_two_ranks(tmp_path):
     """`torchrun --nproc_per_node 2 -m cispo train` end to end (a random tiny model)."""
-    from cispo.models import save_policy
+    from cispo.models.loading import save_policy
 
     tok = build_tokenizer(arithmetic.ALPHABET)
     save_policy(build_model(tok, size="tiny", seed=0), tok, tmp_path / "model")
@@ -122,7 +122,7 @@ def test_torchrun_cli_two_ranks(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from cispo.tracking import read_metrics
+    from cispo.records.tracking import read_metrics
 
     rows = read_metrics(tmp_path / "ddp" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -144,7 +144,7 @@ UNEVEN = ([0, 1, 2, 3, 4, 5], [6, 7])  # whole groups; micro_batch_size=3: more 
 def _fsdp_worker(rank, world, port, out_path):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from cispo.distributed import is_sharded, shard_model
+    from cispo.foundations.distributed import is_sharded, shard_model
     from cispo.rollout import SamplingConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -208,7 +208,7 @@ def test_fsdp_two_gloo_ranks_equal_one_process(tmp_path):
 
 def test_fill_groups_keeps_generating_while_another_rank_does():
     """Sharded weights: a rank with its groups idles through the other ranks' extra rounds."""
-    from cispo.data import fill_groups
+    from cispo.data.prompts import fill_groups
 
     others = iter([True, True, True, False])  # another rank generates 3 rounds
     generated, idled = [], []
@@ -235,7 +235,7 @@ FSDP_ARGS = ("model.fsdp=true", "checkpoint_every=1", "micro_batch_size=1", "dyn
 def fsdp_run(tmp_path_factory):
     """`torchrun --nproc_per_node 2 -m cispo train model.fsdp=true` for 2 steps (a random tiny
     model, a reward that varies with what it writes so that there is something to learn)."""
-    from cispo.models import save_policy
+    from cispo.models.loading import save_policy
 
     root = tmp_path_factory.mktemp("fsdp")
     tok = build_tokenizer(arithmetic.ALPHABET)
@@ -253,8 +253,8 @@ def fsdp_run(tmp_path_factory):
 def test_torchrun_cli_fsdp(fsdp_run):
     """The run trains, and its checkpoints hold full weights and the optimizer state in the
     format of an unsharded run."""
-    from cispo.models import load_policy
-    from cispo.tracking import read_metrics
+    from cispo.models.loading import load_policy
+    from cispo.records.tracking import read_metrics
 
     root, _ = fsdp_run
     rows = read_metrics(root / "fsdp" / "metrics.jsonl")
@@ -277,8 +277,8 @@ def test_torchrun_cli_fsdp_resume_repeats_the_run(fsdp_run, tmp_path):
     every rank's prompt and generator state come back into the shards)."""
     import shutil
 
-    from cispo.models import load_policy
-    from cispo.tracking import read_metrics
+    from cispo.models.loading import load_policy
+    from cispo.records.tracking import read_metrics
 
     root, args = fsdp_run
     shutil.copytree(root / "fsdp", tmp_path / "again")
@@ -295,7 +295,7 @@ def test_torchrun_cli_fsdp_resume_repeats_the_run(fsdp_run, tmp_path):
 
 
 def test_reduce_over_ranks_sums_counts_and_averages_the_rest():
-    from cispo.metrics import reduce_over_ranks
+    from cispo.training.metrics import reduce_over_ranks
 
     nan = float("nan")
     out = reduce_over_ranks([
@@ -320,7 +320,7 @@ def test_reduce_over_ranks_sums_counts_and_averages_the_rest():
 
 
 def test_close_distributed_leaves_the_process_group(tmp_path):
-    from cispo.distributed import close_distributed
+    from cispo.foundations.distributed import close_distributed
 
     close_distributed()  # no group: a no-op
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
@@ -337,8 +337,8 @@ def test_close_distributed_leaves_the_process_group(tmp_path):
 def _fsdp_precision_worker(rank, world, port, out_path):
     from torch.distributed import fsdp
 
-    from cispo.distributed import shard_model
-    from cispo.setup import fsdp_settings
+    from cispo.foundations.distributed import shard_model
+    from cispo.training.setup import fsdp_settings
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -414,9 +414,9 @@ def test_fsdp_mixed_precision_gathers_layers_in_bf16_over_fp32_shards(tmp_path):
 def _vllm_worker(rank, world, port, model_dir, out_dir):
     import fake_vllm
 
-    from cispo.distributed import shard_model
+    from cispo.foundations.distributed import shard_model
     from cispo.rollout import VLLMSampler
-    from cispo.setup import vllm_settings
+    from cispo.training.setup import vllm_settings
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -450,7 +450,7 @@ def test_vllm_engine_per_rank_under_two_gloo_ranks(tmp_path):
     """torchrun + rollout.engine=vllm: each rank builds its engine with the external launcher, its own
     seed and RANK / LOCAL_RANK / WORLD_SIZE (so vLLM puts it on cuda:LOCAL_RANK inside the trainer's
     process group, as TRL does), keeps its own device, and takes the full weights of an FSDP2 model."""
-    from cispo.models import save_policy
+    from cispo.models.loading import save_policy
 
     tok = build_tokenizer(arithmetic.ALPHABET)
     save_policy(build_model(tok, size="tiny", seed=0), tok, tmp_path / "model")

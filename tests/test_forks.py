@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from cispo.cli import main
-from cispo.config import ConfigError, TrainConfig, apply_overrides, load_yaml
-from cispo.data import load_source
-from cispo.experience import Completion, collate
-from cispo.forks import ForkTokens, count_in_text, normalise, slug, used_any
-from cispo.metrics import FORK_COLUMNS, fork_metrics, fork_rollout_metrics, fork_sums
-from cispo.objective import policy_loss, preset
-from cispo.packaged import TOKENIZER_DIR, save_tiny_smollm2
-from cispo.tasks import wordmath
-from cispo.tracking import read_metrics
+from cispo.config.train import ConfigError, TrainConfig, apply_overrides, load_yaml
+from cispo.data.prompts import load_source
+from cispo.data.tasks import wordmath
+from cispo.foundations.experience import Completion, collate
+from cispo.foundations.forks import ForkTokens, count_in_text, normalise, slug, used_any
+from cispo.models.packaged import TOKENIZER_DIR, save_tiny_smollm2
+from cispo.objective.loss import policy_loss, preset
+from cispo.records.tracking import read_metrics
+from cispo.training.metrics import FORK_COLUMNS, fork_metrics, fork_rollout_metrics, fork_sums
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

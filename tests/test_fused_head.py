@@ -1,7 +1,7 @@
-"""The fused head + objective (cispo.fused_head, issue 13 item 5) against autograd on the naive path.
+"""The fused head + objective (cispo.objective.fused_head, issue 13 item 5) against autograd on the naive path.
 
 The loss, d loss / d hidden, d loss / d W (and bias) must equal those of ``naive_token_logprobs``
-(full logits) followed by ``cispo.objective.policy_loss`` — in float64 to rounding, for CISPO, PPO /
+(full logits) followed by ``cispo.objective.loss.policy_loss`` — in float64 to rounding, for CISPO, PPO /
 DAPO masks, GRPO's per-sequence aggregation, REINFORCE, a KL term, an entropy bonus, a soft cap,
 a temperature, chunks that split sequences; GSPO's sequence-level ratio is refused.
 """
@@ -9,9 +9,9 @@ a temperature, chunks that split sequences; GSPO's sequence-level ratio is refus
 import pytest
 import torch
 
-from cispo.fused_head import aggregation_weights, fused_head_loss, token_objective
-from cispo.logprobs import LogitTransform, naive_token_logprobs
-from cispo.objective import AGGREGATIONS, aggregate, policy_loss, preset
+from cispo.objective.fused_head import aggregation_weights, fused_head_loss, token_objective
+from cispo.objective.logprobs import LogitTransform, naive_token_logprobs
+from cispo.objective.loss import AGGREGATIONS, aggregate, policy_loss, preset
 
 B, T, H, V = 5, 7, 12, 29
 

@@ -1,4 +1,4 @@
-"""``algo.fused_head``: the trainer's update with the fused LM head + objective (cispo.fused_head)
+"""``algo.fused_head``: the trainer's update with the fused LM head + objective (cispo.objective.fused_head)
 equals the chunked path's — the same gradients in float64, the same logged metrics in float32 —
 and the combinations it cannot do are refused at config time."""
 
@@ -7,27 +7,27 @@ import math
 import pytest
 import torch
 
-from cispo.config import TrainConfig, apply_overrides
-from cispo.objective import preset
-from cispo.runner import train
-from cispo.tracking import read_metrics
+from cispo.config.train import TrainConfig, apply_overrides
+from cispo.objective.loss import preset
+from cispo.records.tracking import read_metrics
+from cispo.training.runner import train
 from conftest import small_config
 from test_trainer import _ragged_setup, strip_perf
 
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """How often the trainer's updates ran the fused head (``cispo.policy.fused_head_loss``)."""
-    import cispo.policy
+    """How often the trainer's updates ran the fused head (``cispo.models.policy.fused_head_loss``)."""
+    import cispo.models.policy
 
     calls = []
-    real = cispo.policy.fused_head_loss
+    real = cispo.models.policy.fused_head_loss
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cispo.policy, "fused_head_loss", spy)
+    monkeypatch.setattr(cispo.models.policy, "fused_head_loss", spy)
     return calls
 
 
@@ -45,7 +45,7 @@ def _float64_experience(exp, seed=5):
 
 
 def _one_update(objective, fused, kl_coef):
-    from cispo.trainer import update_policy
+    from cispo.training.trainer import update_policy
 
     policy, exp, config = _ragged_setup(torch.float64, rows=12)
     exp = _float64_experience(exp)

@@ -20,11 +20,11 @@ import torch
 import yaml
 
 import fake_vllm
-from cispo.config import TrainConfig, load_yaml
-from cispo.distributed import DistInfo
-from cispo.models import build_model, build_tokenizer, precision
-from cispo.setup import fsdp_settings, vllm_settings
-from cispo.tasks import arithmetic
+from cispo.config.train import TrainConfig, load_yaml
+from cispo.data.tasks import arithmetic
+from cispo.foundations.distributed import DistInfo
+from cispo.models.loading import build_model, build_tokenizer, precision
+from cispo.training.setup import fsdp_settings, vllm_settings
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -89,7 +89,7 @@ def test_recipe_settings_reach_each_ranks_engine_and_fsdp(tmp_path, tiny_model, 
         assert sampler.llm.calls[-1] == ("sleep", 2)
     # the policy load_policy_for builds from the recipe (on a CPU): FP32 master weights under bf16 autocast,
     # gradient checkpointing, the engine as its sampler
-    from cispo.runner import load_policy_for
+    from cispo.training.runner import load_policy_for
 
     cpu = recipe_with(tmp_path, f"model.path={tiny_model}", "model.device=cpu", "data.path=null", "data.reward=null")
     policy = load_policy_for(cpu, None, torch.device("cpu"))
@@ -104,7 +104,7 @@ def test_recipe_settings_reach_each_ranks_engine_and_fsdp(tmp_path, tiny_model, 
 
 
 def recipe_with(tmp_path, *overrides) -> TrainConfig:
-    from cispo.config import apply_overrides
+    from cispo.config.train import apply_overrides
 
     return apply_overrides(recipe(tmp_path), list(overrides))
 
@@ -152,7 +152,7 @@ def test_the_recipe_runs_under_torchrun_with_a_stand_in_engine(tmp_path, tiny_mo
         for after in steps:  # then: wake the weights, push them through reload_weights, reset the prefix cache
             assert after[1:4] == [["wake_up", ["weights"]], ["reload_weights", "iterator"], "reset_prefix_cache"]
         assert ["reload_weights", "disk"] not in mine
-    from cispo.tracking import read_metrics
+    from cispo.records.tracking import read_metrics
 
     metrics = read_metrics(tmp_path / "node" / "metrics.jsonl")
     assert [r["step"] for r in metrics] == [0, 1, 2] and all(r["perf/weight_sync_s"] >= 0 for r in metrics[1:])
@@ -163,7 +163,7 @@ def test_the_recipe_runs_under_torchrun_with_a_stand_in_engine(tmp_path, tiny_mo
 
 def test_the_trainer_side_of_the_fp32_head(tmp_path, monkeypatch):
     """model.fp32_lm_head reaches the trainer's log-prob passes too (policy_logprobs' fp32_head)."""
-    import cispo.trainer as tr
+    import cispo.training.trainer as tr
 
     cfg = recipe(tmp_path)
 
@@ -180,7 +180,7 @@ def test_the_trainer_side_of_the_fp32_head(tmp_path, monkeypatch):
 
 
 def _policy():
-    from cispo.policy import Policy
+    from cispo.models.policy import Policy
     from cispo.rollout import TorchSampler
 
     tok = build_tokenizer(arithmetic.ALPHABET)
@@ -189,7 +189,7 @@ def _policy():
 
 
 def _experience():
-    from cispo.experience import Completion, collate
+    from cispo.foundations.experience import Completion, collate
 
     comps = [Completion({"prompt": ""}, [3, 4, 5], torch.tensor([6, 7]), torch.zeros(2), "eos", "") for _ in range(2)]
     return collate(comps, torch.zeros(2), 0)

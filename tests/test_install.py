@@ -116,7 +116,7 @@ assert "cispo.integrations.verl" not in sys.modules
 import verl  # loads the verl.plugins entry points
 assert "cispo.integrations.verl" in sys.modules, "verl did not load the entry point"
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
-from cispo.objective import PRESETS
+from cispo.objective.loss import PRESETS
 for name in PRESETS:
     fn = get_policy_loss_fn(f"cispo_unified_{name}")
 logp = torch.zeros(2, 3)

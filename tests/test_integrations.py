@@ -20,7 +20,7 @@ import torch
 
 from cispo.integrations.trl import objective_config_from_trl, trl_available
 from cispo.integrations.verl import verl_available
-from cispo.objective import is_weight, log_ratio, policy_loss, ppo_token_mask, preset
+from cispo.objective.loss import is_weight, log_ratio, policy_loss, ppo_token_mask, preset
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -328,7 +328,7 @@ def _grpo_setup(tmp_path, **args_kw):
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from cispo.models import build_model, build_tokenizer
+    from cispo.models.loading import build_model, build_tokenizer
 
     tok = build_tokenizer(CHARS)
     model = build_model(tok, size="tiny", seed=0)
@@ -506,7 +506,7 @@ def _docs_python_block(heading: str) -> str:
 def test_trl_documented_example_runs_as_written(tmp_path, monkeypatch):
     """docs/integrations.md's TRL example, run as written (CPU here: TRL's default bf16=True
     would refuse), with a tiny local model for Qwen, 8-token completions and 2 steps."""
-    from cispo.models import build_model, build_tokenizer, save_policy
+    from cispo.models.loading import build_model, build_tokenizer, save_policy
 
     tok = build_tokenizer(CHARS + "TelmajokNrinubWht?.")
     save_policy(build_model(tok, size="tiny", seed=0), tok, tmp_path / "tiny")

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-import cispo.trainer as trainer
-from cispo.config import apply_overrides
-from cispo.runner import train
+import cispo.training.trainer as trainer
+from cispo.config.train import apply_overrides
+from cispo.training.runner import train
 
 from conftest import small_config
 

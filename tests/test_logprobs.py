@@ -1,10 +1,10 @@
-"""Tests for cispo.logprobs: chunked token log-probs / entropy against the naive reference."""
+"""Tests for cispo.objective.logprobs: chunked token log-probs / entropy against the naive reference."""
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cispo.logprobs import naive_token_logprobs, token_logprobs
+from cispo.objective.logprobs import naive_token_logprobs, token_logprobs
 
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-5)}
 

@@ -1,4 +1,4 @@
-"""Tests for cispo.lora: adapters injected into the Hugging Face model keep every interface the library
+"""Tests for cispo.models.lora: adapters injected into the Hugging Face model keep every interface the library
 uses (policy_logprobs, samplers), only they train, they start as the identity, and merging them gives a
 plain checkpoint that load_policy reloads with the same logits."""
 
@@ -8,9 +8,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from cispo.experience import Experience  # noqa: E402
-from cispo.policy import decoder, lm_head, policy_logprobs  # noqa: E402
-from cispo.lora import (  # noqa: E402
+from cispo.foundations.experience import Experience  # noqa: E402
+from cispo.models.policy import decoder, lm_head, policy_logprobs  # noqa: E402
+from cispo.models.lora import (  # noqa: E402
     apply_lora,
     has_lora,
     lora_parameters,
@@ -18,7 +18,7 @@ from cispo.lora import (  # noqa: E402
     merge_lora,
     merged_named_weights,
 )
-from cispo.models import build_tokenizer, load_policy  # noqa: E402
+from cispo.models.loading import build_tokenizer, load_policy  # noqa: E402
 from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
 
 EOS, PAD = 1, 0
@@ -171,9 +171,9 @@ def test_missing_peft_gives_install_hint(monkeypatch):
 
 
 def test_training_checkpoint_round_trip(tmp_path):
-    """cispo.checkpoint saves the LoRA model as it is (adapter names included); a run resumed with the same
+    """cispo.training.checkpoint saves the LoRA model as it is (adapter names included); a run resumed with the same
     LoRA set-up (apply_lora before load_checkpoint) gets its adapters and optimizer state back."""
-    from cispo.checkpoint import load_checkpoint, save_checkpoint
+    from cispo.training.checkpoint import load_checkpoint, save_checkpoint
 
     tok = build_tokenizer("abcdefghijklmnopq")
     model = apply_lora(tiny_llama(), rank=4, alpha=8)
@@ -194,7 +194,7 @@ def test_checkpoint_holds_merged_model_and_peft_adapter(tmp_path):
     adapter/ is peft's own format (PeftModel.from_pretrained on the base: same logits again)."""
     from peft import PeftModel
 
-    from cispo.checkpoint import save_checkpoint
+    from cispo.training.checkpoint import save_checkpoint
 
     tok = build_tokenizer("abcdefghijklmnopq")
     model = apply_lora(tiny_llama(), rank=4, alpha=8)
@@ -222,7 +222,7 @@ def test_weights_that_do_not_match_the_config_are_an_error(tmp_path):
 
 
 def test_resume_rejects_an_adapter_of_another_shape(tmp_path):
-    from cispo.checkpoint import load_checkpoint, save_checkpoint
+    from cispo.training.checkpoint import load_checkpoint, save_checkpoint
 
     model = apply_lora(tiny_llama(), rank=4, alpha=8)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from cispo.experience import Experience
-from cispo.metrics import FORK_COLUMNS, MECHANISM_COUNT, fork_metrics, fork_rollout_metrics, fork_sums
-from cispo.objective import policy_loss, preset
+from cispo.foundations.experience import Experience
+from cispo.objective.loss import policy_loss, preset
+from cispo.training.metrics import FORK_COLUMNS, MECHANISM_COUNT, fork_metrics, fork_rollout_metrics, fork_sums
 
 NAMES = ("wait", "however")
 COL = {c: i for i, c in enumerate(FORK_COLUMNS)}
@@ -85,8 +85,8 @@ def test_no_positive_fork_token_is_nan_not_zero():
 
 def test_a_run_logs_the_check_per_update(tiny_model, tmp_path):
     """Through the trainer on the built-in task (its fork token W): one value per update index."""
-    from cispo.runner import train
-    from cispo.tracking import read_metrics
+    from cispo.records.tracking import read_metrics
+    from cispo.training.runner import train
     from conftest import small_config
 
     result = train(small_config(tiny_model, tmp_path, "steps=1", "eval.every=0", "dynamic_sampling=false"))

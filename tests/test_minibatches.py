@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cispo.trainer as trainer
-from cispo.batching import minibatches
-from cispo.config import AlgoConfig
+import cispo.training.trainer as trainer
+from cispo.config.train import AlgoConfig
+from cispo.training.batching import minibatches
 from conftest import small_config
 
 
@@ -65,8 +65,8 @@ def test_a_run_with_a_short_batch_updates_on_full_minibatches(tiny_model, dense_
 
 def trainer_step(cfg):
     """Run ``cfg`` (one step) through the public entry point; the step's metrics."""
-    from cispo.runner import train
-    from cispo.tracking import read_metrics
+    from cispo.records.tracking import read_metrics
+    from cispo.training.runner import train
     result = train(cfg)
     return [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["step"] == 1][0]
 

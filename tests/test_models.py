@@ -1,4 +1,4 @@
-"""Tests for cispo.models and cispo.pretrain: tokenizer, save/load, seeded pretraining, cache."""
+"""Tests for cispo.models.loading and cispo.models.pretrain: tokenizer, save/load, seeded pretraining, cache."""
 
 import json
 from pathlib import Path
@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cispo import models
-from cispo.builtin_model import builtin_model_path, ensure_builtin_model
-from cispo.models import (build_model, build_tokenizer,
-                          load_policy, save_policy)
-from cispo.pretrain import PretrainConfig, measure_base_model, pretrain, sample_completions
-from cispo.tasks import get_task
+import cispo.models.loading as models
+from cispo.data.tasks import get_task
+from cispo.models.builtin import builtin_model_path, ensure_builtin_model
+from cispo.models.loading import (build_model, build_tokenizer,
+                                  load_policy, save_policy)
+from cispo.models.pretrain import PretrainConfig, measure_base_model, pretrain, sample_completions
 
 TINY = dict(model_size="tiny", steps=10, batch_size=16, corpus_size=200, warmup_steps=3)
 
@@ -80,7 +80,7 @@ def test_save_load_round_trip_gives_identical_logits(tok, tmp_path):
 
 
 def test_corpus_encoding_matches_the_tokenizer(tok):
-    from cispo.pretrain import _encode
+    from cispo.models.pretrain import _encode
 
     corpus = get_task("addition").corpus(0, 300, derivation_fraction=0.5)
     ids, labels = _encode(corpus, tok.get_vocab(), tok.eos_token_id, tok.pad_token_id)   # [N, T]
@@ -151,18 +151,18 @@ def test_cache_path_follows_env_and_config(tmp_path, monkeypatch):
 
 
 def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch, one_thread):
-    import cispo.pretrain
+    import cispo.models.pretrain
 
     monkeypatch.setenv("CISPO_CACHE", str(tmp_path))
     cfg = PretrainConfig(**TINY)
     calls = []
-    real = cispo.pretrain.pretrain
+    real = cispo.models.pretrain.pretrain
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(cispo.pretrain, "pretrain", counting)
+    monkeypatch.setattr(cispo.models.pretrain, "pretrain", counting)
     path = ensure_builtin_model("addition", cfg=cfg, progress=False)
     assert path == builtin_model_path("addition", cfg=cfg) and len(calls) == 1
     assert ensure_builtin_model("addition", cfg=cfg, progress=False) == path and len(calls) == 1
@@ -172,7 +172,7 @@ def test_ensure_builds_once_then_reuses(tmp_path, monkeypatch, one_thread):
 
 
 def test_interrupted_pretraining_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
-    import cispo.pretrain
+    import cispo.models.pretrain
 
     monkeypatch.setenv("CISPO_CACHE", str(tmp_path))
     cfg = PretrainConfig(**TINY)
@@ -181,7 +181,7 @@ def test_interrupted_pretraining_leaves_nothing_in_the_cache(tmp_path, monkeypat
         Path(out_dir, "config.json").write_text("{}")                  # half written
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cispo.pretrain, "pretrain", killed)
+    monkeypatch.setattr(cispo.models.pretrain, "pretrain", killed)
     with pytest.raises(KeyboardInterrupt):
         ensure_builtin_model("addition", cfg=cfg, progress=False)
     assert list((tmp_path / "models").iterdir()) == []

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cispo.advantages import group_advantages
-from cispo.objective import PRESETS, ObjectiveConfig, ObjectiveStats, aggregate, kl_penalty, policy_loss, preset
+from cispo.objective.advantages import group_advantages
+from cispo.objective.loss import PRESETS, ObjectiveConfig, ObjectiveStats, aggregate, kl_penalty, policy_loss, preset
 
 
 
@@ -538,7 +538,7 @@ def test_stats_flags_are_the_masks_behind_the_fractions(name):
     """``capped`` / ``ppo_dropped`` are eq. 5's and eq. 7's per-token flags: their means over
     response tokens are frac_capped / frac_ppo_dropped, padding is never flagged, and the
     dropped tokens are exactly the M = 0 tokens of ppo_token_mask."""
-    from cispo.objective import log_ratio, ppo_token_mask
+    from cispo.objective.loss import log_ratio, ppo_token_mask
 
     lp, lo, A, mask = random_batch(3, 6, 9, spread=1.0)
     cfg = preset(name, eps_high_is=0.5, eps_low_is=0.3) if name == "cispo" else preset(name)

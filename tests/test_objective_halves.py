@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cispo.fused_head import token_objective
-from cispo.objective import ObjectiveConfig, policy_loss, preset
+from cispo.objective.fused_head import token_objective
+from cispo.objective.loss import ObjectiveConfig, policy_loss, preset
 from test_objective import float64_default, grad_of, oracle_eq6, random_batch  # noqa: F401  (shared fixture)
 
 DAPO_LOW, DAPO_HIGH = 0.2, 0.28

@@ -1,4 +1,4 @@
-"""`cispo plot RUN_DIR...` (cispo.plotting.plot_runs) and the [0, 1] clamp of fraction bands."""
+"""`cispo plot RUN_DIR...` (cispo.foundations.plotting.plot_runs) and the [0, 1] clamp of fraction bands."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import matplotlib.axes
 import pytest
 
 from cispo.cli import main
-from cispo.plotting import band_limits, find_runs, is_fraction
+from cispo.foundations.plotting import band_limits, find_runs, is_fraction
 
 
 def _write_run(folder, rewards, accuracy, bad_line=None):
@@ -90,18 +90,18 @@ def test_find_runs_keeps_order_and_drops_duplicates(tmp_path):
 
 @pytest.fixture
 def figures(monkeypatch):
-    """The figures `cispo.plotting` saves: {panel title: (y limits, plotted y values)} per figure."""
-    import cispo.plotting
+    """The figures `cispo.foundations.plotting` saves: {panel title: (y limits, plotted y values)} per figure."""
+    import cispo.foundations.plotting
 
     saved = []
-    original = cispo.plotting.save_figure
+    original = cispo.foundations.plotting.save_figure
 
     def spy(fig, path, title=""):
         saved.append({ax.get_title(): (ax.get_ylim(), [y for line in ax.get_lines() for y in line.get_ydata()])
                       for ax in fig.axes if ax.get_visible()})
         return original(fig, path, title)
 
-    monkeypatch.setattr(cispo.plotting, "save_figure", spy)
+    monkeypatch.setattr(cispo.foundations.plotting, "save_figure", spy)
     return saved
 
 
@@ -120,7 +120,7 @@ def test_accuracy_of_rewards_outside_the_unit_interval_is_drawn_on_its_own_scale
 def test_every_logged_family_is_a_default_panel(tmp_path, figures):
     """KL (the penalty's once non-zero, and approx_kl), entropy and the capped fraction: drawn by
     `cispo plot` and in a run's curves.png; panels with no data are left out of curves.png."""
-    from cispo.plotting import plot_run, shown_metrics
+    from cispo.foundations.plotting import plot_run, shown_metrics
 
     rows = [{"step": s, "rollout/reward_mean": 0.1 * s, "objective/entropy": 1.0 - 0.1 * s,
              "objective/frac_capped": 0.01 * s, "objective/approx_kl": 0.001 * s, "objective/kl": 0.0}

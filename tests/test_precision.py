@@ -6,12 +6,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cispo.config import TrainConfig, apply_overrides  # noqa: E402
-from cispo.experience import Completion, collate  # noqa: E402
-from cispo.runner import load_policy_for  # noqa: E402
-from cispo.policy import policy_logprobs  # noqa: E402
-from cispo.setup import make_optimizer  # noqa: E402
-from cispo.trainer import compute_logp_old  # noqa: E402
+from cispo.config.train import TrainConfig, apply_overrides  # noqa: E402
+from cispo.foundations.experience import Completion, collate  # noqa: E402
+from cispo.training.runner import load_policy_for  # noqa: E402
+from cispo.models.policy import policy_logprobs  # noqa: E402
+from cispo.training.setup import make_optimizer  # noqa: E402
+from cispo.training.trainer import compute_logp_old  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -126,8 +126,8 @@ def test_float32_is_unchanged(llama_dir):
 def tiny_loss_update(pol, cfg, exp, scale):
     """One `update_policy` step (K = 1) on `exp` with its advantages times `scale`; -> the
     weight change and the step's stats."""
-    from cispo.objective import preset
-    from cispo.trainer import compute_logp_old, update_policy
+    from cispo.objective.loss import preset
+    from cispo.training.trainer import compute_logp_old, update_policy
 
     exp.advantages = exp.advantages * scale
     exp.logp_old = compute_logp_old(pol, exp, cfg)
@@ -171,9 +171,9 @@ def test_float16_resume_continues_with_the_saved_loss_scale(tiny_model, dense_ta
 
     from conftest import small_config
 
-    from cispo.checkpoint import list_checkpoints
-    from cispo.runner import train
-    from cispo.tracking import read_metrics
+    from cispo.records.tracking import read_metrics
+    from cispo.training.checkpoint import list_checkpoints
+    from cispo.training.runner import train
 
     def rows(run):
         return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(run / "metrics.jsonl")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cispo.cli import main
-from cispo.tracking import read_metrics
+from cispo.records.tracking import read_metrics
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -72,16 +72,16 @@ def test_tiny_qwen2_trains_from_jsonl_with_math_reward(qwen_dir, math_jsonl, tmp
     assert rows[-1]["optim/updates"] == 4
     assert rows[-1]["rollout/logp_corr"] > 0.99
     # the checkpoint is a loadable Hugging Face folder with the chat template kept
-    from cispo.models import load_policy
+    from cispo.models.loading import load_policy
 
     model, tok = load_policy(out / "qwen" / "checkpoints" / "step_000002" / "model")
     assert type(model).__name__ == "Qwen2ForCausalLM" and tok.chat_template == CHAT_TEMPLATE
 
 
 def test_chat_template_is_applied_to_prompts(qwen_dir):
-    from cispo.models import load_policy
+    from cispo.models.loading import load_policy
+    from cispo.models.policy import Policy
     from cispo.rollout import TorchSampler
-    from cispo.policy import Policy
 
     model, tok = load_policy(qwen_dir)
     policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.eos_token_id), torch.device("cpu"),
@@ -105,7 +105,7 @@ def test_bad_data_file_names_file_line_and_field(qwen_dir, tmp_path, capsys):
 def test_shards_eval_sets_and_system_prompt_in_a_run(qwen_dir, tmp_path, monkeypatch, capsys):
     """data.path a folder of shards, two named eval sets with their own fields (eval/<name>/...
     next to the held-out eval/...), and a system prompt, through the CLI."""
-    from cispo.policy import Policy
+    from cispo.models.policy import Policy
 
     encoded, encode = [], Policy.encode
     monkeypatch.setattr(Policy, "encode", lambda self, s: encoded.append(self.tokenizer.decode(encode(self, s)))

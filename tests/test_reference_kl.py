@@ -5,16 +5,16 @@ import pytest
 import torch
 from conftest import small_config
 
-import cispo.trainer
-from cispo.config import ConfigError, TrainConfig, apply_overrides
-from cispo.experience import Completion, collate
-from cispo.models import build_model, build_tokenizer, save_policy
-from cispo.objective import preset
-from cispo.policy import Policy, policy_logprobs
+import cispo.training.trainer
+from cispo.config.train import ConfigError, TrainConfig, apply_overrides
+from cispo.data.tasks import arithmetic
+from cispo.foundations.experience import Completion, collate
+from cispo.models.loading import build_model, build_tokenizer, save_policy
+from cispo.models.policy import Policy, policy_logprobs
+from cispo.objective.loss import preset
+from cispo.records.tracking import read_metrics
 from cispo.rollout import TorchSampler
-from cispo.runner import train
-from cispo.tasks import arithmetic
-from cispo.tracking import read_metrics
+from cispo.training.runner import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,7 +63,7 @@ def test_kl_gradient_matches_the_closed_form():
         comps.append(Completion({"prompt": ""}, torch.randint(3, len(tok), (n_p,), generator=g).tolist(),
                                 torch.randint(3, len(tok), (n_r,), generator=g), torch.zeros(n_r), "eos", ""))
     exp = collate(comps, torch.zeros(6), tok.pad_token_id)
-    exp.logp_old = cispo.trainer.compute_logp_old(policy, exp, cfg)
+    exp.logp_old = cispo.training.trainer.compute_logp_old(policy, exp, cfg)
     mask = exp.response_mask
     assert torch.allclose(exp.extras["logp_ref"], policy_logprobs(ref, exp).detach() * mask, atol=1e-5)
 
@@ -80,7 +80,7 @@ def test_kl_gradient_matches_the_closed_form():
         def step(self, closure=None):
             got.extend(p.grad.clone() for p in model.parameters())
 
-    cispo.trainer.update_policy(policy, Recording(model.parameters(), lr=0.0), exp, obj, cfg,
+    cispo.training.trainer.update_policy(policy, Recording(model.parameters(), lr=0.0), exp, obj, cfg,
                                 torch.Generator().manual_seed(0), 0, None)
     assert max(float((a - b).abs().max()) for a, b in zip(got, want)) < 1e-6
     assert max(float(a.abs().max()) for a in want) > 1e-4  # the KL part is not trivially zero
@@ -89,14 +89,14 @@ def test_kl_gradient_matches_the_closed_form():
 def _recorded_kl(monkeypatch) -> list[float]:
     """The KL of every optimizer step of a run, in order."""
     seen = []
-    real = cispo.trainer.merge_stats
+    real = cispo.training.trainer.merge_stats
 
     def recording(parts, grad_norm, finite):
         out = real(parts, grad_norm, finite)
         seen.append(out["kl"])
         return out
 
-    monkeypatch.setattr(cispo.trainer, "merge_stats", recording)
+    monkeypatch.setattr(cispo.training.trainer, "merge_stats", recording)
     return seen
 
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import cispo.tasks
-import cispo.trainer
+import cispo.data.tasks
+import cispo.training.trainer
 from cispo.cli import main
-from cispo.rewards import safe_reward
-from cispo.runner import train
-from cispo.tracking import read_metrics
+from cispo.data.rewards import safe_reward
+from cispo.records.tracking import read_metrics
+from cispo.training.runner import train
 from conftest import digit_reward, small_config
 
 # ---------------------------------------------------------------------------------------
@@ -64,8 +64,8 @@ def test_run_survives_a_flaky_reward(tiny_model, monkeypatch, tmp_path, capsys):
             raise ValueError("boom")
         return None if calls["n"] % 7 == 0 else digit_reward(prompt, completion)
 
-    base = cispo.tasks.get_task("addition")
-    monkeypatch.setattr(cispo.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=flaky))
+    base = cispo.data.tasks.get_task("addition")
+    monkeypatch.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=flaky))
     result = train(small_config(tiny_model, tmp_path, "steps=2", "eval.every=0"))
     rows = read_metrics(result.run_dir / "metrics.jsonl")
     assert sum(r.get("rollout/reward_errors", 0) for r in rows) > 0
@@ -80,7 +80,7 @@ def test_run_survives_a_flaky_reward(tiny_model, monkeypatch, tmp_path, capsys):
 
 def poison_losses(monkeypatch, every):
     """Make every ``every``-th loss NaN (1 = all of them)."""
-    real = cispo.trainer.policy_loss
+    real = cispo.training.trainer.policy_loss
     count = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -88,11 +88,11 @@ def poison_losses(monkeypatch, every):
         count["n"] += 1
         return (loss * float("nan") if count["n"] % every == 0 else loss), stats
 
-    monkeypatch.setattr(cispo.trainer, "policy_loss", poisoned)
+    monkeypatch.setattr(cispo.training.trainer, "policy_loss", poisoned)
 
 
 def test_non_finite_update_is_skipped_and_changes_nothing(tiny_model, dense_task, monkeypatch, tmp_path):
-    from cispo.models import load_policy
+    from cispo.models.loading import load_policy
 
     poison_losses(monkeypatch, every=2)  # half the optimizer steps see a NaN gradient
     result = train(small_config(tiny_model, tmp_path, "steps=1", "eval.every=0", "warmup_updates=0"))
@@ -108,7 +108,7 @@ def test_non_finite_update_is_skipped_and_changes_nothing(tiny_model, dense_task
 
 
 def test_repeated_faults_stop_with_a_checkpoint(tiny_model, dense_task, monkeypatch, tmp_path):
-    from cispo.models import load_policy
+    from cispo.models.loading import load_policy
 
     poison_losses(monkeypatch, every=1)
     cfg = small_config(tiny_model, tmp_path, "steps=10", "eval.every=0", "max_bad_steps=2", "checkpoint_every=0")
@@ -228,7 +228,7 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(tiny_model, tmp
     """Kill -9 at several moments; each resume ends with exactly the metrics and weights of
     an uninterrupted run (CPU, same seed)."""
     data, reward = tmp_path / "prompts.jsonl", tmp_path / "dense.py"
-    data.write_text("".join(json.dumps(r) + "\n" for r in cispo.tasks.get_task("addition").train_samples(0, 64)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in cispo.data.tasks.get_task("addition").train_samples(0, 64)))
     reward.write_text("def reward(prompt, completion, **sample):\n"
                       "    return completion.count('1') / max(len(completion), 1)\n")
     # a dense reward, so that the weights move (with the built-in task's reward a random tiny model
@@ -292,9 +292,9 @@ def test_weights_that_turn_non_finite_are_never_checkpointed(tiny_model, dense_t
     """A step that leaves a NaN weight stops the run with a sentence before it is logged or
     saved; the newest checkpoint stays the last finite one (before: the NaN weights were saved
     over it, and --resume found "no intact checkpoint")."""
-    import cispo.runner
+    import cispo.training.runner
 
-    real, count = cispo.runner.rl_step, {"n": 0}
+    real, count = cispo.training.runner.rl_step, {"n": 0}
 
     def poisoned(policy, *args, **kwargs):
         out = real(policy, *args, **kwargs)
@@ -304,7 +304,7 @@ def test_weights_that_turn_non_finite_are_never_checkpointed(tiny_model, dense_t
                 next(policy.model.parameters()).view(-1)[0] = float("nan")
         return out
 
-    monkeypatch.setattr(cispo.runner, "rl_step", poisoned)
+    monkeypatch.setattr(cispo.training.runner, "rl_step", poisoned)
     cfg = small_config(tiny_model, tmp_path, "steps=4", "eval.every=0", "checkpoint_every=1", "keep_checkpoints=1")
     with pytest.raises(FloatingPointError, match=r"non-finite \(NaN / inf\) during step 3 \(.*\); that step is "
                                                  r"neither logged nor saved, and the newest checkpoint \(step 2"):
@@ -314,13 +314,13 @@ def test_weights_that_turn_non_finite_are_never_checkpointed(tiny_model, dense_t
     weights = load_file(run_dir / "checkpoints" / "step_000002" / "model" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
-    monkeypatch.setattr(cispo.runner, "rl_step", real)
+    monkeypatch.setattr(cispo.training.runner, "rl_step", real)
     assert train(cfg, resume=True).summary  # the finite checkpoint resumes
 
 
 def test_update_metrics_of_a_step_whose_every_ratio_is_nan():
-    """Before: ``min() arg is an empty sequence`` (cispo/metrics.py) after NaN weights."""
-    from cispo.metrics import update_metrics
+    """Before: ``min() arg is an empty sequence`` (cispo/training/metrics.py) after NaN weights."""
+    from cispo.training.metrics import update_metrics
 
     out = update_metrics([{"ratio_min": float("nan"), "ratio_max": float("nan"), "loss": float("nan")}])
     assert math.isnan(out["objective/ratio_min"]) and math.isnan(out["objective/ratio_max"])

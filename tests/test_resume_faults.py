@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import cispo.tasks
-from cispo.checkpoint import CheckpointError, load_checkpoint
+import cispo.data.tasks
 from cispo.cli import main
-from cispo.runner import train
-from cispo.tracking import JsonlSink, read_metrics
+from cispo.records.tracking import JsonlSink, read_metrics
+from cispo.training.checkpoint import CheckpointError, load_checkpoint
+from cispo.training.runner import train
 from conftest import digit_reward, small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,8 +36,8 @@ def original(tiny_model, tmp_path_factory, one_thread):
     """A 4-step run with checkpoints at steps 2 and 4, and its metrics."""
     out = tmp_path_factory.mktemp("original")
     with pytest.MonkeyPatch.context() as mp:
-        base = cispo.tasks.get_task("addition")
-        mp.setattr(cispo.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
+        base = cispo.data.tasks.get_task("addition")
+        mp.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
         result = train(run_config(tiny_model, out))
     return result.run_dir, strip_perf(read_metrics(result.run_dir / "metrics.jsonl"))
 
@@ -189,7 +189,7 @@ def test_no_intact_checkpoint_is_a_clear_error(tiny_model, dense_task, damaged, 
 
 
 def test_non_finite_weights_are_refused_at_load_and_nothing_changes(tiny_model, original, tmp_path):
-    from cispo.models import load_policy
+    from cispo.models.loading import load_policy
 
     ckpt = tmp_path / "step_000004"
     shutil.copytree(original[0] / "checkpoints" / "step_000004", ckpt)
@@ -211,7 +211,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_sentence_and_loses_nothing(tiny_
                                                                             tmp_path, capsys):
     """torch.save on a full disk raises a torch-internal error that never mentions the disk
     (before: that traceback, and a half-written .tmp folder left behind)."""
-    import cispo.checkpoint
+    import cispo.training.checkpoint
     from cispo.cli import main
 
     real, calls = torch.save, {"n": 0}
@@ -224,7 +224,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_sentence_and_loses_nothing(tiny_
                                "file data/3: file write failed")
         return real(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(cispo.checkpoint.torch, "save", full_disk)
+    monkeypatch.setattr(cispo.training.checkpoint.torch, "save", full_disk)
     overrides = [f"model.path={tiny_model}", f"out_dir={tmp_path}", "run_name=r", "model.device=cpu", "progress=false",
                  "steps=4", "prompts_per_step=4", "group_size=4", "updates_per_batch=4", "max_new_tokens=10",
                  "num_train_prompts=64", "num_eval_prompts=8", "eval.num_samples=2", "eval.every=0",
@@ -235,6 +235,6 @@ def test_a_full_disk_during_a_checkpoint_is_one_sentence_and_loses_nothing(tiny_
         in err[-1] and "MB free on its disk" in err[-1] and "Traceback" not in "\n".join(err)
     ckpts = tmp_path / "r" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002"]  # no half-written folder left
-    monkeypatch.setattr(cispo.checkpoint.torch, "save", real)
+    monkeypatch.setattr(cispo.training.checkpoint.torch, "save", real)
     assert main(["train", "--resume", *overrides]) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0, 1, 2, 3, 4]

@@ -1,4 +1,4 @@
-"""User rewards in worker processes (cispo.rewards.pool): a reward that exits, is interrupted,
+"""User rewards in worker processes (cispo.data.rewards.pool): a reward that exits, is interrupted,
 dies, hangs, floods its output or mutates its arguments costs one counted call, never the run.
 
 Timeouts are short so that the module stays fast; every pool is stopped at the end."""
@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-import cispo.tasks
-from cispo.rewards import score_rewards
-from cispo.rewards.loading import load_reward
-from cispo.rewards.pool import OUTPUT_TAIL_CHARS, shutdown_pools
-from cispo.runner import train
-from cispo.tracking import read_metrics
+import cispo.data.tasks
+from cispo.data.rewards import score_rewards
+from cispo.data.rewards.loading import load_reward
+from cispo.data.rewards.pool import OUTPUT_TAIL_CHARS, shutdown_pools
+from cispo.records.tracking import read_metrics
+from cispo.training.runner import train
 from conftest import reward_calls as calls, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +61,7 @@ def hostile(prompt, completion, **sample):
     if completion == "main-thread":
         return float(threading.current_thread() is threading.main_thread())
     if completion == "math-verify-timeout":
-        from cispo.rewards.math import _timeout  # None where signal.alarm cannot work
+        from cispo.data.rewards.math import _timeout  # None where signal.alarm cannot work
         return float(_timeout(5) == 5)
     return float(len(completion))
 '''
@@ -102,7 +102,7 @@ def test_a_death_fails_only_the_call_it_ended(hostile, monkeypatch, late_s):
     0.3 s late), the death was charged to the call just finished (its result dropped), the call
     that did die waited out its 30 s (forever without a timeout), or every call of the batch
     failed (BrokenProcessPool)."""
-    import cispo.rewards.pool as pool
+    import cispo.data.rewards.pool as pool
 
     real_wait = pool.wait
     monkeypatch.setattr(pool, "wait", lambda objects, timeout=None: time.sleep(late_s) or real_wait(objects, timeout))
@@ -133,7 +133,7 @@ def test_arguments_are_copies(hostile):
 
 def test_a_20_mb_exception_message_is_cut(hostile):
     """Before: the whole 20 MB came back, was printed each step and written to samples.jsonl."""
-    from cispo.rewards import MESSAGE_HEAD_CHARS, MESSAGE_TAIL_CHARS, safe_reward
+    from cispo.data.rewards import MESSAGE_HEAD_CHARS, MESSAGE_TAIL_CHARS, safe_reward
 
     [(value, error)] = score_rewards(hostile, calls("huge"), timeout_s=30)
     _, main_thread_error = safe_reward(hostile, "p", "huge", {})
@@ -146,7 +146,7 @@ def test_a_20_mb_exception_message_is_cut(hostile):
 
 
 def test_an_exception_whose_str_fails_is_still_described():
-    from cispo.rewards import describe_error
+    from cispo.data.rewards import describe_error
 
     class Hostile(Exception):
         def __str__(self):
@@ -169,8 +169,8 @@ def _run_script(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_output_is_captured_and_capped(tmp_path):
     (tmp_path / "hostile.py").write_text(HOSTILE)
     out = _run_script(f"""
-        from cispo.rewards import score_rewards
-        from cispo.rewards.loading import load_reward
+        from cispo.data.rewards import score_rewards
+        from cispo.data.rewards.loading import load_reward
         r = load_reward({str(tmp_path / 'hostile.py:hostile')!r}, workers=1)
         for value, error in score_rewards(r, [("p", "loud", {{}}), ("p", "loud-fail", {{}})], 30):
             print(value, len(error or ""), (error or "")[-40:])
@@ -188,8 +188,8 @@ def test_the_process_exits_promptly_with_a_hung_call(tmp_path):
     started = time.perf_counter()
     out = _run_script(f"""
         import threading, time
-        from cispo.rewards import score_rewards
-        from cispo.rewards.loading import load_reward
+        from cispo.data.rewards import score_rewards
+        from cispo.data.rewards.loading import load_reward
         r = load_reward({str(tmp_path / 'hostile.py:hostile')!r}, workers=2)
         print(score_rewards(r, [("p", "hang", {{}})], 0.3))       # timed out, killed
         threading.Thread(target=score_rewards, args=(r, [("p", "hang", {{}})], None), daemon=True).start()
@@ -211,8 +211,8 @@ def always_fails(prompt, completion, **sample):
 
 
 def test_every_reward_failing_is_still_counted_in_training_and_evaluation(tiny_model, monkeypatch, tmp_path):
-    base = cispo.tasks.get_task("addition")
-    monkeypatch.setattr(cispo.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=always_fails))
+    base = cispo.data.tasks.get_task("addition")
+    monkeypatch.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=always_fails))
     result = train(small_config(tiny_model, tmp_path, "steps=2", "eval.every=0", "max_sampling_rounds=1"))
     rows = read_metrics(result.run_dir / "metrics.jsonl")
     train_rows = [r for r in rows if r["step"] > 0]
@@ -238,7 +238,7 @@ def reward(prompt, completion, **sample):
 
 
 def test_a_run_survives_a_reward_that_exits(tiny_model, tmp_path):
-    rows = cispo.tasks.get_task("addition").train_samples(0, 64)
+    rows = cispo.data.tasks.get_task("addition").train_samples(0, 64)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "hostile_reward.py").write_text(RUN_REWARD)
@@ -270,7 +270,7 @@ def reward(prompt, completion, **sample):
 
 
 def test_started_workers_load_the_reward_before_any_call(tmp_path, monkeypatch):
-    from cispo.rewards import start_reward_workers
+    from cispo.data.rewards import start_reward_workers
 
     marks = tmp_path / "imports.txt"
     monkeypatch.setenv("CISPO_TEST_IMPORTS", str(marks))
@@ -292,23 +292,23 @@ def test_the_pool_is_started_before_the_first_step(tiny_model, tmp_path, monkeyp
     """With a file reward the workers exist once set-up is done: step 1 does not pay for starting them."""
     import multiprocessing
 
-    import cispo.runner
-    from cispo.rewards.processes import GroupProcess
+    import cispo.training.runner
+    from cispo.data.rewards.processes import GroupProcess
 
-    rows = cispo.tasks.get_task("addition").train_samples(0, 64)
+    rows = cispo.data.tasks.get_task("addition").train_samples(0, 64)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.setenv("CISPO_TEST_IMPORTS", str(tmp_path / "imports.txt"))
     (tmp_path / "marking.py").write_text(MARKING_REWARD)
     seen = []
-    step = cispo.runner.rl_step
+    step = cispo.training.runner.rl_step
 
     def first_step_sees_workers(*args, **kwargs):
         if not seen:
             seen.append([p for p in multiprocessing.active_children() if isinstance(p, GroupProcess)])
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(cispo.runner, "rl_step", first_step_sees_workers)
+    monkeypatch.setattr(cispo.training.runner, "rl_step", first_step_sees_workers)
     cfg = small_config(tiny_model, tmp_path / "runs", "steps=1", "eval.every=0", "data.num_eval_prompts=0",
                        f"data.path={data}", f"data.reward={tmp_path / 'marking.py'}:reward", "data.reward_workers=2")
     try:

@@ -1,4 +1,4 @@
-"""User rewards in worker processes (cispo.rewards.pool), continued: SIGTERM in the middle of a reward
+"""User rewards in worker processes (cispo.data.rewards.pool), continued: SIGTERM in the middle of a reward
 call (to the trainer, to the job's process group) and resume, children a reward starts, and a step
 whose calls fail during a stop. The pool itself is in test_reward_pool.py."""
 
@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-import cispo.tasks
-from cispo.rewards import score_rewards
-from cispo.rewards.loading import load_reward
-from cispo.rewards.pool import shutdown_pools
-from cispo.runfolder import run_dir_of
-from cispo.runner import train
-from cispo.tracking import read_metrics
+import cispo.data.tasks
+from cispo.data.rewards import score_rewards
+from cispo.data.rewards.loading import load_reward
+from cispo.data.rewards.pool import shutdown_pools
+from cispo.records.runfolder import run_dir_of
+from cispo.records.tracking import read_metrics
+from cispo.training.runner import train
 from conftest import reward_calls as calls, small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +41,7 @@ def _cli(model, out, data, reward, *extra):
 
 def _prompts(tmp_path):
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in cispo.tasks.get_task("addition").train_samples(0, 64)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in cispo.data.tasks.get_task("addition").train_samples(0, 64)))
     return data
 
 
@@ -164,8 +164,8 @@ def test_workers_finish_their_calls_through_a_sigterm_to_the_job(tmp_path):
     (tmp_path / "term.py").write_text(TERM_REWARD)
     code = textwrap.dedent(f"""
         import os, signal
-        from cispo.rewards import score_rewards
-        from cispo.rewards.loading import load_reward
+        from cispo.data.rewards import score_rewards
+        from cispo.data.rewards.loading import load_reward
         got = []
         signal.signal(signal.SIGTERM, lambda *a: got.append("SIGTERM"))
         os.environ["JOB_PGID"] = str(os.getpgid(0))
@@ -191,7 +191,7 @@ def test_a_step_whose_reward_calls_fail_during_a_stop_is_not_committed(tiny_mode
 
     from conftest import digit_reward
 
-    base = cispo.tasks.get_task("addition")
+    base = cispo.data.tasks.get_task("addition")
     state = {"calls": 0, "armed": False}
 
     def reward(prompt, completion, **sample):
@@ -202,7 +202,7 @@ def test_a_step_whose_reward_calls_fail_during_a_stop_is_not_committed(tiny_mode
             raise RuntimeError("the verifier was killed by SIGTERM")
         return digit_reward(prompt, completion)
 
-    monkeypatch.setattr(cispo.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=reward))
+    monkeypatch.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=reward))
     args = ("steps=3", "eval.every=0", "checkpoint_every=0")
     ref = train(small_config(tiny_model, tmp_path / "ref", *args))
     state.update(calls=0, armed=True)
@@ -322,7 +322,7 @@ def test_a_child_dies_with_its_process_whoever_reaps_it(reaper):
     killed its group and the other three left the child running."""
     import multiprocessing
 
-    from cispo.rewards.processes import worker_context
+    from cispo.data.rewards.processes import worker_context
 
     seconds = f"302.{os.getpid()}"
     proc = worker_context().Process(target=os.system, args=(f"sleep {seconds} & sleep 0.2",))

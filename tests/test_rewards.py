@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cispo.rewards.exact import exact_match, extract_boxed, extract_final_answer, gold_answer
-from cispo.rewards.loading import BUILTIN_REWARDS, RewardSpecError, load_reward
+from cispo.data.rewards.exact import exact_match, extract_boxed, extract_final_answer, gold_answer
+from cispo.data.rewards.loading import BUILTIN_REWARDS, RewardSpecError, load_reward
 
 try:
     import math_verify  # noqa: F401
@@ -105,7 +105,7 @@ def test_exact_match_case_sensitive_and_missing_answer():
     ],
 )
 def test_math_reward_equivalence(completion, answer, reward):
-    from cispo.rewards.math import math_reward
+    from cispo.data.rewards.math import math_reward
 
     assert math_reward("prompt", completion, answer=answer, data_source="x") == reward
 
@@ -113,7 +113,7 @@ def test_math_reward_equivalence(completion, answer, reward):
 @needs_math_verify
 @pytest.mark.parametrize("completion", ["", "   ", "}{{ \\frac{ \\boxed{", "\\boxed{", "$$$$", "\x00\x01", "∑∫√"])
 def test_math_reward_garbage_is_zero(completion):
-    from cispo.rewards.math import math_reward
+    from cispo.data.rewards.math import math_reward
 
     assert math_reward("p", completion, answer=r"\frac{1}{2}") == 0.0
     assert math_reward("p", r"\boxed{1}", answer="}{garbage\\") == 0.0  # a garbage gold never raises
@@ -121,7 +121,7 @@ def test_math_reward_garbage_is_zero(completion):
 
 @needs_math_verify
 def test_math_reward_never_raises(monkeypatch):
-    import cispo.rewards.math as m
+    import cispo.data.rewards.math as m
 
     parse, verify, cfg, Timeout = m.require_math_verify()
 
@@ -144,7 +144,7 @@ def test_math_reward_never_raises(monkeypatch):
 
 @needs_math_verify
 def test_math_reward_in_a_worker_thread():
-    from cispo.rewards.math import math_reward
+    from cispo.data.rewards.math import math_reward
 
     out, errors = [], []
 
@@ -162,7 +162,7 @@ def test_math_reward_in_a_worker_thread():
 
 
 def test_math_reward_without_math_verify(monkeypatch):
-    import cispo.rewards.math as m
+    import cispo.data.rewards.math as m
 
     monkeypatch.setitem(sys.modules, "math_verify", None)  # import math_verify -> ImportError
     monkeypatch.setitem(sys.modules, "math_verify.errors", None)
@@ -184,15 +184,15 @@ def test_load_builtins():
     assert load_reward(" exact_match ").fn is exact_match
     assert set(BUILTIN_REWARDS) == {"math", "math_lenient", "exact_match", "code"}
     if HAVE_MATH_VERIFY:
-        from cispo.rewards.math import math_reward
+        from cispo.data.rewards.math import math_reward
 
         assert load_reward("math").fn is math_reward
-    assert load_reward("cispo.rewards.exact:exact_match").fn is exact_match
+    assert load_reward("cispo.data.rewards.exact:exact_match").fn is exact_match
     # the path rule: built-in names run in the main thread, everything else in worker processes
     assert not load_reward("exact_match").isolated
-    assert load_reward("cispo.rewards.exact:exact_match").isolated
+    assert load_reward("cispo.data.rewards.exact:exact_match").isolated
     assert load_reward("exact_match", isolation="process").isolated
-    assert not load_reward("cispo.rewards.exact:exact_match", isolation="main").isolated
+    assert not load_reward("cispo.data.rewards.exact:exact_match", isolation="main").isolated
     with pytest.raises(RewardSpecError, match="data.reward_isolation must be one of auto, process, main"):
         load_reward("exact_match", isolation="thread")
     with pytest.raises(RewardSpecError, match="data.reward_workers must be a positive int"):
@@ -202,7 +202,7 @@ def test_load_builtins():
 def test_load_builtin_code_is_lazy(monkeypatch):
     import importlib.util
 
-    if importlib.util.find_spec("cispo.rewards.code") is None:
+    if importlib.util.find_spec("cispo.data.rewards.code") is None:
         with pytest.raises(RewardSpecError, match="built-in reward 'code' is not available"):
             load_reward("code")
     else:
@@ -353,7 +353,7 @@ def test_trl_rewards_load_unchanged(trl_file):
     assert ref("p", r" The solution is \boxed{6}.", ground_truth="5") == 0.0
     multi = load_reward(f"{trl_file}:math_reward_func")
     assert multi.needs == [("task",)] and multi("2+2?", "4", task="math") == 1.0
-    from cispo.rewards import safe_reward
+    from cispo.data.rewards import safe_reward
 
     value, error = safe_reward(multi, "code?", "def f", {"task": "code"})  # TRL's "not applicable"
     assert value == 0.0 and "returned NoneType" in error  # with one reward, a counted error
@@ -375,8 +375,8 @@ def test_verl_rewards_load_unchanged(verl_file):
 
 
 def test_trl_and_verl_rewards_in_worker_processes(trl_file, verl_file):
-    from cispo.rewards import score_rewards
-    from cispo.rewards.pool import shutdown_pools
+    from cispo.data.rewards import score_rewards
+    from cispo.data.rewards.pool import shutdown_pools
 
     try:
         trl = load_reward(f"{trl_file}:reference_reward_func", workers=1)
@@ -401,8 +401,8 @@ def test_verls_own_gsm8k_scorer():
 
 
 def _source(tmp_path, rows, reward, **data):
-    from cispo.config import DataConfig
-    from cispo.data import load_source
+    from cispo.config.train import DataConfig
+    from cispo.data.prompts import load_source
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -411,7 +411,7 @@ def _source(tmp_path, rows, reward, **data):
 
 
 def test_a_reward_missing_its_field_fails_at_setup(tmp_path, trl_file):
-    from cispo.rewards.loading import check_reward_fields
+    from cispo.data.rewards.loading import check_reward_fields
 
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
     task, cfg = _source(tmp_path, rows, "code")
@@ -437,8 +437,8 @@ def test_a_reward_missing_its_field_fails_at_setup(tmp_path, trl_file):
 
 
 def test_train_checks_the_fields_before_loading_a_model(tmp_path):
-    from cispo.config import TrainConfig, apply_overrides
-    from cispo.runner import train
+    from cispo.config.train import TrainConfig, apply_overrides
+    from cispo.training.runner import train
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
@@ -473,7 +473,7 @@ def test_train_checks_the_fields_before_loading_a_model(tmp_path):
     ],
 )
 def test_math_reward_scores_only_a_stated_answer(completion, strict, lenient):
-    from cispo.rewards.math import math_reward, math_reward_lenient
+    from cispo.data.rewards.math import math_reward, math_reward_lenient
 
     assert math_reward("p", completion, answer="20") == strict
     assert math_reward("p", completion, answer="20", mode="lenient") == lenient
@@ -482,7 +482,7 @@ def test_math_reward_scores_only_a_stated_answer(completion, strict, lenient):
 
 @needs_math_verify
 def test_math_reward_boxed_only_and_custom_pattern():
-    from cispo.rewards.math import make_math_reward, math_reward_boxed
+    from cispo.data.rewards.math import make_math_reward, math_reward_boxed
 
     assert math_reward_boxed("p", "Answer: 20", answer="20") == 0.0
     assert math_reward_boxed("p", r"\boxed{20}", answer="20") == 1.0
@@ -526,7 +526,7 @@ def test_any_exit_or_crash_at_import_is_an_error_naming_the_file(tmp_path):
         paths.append(tmp_path / f"reward_{i}.py")
         paths[-1].write_text(body)
     code = textwrap.dedent(f"""
-        from cispo.rewards.loading import RewardSpecError, load_reward
+        from cispo.data.rewards.loading import RewardSpecError, load_reward
         for path in {[str(p) for p in paths]!r}:
             try:
                 load_reward(path + ":f")

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-import cispo.runfolder as runfolder
+import cispo.records.runfolder as runfolder
 from cispo.cli import main
-from cispo.runfolder import lock_path, run_lock
+from cispo.records.runfolder import lock_path, run_lock
 from test_runfolder import files, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 HOLD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from cispo.runfolder import run_lock
+    from cispo.records.runfolder import run_lock
     with run_lock(Path(sys.argv[1])):
         print("locked", flush=True)
         time.sleep(120)
@@ -75,8 +75,8 @@ def test_the_lock_is_held_for_the_run_and_released_after(tiny_model, dense_task,
         seen.append(json.loads(lock_path(runfolder.run_dir_of(cfg)).read_text())["pid"])
         return real(cfg, resume, overwrite)
 
-    import cispo.runner
-    monkeypatch.setattr(cispo.runner, "prepare_run_dir", probe)
+    import cispo.training.runner
+    monkeypatch.setattr(cispo.training.runner, "prepare_run_dir", probe)
     assert main(["train", *tiny_args(tiny_model, tmp_path / "runs"), "run_name=r"]) == 0
     assert seen == [os.getpid()]
     with run_lock(tmp_path / "runs" / "r"):  # released when the run ended

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from cispo.cli import main
-from cispo.config import ConfigError, apply_overrides, save_yaml
-from cispo.runfolder import MARKER, RESUME_SAFE_FIELDS, check_resume, resume_config, saved_config
-from cispo.runner import train
-from cispo.tracking import read_metrics
+from cispo.config.train import ConfigError, apply_overrides, save_yaml
+from cispo.records.runfolder import MARKER, RESUME_SAFE_FIELDS, check_resume, resume_config, saved_config
+from cispo.records.tracking import read_metrics
+from cispo.training.runner import train
 from conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -152,8 +152,8 @@ def test_resume_with_a_config_file_takes_only_the_keys_it_sets(tiny_model, tmp_p
 
 
 def test_safe_fields_are_config_keys():
-    from cispo.config import TrainConfig, to_dict
-    from cispo.runfolder import _leaves
+    from cispo.config.train import TrainConfig, to_dict
+    from cispo.records.runfolder import _leaves
 
     keys = _leaves(to_dict(TrainConfig()))
     assert all(any(k == f or k.startswith(f + ".") for k in keys) for f in RESUME_SAFE_FIELDS)

@@ -8,14 +8,14 @@ import shutil
 import pytest
 import torch
 
-import cispo.tasks
+import cispo.data.tasks
 from cispo.cli import main
-from cispo.config import TrainConfig, apply_overrides, save_yaml
-from cispo.data import FileSource
-from cispo.experience import Completion, collate
-from cispo.tracking import read_metrics
-from cispo.setup import fork_matcher
-from cispo.trainer import tracked_fork
+from cispo.config.train import TrainConfig, apply_overrides, save_yaml
+from cispo.data.prompts import FileSource
+from cispo.foundations.experience import Completion, collate
+from cispo.records.tracking import read_metrics
+from cispo.training.setup import fork_matcher
+from cispo.training.trainer import tracked_fork
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -63,17 +63,17 @@ def test_no_fork_word_means_null_fork_metrics(bpe_tokenizer):
 
 
 def test_builtin_fork_token_is_unchanged(tiny_model):
-    from cispo.models import load_policy
+    from cispo.models.loading import load_policy
 
     _, tok = load_policy(tiny_model)
-    base = cispo.tasks.get_task("addition")
+    base = cispo.data.tasks.get_task("addition")
     assert fork_matcher(tok, base).sequences == ((0, (tok.convert_tokens_to_ids(base.fork_tokens[0]),)),)
 
 
 def test_run_without_any_update_warns_and_fails(tiny_model, tmp_path, monkeypatch, capsys):
     """A constant reward: every group is uninformative, dynamic sampling drops all of them."""
-    base = cispo.tasks.get_task("addition")
-    monkeypatch.setattr(cispo.tasks, "get_task",
+    base = cispo.data.tasks.get_task("addition")
+    monkeypatch.setattr(cispo.data.tasks, "get_task",
                         lambda name="addition": dataclasses.replace(base, reward=lambda *a, **k: 1.0))
     rc = main(["train", f"model.path={tiny_model}", f"out_dir={tmp_path}", "model.device=cpu", "progress=false",
                "steps=2", "prompts_per_step=2", "group_size=2", "updates_per_batch=2", "max_new_tokens=4",
@@ -93,7 +93,7 @@ def test_run_without_any_update_warns_and_fails(tiny_model, tmp_path, monkeypatc
 
 
 def test_progress_line_says_no_update():
-    from cispo.runner import _advance
+    from cispo.training.runner import _advance
 
     class Bar:
         def set_postfix(self, shown, refresh):
@@ -108,7 +108,7 @@ def test_progress_line_says_no_update():
 
 
 def test_eval_of_a_run_checkpoint_reads_the_runs_config(tiny_model, tmp_path, monkeypatch, capsys):
-    import cispo.data
+    import cispo.data.prompts
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(f'{{"prompt": "{a}+{a}=", "answer": "{2 * a}"}}\n' for a in range(10)))
@@ -120,8 +120,8 @@ def test_eval_of_a_run_checkpoint_reads_the_runs_config(tiny_model, tmp_path, mo
     save_yaml(cfg, run / "config.yaml")
     shutil.copytree(tiny_model, run / "checkpoints" / "step_000001" / "model")
     seen = []
-    real = cispo.data.load_source
-    monkeypatch.setattr(cispo.data, "load_source", lambda d, m: seen.append(d) or real(d, m))
+    real = cispo.data.prompts.load_source
+    monkeypatch.setattr(cispo.data.prompts, "load_source", lambda d, m: seen.append(d) or real(d, m))
     assert main(["eval", "--model", str(run / "checkpoints" / "step_000001" / "model")]) == 0
     assert "using the run's config" in capsys.readouterr().err
     assert seen[0].path == str(data) and seen[0].reward == "exact_match"  # the run's data, not addition
@@ -137,7 +137,7 @@ def test_missing_chat_template_is_a_config_error_before_the_data(tiny_model, tmp
 
 
 def test_the_printed_summary_says_when_nothing_was_evaluated():
-    from cispo.runner import format_summary
+    from cispo.training.runner import format_summary
 
     text = format_summary({"steps": 3, "eval/accuracy": {"before": 0.25, "after": None}})
     assert text.splitlines() == ["after 3 steps (held-out, before -> after):",

@@ -1,16 +1,16 @@
-"""Saved completions (cispo.samples: samples.jsonl, the sinks' tables) and pass@k / maj@k."""
+"""Saved completions (cispo.records.samples: samples.jsonl, the sinks' tables) and pass@k / maj@k."""
 
 import json
 
 import pytest
 import torch
 
-from cispo.experience import Completion, Experience
-from cispo.objective import policy_loss, preset
-from cispo.runner import train
-from cispo.samples import SAMPLE_FIELDS, SampleFile, add_token_counts, markdown_table, start_token_counts
-from cispo.tracking import make_sinks, read_metrics
-from cispo.evaluation import group_accuracies
+from cispo.foundations.experience import Completion, Experience
+from cispo.objective.loss import policy_loss, preset
+from cispo.records.samples import SAMPLE_FIELDS, SampleFile, add_token_counts, markdown_table, start_token_counts
+from cispo.records.tracking import make_sinks, read_metrics
+from cispo.training.evaluation import group_accuracies
+from cispo.training.runner import train
 from conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -156,9 +156,9 @@ def test_evaluation_reports_the_share_cut_at_the_length_limit(monkeypatch):
     """eval/truncated = #(finish_reason == "length") / #answers, over the greedy answers (k = 0)."""
     import torch
 
-    from cispo import evaluation
-    from cispo.config import EvalConfig
-    from cispo.experience import Completion
+    import cispo.training.evaluation as evaluation
+    from cispo.config.train import EvalConfig
+    from cispo.foundations.experience import Completion
 
     reasons = ["length", "eos", "length", "repetition"]
 

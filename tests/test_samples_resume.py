@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from cispo.samples import SampleFile, parse_step_lines
+from cispo.records.samples import SampleFile, parse_step_lines
 from test_resume_faults import damaged, original, resume  # noqa: F401  (shared fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

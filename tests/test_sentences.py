@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from cispo.cli import main
-from cispo.datasets import DataError, load_prompts
-from cispo.tracking import JsonlSink, read_metrics
+from cispo.data.datasets import DataError, load_prompts
+from cispo.records.tracking import JsonlSink, read_metrics
 from test_resume_faults import damaged, original, resume, strip_perf  # noqa: F401  (shared fixtures)
 from test_runfolder import tiny_args
 

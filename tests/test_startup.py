@@ -54,7 +54,7 @@ def test_the_errors_caught_by_name_exist():
         module, _, cls = name.rpartition(".")
         error = getattr(importlib.import_module(module), cls)
         assert issubclass(error, Exception) and f"{error.__module__}.{error.__qualname__}" == name
-    from cispo.config import ConfigError
+    from cispo.config.train import ConfigError
 
     class Sub(ConfigError): ...
 

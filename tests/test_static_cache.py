@@ -113,8 +113,8 @@ def test_static_equals_forward_path_in_float64(fp32_head):
 
 
 def test_builtin_model(compactions):
-    from cispo.models import build_model, build_tokenizer
-    from cispo.tasks import get_task
+    from cispo.data.tasks import get_task
+    from cispo.models.loading import build_model, build_tokenizer
 
     task = get_task("addition")
     tok = build_tokenizer(task.alphabet)
@@ -177,7 +177,7 @@ def test_unsupported_configs_and_bad_mode():
 
 def test_lora_adapters_are_applied():
     pytest.importorskip("peft")
-    from cispo.lora import apply_lora
+    from cispo.models.lora import apply_lora
 
     model = apply_lora(build("llama"), rank=4, alpha=8)
     with torch.no_grad():  # non-zero adapters (LoRA B starts at 0, which would hide a skipped adapter)
@@ -214,7 +214,7 @@ def compiled_sampler(model, **kw):
 def spy_on_compiled(sampler) -> list[int]:
     """Give `sampler` a fresh compiled layer stack; returns the list that gets the batch size of
     every call that ran compiled (not eager)."""
-    from cispo.compile import CompiledLayerStack
+    from cispo.models.compile import CompiledLayerStack
 
     stack = sampler._layer_stack = CompiledLayerStack(static_cache.layer_stack, static_cache.matmul_attention)
     rows, run_compiled = [], stack.compiled
@@ -293,7 +293,7 @@ def test_compiled_step_under_bf16_autocast():
         assert_same(want, got, atol=2 * bf16_error)
 
 
-# SmolLM2-135M-Instruct's config.json as cispo.packaged converts it (builtin:smollm2-135m), with 2 of its
+# SmolLM2-135M-Instruct's config.json as cispo.models.packaged converts it (builtin:smollm2-135m), with 2 of its
 # 30 layers and a 24-token vocabulary: 9 query heads over 3 key/value heads of 64, tied embeddings,
 # rope theta 1e5 (issue 31: its sampling must take the static-cache decode).
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from cispo.cli import main
-from cispo.config import TrainConfig, apply_overrides, save_yaml
+from cispo.config.train import TrainConfig, apply_overrides, save_yaml
 from cispo.experiments.stats import fieller_ratio, paired_t
 from cispo.experiments.study_data import COLUMNS, collect, read_csv
-from cispo.experiments.study_report import (MARKER, Settings, check_doc, comparisons, group_eval_runs, load_study, report,
-                                           update_doc)
+from cispo.experiments.study_report import (MARKER, Settings, check_doc, comparisons, group_eval_runs, load_study,
+                                            report, update_doc)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -365,7 +365,7 @@ def test_the_v3_mechanism_gate_applies_the_protocols_criteria():
 def test_the_committed_v3_gate_verdicts_recompute_from_their_data():
     """Each docs/results/v3/gate/RUN.gate.json is the gate script's output on RUN/metrics.jsonl."""
     from cispo.experiments.mechanism_gate import gate
-    from cispo.tracking import read_metrics
+    from cispo.records.tracking import read_metrics
 
     verdicts = sorted((ROOT / "docs" / "results" / "v3" / "gate").glob("*.gate.json"))
     assert len(verdicts) >= 3

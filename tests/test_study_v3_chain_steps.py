@@ -17,7 +17,7 @@ from cispo.experiments.study_data import collect
 from cispo.experiments.study_report import (RunData, Settings, group_eval_runs, mechanism_level, q1_rows, q1_table,
                                             report, steps_outputs)
 from cispo.experiments.study_tables import mechanism_level_table, paired_steps
-from cispo.tracking import read_metrics
+from cispo.records.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 T3 = 3.182446  # t_{0.975, 3}, from a printed table (4 seeds)

@@ -1,10 +1,10 @@
-"""Tests for cispo.tasks: the built-in addition task, its splits, verifier and corpus."""
+"""Tests for cispo.data.tasks: the built-in addition task, its splits, verifier and corpus."""
 
 import pytest
 
-from cispo.tasks import Task, UnknownTaskError, get_task, list_tasks
-from cispo.tasks import arithmetic as ar
-from cispo.tasks import chain as ch
+from cispo.data.tasks import Task, UnknownTaskError, get_task, list_tasks
+from cispo.data.tasks import arithmetic as ar
+from cispo.data.tasks import chain as ch
 
 
 @pytest.fixture(scope="module")
@@ -308,8 +308,8 @@ def test_chain_corpus_masks_and_reflection_rate():
 @pytest.mark.parametrize("name,prompt,params", [("addition", "12+34=", 335_712), ("chain", "12+34+5=", 335_904),
                                                ("chain_hidden", "12+34+5=", 335_904)])
 def test_shipped_weights_load_and_match_their_checksums(name, prompt, params, tmp_path, monkeypatch):
-    from cispo.builtin_model import SHIPPED_ROOT, ensure_builtin_model, read_checksums, verify_checksums
-    from cispo.models import load_policy
+    from cispo.models.builtin import SHIPPED_ROOT, ensure_builtin_model, read_checksums, verify_checksums
+    from cispo.models.loading import load_policy
 
     monkeypatch.setenv("CISPO_CACHE", str(tmp_path))           # an empty cache: nothing to fall back on
     folder = SHIPPED_ROOT / name
@@ -327,7 +327,7 @@ def test_shipped_weights_load_and_match_their_checksums(name, prompt, params, tm
 def test_a_changed_shipped_file_fails_its_checksum(tmp_path):
     import shutil
 
-    from cispo.builtin_model import SHIPPED_ROOT, ChecksumError, verify_checksums
+    from cispo.models.builtin import SHIPPED_ROOT, ChecksumError, verify_checksums
 
     copy = tmp_path / "addition"
     shutil.copytree(SHIPPED_ROOT / "addition", copy)
@@ -343,8 +343,8 @@ def test_a_changed_shipped_file_fails_its_checksum(tmp_path):
 
 
 def test_other_pretraining_configs_do_not_use_the_shipped_weights():
-    from cispo.builtin_model import shipped_model_path
-    from cispo.pretrain import PretrainConfig
+    from cispo.models.builtin import shipped_model_path
+    from cispo.models.pretrain import PretrainConfig
 
     assert shipped_model_path("addition", PretrainConfig()) is not None
     assert shipped_model_path("addition", PretrainConfig(steps=1000)) is not None   # the same, resolved
@@ -353,45 +353,14 @@ def test_other_pretraining_configs_do_not_use_the_shipped_weights():
     assert shipped_model_path("addition4", PretrainConfig(task="addition4")) is None
 
 
-def test_no_import_circle_between_models_pretrain_and_builtin_model():
-    """models <- pretrain <- builtin_model: no module imports one above it (issue 16, item 3)."""
-    import ast
-    from pathlib import Path
-
-    import cispo
-
-    root = Path(cispo.__file__).parent
-
-    def imports(name):
-        tree = ast.parse((root / f"{name}.py").read_text())
-        found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
-                continue
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cispo"):
-                found.add(node.module)
-            elif isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name.startswith("cispo")}
-        return found
-
-    def imports_outside_main(name):  # the `if __name__ == "__main__":` entry point may delegate upwards
-        tree = ast.parse((root / f"{name}.py").read_text())
-        main_blocks = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
-        inside = {m.module for b in main_blocks for m in ast.walk(b) if isinstance(m, ast.ImportFrom)}
-        return imports(name) - inside
-
-    assert not {"cispo.pretrain", "cispo.builtin_model"} & imports("models")
-    assert "cispo.builtin_model" not in imports_outside_main("pretrain")
-
-
 def test_a_chain_run_logs_reflective_tokens_per_response(tmp_path, one_thread):
     """`cispo train task=chain` runs, and each step logs the mean number of W per response."""
     import json
 
     from conftest import small_config
 
-    from cispo.models import build_model, build_tokenizer, save_policy
-    from cispo.runner import train
+    from cispo.models.loading import build_model, build_tokenizer, save_policy
+    from cispo.training.runner import train
 
     tok = build_tokenizer(ch.ALPHABET, 384)
     save_policy(build_model(tok, size="tiny", seed=0, max_positions=384), tok, tmp_path / "m")
@@ -406,7 +375,7 @@ def test_a_chain_run_logs_reflective_tokens_per_response(tmp_path, one_thread):
 
 
 def test_forced_recheck_policies_decide_only_right_after_a_direct_result():
-    from cispo.pretrain import chain_recheck_policy
+    from cispo.models.pretrain import chain_recheck_policy
 
     numbers = (32, 7, 8, 2)
     carry = chain_recheck_policy(lambda i: numbers, "carry")
@@ -423,14 +392,14 @@ def test_forced_recheck_policies_decide_only_right_after_a_direct_result():
 
 
 def test_pretrain_rebuilds_even_when_a_copy_exists(tmp_path, monkeypatch, one_thread):
-    import cispo.pretrain
-    from cispo.builtin_model import builtin_model_path, ensure_builtin_model, rebuild_builtin_model
-    from cispo.pretrain import PretrainConfig
+    import cispo.models.pretrain
+    from cispo.models.builtin import builtin_model_path, ensure_builtin_model, rebuild_builtin_model
+    from cispo.models.pretrain import PretrainConfig
 
     monkeypatch.setenv("CISPO_CACHE", str(tmp_path))
     cfg = PretrainConfig(model_size="tiny", steps=2, batch_size=8, corpus_size=50, warmup_steps=1)
-    calls, real = [], cispo.pretrain.pretrain
-    monkeypatch.setattr(cispo.pretrain, "pretrain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], cispo.models.pretrain.pretrain
+    monkeypatch.setattr(cispo.models.pretrain, "pretrain", lambda *a, **k: calls.append(1) or real(*a, **k))
     path = ensure_builtin_model("addition", cfg=cfg, progress=False)
     assert ensure_builtin_model("addition", cfg=cfg, progress=False) == path and len(calls) == 1
     assert rebuild_builtin_model(cfg, progress=False) == path == builtin_model_path("addition", cfg=cfg)
@@ -442,7 +411,7 @@ def test_pretrain_rebuilds_even_when_a_copy_exists(tmp_path, monkeypatch, one_th
 
 def test_chain_prompts_are_unchanged_by_the_sparse_variant():
     """The carry bounds left chain's own prompt streams as they were (its study data depend on them)."""
-    from cispo.tasks import get_task
+    from cispo.data.tasks import get_task
 
     assert get_task("chain").train_samples(0, 3) == [{"prompt": "75+3+2+1+5+6=", "answer": "92"},
                                                      {"prompt": "14+6+2+4+6+1=", "answer": "33"},
@@ -450,7 +419,7 @@ def test_chain_prompts_are_unchanged_by_the_sparse_variant():
 
 
 def test_chain_sparse_carries_rarely_but_at_least_once_and_splits_disjointly():
-    from cispo.tasks import chain, get_task
+    from cispo.data.tasks import chain, get_task
 
     task = get_task("chain_sparse")
     samples = task.train_samples(0, 2000)
@@ -465,7 +434,7 @@ def test_chain_sparse_carries_rarely_but_at_least_once_and_splits_disjointly():
 
 
 def test_chain_sparse_starts_from_chains_shipped_base_model():
-    from cispo.builtin_model import SHIPPED_ROOT, ensure_builtin_model
+    from cispo.models.builtin import SHIPPED_ROOT, ensure_builtin_model
 
     assert ensure_builtin_model("chain_sparse", progress=False) == SHIPPED_ROOT / "chain"
 
@@ -555,8 +524,8 @@ def test_chain_corpus_pair_weights_balance_the_carry_table_and_weigh_the_bugs():
 
 
 def test_pretraining_loss_weights_align_with_the_labels():
-    from cispo.models import build_tokenizer
-    from cispo.pretrain import PretrainConfig, build_dataset
+    from cispo.models.loading import build_tokenizer
+    from cispo.models.pretrain import PretrainConfig, build_dataset
 
     task = get_task("chain_hidden_sharp")
     assert task.base_task is None and task.reward.keywords == {"slack": 0, "bugs": ch.HIDDEN_BUGS}
@@ -577,9 +546,9 @@ def test_chain_hidden_base_model_errs_on_exactly_the_bug_pairs(task_name, mean_m
     import json
     from pathlib import Path
 
-    from cispo.builtin_model import ensure_builtin_model
-    from cispo.chain_probe import probe
-    from cispo.models import load_policy
+    from cispo.models.builtin import ensure_builtin_model
+    from cispo.models.chain_probe import probe
+    from cispo.models.loading import load_policy
 
     model, tok = load_policy(ensure_builtin_model(task_name, progress=False))
     r = probe(model, tok, task_name, n_prompts=150, samples_per_step=1, seed=0)

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from cispo.tracking import (
-    SINK_KINDS,
-    JsonlSink,
-    MultiSink,
-    TensorBoardSink,
-    check_sink_kinds,
-    make_sinks,
-    mlflow_key,
-    read_metrics,
-    scalar_metrics,
-)
+from cispo.records.tracking import (
+                                    SINK_KINDS,
+                                    JsonlSink,
+                                    MultiSink,
+                                    TensorBoardSink,
+                                    check_sink_kinds,
+                                    make_sinks,
+                                    mlflow_key,
+                                    read_metrics,
+                                    scalar_metrics,
+                                    )
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*noload.*:DeprecationWarning")  # mlflow's SQLAlchemy use
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cispo.data import PromptStream, fill_groups
-from cispo.experience import Completion, collate
-from cispo.policy import policy_logprobs
-from cispo.objective import PRESETS
-from cispo.rewards import overlong_penalty, shaped_reward
-from cispo.runner import train
+from cispo.data.prompts import PromptStream, fill_groups
+from cispo.data.rewards import overlong_penalty, shaped_reward
+from cispo.foundations.experience import Completion, collate
+from cispo.models.policy import policy_logprobs
+from cispo.objective.loss import PRESETS
+from cispo.training.runner import train
 from conftest import small_config
-from cispo.tracking import read_metrics
+from cispo.records.tracking import read_metrics
 
 
 def final_weights(run_dir):
@@ -98,7 +98,7 @@ def test_sample_groups_applies_the_overlong_scope():
     """The trainer's sampling step passes ``rollout.overlong_scope`` through: an unpaid group of a
     random tiny model's answers (most run to the limit) gets penalties under ``all``, none under ``paid``."""
     from cispo.rollout import SamplingConfig
-    from cispo.trainer import sample_groups
+    from cispo.training.trainer import sample_groups
 
     policy = _ragged_setup(torch.float32)[0]
     sampling = SamplingConfig(max_new_tokens=8)
@@ -149,7 +149,7 @@ def test_prompt_stream_is_seeded_and_resumable():
 
 
 def test_policy_logprobs_match_full_forward_with_ragged_padding(tiny_model):
-    from cispo.models import load_policy
+    from cispo.models.loading import load_policy
 
     model, tok = load_policy(tiny_model)
     g = torch.Generator().manual_seed(0)
@@ -177,11 +177,11 @@ def test_policy_logprobs_match_full_forward_with_ragged_padding(tiny_model):
 
 def _ragged_setup(dtype=torch.float64, rows=24):
     """A tiny policy and a batch with ragged prompts / responses (a few long ones)."""
-    from cispo.config import TrainConfig, apply_overrides
-    from cispo.models import build_model, build_tokenizer
+    from cispo.config.train import TrainConfig, apply_overrides
+    from cispo.data.tasks import arithmetic
+    from cispo.models.loading import build_model, build_tokenizer
+    from cispo.models.policy import Policy
     from cispo.rollout import TorchSampler
-    from cispo.tasks import arithmetic
-    from cispo.policy import Policy
 
     tok = build_tokenizer(arithmetic.ALPHABET)
     model = build_model(tok, size="tiny", seed=0).to(dtype)
@@ -207,10 +207,10 @@ def _positions(exp, parts) -> int:
 @pytest.mark.parametrize("objective", ["cispo", "grpo"])
 @pytest.mark.parametrize("micro", [None, 5])
 def test_length_sorted_micro_batches_give_the_same_update(objective, micro):
-    from cispo.objective import preset
-    from cispo.batching import micro_batches
-    from cispo.setup import make_optimizer
-    from cispo.trainer import update_policy
+    from cispo.objective.loss import preset
+    from cispo.training.batching import micro_batches
+    from cispo.training.setup import make_optimizer
+    from cispo.training.trainer import update_policy
 
     torch.manual_seed(0)
     params, positions, stats = {}, {}, {}
@@ -240,7 +240,7 @@ def test_length_sorted_micro_batches_give_the_same_update(objective, micro):
 
 
 def test_length_micro_batches_cut_where_it_pays():
-    from cispo.batching import length_micro_batches
+    from cispo.training.batching import length_micro_batches
 
     _, exp, _ = _ragged_setup(torch.float32, rows=48)
     rows = torch.randperm(len(exp), generator=torch.Generator().manual_seed(0))
@@ -270,14 +270,14 @@ def test_length_micro_batches_cut_where_it_pays():
 
 
 def test_length_micro_batches_bound_their_cut_points(monkeypatch):
-    import cispo.batching
+    import cispo.training.batching
 
     _, exp, _ = _ragged_setup(torch.float32, rows=48)
     rows = torch.randperm(len(exp), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(cispo.batching, "MAX_CUT_POINTS", 3)  # fewer than the distinct lengths
-    parts = cispo.batching.length_micro_batches(exp, rows, None, 0.0)
+    monkeypatch.setattr(cispo.training.batching, "MAX_CUT_POINTS", 3)  # fewer than the distinct lengths
+    parts = cispo.training.batching.length_micro_batches(exp, rows, None, 0.0)
     assert 1 < len(parts) <= 3 and sorted(torch.cat(parts).tolist()) == list(range(len(exp)))
-    parts = cispo.batching.length_micro_batches(exp, rows, 5, 0.0)
+    parts = cispo.training.batching.length_micro_batches(exp, rows, 5, 0.0)
     assert max(len(m) for m in parts) <= 5 and sorted(torch.cat(parts).tolist()) == list(range(len(exp)))
 
 

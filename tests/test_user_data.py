@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-import cispo.packaged as packaged
+import cispo.models.packaged as packaged
 from cispo.cli import main
-from cispo.config import ConfigError, TrainConfig, apply_overrides, load_yaml
-from cispo.data import load_source
-from cispo.datasets import DataError, load_prompts, load_prompts_with_report
-from cispo.rewards.loading import RewardSpecError, check_reward_fields, load_reward
-from cispo.tracking import read_metrics
+from cispo.config.train import ConfigError, TrainConfig, apply_overrides, load_yaml
+from cispo.data.datasets import DataError, load_prompts, load_prompts_with_report
+from cispo.data.prompts import load_source
+from cispo.data.rewards.loading import RewardSpecError, check_reward_fields, load_reward
+from cispo.records.tracking import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,7 +101,7 @@ def test_a_trl_reward_trains_on_jsonl_in_worker_processes(reward_files, tiny_mod
 def test_a_verl_data_set_trains_on_the_packaged_model(reward_files, monkeypatch, tmp_path):
     """A save_to_disk folder in verl's layout (chat prompt, reward_model.ground_truth, extra_info) on
     ``model.path=builtin:smollm2-135m``: its BPE tokenizer covers any text. The 135M weights are stood in
-    for by a tiny model with the same tokenizer (`cispo.packaged.save_tiny_smollm2`)."""
+    for by a tiny model with the same tokenizer (`cispo.models.packaged.save_tiny_smollm2`)."""
     tiny = packaged.save_tiny_smollm2(tmp_path / "tiny_smollm")
     monkeypatch.setattr(packaged, "ensure_packaged", lambda name, *a, **k: tiny)
     path = write_data(VERL_ROWS, "save_to_disk", tmp_path)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
-from cispo.models import build_tokenizer, save_policy  # noqa: E402
+from cispo.models.loading import build_tokenizer, save_policy  # noqa: E402
 from cispo.rollout import RolloutBatch, Sampler, SamplingConfig, TorchSampler, truncated_is_weights  # noqa: E402
 from cispo.rollout.vllm_sampler import (  # noqa: E402
     VLLMSampler,
@@ -32,7 +32,7 @@ from cispo.rollout.vllm_sampler import (  # noqa: E402
     repetition_stop_length,
 )
 
-PAD, EOS = 0, 1  # cispo.models.build_tokenizer's ids
+PAD, EOS = 0, 1  # cispo.models.loading.build_tokenizer's ids
 CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz"
 PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12, 13, 14, 15], [16, 17], [18, 19, 20, 21], [22, 5, 6, 7, 8]]
 
@@ -337,7 +337,7 @@ def test_update_weights_changes_what_is_sampled(model_dir, multiprocess):
 
 def test_update_weights_merges_lora(model_dir):
     pytest.importorskip("peft")
-    from cispo.lora import apply_lora, lora_parameters
+    from cispo.models.lora import apply_lora, lora_parameters
 
     sampler = make_fake_sampler(model_dir)
     trainer = apply_lora(load_hf(model_dir), rank=4, alpha=8)

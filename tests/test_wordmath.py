@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-import cispo.packaged as packaged
+import cispo.models.packaged as packaged
 from cispo.cli import main
-from cispo.config import ConfigError
-from cispo.tasks import get_task, wordmath
-from cispo.tracking import read_metrics
+from cispo.config.train import ConfigError
+from cispo.data.tasks import get_task, wordmath
+from cispo.records.tracking import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

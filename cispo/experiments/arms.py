@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from cispo.presets import PRESETS, preset
-from cispo.suggest import did_you_mean
+from cispo.foundations.suggest import did_you_mean
+from cispo.objective.presets import PRESETS, preset
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ArmConfig:
     """One arm: an objective preset, fields of it replaced, and run overrides of its own."""
 
     objective: str = "cispo"
-    """Objective preset (a name of ``cispo.objective.PRESETS``)."""
+    """Objective preset (a name of ``cispo.objective.loss.PRESETS``)."""
     objective_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields of ``ObjectiveConfig`` to replace (``algo.objective_overrides``), e.g.
     ``{"eps_high_is": 2.0}`` or ``{"aggregation": "seq-mean-token-mean"}``."""

@@ -30,14 +30,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from cispo.config import ConfigError, TrainConfig, apply_overrides
+from cispo.config.train import ConfigError, TrainConfig, apply_overrides
 from cispo.experiments.arms import ArmConfig, describe, resolve_arms
 from cispo.experiments.stats import at_edge, final_accuracy, mean_accuracy, pick_lr
 from cispo.experiments.tables import (analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep,
                                       sweep_gaps)
-from cispo.nan import nan_mean
-from cispo.runfolder import is_finished
-from cispo.tracking import read_metrics
+from cispo.foundations.nan import nan_mean
+from cispo.records.runfolder import is_finished
+from cispo.records.tracking import read_metrics
 
 
 @dataclass
@@ -377,7 +377,7 @@ def base_model_id(c: TrainConfig) -> str:
     (which weights the run started from), else ``model.path``."""
     if c.model.path is not None:
         return str(c.model.path)
-    from cispo.builtin_model import CHECKSUMS, ensure_builtin_model, file_sha256
+    from cispo.models.builtin import CHECKSUMS, ensure_builtin_model, file_sha256
 
     return "builtin:" + file_sha256(ensure_builtin_model(c.data.task, progress=False) / CHECKSUMS)[:12]
 
@@ -386,7 +386,7 @@ def _run_one(run: Run) -> str:
     """Train (or resume) `run`; then write ``study.json``: its meta, the base model it started
     from and the wall time of this call (a run resumed after an interruption counts only the
     part that finished it)."""
-    from cispo.runner import train
+    from cispo.training.runner import train
 
     started = time.perf_counter()
     train(run.config, resume=run.dir.exists())
@@ -405,7 +405,7 @@ def run_all(runs: list[Run], workers: int) -> None:
             (r.dir / "study.json").write_text(json.dumps({**r.meta(), "wall_s": None}, indent=1))
     if not todo:
         return
-    from cispo.builtin_model import ensure_builtin_model
+    from cispo.models.builtin import ensure_builtin_model
 
     ensure_builtin_model(todo[0].config.data.task)  # once, before the workers race for it
     if workers <= 1:

@@ -1,6 +1,6 @@
 """Study v3's gate (docs/results/protocol.md, amendment of 2026-12-02): does the paper's
 mechanism act in a run? Read from the run's ``metrics.jsonl`` (the mechanism check of
-`cispo.metrics`), with the criteria declared before the gate run:
+`cispo.training.metrics`), with the criteria declared before the gate run:
 
 (i)  persistence: ``objective/fork_pos_lowp_above`` (positive-advantage fork tokens with
      p_old < 0.1 and r > 1 + eps_high, counted per update) > 0 in at least `MIN_LATE_STEPS`
@@ -19,7 +19,7 @@ import json
 import math
 import sys
 
-from cispo.tracking import read_metrics
+from cispo.records.tracking import read_metrics
 
 LATE = range(11, 41)
 MIN_LATE_STEPS = 15

@@ -31,8 +31,8 @@ import io
 import json
 from pathlib import Path
 
-from cispo.runfolder import is_finished
-from cispo.tracking import read_metrics
+from cispo.records.runfolder import is_finished
+from cispo.records.tracking import read_metrics
 
 RUN_COLUMNS = ["part", "role", "arm", "spec", "objective", "task", "K", "seed", "lr", "prompts_per_step", "group_size",
                "warmup_updates", "steps", "eval_k", "run", "wall_s", "commit", "base_model"]
@@ -62,7 +62,7 @@ def run_meta(run_dir: Path) -> dict:
     """The run's columns: ``study.json`` (written by ``cispo compare``) over ``config.yaml``.
     A run without ``study.json`` is an ``eval`` run of the arm named after its objective, in
     the part named after its parent folder."""
-    from cispo.config import TrainConfig, load_yaml
+    from cispo.config.train import TrainConfig, load_yaml
 
     meta: dict = {"part": run_dir.parent.name, "role": "eval", "run": run_dir.name}
     if (run_dir / "config.yaml").exists():
@@ -103,7 +103,7 @@ def run_rows(run_dir: Path) -> list[list[str]]:
 
 def collect(paths: list[str | Path], out: str | Path) -> tuple[Path, int, int, list[Path]]:
     """Write the CSV (gzip when `out` ends in ``.gz``) of every *finished* run below `paths`
-    (`cispo.runfolder.is_finished`), so a part still running cannot slip half-curves into the data.
+    (`cispo.records.runfolder.is_finished`), so a part still running cannot slip half-curves into the data.
     -> (path, runs, rows, the unfinished run folders left out)."""
     dirs, unfinished = [], []
     for d in find_run_dirs(paths):

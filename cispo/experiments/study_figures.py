@@ -18,7 +18,7 @@ def plot_curves(groups, part: str, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cispo.plotting import fill_band, save_figure, style_axis
+    from cispo.foundations.plotting import fill_band, save_figure, style_axis
 
     cols, rows = min(3, len(keys)), math.ceil(len(keys) / 3)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
@@ -46,7 +46,7 @@ def plot_gaps(groups, part: str, contrast: str, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cispo.plotting import save_figure, style_gap_vs_k
+    from cispo.foundations.plotting import save_figure, style_gap_vs_k
 
     lines: dict[tuple[str, str], list] = {}
     for _, task, k in keys:

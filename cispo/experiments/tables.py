@@ -11,7 +11,7 @@ from typing import Any
 
 from cispo.experiments.stats import (COLLAPSE_FLOOR, censored_steps, collapsed, final_accuracy, mean_accuracy,
                                      mean_band, steps_to_target, wilson)
-from cispo.nan import nan_mean
+from cispo.foundations.nan import nan_mean
 
 
 def curve(rows: list[dict], key: str) -> dict[int, float]:
@@ -107,7 +107,7 @@ def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -
     one panel per metric."""
     import matplotlib.pyplot as plt
 
-    from cispo.plotting import fill_band, save_figure, style_axis
+    from cispo.foundations.plotting import fill_band, save_figure, style_axis
 
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for ax, (key, name) in zip(axes.flat, PLOTS):
@@ -181,7 +181,7 @@ def plot_sweep(gaps: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cispo.plotting import save_figure, style_gap_vs_k
+    from cispo.foundations.plotting import save_figure, style_gap_vs_k
 
     ks = sorted(gaps)
     bases = _bases(gaps)

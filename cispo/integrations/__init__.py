@@ -1,4 +1,4 @@
-"""Use the unified objective (``cispo.objective.policy_loss``) inside other RL frameworks.
+"""Use the unified objective (``cispo.objective.loss.policy_loss``) inside other RL frameworks.
 
 * ``cispo.integrations.verl``: registers ``cispo_unified`` (and ``cispo_unified_<preset>``)
   in verl's policy-loss registry; the preset and overrides come from verl's actor config.
@@ -14,6 +14,6 @@ See ``docs/integrations.md``.
 
 from __future__ import annotations
 
-from cispo.versions import TESTED_VERSIONS, installed_version, is_tested_version, warn_if_untested
+from cispo.foundations.versions import TESTED_VERSIONS, installed_version, is_tested_version, warn_if_untested
 
 __all__ = ["TESTED_VERSIONS", "installed_version", "is_tested_version", "warn_if_untested"]

@@ -1,6 +1,6 @@
 """The unified objective inside TRL's ``GRPOTrainer``: ``CISPOGRPOTrainer``.
 
-    from cispo.objective import preset
+    from cispo.objective.loss import preset
     from cispo.integrations.trl import CISPOGRPOTrainer
 
     trainer = CISPOGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
@@ -9,7 +9,7 @@
 
 ``CISPOGRPOTrainer`` overrides one method, ``GRPOTrainer._compute_loss`` (the per-micro-batch
 loss: it has the per-token log-probs, ``old_per_token_logps``, the advantages and the
-completion mask), and computes the loss with ``cispo.objective.policy_loss`` and the
+completion mask), and computes the loss with ``cispo.objective.loss.policy_loss`` and the
 ``ObjectiveConfig`` given as ``objective=`` (a preset name or an ``ObjectiveConfig``).
 Generation, rewards, advantages, ``num_iterations`` and gradient accumulation stay TRL's.
 Tested with trl 1.16.0 (transformers 5.24); ``_compute_loss`` is private TRL API.
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from cispo.integrations import warn_if_untested
-from cispo.objective import ObjectiveConfig, ObjectiveStats, kl_penalty, policy_loss, preset
+from cispo.objective.loss import ObjectiveConfig, ObjectiveStats, kl_penalty, policy_loss, preset
 
 INSTALL_HINT = 'pip install "trl>=1.16,<1.17"  (or, in a cispo clone, pip install -e ".[trl]")'
 
@@ -175,7 +175,7 @@ def _resolve_objective(objective: ObjectiveConfig | str) -> ObjectiveConfig:
 if _GRPOTrainer is not None:
 
     class CISPOGRPOTrainer(_GRPOTrainer):
-        """``trl.GRPOTrainer`` whose loss is ``cispo.objective.policy_loss`` with ``objective``.
+        """``trl.GRPOTrainer`` whose loss is ``cispo.objective.loss.policy_loss`` with ``objective``.
 
         Args: those of ``GRPOTrainer``, plus the keyword ``objective``: an ``ObjectiveConfig``
         or a preset name (default ``"cispo"``: IS weight capped at 5, no mask, token-mean).

@@ -3,7 +3,7 @@
 Importing this module registers, in ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``:
 
 * ``cispo_unified``: the preset named by ``policy_loss.cispo_preset`` (default ``cispo``);
-* ``cispo_unified_<preset>`` for each preset of ``cispo.objective.PRESETS``
+* ``cispo_unified_<preset>`` for each preset of ``cispo.objective.loss.PRESETS``
   (``cispo_unified_cispo``, ``_ppo``, ``_grpo``, ``_dapo``, ``_gspo``, ``_reinforce``).
 
 verl imports this module by itself on ``import verl``: cispo declares it as a ``verl.plugins``
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from cispo.integrations import warn_if_untested
-from cispo.objective import PRESETS, ObjectiveConfig, ObjectiveStats, policy_loss, preset
+from cispo.objective.loss import PRESETS, ObjectiveConfig, ObjectiveStats, policy_loss, preset
 
 LOSS_NAME = "cispo_unified"
 LOSS_NAMES: dict[str, str | None] = {LOSS_NAME: None, **{f"{LOSS_NAME}_{p}": p for p in PRESETS}}
@@ -232,7 +232,7 @@ def make_policy_loss_fn(loss_mode: str = LOSS_NAME):
         config: Any = None,
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """verl policy loss: ``cispo.objective.policy_loss`` with the preset of ``loss_mode``.
+        """verl policy loss: ``cispo.objective.loss.policy_loss`` with the preset of ``loss_mode``.
         Returns (pg_loss, metrics): verl's ``actor/pg_clipfrac``, ``actor/ppo_kl``,
         ``actor/pg_clipfrac_lower`` and our ``cispo/*`` diagnostics."""
         if config is None:

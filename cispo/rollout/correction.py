@@ -9,7 +9,7 @@ ratio of the two, capped:
     w_it = min( pi_old(o_it) / pi_rollout(o_it), C )  = min( exp(logp_old - logp_rollout), C )
 
 and multiplies it into the policy-gradient term of that token (a constant: no gradient flows through it).
-In this library that is the advantage: ``A_it <- w_it * A_it`` before ``cispo.objective.policy_loss``
+In this library that is the advantage: ``A_it <- w_it * A_it`` before ``cispo.objective.loss.policy_loss``
 (which accepts [B, T] advantages). ``w_it > 0``, so the sign of the advantage, and with it PPO's mask
 rule, is unchanged.
 """

@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import torch
 
-from cispo.policy import decoder, lm_head
-from cispo.logprobs import lm_logits, logit_transform
+from cispo.models.policy import decoder, lm_head
+from cispo.objective.logprobs import lm_logits, logit_transform
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # their tables change with the sequence length
@@ -76,9 +76,9 @@ class StaticDecoder:
         prompt_mask: [B, P] 1 at real prompt tokens.
         positions: [B, P + max_new_tokens] the position of every column (prompt and response).
         max_new_tokens: the response columns to reserve.
-        fp32_head: logits from ``cispo.logprobs.lm_logits`` (as ``TorchSampler(fp32_head=True)``),
+        fp32_head: logits from ``cispo.objective.logprobs.lm_logits`` (as ``TorchSampler(fp32_head=True)``),
             else from the model's ``lm_head`` cast to float32.
-        layer_stack: runs :func:`layer_stack` (same arguments; e.g. ``cispo.compile.CompiledLayerStack``,
+        layer_stack: runs :func:`layer_stack` (same arguments; e.g. ``cispo.models.compile.CompiledLayerStack``,
             which compiles it); None: :func:`layer_stack` itself, eager.
     """
 

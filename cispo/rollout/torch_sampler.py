@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from cispo.distributed import sharded_call
-from cispo.logprobs import lm_logits, logit_transform
-from cispo.policy import decoder, lm_head
+from cispo.foundations.distributed import sharded_call
+from cispo.models.policy import decoder, lm_head
+from cispo.objective.logprobs import lm_logits, logit_transform
 from cispo.rollout.base import FINISH_REASONS, RolloutBatch, Sampler, SamplingConfig
 from cispo.rollout.static_cache import StaticDecoder, layer_stack, matmul_attention, unsupported_reason
 
@@ -50,12 +50,12 @@ class TorchSampler(Sampler):
         pad_token_id: fills the left of short prompts and the right of short responses. It may equal
             ``eos_token_id``.
         autocast: None, or the low-precision dtype to compute in under ``torch.autocast`` (mixed
-            precision with FP32 master weights, ``cispo.models.precision``).
-        fp32_head: compute the next-token logits with the trainer's head (``cispo.logprobs.lm_logits``
+            precision with FP32 master weights, ``cispo.models.loading.precision``).
+        fp32_head: compute the next-token logits with the trainer's head (``cispo.objective.logprobs.lm_logits``
             on the decoder's last hidden state, FP32, with the model's own logit post-processing) rather
             than ``model(...).logits``: the sampler's and the trainer's log-probs then come from one
             definition, also in low precision (MiniMax-M1's FP32 head on both sides). Needs a Hugging
-            Face causal LM (``cispo.policy.decoder`` / ``lm_head``).
+            Face causal LM (``cispo.models.policy.decoder`` / ``lm_head``).
         decode: how the tokens after the prompt are decoded. ``"static"``: the lean loop of
             :mod:`cispo.rollout.static_cache` (a KV cache preallocated and written in place, rotary
             table and mask computed once per batch, stopped rows dropped) — Llama / Qwen2 / Mistral
@@ -63,7 +63,7 @@ class TorchSampler(Sampler):
             ``DynamicCache`` every step; ``"auto"``: static where supported, else hf. The prompt is
             always prefilled by the model's forward. Same tokens and log-probs either way (tested).
         compile_step: with the static decode, run its per-token layer stack compiled
-            (``cispo.compile.CompiledLayerStack``: compiled in the first decode step, reused by every
+            (``cispo.models.compile.CompiledLayerStack``: compiled in the first decode step, reused by every
             later ``generate``; eager after a compile error). Log-probs within float32 rounding of
             the eager decode's (tested); ignored where the forward path decodes.
 
@@ -216,7 +216,7 @@ class TorchSampler(Sampler):
         if cfg.use_cache and n_new > 1 and self._lean(P + n_new):
             positions = torch.cat([pos, next_pos + torch.arange(n_new, device=dev)], dim=1)  # [B, P + n_new]
             if self.compile_step and self._layer_stack is None:
-                from cispo.compile import CompiledLayerStack
+                from cispo.models.compile import CompiledLayerStack
 
                 self._layer_stack = CompiledLayerStack(layer_stack, matmul_attention)
             lean = StaticDecoder(self.model, cache, prompt_mask, positions, n_new, self.fp32_head, self._layer_stack)

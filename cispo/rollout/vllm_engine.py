@@ -1,7 +1,7 @@
 """The arguments cispo gives vLLM's engine (``vllm.LLM``), and what the installed vLLM supports.
 
 Pure functions of settings; vLLM is imported only inside the feature checks. Written against the
-source of vLLM 0.33.0 (``cispo.versions.TESTED_VERSIONS``); every name below is an ``LLM`` /
+source of vLLM 0.33.0 (``cispo.foundations.versions.TESTED_VERSIONS``); every name below is an ``LLM`` /
 ``EngineArgs`` argument of that version (``vllm/entrypoints/llm.py``, ``vllm/engine/arg_utils.py``).
 Not yet run on a GPU: the tests check the exact arguments against a stand-in engine.
 

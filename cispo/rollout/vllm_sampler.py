@@ -2,7 +2,7 @@
 trainer on the same GPU. Needs ``pip install "cispo[vllm]"`` and a CUDA GPU; vLLM is imported only when a
 :class:`VLLMSampler` is constructed.
 
-Written against the source of vLLM 0.33.0 (``cispo.versions.TESTED_VERSIONS``; another version warns once),
+Written against the source of vLLM 0.33.0 (``cispo.foundations.versions.TESTED_VERSIONS``; another version warns once),
 with fallbacks for older ones stated below. The engine's arguments are built by
 :func:`cispo.rollout.vllm_engine.engine_kwargs` (torchrun placement, FP32 head, TRL-like defaults: see there).
 **Not yet run on a GPU**: tested against a stand-in engine that checks the arguments it is given. What each
@@ -61,7 +61,7 @@ piece relies on:
   private path TRL's colocate mode uses, ``llm.llm_engine.model_executor.driver_worker.model_runner``'s
   model ``load_weights`` (kept "for v0 compatibility" in ``vllm/v1/engine/llm_engine.py``); out of process,
   chunks through ``collective_rpc`` with a function (needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
-  :meth:`VLLMSampler.info` says which path ran. LoRA adapters (``cispo.lora``) are merged on the fly; the
+  :meth:`VLLMSampler.info` says which path ran. LoRA adapters (``cispo.models.lora``) are merged on the fly; the
   prefix cache is reset afterwards (its KV blocks came from the old weights). Tensor parallelism > 1 and
   quantised engines are not supported.
 
@@ -189,14 +189,14 @@ def pad_rollout(
 def named_weights(model_or_weights) -> Iterable[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) pairs to push to the engine.
 
-    A module: its ``state_dict`` (LoRA adapters injected by ``cispo.lora`` or a ``PeftModel`` are merged into
+    A module: its ``state_dict`` (LoRA adapters injected by ``cispo.models.lora`` or a ``PeftModel`` are merged into
     the base weights, under the base names; an FSDP2-sharded module's shards are all-gathered one tensor at a
     time as the engine takes them, as TRL's ``_sync_fsdp2_params_to_vllm`` does, so every rank must push);
     a dict: its items; anything else: used as given.
     """
     if isinstance(model_or_weights, torch.nn.Module):
-        from cispo.distributed import full_tensor
-        from cispo.lora import has_lora, merged_named_weights
+        from cispo.foundations.distributed import full_tensor
+        from cispo.models.lora import has_lora, merged_named_weights
 
         if has_lora(model_or_weights):
             return merged_named_weights(model_or_weights)
@@ -260,7 +260,7 @@ class VLLMSampler(Sampler):
     (the engine otherwise keeps sampling from the weights it loaded from ``model_path``).
 
     Args:
-        model_path: the Hugging Face folder of the policy (what ``cispo.models.load_policy`` loads).
+        model_path: the Hugging Face folder of the policy (what ``cispo.models.loading.load_policy`` loads).
         tokenizer: its tokenizer (an object with ``name_or_path``, or a path); None: ``model_path``.
         eos_token_id: the token that ends a response (kept in the response, mask 1).
         pad_token_id: fills the left of short prompts and the right of short responses.
@@ -313,7 +313,7 @@ class VLLMSampler(Sampler):
             from vllm.inputs import TokensPrompt
         except ImportError as e:
             raise ImportError(INSTALL_HINT) from e
-        from cispo.versions import warn_if_untested
+        from cispo.foundations.versions import warn_if_untested
 
         if eos_token_id is None:
             eos_token_id = getattr(tokenizer, "eos_token_id", None)

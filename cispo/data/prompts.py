@@ -1,0 +1,209 @@
+"""Prompt data: an endless, seeded, checkpointable stream of samples, and dynamic sampling.
+
+A *sample* is a dict with at least ``prompt`` (str); every other field (``answer``, …) is
+passed on to the reward as keyword arguments.
+
+Dynamic sampling (DAPO, arXiv 2503.14476, section 3.2): a group whose G rewards are all
+equal has zero advantage everywhere and contributes no gradient; drop it and sample new
+prompts until the batch holds the configured number of informative groups, within a cap
+on the number of generation rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Callable, Sequence, TypeVar
+
+import torch
+
+from cispo.foundations.forks import normalise, used_any
+
+Group = TypeVar("Group")
+
+
+class PromptStream:
+    """Shuffled epochs over ``samples``, forever. Epoch e's order is a permutation drawn from
+    ``seed`` and e alone, so the stream's position (epoch, index) is its whole state."""
+
+    def __init__(self, samples: Sequence[dict], seed: int) -> None:
+        if len(samples) == 0:
+            raise ValueError("PromptStream needs at least one sample")
+        self.samples = list(samples)
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.samples), generator=g).tolist()
+
+    def take(self, n: int) -> list[dict]:
+        """The next ``n`` samples (crossing epoch boundaries as needed)."""
+        out = []
+        while len(out) < n:
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.samples[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_samples": len(self.samples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_samples"] != len(self.samples) or state["seed"] != self.seed:
+            raise ValueError(
+                f"prompt stream state is for {state['num_samples']} samples / seed {state['seed']}, "
+                f"this stream has {len(self.samples)} / seed {self.seed}"
+            )
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._permutation(self.epoch)
+
+
+@dataclass
+class FillReport:
+    """What dynamic sampling did for one batch."""
+
+    rounds: int  # generation rounds used
+    groups_sampled: int  # groups generated in all rounds
+    groups_kept: int  # informative groups kept (<= target)
+
+
+def fill_groups(
+    take_prompts: Callable[[int], list[dict]],
+    generate: Callable[[list[dict]], list[Group]],
+    is_informative: Callable[[Group], bool],
+    num_groups: int,
+    max_rounds: int = 1,
+    filter_groups: bool = True,
+    any_rank: Callable[[bool], bool] | None = None,
+    idle: Callable[[], object] | None = None,
+) -> tuple[list[Group], FillReport]:
+    """Collect ``num_groups`` groups, dropping uninformative ones when ``filter_groups``.
+
+    Round 1 generates ``num_groups`` groups; each refill round generates enough to cover the
+    deficit at the informative rate seen so far (at most ``num_groups``). After
+    ``max_rounds`` rounds the batch may hold fewer groups (possibly none).
+
+    With weights sharded across processes (FSDP) every rank must generate as many times as
+    the others: ``any_rank(flag)`` says whether any rank wants another round, and a rank that
+    does not calls ``idle()`` (a throw-away generation) while the others do.
+    """
+    if num_groups < 1 or max_rounds < 1:
+        raise ValueError(f"fill_groups needs num_groups >= 1 and max_rounds >= 1, got {num_groups}, {max_rounds}")
+    kept: list[Group] = []
+    sampled = rounds = 0
+    while True:
+        want = len(kept) < num_groups and rounds < max_rounds and (filter_groups or rounds == 0)
+        if any_rank is not None and any_rank(want) and not want:
+            idle()
+            continue
+        if not want:
+            break
+        need = num_groups - len(kept)
+        rate = len(kept) / sampled if sampled else 1.0
+        n = need if rounds == 0 else min(num_groups, math.ceil(need / max(rate, 0.25)))
+        groups = generate(take_prompts(n))
+        rounds += 1
+        sampled += len(groups)
+        kept.extend(g for g in groups if not filter_groups or is_informative(g))
+    kept = kept[:num_groups]
+    return kept, FillReport(rounds=rounds, groups_sampled=sampled, groups_kept=len(kept))
+
+
+# ---------------------------------------------------------------------------------------
+# Prompt sources: a built-in task, or prompt files with a reward given by name
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """Prompts from files (``cispo.data.datasets.load_prompts``) with the Task interface the
+    trainer uses: ``train_samples(seed, n)``, ``eval_samples(seed, n)``, ``reward``,
+    ``used_fork``, ``extract_answer``, ``fork_tokens``, ``max_new_tokens``, ``name``."""
+
+    name: str
+    train: tuple
+    eval: tuple
+    reward: Callable[..., float]
+    fork_tokens: tuple[str, ...]
+    max_new_tokens: int
+    model: str | None = None  # the Task interface's: no model of its own (model.path or the built-in one)
+    chat: bool = False  # the Task interface's: the chat template only where model.chat_template asks
+
+    def train_samples(self, seed: int, n: int) -> list[dict]:
+        return list(self.train[:n])
+
+    def eval_samples(self, seed: int, n: int) -> list[dict]:
+        return list(self.eval[:n])
+
+    def used_fork(self, completion: str) -> bool:
+        return used_any(self.fork_tokens, completion)
+
+    def extract_answer(self, completion: str) -> str | None:
+        """The final answer maj@k votes on (``cispo.data.rewards.exact.extract_final_answer``)."""
+        from cispo.data.rewards.exact import extract_final_answer
+
+        return extract_final_answer(completion)
+
+
+def load_source(data_cfg, max_new_tokens: int | None):
+    """The built-in task ``data_cfg.task``, or the prompt files of ``data_cfg.path``, tracking the fork
+    strings ``data_cfg.fork_tokens`` where they are given (`with_fork_tokens`)."""
+    if data_cfg.path is None:
+        from cispo.data.tasks import get_task
+
+        task = get_task(data_cfg.task)
+        return task if data_cfg.fork_tokens is None else with_fork_tokens(task, data_cfg.fork_tokens)
+    from cispo.data.datasets import load_prompts
+    from cispo.data.rewards.loading import load_reward
+
+    if data_cfg.reward is None:
+        raise ValueError("data.reward is required with data.path (e.g. math, exact_match, code, module:function)")
+    if max_new_tokens is None:
+        raise ValueError("rollout.max_new_tokens is required with data.path")
+    kwargs = dict(prompt_field=data_cfg.prompt_field, answer_field=data_cfg.answer_field,
+                  extra_fields=data_cfg.extra_fields, split=data_cfg.split, name=data_cfg.name)
+    train = load_prompts(data_cfg.path, on_error=data_cfg.on_error, **kwargs)
+    if data_cfg.eval_path:
+        held_out = load_prompts(data_cfg.eval_path, on_error=data_cfg.on_error, **kwargs)
+    else:  # hold out a seeded slice of the training file
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(data_cfg.seed)).tolist()
+        n_eval = min(data_cfg.num_eval_prompts, len(train) // 5)
+        if data_cfg.num_eval_prompts and not n_eval:
+            from cispo.data.datasets import DataError
+
+            raise DataError(data_cfg.path, f"{len(train)} prompts: too few to hold out 1/5 of them for evaluation; "
+                            f"add prompts (>= 5), give data.eval_path, or set data.num_eval_prompts=0")
+        held_out = [train[i] for i in order[:n_eval]]
+        train = [train[i] for i in order[n_eval:]]
+    return FileSource(
+        name=Path(data_cfg.path).stem,
+        train=tuple(train),
+        eval=tuple(held_out),
+        reward=load_reward(data_cfg.reward, data_cfg.reward_isolation, data_cfg.reward_workers),
+        fork_tokens=normalise(data_cfg.fork_tokens or ()),
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def with_fork_tokens(task, strings):
+    """``task`` tracking ``strings`` (``normalise`` d) as its fork strings, ``used_fork`` included."""
+    strings = normalise(strings)
+    return replace(task, fork_tokens=strings, used_fork=partial(used_any, strings))
+
+
+def load_eval_sets(data_cfg) -> dict[str, list[dict]]:
+    """The named evaluation sets ``data_cfg.eval_sets``: name -> samples, each set read with its
+    own path and fields (``cispo.config.train.EvalSetConfig``) and ``data_cfg.on_error``; {} if none."""
+    from cispo.data.datasets import load_prompts
+
+    return {name: load_prompts(s.path, prompt_field=s.prompt_field, answer_field=s.answer_field,
+                               extra_fields=s.extra_fields, split=s.split, name=s.name, limit=s.num_prompts,
+                               on_error=data_cfg.on_error)
+            for name, s in data_cfg.eval_sets.items()}

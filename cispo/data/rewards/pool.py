@@ -1,0 +1,419 @@
+"""User rewards in worker processes: a hang, an exit or a crash costs one call, never the run.
+
+    >>> pool = pool_for("my_rewards.py:score", workers=4)
+    >>> pool.score([(prompt, completion, sample), ...], timeout_s=60.0)   # [(reward, error), ...]
+
+A thread running a hung call can never be killed (a few of them jam a thread pool), and a
+reward calling ``sys.exit`` / ``os._exit`` or raising ``KeyboardInterrupt`` would end the
+trainer. Here every call runs in a worker process of a `RewardPool`:
+
+1. the worker loads the reward itself from its spec string (``file.py:fn``, ``module:fn``, a
+   built-in name) as it starts, so nothing unpicklable crosses, and runs each call in its main
+   thread (so math-verify's ``signal.alarm`` timeouts work there). `RewardPool.start` starts the
+   workers ahead of the first call (the trainer does it before loading the model, so the two
+   overlap and the first step does not wait ~2 s for them);
+2. any ``BaseException`` of the call (``SystemExit``, ``KeyboardInterrupt``, ...) comes back as
+   an error message; the worker lives on;
+3. each worker has a pipe of its own, on which it is sent calls ahead (`AHEAD_S`) and says
+   when it starts each and what each returned; one thread of the trainer (the pool's
+   dispatcher) sends the calls and reads the pipes. So a call's outcome is what came back on its
+   worker's pipe: a worker's death is acted on only after everything it sent before dying has
+   been read (a pipe keeps its order), and it fails only the call that worker had started (one
+   sent to it but not started goes to another worker). **A call whose result was sent is
+   never reported as failed, and a death is never charged to another call.**
+   A call past ``timeout_s`` (counted from when its worker said it started it) has its worker
+   killed and replaced; a worker that dies (``os._exit``, a signal, out of memory) is replaced
+   the same way. The call scores 0 with a message;
+4. each worker (a `cispo.data.rewards.processes.GroupProcess`) leads a session of its own, so
+   a signal to the trainer's process group (a scheduler stopping the job, Ctrl-C) does not
+   reach it, and it ignores a SIGTERM sent to it directly: a step's calls finish. Stopping a
+   worker (a timeout, `RewardPool.close`) SIGKILLs its process group, so the processes its
+   reward started go with it (also when the worker died by itself);
+5. the worker's stdout / stderr (file descriptors 1 and 2, so C code and child processes too)
+   go to a private file emptied after every call; a failing call's message ends with the last
+   `OUTPUT_TAIL_CHARS` of its output; a worker may write at most `OUTPUT_LIMIT_BYTES` to any
+   file before its writes fail (``RLIMIT_FSIZE``, POSIX);
+6. the arguments are pickled into the worker: a reward that mutates them changes its own copy.
+
+Workers start with the ``spawn`` method: a fresh interpreter, never a fork of a process that
+holds CUDA or torch's threads, and no fork server (a process in the trainer's group: a
+SIGTERM to the group would kill it, and every worker it started would be taken for dead).
+
+Why not a library pool. pebble (used here before, 5.2.3): its workers share one pipe, and two
+of its threads race, one reading results and acknowledgements, one watching for dead workers.
+A death seen before the dead worker's last messages were read was charged to the call it had
+just *finished* (whose result, even a success, was then dropped), and the call that did die
+waited out its timeout, or forever without one (the same family as pebble issue #153). loky
+has no per-task timeout, and one crashed worker breaks the whole executor.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import pickle
+import threading
+import time
+from concurrent import futures
+from concurrent.futures import Future
+from multiprocessing.connection import wait
+
+from cispo.data.rewards import check_reward_value, describe_error
+from cispo.data.rewards.processes import (OUTPUT_LIMIT_BYTES, OUTPUT_TAIL_CHARS, OutputCapture, signal_name,
+                                          ignore_sigterm, worker_context)
+
+__all__ = ["RewardPool", "pool_for", "shutdown_pools", "OUTPUT_TAIL_CHARS", "OUTPUT_LIMIT_BYTES"]
+
+AHEAD_S = 0.05
+"""A worker is sent as many calls ahead (waiting in its pipe while it runs one) as it runs in
+about this long at the recent call time, at least 1, at most `MAX_AHEAD`: a fast reward's
+worker does not wait for a round trip through the dispatcher after each call (on a loaded
+machine each one cost ~10 ms), and a slow reward's calls are not held behind one another."""
+MAX_AHEAD = 16
+MAX_SENDS = 3
+"""The most workers one call is sent to when each dies (or is stopped) before the call starts."""
+LIVENESS_CHECK_S = 0.1
+"""The longest the dispatcher waits before asking each busy or starting worker whether it is
+alive (besides watching its pipe and exit sentinel, which a process the reward forked may keep
+open)."""
+
+
+# ---------------------------------------------------------------------------------------
+# In the worker
+# ---------------------------------------------------------------------------------------
+
+
+class _Worker:
+    """A worker's reward (loaded once) and its captured output."""
+
+    def __init__(self, spec: str) -> None:
+        self.output = OutputCapture()
+        self.reward, self.load_error = None, None
+        try:
+            from cispo.data.rewards.loading import load_reward
+
+            self.reward = load_reward(spec, isolation="main", trial=False)  # the trainer's load tried it
+        except BaseException as e:  # noqa: BLE001 - reported with every call
+            self.load_error = f"loading the reward in its worker failed: {describe_error(e)}"
+
+
+_WORKERS: dict[str, _Worker] = {}
+
+
+def start_worker(spec: str) -> None:
+    """SIGTERM ignored (`ignore_sigterm`), then the reward loaded (a load error is kept and
+    reported with every call)."""
+    ignore_sigterm()
+    _WORKERS[spec] = _Worker(spec)
+
+
+def score_call(spec: str, prompt, completion, sample: dict) -> tuple[float, str | None]:
+    """Runs in a worker: ``(reward, None)`` or ``(0.0, message)``; never raises."""
+    worker = _WORKERS.get(spec) or _WORKERS.setdefault(spec, _Worker(spec))
+    value, error = 0.0, worker.load_error
+    if error is None:
+        try:
+            value = check_reward_value(worker.reward(prompt, completion, **sample))
+        except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, ...: one failed call
+            value, error = 0.0, describe_error(e)
+    tail = worker.output.take()
+    if error is not None and tail.strip():
+        error = f"{error} | output (end): {tail.strip()!r}"
+    return value, error
+
+
+def worker_main(spec: str, conn) -> None:
+    """A worker process: load the reward, send its pid (ready), then for each pickled call it
+    receives send None (started), score it and send ``(reward, error, seconds)``, until the pool
+    closes the pipe."""
+    os.set_inheritable(conn.fileno(), False)  # programs the reward runs do not hold the pipe
+    start_worker(spec)
+    conn.send(os.getpid())
+    while True:
+        try:
+            call = conn.recv_bytes()
+        except (EOFError, OSError):  # the pool closed
+            return
+        conn.send(None)
+        started = time.perf_counter()
+        try:
+            value, error = score_call(spec, *pickle.loads(call))
+        except BaseException as e:  # noqa: BLE001 - e.g. an argument whose class cannot be imported here
+            value, error = 0.0, f"could not run in a worker process: {describe_error(e)}"
+        conn.send((value, error, time.perf_counter() - started))
+
+
+# ---------------------------------------------------------------------------------------
+# In the trainer
+# ---------------------------------------------------------------------------------------
+
+
+class _Call:
+    """One call: its pickled arguments, time limit and future ``(reward, error)``; whether its
+    worker said it started (and its deadline then), and how many workers it was sent to."""
+
+    def __init__(self, call: tuple, timeout_s: float | None) -> None:
+        self.timeout_s, self.future, self.payload = timeout_s, Future(), b""
+        self.started, self.deadline, self.sends = False, None, 0
+        try:
+            self.payload = pickle.dumps(tuple(call), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - arguments that cannot be pickled
+            self.future.set_result((0.0, f"could not run in a worker process: {describe_error(e)}"))
+
+
+class _CallTime:
+    """The recent time of one call in a worker (an exponential moving average), and so how many
+    calls to send a worker ahead (`AHEAD_S`)."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def add(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds is None else 0.8 * self.seconds + 0.2 * seconds
+
+    def ahead(self) -> int:
+        if self.seconds is None:
+            return 1
+        return max(1, min(MAX_AHEAD, int(AHEAD_S / max(self.seconds, 1e-6))))
+
+
+class _Proc:
+    """A worker process, the trainer's end of its pipe, and the calls sent to it, in order (the
+    first one runs)."""
+
+    def __init__(self, spec: str, call_time: _CallTime) -> None:
+        self.call_time = call_time
+        self.conn, theirs = worker_context().Pipe()
+        self.process = worker_context().Process(target=worker_main, args=(spec, theirs), name="cispo-reward-worker")
+        self.process.start()
+        theirs.close()
+        self.ready, self.calls = False, collections.deque()
+
+    @property
+    def deadline(self) -> float | None:
+        return self.calls[0].deadline if self.calls else None
+
+    def take_messages(self) -> bool:
+        """Read every message already sent: the ready pid, then for each call its start (None,
+        which sets its deadline) and its result (which completes it). False once the pipe is
+        closed (the worker is gone)."""
+        try:
+            while self.conn.poll(0):
+                message = self.conn.recv()
+                if not self.ready:
+                    self.ready = True
+                elif message is None:
+                    call = self.calls[0]
+                    call.started = True
+                    call.deadline = None if call.timeout_s is None else time.monotonic() + call.timeout_s
+                else:
+                    value, error, seconds = message
+                    self.calls.popleft().future.set_result((value, error))
+                    self.call_time.add(seconds)
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def end(self, outcome: str | None = None) -> list[_Call]:
+        """Kill and reap it (its process group with it) and keep the results it sent before;
+        its started call gets ``outcome`` (None: the cause of its death). The calls it had not
+        started are returned, to be sent to another worker (each at most `MAX_SENDS` times)."""
+        self.process.kill()
+        self.process.join()
+        self.take_messages()
+        self.conn.close()
+        calls, self.calls = self.calls, collections.deque()
+        unstarted = []
+        for call in calls:
+            if call.started or call.sends >= MAX_SENDS:
+                call.future.set_result((0.0, outcome if call.started and outcome else _death(self.process.exitcode)))
+            else:
+                unstarted.append(call)
+        return unstarted
+
+
+def _how(exitcode: int) -> str:
+    return f"killed by {signal_name(-exitcode)}" if exitcode < 0 else f"exit status {exitcode}"
+
+
+def _death(exitcode: int) -> str:
+    return f"the reward's worker process died ({_how(exitcode)}); it was replaced"
+
+
+class RewardPool:
+    """Worker processes for one reward spec; `score` runs a batch of calls in them."""
+
+    def __init__(self, spec: str, workers: int) -> None:
+        self.spec, self.workers = spec, workers
+        self._lock = threading.Lock()
+        self._queue: collections.deque[_Call] = collections.deque()
+        self._wake_read, self._wake_write = worker_context().Pipe(duplex=False)
+        self._procs: list[_Proc] = []
+        self._dispatcher: threading.Thread | None = None
+        self._closing = False
+        self._start_failed = False
+        self._call_time = _CallTime()
+
+    def start(self) -> None:
+        """Start the workers now, without waiting for them (each loads the reward as it starts)."""
+        with self._lock:
+            self._start_locked()
+
+    def score(self, calls, timeout_s: float | None) -> list[tuple[float, str | None]]:
+        """``[(reward, error)]`` for ``calls = [(prompt, completion, sample), ...]``, in order.
+        All calls are queued at once and gathered; each has its own ``timeout_s``."""
+        batch = [_Call(call, timeout_s) for call in calls]
+        with self._lock:
+            self._start_locked()
+            self._queue.extend(c for c in batch if not c.future.done())
+        self._wake()
+        futures.wait([c.future for c in batch])  # one wake-up for the batch, not one per call
+        return [c.future.result() for c in batch]
+
+    def close(self) -> None:
+        """Stop at once: running and queued calls fail, every worker's process group is killed."""
+        with self._lock:
+            self._closing = True
+            dispatcher = self._dispatcher
+        self._wake()
+        if dispatcher is not None and dispatcher is not threading.current_thread():
+            dispatcher.join()
+
+    # -- the dispatcher thread -----------------------------------------------------------
+
+    def _start_locked(self) -> None:
+        if self._dispatcher is None:
+            self._closing, self._start_failed = False, False
+            self._procs = [_Proc(self.spec, self._call_time) for _ in range(self.workers)]
+            self._dispatcher = threading.Thread(target=self._dispatch, name="cispo-reward-pool", daemon=True)
+            self._dispatcher.start()
+
+    def _wake(self) -> None:
+        """Make the dispatcher look at the queue (or at ``_closing``) now. Never silenced: with every
+        worker idle it waits on this pipe alone, so a lost wake-up would leave the batch waiting."""
+        self._wake_write.send_bytes(b"")
+
+    def _dispatch(self) -> None:
+        """Until closed: keep `workers` processes, send queued calls to idle ready ones, read
+        what they send, end the dead and the timed out. On any failure of its own, every call
+        fails with the reason (no caller waits forever)."""
+        reason = "the reward pool was closed before this call finished"
+        try:
+            while not self._closing:
+                self._top_up()
+                self._send_calls()
+                ready = wait([self._wake_read] + [x for p in self._procs for x in (p.conn, p.process.sentinel)],
+                             self._wait_s())
+                while self._wake_read.poll(0):
+                    self._wake_read.recv_bytes()
+                self._collect(set(ready))
+                self._expire()
+        except BaseException as e:  # noqa: BLE001 - reported on every call
+            reason = f"the reward pool failed: {describe_error(e)}"
+        finally:
+            with self._lock:
+                queued, self._dispatcher = list(self._queue), None
+                self._queue.clear()
+                procs, self._procs = self._procs, []
+            for proc in procs:
+                calls = list(proc.calls)
+                try:
+                    queued += proc.end(reason)
+                finally:  # its calls fail even if ending it failed
+                    queued += [c for c in calls if not c.future.done()]
+            for call in queued:
+                if not call.future.done():
+                    call.future.set_result((0.0, reason))
+
+    def _top_up(self) -> None:
+        if not self._start_failed or self._queue:  # a worker died while starting: wait for work
+            self._procs += [_Proc(self.spec, self._call_time) for _ in range(self.workers - len(self._procs))]
+
+    def _send_calls(self) -> None:
+        """Queued calls to ready workers: one to each, then a second to each, ... up to
+        `_CallTime.ahead` each."""
+        for depth in range(1, self._call_time.ahead() + 1):
+            for proc in self._procs:
+                while proc.ready and len(proc.calls) < depth:
+                    with self._lock:
+                        if not self._queue:
+                            return
+                        call = self._queue.popleft()
+                    try:
+                        proc.conn.send_bytes(call.payload)
+                    except OSError:  # it died: the call waits for another worker
+                        with self._lock:
+                            self._queue.appendleft(call)
+                        break
+                    call.sends += 1
+                    proc.calls.append(call)
+
+    def _requeue(self, calls: list[_Call]) -> None:
+        with self._lock:
+            self._queue.extendleft(reversed(calls))
+
+    def _wait_s(self) -> float | None:
+        """Until the next deadline, at most `LIVENESS_CHECK_S` while a worker is busy or starting."""
+        if all(p.ready and not p.calls for p in self._procs):
+            return None
+        deadlines = [p.deadline - time.monotonic() for p in self._procs if p.deadline is not None]
+        return max(0.0, min(deadlines + [LIVENESS_CHECK_S]))
+
+    def _collect(self, ready: set) -> None:
+        """Results first, then deaths: a worker is ended only after its pipe has been read."""
+        for proc in list(self._procs):
+            watched = proc.conn in ready or proc.process.sentinel in ready or not (proc.ready and not proc.calls)
+            if not watched:
+                continue
+            open_pipe = proc.take_messages()
+            if proc.ready:
+                self._start_failed = False
+            if open_pipe and proc.process.is_alive():
+                continue
+            self._procs.remove(proc)
+            self._requeue(proc.end())
+            if not proc.ready:  # e.g. os._exit while importing the reward in the worker
+                self._start_failed = True
+                if not any(p.ready for p in self._procs):
+                    how = _how(proc.process.exitcode)
+                    self._fail_queued(f"the reward's worker process died while starting ({how})")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for proc in list(self._procs):
+            if proc.deadline is not None and now >= proc.deadline and proc.take_messages() \
+                    and proc.deadline is not None and now >= proc.deadline:
+                timeout_s = proc.calls[0].timeout_s
+                self._call_time.add(timeout_s)  # no more calls held behind hanging ones
+                self._procs.remove(proc)
+                self._requeue(proc.end(f"timed out after {timeout_s} s (its worker process was killed and replaced)"))
+
+    def _fail_queued(self, reason: str) -> None:
+        with self._lock:
+            queued = list(self._queue)
+            self._queue.clear()
+        for call in queued:
+            call.future.set_result((0.0, reason))
+
+
+_POOLS: dict[tuple[str, int], RewardPool] = {}
+
+
+def pool_for(spec: str, workers: int) -> RewardPool:
+    """The pool for ``spec`` (created on first use, its workers started by `RewardPool.start` or the
+    first call; kept until `shutdown_pools`)."""
+    key = (spec, workers)
+    if key not in _POOLS:
+        _POOLS[key] = RewardPool(spec, workers)
+    return _POOLS[key]
+
+
+def shutdown_pools() -> None:
+    """Stop every reward pool (also at interpreter exit), killing calls still running and the
+    processes they started (SIGKILL to each worker's process group)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+atexit.register(shutdown_pools)

@@ -1,0 +1,114 @@
+"""From sampled groups to training tensors: the data types and their collation.
+
+One generation batch becomes an ``Experience``: B = groups x G rows, each the prompt
+(left-padded) followed by the response (right-padded), with the sampler's log-probs, the
+advantages and — filled in once before the K updates — ``logp_old``. The model's
+log-probs of it are ``cispo.models.policy.policy_logprobs``; its micro-batches ``cispo.training.batching``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass
+class Completion:
+    """One sampled response to one prompt, with its reward."""
+
+    sample: dict  # the data set row: {"prompt", "answer", ...}
+    prompt_ids: list[int]
+    response_ids: torch.Tensor  # [T_i] generated tokens (EOS included when emitted)
+    logp_rollout: torch.Tensor  # [T_i] the sampler's log-probs of them
+    finish_reason: str  # "eos" | "length" | "repetition"
+    text: str  # decoded response, special tokens removed
+    task_reward: float = 0.0  # the verifier's score (accuracy when 0/1)
+    reward: float = 0.0  # task_reward + shaping
+    reward_error: str | None = None  # why the reward failed (then task_reward = 0)
+
+    @property
+    def length(self) -> int:
+        return int(self.response_ids.numel())
+
+
+Group = list[Completion]  # the G responses to one prompt
+
+
+def is_informative(group: Group) -> bool:
+    """A group whose rewards are not all equal carries a non-zero advantage."""
+    return any(c.reward != group[0].reward for c in group)
+
+
+@dataclass
+class Experience:
+    """A padded batch of B rows = prompt (left-padded, P columns) + response (T columns)."""
+
+    input_ids: torch.Tensor  # [B, P + T]
+    attention_mask: torch.Tensor  # [B, P + T]
+    response_mask: torch.Tensor  # [B, T] float, 1 = generated token
+    logp_rollout: torch.Tensor  # [B, T] the sampler's log-probs
+    advantages: torch.Tensor  # [B]
+    logp_old: torch.Tensor | None = None  # [B, T] the trainer's log-probs before the updates
+    extras: dict = field(default_factory=dict)  # other per-row tensors [B, ...], sliced along
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        return self.input_ids[:, -self.response_mask.shape[1]:]  # [B, T]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device) -> "Experience":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            attention_mask=move(self.attention_mask),
+            response_mask=move(self.response_mask),
+            logp_rollout=move(self.logp_rollout),
+            advantages=move(self.advantages),
+            logp_old=move(self.logp_old),
+            extras={k: move(v) for k, v in self.extras.items()},
+        )
+
+    def select(self, rows: torch.Tensor) -> "Experience":
+        """Rows ``rows``, trimmed to their own longest prompt and response."""
+        T_full = self.response_mask.shape[1]
+        mask = self.response_mask[rows]  # [b, T]
+        T = max(int(mask.sum(-1).max()), 1) if len(rows) else 1
+        prompt_mask = self.attention_mask[rows, : -T_full]  # [b, P]
+        live = prompt_mask.any(0).nonzero()
+        p0 = int(live[0]) if len(live) else 0
+        keep = list(range(p0, prompt_mask.shape[1])) + list(range(prompt_mask.shape[1], prompt_mask.shape[1] + T))
+        cols = torch.tensor(keep, device=self.input_ids.device)
+        return replace(
+            self,
+            input_ids=self.input_ids[rows][:, cols],
+            attention_mask=self.attention_mask[rows][:, cols],
+            response_mask=mask[:, :T],
+            logp_rollout=self.logp_rollout[rows, :T],
+            advantages=self.advantages[rows],
+            logp_old=None if self.logp_old is None else self.logp_old[rows, :T],
+            extras={k: v[rows] for k, v in self.extras.items()},
+        )
+
+
+def collate(completions: list[Completion], advantages: torch.Tensor, pad_id: int, device=None) -> Experience:
+    """Left-pad prompts, right-pad responses, stack."""
+    B = len(completions)
+    P = max(len(c.prompt_ids) for c in completions)
+    T = max(max(c.length for c in completions), 1)
+    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, P + T, dtype=torch.long)
+    response_mask = torch.zeros(B, T, dtype=torch.float32)
+    logp_rollout = torch.zeros(B, T, dtype=torch.float32)
+    for i, c in enumerate(completions):
+        n_p, n_r = len(c.prompt_ids), c.length
+        input_ids[i, P - n_p : P] = torch.tensor(c.prompt_ids, dtype=torch.long)
+        input_ids[i, P : P + n_r] = c.response_ids
+        attention_mask[i, P - n_p : P + n_r] = 1
+        response_mask[i, :n_r] = 1
+        logp_rollout[i, :n_r] = c.logp_rollout
+    exp = Experience(input_ids, attention_mask, response_mask, logp_rollout, advantages.float())
+    return exp if device is None else exp.to(device)

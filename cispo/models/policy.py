@@ -1,0 +1,193 @@
+"""The policy being trained and its forward pass: token log-probs of an ``Experience``.
+
+``Policy`` bundles the model, its tokenizer and its sampler; ``policy_logprobs`` is the one
+forward the trainer runs (logp_old and every update), through the chunked head of
+``cispo.objective.logprobs``; ``head_mismatch`` checks at load that this head reproduces the model's
+own distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from cispo.foundations.distributed import sharded_call
+from cispo.foundations.experience import Experience
+from cispo.objective.fused_head import TokenLoss, fused_head_loss
+from cispo.objective.logprobs import lm_logits, logit_transform, token_logprobs
+
+if TYPE_CHECKING:  # cispo.rollout's torch sampler uses this module's decoder / lm_head
+    from cispo.rollout.base import Sampler
+
+
+@dataclass
+class Policy:
+    """The model being trained, its tokenizer and its sampler; with a KL penalty
+    (``kl_coef > 0``) also the frozen reference policy pi_ref (eval mode, no gradients)."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    sampler: Sampler
+    device: torch.device
+    chat_template: bool = False
+    system_prompt: str | None = None  # data.system_prompt: a system message before the chat messages
+    autocast: torch.dtype | None = None  # mixed precision: compute dtype over FP32 master weights
+    ref_model: torch.nn.Module | None = None  # pi_ref of the KL penalty, run under the same ``compute()``
+    train_body: Callable | None = None  # the decoder of the trainer's passes (``model.compile``); None: decoder(model)
+    grad_scaler: torch.amp.GradScaler | None = None  # float16 autocast: dynamic loss scaling (`loss_scaler`)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on: times the loss scale S under float16 autocast (so
+        small gradients survive float16's range; ``unscale`` divides them by S again), else as is."""
+        return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+
+    def compute(self):
+        """The context of every forward pass: ``torch.autocast`` in ``autocast``, or nothing."""
+        return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
+
+    def encode(self, sample: dict) -> list[int]:
+        """Prompt token ids: the raw prompt, or its chat messages in the chat template, after a
+        system message ``system_prompt`` unless the messages start with their own."""
+        if self.chat_template:
+            messages = sample.get("messages") or [{"role": "user", "content": sample["prompt"]}]
+            if self.system_prompt is not None and messages[0].get("role") != "system":
+                messages = [{"role": "system", "content": self.system_prompt}, *messages]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tokenizer.encode(sample["prompt"], add_special_tokens=True)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+
+def lm_head(model) -> torch.nn.Module:
+    """The output projection of a Hugging Face causal LM."""
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise ValueError(f"{type(model).__name__} has no output embedding layer with a weight")
+    return head
+
+
+def decoder(model) -> torch.nn.Module:
+    """The body of a Hugging Face causal LM (returns ``last_hidden_state``, final norm applied)."""
+    return getattr(model, model.base_model_prefix)
+
+
+def policy_logprobs(
+    model,
+    exp: Experience,
+    temperature: float = 1.0,
+    fp32_head: bool = True,
+    with_entropy: bool = False,
+    chunk_size: int = 4096,
+    body: Callable | None = None,
+):
+    """log pi(o_it | q, o_i<t) / temperature-scaled, for every response token of ``exp``.
+
+    One forward of the decoder over prompt + response (the last token is not needed: it
+    predicts nothing), then the LM head in chunks (``cispo.objective.logprobs``), with the model's own
+    logit post-processing (``logit_transform(model.config)``: Gemma's soft cap, Cohere's /
+    Granite's scaling), so the result is ``log_softmax(model(...).logits / temperature)``
+    of the response tokens. -> [B, T] (, [B, T])
+    On a model sharded with FSDP2 it runs inside the root's forward hooks (``sharded_call``),
+    which gather the embeddings and the LM head it uses. ``body``: the decoder to run
+    (``Policy.train_body``, e.g. compiled by ``cispo.models.compile``); None: ``decoder(model)``.
+    """
+    return sharded_call(model, lambda: _policy_logprobs(model, exp, temperature, fp32_head, with_entropy, chunk_size,
+                                                        body))
+
+
+def _response_hidden(model, exp: Experience, body: Callable | None = None) -> torch.Tensor:
+    """The decoder's states that predict the response tokens of ``exp`` (one forward over
+    prompt + response, the last token left out: it predicts nothing), from ``body`` (None:
+    ``decoder(model)``).  -> [B, T, H]"""
+    T = exp.response_mask.shape[1]
+    P = exp.input_ids.shape[1] - T
+    attention_mask = exp.attention_mask  # [B, P+T]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P+T]
+    hidden = (body or decoder(model))(
+        input_ids=exp.input_ids[:, :-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=position_ids[:, :-1],
+        use_cache=False,
+    ).last_hidden_state  # [B, P+T-1, H]
+    return hidden[:, P - 1 :]  # [B, T, H]
+
+
+def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool, with_entropy: bool,
+                     chunk_size: int, body: Callable | None = None):
+    hidden = _response_hidden(model, exp, body)  # [B, T, H]
+    head = lm_head(model)
+    return token_logprobs(
+        hidden,
+        head.weight,
+        exp.response_ids,
+        bias=getattr(head, "bias", None),
+        temperature=temperature,
+        fp32_head=fp32_head,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+        transform=logit_transform(model.config),
+    )
+
+
+def policy_fused_loss(model, exp: Experience, token_loss: TokenLoss, temperature: float = 1.0,
+                      fp32_head: bool = True, chunk_size: int = 4096, body: Callable | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder forward of ``policy_logprobs``, then the LM head and the objective
+    ``token_loss`` (``cispo.objective.fused_head.token_objective``) in one chunked pass whose gradients
+    are formed in the forward (``cispo.objective.fused_head.fused_head_loss``); ``body`` as there.
+    -> (loss [], logp [B, T] detached, the log-probs ``policy_logprobs`` returns)"""
+    def run():
+        head = lm_head(model)
+        loss, logp, _ = fused_head_loss(_response_hidden(model, exp, body), head.weight, exp.response_ids, token_loss,
+                                        bias=getattr(head, "bias", None), temperature=temperature,
+                                        fp32_head=fp32_head, chunk_size=chunk_size,
+                                        transform=logit_transform(model.config))
+        return loss, logp
+
+    return sharded_call(model, run)
+
+
+@torch.no_grad()
+def head_mismatch(model, num_tokens: int = 8) -> float:
+    """Largest |log_softmax(our head) - log_softmax(model(...).logits)| (nats) over the whole
+    vocabulary at ``num_tokens`` fixed positions, in eval mode. Our head is ``lm_logits`` (the
+    function ``token_logprobs`` computes per chunk) with ``logit_transform(model.config)``: 0 up to
+    rounding when it reproduces the model's own distribution, large when the model post-processes
+    its logits in a way ``logit_transform`` does not know. For an unsharded model (check before
+    ``shard_model``)."""
+    head = lm_head(model)
+    ids = ((torch.arange(num_tokens, device=head.weight.device) * 7919 + 3) % head.weight.shape[0])[None]  # [1, T]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        def both():
+            hidden = decoder(model)(input_ids=ids, use_cache=False).last_hidden_state  # [1, T, H]
+            ours = lm_logits(hidden, head.weight, bias=getattr(head, "bias", None),
+                             transform=logit_transform(model.config))  # [1, T, V]
+            return ours, model(input_ids=ids, use_cache=False).logits.float()  # [1, T, V]
+
+        ours, ref = both()
+        return float((torch.log_softmax(ours, -1) - torch.log_softmax(ref, -1)).abs().max())
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def loss_scaler(autocast: torch.dtype | None, device: torch.device) -> torch.amp.GradScaler | None:
+    """Dynamic loss scaling for float16 mixed precision (FP32 master weights, float16 autocast):
+    gradients are computed for S * loss and divided by S before clipping and the step; an update
+    whose gradient overflows is skipped and S halves, and S doubles after 2000 clean updates
+    (``torch.amp.GradScaler``'s defaults, S0 = 2^16). float16's smallest normal number is 6e-5,
+    so without it the small activation gradients of a token-normalised loss flush to zero.
+    bfloat16 (float32's exponent range) and float32 need none: None."""
+    return torch.amp.GradScaler(device.type) if autocast == torch.float16 else None

@@ -1,0 +1,127 @@
+"""The settings of the unified objective (`cispo.objective.loss`, MiniMax-M1 eq. 6): `ObjectiveConfig`,
+its five axes, and the named presets (cispo, ppo, grpo, dapo, gspo, reinforce, cispo_lowmask,
+cispo_highmask).
+
+Plain data with no torch: a run's config names a preset and its overrides, and checking them
+(``cispo train objective_overrides.eps_high_is=-1`` is refused at once) must not wait for
+torch to load. `cispo.objective.loss` computes the loss from them and re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from cispo.foundations.suggest import did_you_mean, other_name_hint
+
+RATIO_LEVELS = ("token", "sequence")
+MASK_RULES = ("none", "ppo", "ppo-low", "ppo-high")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"ObjectiveConfig.{field} must be one of {choices}, got {value!r}{did_you_mean(value, choices)}")
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """The axes of the unified objective (eq. 6). The defaults are the ``cispo`` preset."""
+
+    ratio_level: str = "token"
+    """Unit of the IS ratio: ``token`` (r_it) or ``sequence`` (GSPO's length-normalised s_i)."""
+    eps_low_is: float | None = None
+    """IS weight lower bound 1 - eps_low_is (eq. 5). None: no lower bound (the paper's choice)."""
+    eps_high_is: float | None = 4.0
+    """IS weight upper bound 1 + eps_high_is (eq. 5). None: no upper bound. Paper: unpublished."""
+    is_bounds_by_sign: bool = False
+    """False: eps_low_is / eps_high_is bound every token's weight. True (DISPO): they bound the
+    tokens with A >= 0 (correct responses) and eps_low_is_neg / eps_high_is_neg those with A < 0."""
+    eps_low_is_neg: float | None = None
+    """With is_bounds_by_sign: lower weight bound 1 - eps_low_is_neg of A < 0 tokens. None: none."""
+    eps_high_is_neg: float | None = None
+    """With is_bounds_by_sign: upper weight bound 1 + eps_high_is_neg of A < 0 tokens. None: none."""
+    mask_rule: str = "none"
+    """Token mask M (eq. 7): ``none`` (M = 1), ``ppo`` (PPO's trust region, eps_low/eps_high),
+    ``ppo-low`` (its lower half only: A < 0, r < 1 - eps_low) or ``ppo-high`` (its upper half
+    only: A > 0, r > 1 + eps_high)."""
+    eps_low: float = 0.2
+    """PPO trust region lower edge 1 - eps_low: masks A < 0 tokens below it (eq. 7).
+    Also defines ``frac_ppo_dropped`` under every mask rule."""
+    eps_high: float = 0.2
+    """PPO trust region upper edge 1 + eps_high: masks A > 0 tokens above it (eq. 7).
+    Also defines ``frac_ppo_dropped`` under every mask rule."""
+    aggregation: str = "token-mean"
+    """How per-token terms become a scalar: ``token-mean`` (sum / total tokens),
+    ``seq-mean-token-mean`` (mean over sequences of per-sequence means),
+    ``seq-mean-token-sum-norm`` (sum / (num_seqs * token_sum_norm), Dr. GRPO)."""
+    token_sum_norm: float | None = None
+    """Constant length for ``seq-mean-token-sum-norm`` (e.g. max new tokens).
+    None: the padded length T of the batch (then split batches are not exact)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to the reference policy. 0: no KL term (the paper's choice)."""
+    kl_estimator: str = "k3"
+    """KL estimator: ``k1`` (log pi - log pi_ref) or ``k3`` (r - 1 - log r, r = pi_ref / pi)."""
+    max_log_ratio: float | None = 20.0
+    """Clamp of log r (and log s) to +-max_log_ratio before exp, for finite weights. None: off."""
+
+    def __post_init__(self) -> None:
+        _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        _check_choice("mask_rule", self.mask_rule, MASK_RULES)
+        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        for name in ("eps_low_is", "eps_high_is", "eps_low_is_neg", "eps_high_is_neg", "eps_low", "eps_high",
+                     "kl_coef"):
+            value = getattr(self, name)
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"ObjectiveConfig.{name} must be a finite number >= 0, got {value!r}")
+        if self.eps_low > 1:
+            raise ValueError(f"ObjectiveConfig.eps_low must be <= 1 (bound 1 - eps_low >= 0), got {self.eps_low}")
+        for name in ("token_sum_norm", "max_log_ratio"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"ObjectiveConfig.{name} must be a finite number > 0 or None, got {value!r}")
+
+
+PRESETS: dict[str, ObjectiveConfig] = {
+    # MiniMax-M1: weight capped above and detached, every token keeps its gradient.
+    "cispo": ObjectiveConfig(),
+    # Plain PPO-clip with a token-level loss.
+    "ppo": ObjectiveConfig(eps_high_is=None, mask_rule="ppo", eps_low=0.2, eps_high=0.2),
+    # DeepSeekMath's GRPO: PPO-clip, mean within each sequence then over sequences.
+    "grpo": ObjectiveConfig(
+        eps_high_is=None, mask_rule="ppo", eps_low=0.2, eps_high=0.2, aggregation="seq-mean-token-mean"
+    ),
+    # DAPO: clip-higher (0.2 / 0.28) and the token-level loss.
+    "dapo": ObjectiveConfig(eps_high_is=None, mask_rule="ppo", eps_low=0.2, eps_high=0.28),
+    # GSPO: sequence-level ratio and trust region, per-sequence normalisation.
+    "gspo": ObjectiveConfig(
+        ratio_level="sequence",
+        eps_high_is=None,
+        mask_rule="ppo",
+        eps_low=3e-4,
+        eps_high=4e-4,
+        aggregation="seq-mean-token-mean",
+    ),
+    # IS-weighted REINFORCE: no clipping, no mask.
+    "reinforce": ObjectiveConfig(eps_high_is=None),
+    # CISPO plus one half of DAPO's trust region (issue 28): the capped, detached weight and the
+    # token-level loss of CISPO, DAPO's 0.2 / 0.28.
+    "cispo_lowmask": ObjectiveConfig(mask_rule="ppo-low", eps_low=0.2, eps_high=0.28),
+    "cispo_highmask": ObjectiveConfig(mask_rule="ppo-high", eps_low=0.2, eps_high=0.28),
+}
+
+
+def preset(name: str, **overrides) -> ObjectiveConfig:
+    """The named preset (``cispo``, ``ppo``, ``grpo``, ``dapo``, ``gspo``, ``reinforce``, ``cispo_lowmask``,
+    ``cispo_highmask``), with any field replaced by ``overrides`` (e.g. ``preset("cispo", eps_high_is=2.0)``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown objective preset {name!r}{did_you_mean(name, PRESETS)}; known: {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    for key in overrides:
+        if key not in fields:
+            hint = other_name_hint(key, fields) or did_you_mean(key, fields)  # TRL's 'beta', or a typo
+            raise ValueError(f"ObjectiveConfig has no field {key!r}{hint}")
+    return dataclasses.replace(PRESETS[name], **overrides)

@@ -1,0 +1,193 @@
+"""Saved completions: ``<run>/samples.jsonl`` and the rows the metric sinks show as a table.
+
+Every ``log_samples_every`` steps the first ``max_samples_per_step`` responses of the step's
+generation batch (whole groups first: rows are in group order) are appended, one JSON object
+per line (``SAMPLE_FIELDS``):
+
+* ``prompt``, ``completion`` (cut to ``samples_max_chars`` characters each, ``…`` marks a cut),
+  ``reward`` (task reward + shaping), ``task_reward``, ``advantage`` (A_i), ``length``
+  (tokens), ``finish_reason``, ``reward_error``;
+* ``fork_tokens``: occurrences of the task's reflective (fork) strings in the completion's text
+  (``cispo.foundations.forks.count_in_text``; None when the task tracks none);
+* ``capped_tokens``: response tokens whose IS weight hit a bound of eq. 5 (w != r), and
+  ``ppo_dropped_tokens``: tokens a PPO mask with the objective's eps_low / eps_high would
+  drop (eq. 7), both counted at the update that used the row (summed over ``algo.epochs``).
+
+A step that kept no group saves the groups it sampled and dropped (advantage and counts None).
+The file stops growing, with one note on stderr, once it would pass ``samples_max_mb``.
+
+``cispo eval --samples FILE`` writes every completion of its evaluation (`eval_records`), whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from cispo.foundations.experience import Completion, Experience
+from cispo.foundations.forks import count_in_text
+from cispo.objective.loss import ObjectiveStats
+
+SAMPLE_FIELDS = ("step", "group", "prompt", "completion", "reward", "task_reward", "advantage", "length",
+                 "finish_reason", "fork_tokens", "capped_tokens", "ppo_dropped_tokens", "reward_error",
+                 "templated_prompt")
+COUNT_KEYS = ("samples/capped_tokens", "samples/ppo_dropped_tokens")
+"""``Experience.extras`` keys of the per-row counts   [B]; present only in steps that log samples."""
+
+
+def start_token_counts(exp: Experience) -> None:
+    """Make ``add_token_counts`` count, in this batch, the capped / PPO-dropped tokens of each row."""
+    for key in COUNT_KEYS:
+        exp.extras[key] = torch.zeros(len(exp), dtype=torch.long, device=exp.response_mask.device)
+
+
+@torch.no_grad()
+def add_token_counts(exp: Experience, rows: torch.Tensor, stats: ObjectiveStats) -> None:
+    """Add the capped (w_it != r_it, eq. 5) and PPO-dropped (M_it = 0, eq. 7) response tokens of
+    each row to ``exp.extras``, from the objective's own per-token flags (``stats.capped`` /
+    ``stats.ppo_dropped``) of its call on the micro-batch ``exp.select(rows)``; a no-op unless
+    ``start_token_counts(exp)`` ran."""
+    if COUNT_KEYS[0] not in exp.extras:
+        return
+    exp.extras[COUNT_KEYS[0]][rows] += stats.capped.sum(-1)  # [b]
+    exp.extras[COUNT_KEYS[1]][rows] += stats.ppo_dropped.sum(-1)  # [b]
+
+
+def _cut(text: str, max_chars: int) -> str:
+    return text if len(text) <= max_chars else text[:max_chars] + "…"
+
+
+def sample_records(step: int, groups: list[list[Completion]], exp: Experience | None, fork_tokens: tuple[str, ...],
+                   max_rows: int, max_chars: int, decode=None) -> list[dict]:
+    """The first ``max_rows`` responses of the step as ``SAMPLE_FIELDS`` dicts (rows of ``exp``
+    are the flattened ``groups``, in order; ``exp`` None: groups no update used, dropped by dynamic
+    sampling, whose advantage and token counts are null). ``decode(ids) -> str``: the tokenizer's,
+    to record the prompt as the model saw it (``templated_prompt``: system prompt and chat template
+    included); None: no such field (null)."""
+    flat = [c for group in groups for c in group][:max_rows]
+    G = len(groups[0]) if groups else 1
+    extras = exp.extras if exp is not None else {}
+    counts = [extras[k][: len(flat)].tolist() if k in extras else [None] * len(flat) for k in COUNT_KEYS]
+    advantages = exp.advantages[: len(flat)].tolist() if exp is not None else [None] * len(flat)
+    return [
+        {
+            "step": step,
+            "group": i // G,
+            "prompt": _cut(str(c.sample.get("prompt", "")), max_chars),
+            "completion": _cut(c.text, max_chars),
+            "reward": c.reward,
+            "task_reward": c.task_reward,
+            "advantage": advantages[i],
+            "length": c.length,
+            "finish_reason": c.finish_reason,
+            "fork_tokens": sum(count_in_text(fork_tokens, c.text)) if fork_tokens else None,
+            "capped_tokens": counts[0][i],
+            "ppo_dropped_tokens": counts[1][i],
+            "reward_error": c.reward_error,
+            "templated_prompt": _cut(decode(c.prompt_ids), max_chars) if decode else None,
+        }
+        for i, c in enumerate(flat)
+    ]
+
+
+HELD_OUT = "held_out"
+"""The ``set`` of `eval_records` for the held-out prompts (``data.eval_sets`` go by their names)."""
+
+
+def eval_records(set_name: str, mode: str, groups: list[list[Completion]], answer_fn=None) -> list[dict]:
+    """``cispo eval --samples``: one record per completion of an evaluation (``evaluate``'s
+    ``on_groups``): ``set``, ``mode`` (greedy / sampled), ``prompt_index``, ``sample_index`` (of
+    the k), the whole ``prompt`` and ``completion``, ``reward``, ``parsed_answer``
+    (``answer_fn(completion)``, the task's answer extractor; None without one),
+    ``reference_answer`` (the sample's ``answer``), ``length``, ``finish_reason``,
+    ``reward_error``."""
+    return [{"set": set_name, "mode": mode, "prompt_index": g, "sample_index": j,
+             "prompt": c.sample.get("prompt"), "completion": c.text, "reward": c.task_reward,
+             "parsed_answer": answer_fn(c.text) if answer_fn else None,
+             "reference_answer": c.sample.get("answer"), "length": c.length, "finish_reason": c.finish_reason,
+             "reward_error": c.reward_error}
+            for g, group in enumerate(groups) for j, c in enumerate(group)]
+
+
+def parse_step_lines(path: Path) -> tuple[list[dict], list[tuple[int, str]], int]:
+    """(rows, [(line number, what is wrong)], number of the last non-blank line) of a JSONL
+    file of step rows (``metrics.jsonl``, ``samples.jsonl``); a line that is not a JSON object with a ``step`` (torn, NUL-filled, not
+    UTF-8) is listed, not parsed."""
+    rows, bad, last = [], [], 0
+    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+        if not raw.strip(b" \t\r"):
+            continue
+        last = number
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a JSON object with an integer 'step'")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            what = "NUL bytes (a write lost in a crash)" if b"\0" in raw else f"{type(e).__name__}: {e}"
+            bad.append((number, what))
+            continue
+        rows.append(row)
+    return rows, bad, last
+
+
+def replace_atomically(path: Path, text: str) -> None:
+    """``path`` now holds ``text`` (UTF-8), or, after a crash, its old content: a fsynced temporary
+    file renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class SampleFile:
+    """``samples.jsonl``: appends records until the file would pass ``max_mb`` megabytes."""
+
+    def __init__(self, path: Path, max_mb: float) -> None:
+        self.path = Path(path)
+        self.max_bytes = int(max_mb * 1e6)
+        self.full = False
+
+    def append(self, records: list[dict]) -> bool:
+        """Append ``records``; False (and a note on stderr, once) when the size bound stops it."""
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        size = self.path.stat().st_size if self.path.exists() else 0
+        if size + len(text.encode()) > self.max_bytes:
+            if not self.full:
+                print(f"cispo: {self.path} reached samples_max_mb={self.max_bytes / 1e6:g}; no more samples are "
+                      f"saved in this run", file=sys.stderr)
+            self.full = True
+            return False
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(text)
+        return True
+
+    def truncate_after(self, step: int) -> None:
+        """Drop the records of steps after ``step`` (a resumed run samples them again), and torn or
+        non-UTF-8 lines (a kill or a full disk during an append) with a warning naming them; the
+        file is replaced atomically."""
+        if not self.path.exists():
+            return
+        rows, bad, _ = parse_step_lines(self.path)
+        if bad and step >= 0:
+            lines = "; ".join(f"line {n}: {what}" for n, what in bad)
+            warnings.warn(f"cispo: {self.path}: dropped {len(bad)} unreadable line(s) on resume ({lines})",
+                          RuntimeWarning, stacklevel=2)
+        replace_atomically(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows
+                                              if r["step"] <= step))
+
+
+def markdown_table(records: list[dict], fields: tuple[str, ...] = SAMPLE_FIELDS[1:]) -> str:
+    """``records`` as a Markdown table (TensorBoard's text plugin renders it)."""
+    def cell(v) -> str:
+        text = "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+        return text.replace("|", "\\|").replace("\n", "⏎")
+
+    head = "| " + " | ".join(fields) + " |\n|" + "---|" * len(fields) + "\n"
+    return head + "".join("| " + " | ".join(cell(r.get(f)) for f in fields) + " |\n" for r in records)

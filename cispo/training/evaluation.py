@@ -1,0 +1,111 @@
+"""Held-out evaluation: greedy and sampled accuracy, pass@k and maj@k.
+
+Runs the policy's sampler on held-out prompts (``cispo.training.trainer.sample_groups``, the same
+rollout and scoring as training) with no update; ``cispo train`` calls it every
+``eval.every`` steps, ``cispo eval`` once.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from cispo.foundations.experience import Completion
+from cispo.models.policy import Policy
+from cispo.rollout import SamplingConfig
+from cispo.training.trainer import sample_groups
+
+if TYPE_CHECKING:
+    from cispo.config.train import EvalConfig
+
+
+@torch.no_grad()
+def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg: EvalConfig, max_new_tokens: int,
+             seed: int, answer_fn=None, reward_timeout_s: float | None = None, on_groups=None) -> dict:
+    """Held-out accuracy: greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
+    ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``; k = 0: greedy
+    only, and ``eval/accuracy``, the fork rate, the length and ``eval/truncated`` (the share cut at
+    ``max_new_tokens``) are the greedy answers';
+    ``answer_fn(completion)`` gives the answer maj@k votes on). Each reward call is killed past
+    ``reward_timeout_s`` (``data.reward_timeout_s``). ``on_groups(mode, groups)``, if given, gets
+    the scored completions of each mode (``"greedy"``, ``"sampled"``; a group per prompt)."""
+    if not samples:
+        return {}
+    generator = torch.Generator(device=policy.device).manual_seed(seed)
+    greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=eval_cfg.temperature)
+    out, errors = {}, []
+    modes = [("greedy", greedy, 1)] + [("sampled", sampled, eval_cfg.num_samples)] * (eval_cfg.num_samples > 0)
+    for name, sampling, k in modes:
+        groups = []
+        for start in range(0, len(samples), 256):
+            groups += sample_groups(policy, samples[start : start + 256], k, sampling, reward_fn, generator,
+                                    reward_timeout_s=reward_timeout_s)
+        if on_groups is not None:
+            on_groups(name, groups)
+        flat = [c for g in groups for c in g]
+        acc = sum(c.task_reward for c in flat) / len(flat)
+        errors += [c.reward_error for c in flat if c.reward_error]
+        if name == "greedy":
+            out["eval/accuracy_greedy"] = acc
+            if len(modes) > 1:
+                continue
+        else:
+            out[f"eval/accuracy_mean_at_{k}"] = acc
+            out.update({f"eval/accuracy_{m}_at_{k}": v for m, v in group_accuracies(groups, answer_fn).items()})
+        out["eval/accuracy"] = acc  # mean@k; greedy when k = 0 (eval.num_samples=0)
+        if used_fork:
+            fork = [c for c in flat if used_fork(c.text)]
+            rest = [c for c in flat if not used_fork(c.text)]
+            out["eval/fork_rate"] = len(fork) / len(flat)
+            out["eval/accuracy_with_fork"] = sum(c.task_reward for c in fork) / len(fork) if fork else float("nan")
+            out["eval/accuracy_without_fork"] = sum(c.task_reward for c in rest) / len(rest) if rest else float("nan")
+        out["eval/response_length"] = sum(c.length for c in flat) / len(flat)
+        out["eval/truncated"] = sum(c.finish_reason == "length" for c in flat) / len(flat)  # cut at max_new_tokens
+    out["eval/reward_errors"] = float(len(errors))  # greedy and sampled calls together
+    if errors:
+        print(f"cispo: evaluation: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})",
+              file=sys.stderr)
+    return out
+
+
+def evaluate_sets(policy: Policy, sets: dict[str, list[dict]], reward_fn, used_fork, eval_cfg: EvalConfig,
+                  max_new_tokens: int, seed: int, answer_fn=None, reward_timeout_s: float | None = None,
+                  on_groups=None) -> dict:
+    """`evaluate` on each named set (``data.eval_sets``), its metrics renamed
+    ``eval/<metric>`` -> ``eval/<name>/<metric>``; ``on_groups(name, mode, groups)`` as `evaluate`'s."""
+    out = {}
+    for name, samples in sets.items():
+        hook = None if on_groups is None else functools.partial(on_groups, name)
+        metrics = evaluate(policy, samples, reward_fn, used_fork, eval_cfg, max_new_tokens, seed, answer_fn,
+                           reward_timeout_s, hook)
+        out.update(set_metrics(metrics, name))
+    return out
+
+
+def set_metrics(metrics: dict, name: str) -> dict:
+    """``{"eval/accuracy": a}`` -> ``{"eval/<name>/accuracy": a}``."""
+    return {f"eval/{name}/{key.removeprefix('eval/')}": v for key, v in metrics.items()}
+
+
+def group_accuracies(groups: list[list[Completion]], answer_fn=None) -> dict[str, float]:
+    """Over prompts (one group of k samples each), the mean of
+    pass@k = max_j R_j (for 0/1 verifiers: at least one of the k is right), and
+    maj@k  = R of the most frequent answer (``answer_fn(text)``, default the stripped text;
+    None answers do not vote; a tie goes to the answer seen first; no answer at all: 0)."""
+    answer_fn = answer_fn or str.strip
+    pass_k, maj_k = [], []
+    for group in groups:
+        pass_k.append(max(c.task_reward for c in group))
+        votes: dict[str, list[Completion]] = {}
+        for c in group:
+            answer = answer_fn(c.text)
+            if answer is not None:
+                votes.setdefault(answer, []).append(c)
+        best = max(votes.values(), key=len, default=None)  # first of the largest: insertion order
+        maj_k.append(best[0].task_reward if best else 0.0)
+    n = max(len(groups), 1)
+    return {"pass": sum(pass_k) / n, "maj": sum(maj_k) / n}

@@ -1,0 +1,217 @@
+"""The metrics of one RL step, and the NaN-skipping mean every average over metrics uses.
+
+A metric that is not defined for a step (a fork rate on a task without a fork word, a
+fraction over zero tokens) is NaN; averages over optimizer steps and over ranks skip it
+(`reduce_over_ranks`: counts are summed over ranks, the rest averaged).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from cispo.data.prompts import FillReport
+from cispo.foundations.experience import Experience
+from cispo.foundations.forks import OTHER
+from cispo.foundations.nan import is_nan, nan_mean
+from cispo.objective.loss import LOW_PROB, ObjectiveStats
+
+
+# Per-rank counts and rates: the step's value is their sum over ranks (each rank samples its
+# own groups); the largest length is the largest over ranks; every other metric is a mean.
+SUMMED_OVER_RANKS = frozenset({"rollout/groups_sampled", "rollout/groups_kept", "rollout/reward_errors",
+                               "rollout/repetition_stops", "perf/tokens_per_s"})
+MAXED_OVER_RANKS = frozenset({"rollout/response_length_max"})
+
+
+def reduce_over_ranks(per_rank: list[dict]) -> dict:
+    """One step's metrics from every rank's: summed for `SUMMED_OVER_RANKS`, max for
+    `MAXED_OVER_RANKS`, else `nan_mean` over the ranks that report the key."""
+    out = {}
+    for key in sorted({k for m in per_rank for k in m}):
+        values = [v for m in per_rank if (v := m.get(key)) is not None and not is_nan(v)]
+        if not values:
+            out[key] = float("nan")
+        elif is_summed_count(key):
+            out[key] = float(sum(values))
+        elif key in MAXED_OVER_RANKS:
+            out[key] = float(max(values))
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Pearson correlation of two 1-D tensors (nan when either is constant)."""
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denom = (x.square().sum() * y.square().sum()).sqrt()
+    return float((x * y).sum() / denom) if denom > 0 else float("nan")
+
+
+def rollout_metrics(groups, exp: Experience, report: FillReport, used_fork) -> dict:
+    flat = [c for group in groups for c in group]
+    mask = exp.response_mask.bool()
+    lengths = torch.tensor([c.length for c in flat], dtype=torch.float)
+    forked = [used_fork(c.text) for c in flat] if used_fork else []
+    return {
+        "rollout/reward_mean": sum(c.reward for c in flat) / len(flat),
+        "rollout/accuracy": sum(c.task_reward for c in flat) / len(flat),
+        "rollout/response_length": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/fork_rate": sum(forked) / len(flat) if forked else float("nan"),
+        "rollout/truncated": sum(c.finish_reason == "length" for c in flat) / len(flat),
+        "rollout/repetition_stops": float(sum(c.finish_reason == "repetition" for c in flat)),
+        "rollout/logp_corr": pearson(exp.logp_rollout[mask], exp.logp_old[mask]),
+        "rollout/logp_abs_diff": float((exp.logp_rollout - exp.logp_old)[mask].abs().mean()),
+        "rollout/rounds": float(report.rounds),
+        "rollout/groups_sampled": float(report.groups_sampled),
+        "rollout/groups_kept": float(report.groups_kept),
+        "objective/entropy": float(exp.extras["entropy"][mask].mean()),
+    }
+
+
+def update_metrics(stats: list[dict]) -> dict:
+    """Means over the step's optimizer steps (min / max for the ratio extremes)."""
+    out = {}
+    for key in stats[0]:
+        values = [s[key] for s in stats if not is_nan(s[key])]
+        if key == "ratio_min":
+            agg = min(values, default=math.nan)
+        elif key == "ratio_max":
+            agg = max(values, default=math.nan)
+        elif key == "skipped":
+            agg = sum(values)
+        else:
+            agg = nan_mean(values)
+        out[f"objective/{key}" if key not in ("grad_norm", "skipped", "loss_scale") else f"optim/{key}"] = agg
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Reflective (fork) strings, and the mechanism check of issue 28: does PPO's upper mask act on
+# rare positive fork tokens? One row of sums per tracked string (`cispo.foundations.forks`), one for the rest.
+# ---------------------------------------------------------------------------------------
+
+MECHANISM_COUNT = "objective/fork_pos_lowp_above"  # and its per-update "..._k{k}" keys: summed over ranks
+FORK_COLUMNS = ("tokens", "capped", "ppo_dropped", "pos", "pos_above", "pos_lowp_above", "mass", "mass_above")
+"""The columns of `fork_sums`."""
+_COL = {name: i for i, name in enumerate(FORK_COLUMNS)}
+_FORK_COUNT = re.compile(r"^fork/[^/]+/(count|tokens|pos|pos_above|pos_lowp_above)(_k\d+)?$")
+
+
+def is_summed_count(key: str) -> bool:
+    """A per-rank count whose value for the step is the sum over ranks."""
+    return key in SUMMED_OVER_RANKS or key.startswith(MECHANISM_COUNT) or bool(_FORK_COUNT.match(key))
+
+
+def fork_labels(exp: Experience, n_strings: int) -> torch.Tensor:
+    """Each response token's row of `fork_sums`: the index of the fork string whose match it starts
+    (``exp.extras["fork_index"]``, `cispo.foundations.forks.ForkTokens.index`), else ``n_strings`` (the other
+    tokens).  -> [b, T] long"""
+    T = exp.response_mask.shape[1]
+    index = exp.extras["fork_index"][:, :T]  # [b, T]
+    return torch.where(index >= 0, index, torch.full_like(index, n_strings))
+
+
+@torch.no_grad()
+def fork_sums(exp: Experience, stats: ObjectiveStats, n_strings: int, eps_high: float) -> torch.Tensor:
+    """One micro-batch's counts per fork string (rows 0..S-1, in ``ForkTokens.names`` order) and for
+    the other response tokens (row S), in the columns `FORK_COLUMNS`:
+
+    * ``tokens``; ``capped`` (w != r, eq. 5) and ``ppo_dropped`` (M = 0, eq. 7) among them;
+    * ``pos``: those with A > 0; ``pos_above``: of them, r > 1 + eps_high — the ones whose gradient
+      PPO's upper mask drops (CISPO keeps it, capped); ``pos_lowp_above``: of those, p_old < 0.1 — the
+      paper's case;
+    * ``mass`` / ``mass_above``: the gradient-mass proxy (1 - p) |w A| summed over the A > 0 tokens /
+      over those with r > 1 + eps_high (|d log p / d logit| = 1 - p).
+
+    ``stats`` must carry its per-token flags, ``ratio`` and ``weight``.  -> [S + 1, F] float64"""
+    mask = exp.response_mask.bool()  # [b, T]
+    T = mask.shape[1]
+    positive = (exp.advantages[:, None] > 0).expand_as(mask) & mask  # [b, T]
+    ratio, weight = stats.ratio[:, :T], stats.weight[:, :T]  # [b, T]
+    above = positive & (ratio > 1.0 + eps_high)  # [b, T]
+    p_new = torch.exp(exp.logp_old[:, :T]) * ratio  # pi_theta = r pi_old    [b, T]
+    mass = (1.0 - p_new).clamp(min=0) * (weight * exp.advantages[:, None]).abs()  # [b, T]
+    low_prob = exp.logp_old[:, :T] < math.log(LOW_PROB)  # [b, T]
+    columns = {"tokens": mask, "capped": stats.capped[:, :T], "ppo_dropped": stats.ppo_dropped[:, :T],
+               "pos": positive, "pos_above": above, "pos_lowp_above": above & low_prob,
+               "mass": mass * positive, "mass_above": mass * above}
+    values = torch.stack([columns[c].double() for c in FORK_COLUMNS], dim=-1)[mask]  # [n, F]
+    labels = fork_labels(exp, n_strings)[mask]  # [n]
+    out = torch.zeros(n_strings + 1, len(FORK_COLUMNS), dtype=torch.float64, device=values.device)
+    return out.index_add_(0, labels, values).cpu()
+
+
+def frac_ppo_dropped_fork(sums: torch.Tensor) -> float:
+    """The PPO-dropped share of the fork tokens (every string) in ``fork_sums``' totals; NaN for none."""
+    forks = sums[:-1].sum(0)  # [F]
+    n = float(forks[_COL["tokens"]])
+    return float(forks[_COL["ppo_dropped"]]) / n if n else float("nan")
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else float("nan")
+
+
+def _update_block(row: torch.Tensor, suffix: str) -> dict:
+    """One row of ``fork_sums`` (one string, or the other tokens) as metrics named ``<name><suffix>``."""
+    c = {name: float(row[i]) for name, i in _COL.items()}
+    return {f"pos{suffix}": c["pos"], f"pos_above{suffix}": c["pos_above"],
+            f"pos_lowp_above{suffix}": c["pos_lowp_above"],
+            f"frac_capped{suffix}": _ratio(c["capped"], c["tokens"]),
+            f"frac_ppo_dropped{suffix}": _ratio(c["ppo_dropped"], c["tokens"]),
+            f"pos_mass_above{suffix}": _ratio(c["mass_above"], c["mass"])}
+
+
+def fork_metrics(per_update: list[torch.Tensor], names: tuple[str, ...]) -> dict:
+    """The step's fork diagnostics from each optimizer step's ``fork_sums`` (update index k = 1..K·epochs):
+
+    * over every fork string, the mechanism check: ``objective/fork_pos_lowp_above`` (summed over the
+      updates) and ``objective/fork_pos_mass_above`` (the share of the positive fork tokens' gradient
+      mass above 1 + eps_high, pooled), each also per update (``..._k{k}``); the same share for the
+      other tokens, ``objective/other_pos_mass_above``;
+    * per string ``s`` of ``names`` (metric names, ``cispo.foundations.forks.slug``) and for ``other``:
+      ``fork/<s>/{pos, pos_above, pos_lowp_above}`` (counts), ``frac_capped``, ``frac_ppo_dropped``
+      (shares of its tokens), ``pos_mass_above`` (share of its positive mass) pooled over the updates,
+      and each per update, ``fork/<s>/<metric>_k{k}``, with ``fork/<s>/tokens_k{k}`` — the per-update
+      keys only in a step that has a token of ``s`` (12 strings x K = 16 would be 1344 keys a step)."""
+    total = sum(per_update)  # [S + 1, F]
+    forks = lambda sums: sums[:-1].sum(0)  # noqa: E731  every fork string   [F]
+    mass_share = lambda row: _ratio(float(row[_COL["mass_above"]]), float(row[_COL["mass"]]))  # noqa: E731
+    out = {MECHANISM_COUNT: float(forks(total)[_COL["pos_lowp_above"]]),
+           "objective/fork_pos_mass_above": mass_share(forks(total)),
+           "objective/other_pos_mass_above": mass_share(total[-1])}
+    for k, sums in enumerate(per_update, start=1):
+        out[f"{MECHANISM_COUNT}_k{k}"] = float(forks(sums)[_COL["pos_lowp_above"]])
+        out[f"objective/fork_pos_mass_above_k{k}"] = mass_share(forks(sums))
+    for row, name in enumerate((*names, OTHER)):
+        blocks = {**_update_block(total[row], "")}
+        for k, sums in enumerate(per_update if total[row, _COL["tokens"]] > 0 else [], start=1):
+            blocks[f"tokens_k{k}"] = float(sums[row, _COL["tokens"]])
+            blocks.update(_update_block(sums[row], f"_k{k}"))
+        out.update({f"fork/{name}/{key}": value for key, value in blocks.items()})
+    return out
+
+
+@torch.no_grad()
+def fork_rollout_metrics(exp: Experience, names: tuple[str, ...]) -> dict:
+    """The batch's fork strings as sampled, per string ``s`` of ``names`` and for ``other``:
+    ``fork/<s>/count`` (tokens that start a match), ``fork/<s>/rate`` (responses with one; not for
+    ``other``), ``fork/<s>/p_old`` (the mean of pi_old of those tokens, the policy that sampled them)
+    and ``fork/<s>/frac_lowp`` (their share with p_old < 0.1)."""
+    mask = exp.response_mask.bool()  # [B, T]
+    labels = fork_labels(exp, len(names))  # [B, T]
+    p_old = torch.exp(exp.logp_old.double())  # [B, T]
+    out = {}
+    for row, name in enumerate((*names, OTHER)):
+        here = (labels == row) & mask  # [B, T]
+        n = int(here.sum())
+        out[f"fork/{name}/count"] = float(n)
+        if name != OTHER:
+            out[f"fork/{name}/rate"] = float(here.any(-1).double().mean()) if len(exp) else float("nan")
+        out[f"fork/{name}/p_old"] = float(p_old[here].mean()) if n else float("nan")
+        out[f"fork/{name}/frac_lowp"] = float((p_old[here] < LOW_PROB).double().mean()) if n else float("nan")
+    return out

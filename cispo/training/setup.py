@@ -1,0 +1,147 @@
+"""Set-up of a training run's parts from its configuration: the objective, the optimizer,
+the sampling settings, the prompts that fit the context and the fork strings to track.
+
+``cispo.training.runner`` builds a run from these; ``cispo.training.trainer`` is the loop that uses them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from cispo.foundations.distributed import DistInfo, rank_seed
+from cispo.foundations.forks import ForkTokens
+from cispo.models.policy import Policy
+from cispo.objective.loss import ObjectiveConfig, preset
+from cispo.rollout import SamplingConfig
+from cispo.training.trainer import lr_at
+
+if TYPE_CHECKING:
+    from cispo.config.train import AlgoConfig, OptimConfig, RolloutConfig, TrainConfig
+
+
+def fit_prompts(policy: Policy, samples: list[dict], max_new_tokens: int, what: str) -> list[dict]:
+    """The samples whose prompt plus ``max_new_tokens`` fits the model's context; the others
+    are dropped with a note (an error when none is left)."""
+    context = getattr(policy.model.config, "max_position_embeddings", None)
+    if not context or not samples:
+        return samples
+    fits = [len(policy.encode(s)) + max_new_tokens <= context for s in samples]
+    kept = [s for s, ok in zip(samples, fits) if ok]
+    if len(kept) < len(samples):
+        first = fits.index(False)
+        msg = (f"{len(samples) - len(kept)} of {len(samples)} {what} prompts are longer than the context "
+               f"({context} tokens) minus max_new_tokens={max_new_tokens} (first: #{first})")
+        if not kept:
+            raise ValueError(msg + "; nothing left to train on")
+        print(f"cispo: skipping {msg}", file=sys.stderr)
+    return kept
+
+
+def make_objective(algo: AlgoConfig, max_new_tokens: int | None) -> ObjectiveConfig:
+    """The objective of ``algo``: its preset with its overrides; under Dr. GRPO's
+    ``seq-mean-token-sum-norm`` with no constant set, ``max_new_tokens`` as the constant."""
+    obj = preset(algo.objective, **algo.objective_overrides)
+    if obj.aggregation == "seq-mean-token-sum-norm" and obj.token_sum_norm is None:
+        # a constant normaliser keeps micro-batching exact: the longest possible response
+        obj = replace(obj, token_sum_norm=float(max_new_tokens))
+    return obj
+
+
+def make_optimizer(model, optim: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, at the learning rate of the first update."""
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=lr_at(0, optim),
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
+
+
+def vllm_settings(cfg: TrainConfig, dist_info: DistInfo, device: torch.device) -> dict:
+    """``VLLMSampler``'s keyword arguments for a run: every ``rollout.vllm_*`` setting, the FP32 head
+    (``model.fp32_lm_head``), this rank's seed and, under torchrun, its placement (the external
+    launcher); ``cispo.rollout.vllm_engine.engine_kwargs`` turns them into ``vllm.LLM``'s."""
+    from cispo.rollout.vllm_engine import RankPlacement
+
+    r = cfg.rollout
+    placement = RankPlacement(dist_info.rank, dist_info.local_rank, dist_info.world_size) if dist_info.enabled else None
+    return dict(
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        dtype=r.vllm_dtype if r.vllm_dtype != "auto" else (cfg.model.dtype or "auto"),
+        enable_sleep_mode=r.vllm_sleep, sleep_level=r.vllm_sleep_level, seed=rank_seed(cfg.seed, dist_info),
+        fp32_head=cfg.model.fp32_lm_head, placement=placement, device=device,
+        max_model_len=r.vllm_max_model_len, max_num_seqs=r.vllm_max_num_seqs,
+        max_num_batched_tokens=r.vllm_max_num_batched_tokens, enforce_eager=r.vllm_enforce_eager,
+        **r.vllm_kwargs,
+    )
+
+
+def fsdp_settings(cfg: TrainConfig, autocast: torch.dtype | None) -> dict:
+    """``cispo.foundations.distributed.shard_model``'s precision and offload arguments for a run: the decoder layers
+    gather in the policy's compute dtype ``autocast`` (bf16 over FP32 master weights) and reduce in FP32;
+    ``model.fsdp_offload`` keeps the shards in CPU memory."""
+    return dict(param_dtype=autocast, offload=cfg.model.fsdp_offload)
+
+
+def fork_matcher(tokenizer, task) -> ForkTokens | None:
+    """The token spellings of the task's fork strings (``task.fork_tokens``, `cispo.foundations.forks.ForkTokens`):
+    None when it tracks none. A string that no token sequence spells is dropped with a note."""
+    if not task.fork_tokens:
+        return None
+    forks = ForkTokens.from_tokenizer(tokenizer, task.fork_tokens)
+    for name in forks.missing():
+        print(f"cispo: no token sequence of the vocabulary spells the fork string {name!r}; its fork/ metrics "
+              "stay 0", file=sys.stderr)
+    return forks
+
+
+def sampling_config(rollout: RolloutConfig, default_max_new_tokens: int) -> SamplingConfig:
+    """The training rollout's sampling: ``rollout.max_new_tokens`` (else the default), and the
+    repetition early stop at 3/4 of it unless ``rollout.repetition_stop_tokens`` is set (0: off)."""
+    max_new = rollout.max_new_tokens or default_max_new_tokens
+    rep = rollout.repetition_stop_tokens
+    if rep is None:
+        rep = max(1, (3 * max_new) // 4)
+    return SamplingConfig(
+        max_new_tokens=max_new,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        repetition_stop_tokens=rep or None,
+        repetition_stop_prob=rollout.repetition_stop_prob,
+    )
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with each relative path that names an existing file or folder here made absolute:
+    ``model.path``, ``model.ref_path``, ``data.path``, ``data.eval_path``, every
+    ``data.eval_sets.<name>.path`` and the file of a ``data.reward`` ``file.py:function``
+    (`cispo.data.rewards.loading.absolute_spec`). A run's ``config.yaml`` is saved from it, so
+    ``cispo eval`` and ``--resume`` work from any folder. Hub ids, ``builtin:<name>`` and paths
+    that exist nowhere here are kept as given (their errors come where they are loaded)."""
+    from cispo.data.rewards.loading import absolute_spec
+    from cispo.models.packaged import is_packaged
+
+    def local(path: str | None) -> str | None:
+        if path is None or is_packaged(path) or not Path(path).expanduser().exists():
+            return path
+        return os.path.abspath(Path(path).expanduser())
+
+    d = cfg.data
+    data = replace(d, path=local(d.path), eval_path=local(d.eval_path),
+                   reward=d.reward and absolute_spec(d.reward),
+                   eval_sets={name: replace(s, path=local(s.path)) for name, s in d.eval_sets.items()})
+    model = replace(cfg.model, path=local(cfg.model.path), ref_path=local(cfg.model.ref_path))
+    return replace(cfg, data=data, model=model)
+
+
+def default_max_new_tokens(task) -> int:
+    """The response budget when ``rollout.max_new_tokens`` is unset: 1.25 x the task's own."""
+    return math.ceil(1.25 * task.max_new_tokens)

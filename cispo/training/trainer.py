@@ -1,0 +1,478 @@
+"""The RL loop: sample groups, score, filter, compute advantages, update K times.
+
+One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penalty):
+
+    1. sample P prompts x G responses with the policy (``cispo.rollout``), score them;
+       drop groups whose rewards are all equal and sample more (dynamic sampling);
+    2. group-relative advantages (``cispo.objective.advantages``);
+    3. log pi_old of every response token, recomputed once in train mode (``logp_old``;
+       dropout is off unless ``model.dropout``, so this is the sampler's distribution); the
+       rows of the first update come from that update's own forward, detached, where that is
+       exact (``logp_old_from_update``);
+       with a KL penalty (``kl_coef > 0``) also log pi_ref of the frozen reference model;
+       the sampler's own log-probs are kept to measure the train / rollout mismatch;
+    4. split the batch into K mini-batches (or, with ``algo.minibatch_policy=fixed_size``, into
+       mini-batches of the configured size: fewer when the batch is short; ``cispo.training.batching``);
+       for each, one optimizer step on the unified
+       objective (``cispo.objective.loss``), normalised by the mini-batch's global token count,
+       run as length-sorted micro-batches (``cispo.training.batching``);
+    5. the step's metrics (``cispo.training.metrics``).
+
+Around the loop: ``cispo.training.setup`` builds its parts from the config (objective, optimizer,
+sampling settings); ``cispo.training.runner`` runs steps, held-out evaluation (``cispo.training.evaluation``)
+and checkpoints.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from cispo.data.prompts import PromptStream, fill_groups
+from cispo.data.rewards import score_rewards, shaped_reward
+from cispo.foundations.distributed import DistInfo, all_reduce_sum, any_rank, is_sharded, max_over_ranks, sum_gradients
+from cispo.foundations.experience import Completion, Experience, collate, is_informative
+from cispo.foundations.forks import ForkTokens
+from cispo.models.policy import Policy, policy_fused_loss, policy_logprobs
+from cispo.objective.advantages import group_advantages
+from cispo.objective.fused_head import token_objective
+from cispo.objective.loss import ObjectiveConfig, ObjectiveStats, policy_loss
+from cispo.records.samples import add_token_counts, start_token_counts
+from cispo.rollout import SamplingConfig, truncated_is_weights
+from cispo.training.batching import micro_batches, minibatches
+from cispo.training.metrics import (fork_metrics, fork_rollout_metrics, fork_sums, frac_ppo_dropped_fork,
+                                    rollout_metrics, update_metrics)
+
+if TYPE_CHECKING:
+    from cispo.config.train import OptimConfig
+
+
+# ---------------------------------------------------------------------------------------
+# 1. Rollout and rewards
+# ---------------------------------------------------------------------------------------
+
+
+def sample_groups(
+    policy: Policy,
+    samples: list[dict],
+    group_size: int,
+    sampling: SamplingConfig,
+    reward_fn,
+    generator: torch.Generator,
+    overlong_buffer: int | None = None,
+    reward_timeout_s: float | None = None,
+    overlong_scope: str = "all",
+) -> list[list[Completion]]:
+    """G responses to each sample's prompt, decoded and scored, the whole batch at once
+    (`cispo.data.rewards.score_rewards`: user rewards in worker processes, each call killed past
+    ``reward_timeout_s``). A reward that fails scores 0 and the failure is recorded on the
+    completion (``reward_error``)."""
+    prompt_ids = [policy.encode(s) for s in samples]
+    rows = [ids for ids in prompt_ids for _ in range(group_size)]
+    batch = policy.sampler.generate(rows, sampling, generator=generator)
+    lengths = batch.response_lengths.tolist()
+    response_ids = [batch.response_ids[i, : lengths[i]].cpu() for i in range(len(rows))]
+    texts = [policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
+    calls = [(samples[i // group_size]["prompt"], texts[i],
+              {k: v for k, v in samples[i // group_size].items() if k != "prompt"}) for i in range(len(rows))]
+    scored = score_rewards(reward_fn, calls, reward_timeout_s)  # [(task reward, error)]   [B]
+    groups: list[list[Completion]] = []
+    for g, sample in enumerate(samples):
+        group = []
+        for i in range(g * group_size, (g + 1) * group_size):
+            task_reward, error = scored[i]
+            reward = shaped_reward(task_reward, lengths[i], sampling.max_new_tokens, overlong_buffer, overlong_scope)
+            group.append(
+                Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
+                           batch.finish_reason[i], texts[i], task_reward, reward, error)
+            )
+        groups.append(group)
+    return groups
+
+
+def build_experience(groups: list[list[Completion]], policy: Policy, group_size: int, estimator: str) -> Experience:
+    """Group-relative advantages (``estimator``: ``algo.advantage_estimator``), then padded
+    tensors on the policy's device."""
+    flat = [c for group in groups for c in group]
+    rewards = torch.tensor([c.reward for c in flat])  # R_i   [B]
+    advantages = group_advantages(rewards, group_size, estimator)  # A_i   [B]
+    return collate(flat, advantages, policy.pad_id).to(policy.device)
+
+
+# ---------------------------------------------------------------------------------------
+# 3. logp_old, 4. the K updates
+# ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo = DistInfo(),
+                     first_rows: torch.Tensor | None = None, from_update: bool = False) -> torch.Tensor:
+    """log pi_old of every response token, in train mode, once per generation batch. Also
+    stores the per-token entropy in ``exp.extras["entropy"]`` and, when the policy has a
+    reference model, log pi_ref in ``exp.extras["logp_ref"]`` (same micro-batches).  -> [B, T]
+
+    ``first_rows``: the rows of the first update's mini-batch, run as the micro-batches that
+    update will use (``micro_batches``: a row's log-prob depends on its micro-batch's shape by
+    float rounding), the other rows as micro-batches of their own. ``from_update``: leave
+    those rows' log-probs and entropy at 0 for the first update to fill in from its own forward
+    (``logp_old_from_update``: bitwise the same numbers); their pi_ref is still computed here."""
+    policy.model.train()
+    T = exp.response_mask.shape[1]
+    logp_old = torch.zeros_like(exp.logp_rollout)
+    entropy = torch.zeros_like(exp.logp_rollout)
+    logp_ref = torch.zeros_like(exp.logp_rollout) if policy.ref_model is not None else None
+    all_rows = torch.arange(len(exp), device=exp.input_ids.device)
+    if first_rows is None:
+        first, rest = [], micro_batches(exp, all_rows, cfg.algo)
+    else:
+        first = micro_batches(exp, first_rows, cfg.algo)
+        rest = micro_batches(exp, all_rows[~torch.isin(all_rows, first_rows)], cfg.algo)
+    policy_micros = rest if from_update else first + rest
+    for _ in range(idle_passes(len(policy_micros), policy, dist_info)):
+        idle_pass(policy, cfg, backward=False)
+    for rows in policy_micros:
+        sub = exp.select(rows)
+        with policy.compute():
+            lp, ent = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head, True,
+                                      body=policy.train_body)
+        t = lp.shape[1]
+        logp_old[rows, :t] = lp.float()
+        entropy[rows, :t] = ent.float()
+    if logp_ref is not None:
+        for rows in first + rest:
+            sub = exp.select(rows)
+            logp_ref[rows, :sub.response_mask.shape[1]] = reference_logprobs(policy, sub, cfg)
+    exp.extras["entropy"] = entropy * exp.response_mask
+    if logp_ref is not None:
+        exp.extras["logp_ref"] = logp_ref[:, :T] * exp.response_mask
+    return logp_old[:, :T] * exp.response_mask
+
+
+def logp_old_from_update(cfg, policy: Policy) -> bool:
+    """Whether the first update's detached log-probs can stand in for its rows' logp_old pass
+    (``algo.logp_old_from_update``, issue 13 item 4). Exact (bitwise) when that update runs on
+    the weights that logp_old is taken at, over the same micro-batches, deterministically: not
+    with dropout in the passes (``model.dropout``, ``model.lora_dropout``: two passes draw
+    different masks), not with the fused head (its objective needs logp_old before its forward),
+    nor truncated IS (``algo.tis_cap``: the weights of every row are formed before the first
+    update), nor FSDP (not tested sharded)."""
+    return (cfg.algo.logp_old_from_update and not cfg.model.dropout and not cfg.model.lora_dropout
+            and not cfg.algo.fused_head and not cfg.algo.tis_cap and not is_sharded(policy.model))
+
+
+@torch.no_grad()
+def reference_logprobs(policy: Policy, exp: Experience, cfg) -> torch.Tensor:
+    """log pi_ref of every response token of ``exp`` from the frozen reference model, under the
+    policy's autocast and LM-head precision.  -> [B, t] float32"""
+    with policy.compute():
+        lp = policy_logprobs(policy.ref_model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+    return lp.float()
+
+
+def lr_at(update: int, optim: OptimConfig) -> float:
+    """Linear warm-up to ``optim.lr`` over ``optim.warmup_updates`` optimizer steps, then flat."""
+    warm = optim.warmup_updates
+    return optim.lr * min(1.0, (update + 1) / warm) if warm > 0 else optim.lr
+
+
+def update_policy(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    exp: Experience,
+    obj: ObjectiveConfig,
+    cfg,
+    generator: torch.Generator,
+    update_count: int,
+    forks: ForkTokens | None,
+    dist_info: DistInfo = DistInfo(),
+    first_order: torch.Tensor | None = None,
+    fill_logp_old: bool = False,
+) -> tuple[list[dict], int]:
+    """K optimizer steps (per epoch) on random mini-batches of ``exp``. Returns the per-step
+    stats and the new optimizer-step count.
+
+    ``first_order``: the first epoch's row order (drawn from ``generator`` by the caller, before
+    the logp_old pass). ``fill_logp_old``: the first mini-batch's logp_old and entropy are taken
+    from its own forward (detached) and written into ``exp`` (``compute_logp_old(...,
+    from_update=True)`` left them out).
+
+    Each mini-batch runs as micro-batches (``micro_batches``: by default its rows sorted by
+    length and cut into length-homogeneous parts, each trimmed to its own longest row); the
+    objective is normalised by the whole mini-batch's token / sequence counts, so the summed
+    gradient is that of the mini-batch in one piece (up to float summation order).
+
+    Under data parallelism each rank splits its own rows into K parts; the objective is
+    normalised by the mini-batch's global counts and gradients are summed over ranks, so
+    the update equals the single-process update on the union of the ranks' rows."""
+    policy.model.train()
+    device = exp.input_ids.device
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    stats, kept = [], kept_rows(exp, dist_info)
+    for epoch in range(cfg.algo.epochs):
+        order = first_order if epoch == 0 and first_order is not None else \
+            torch.randperm(len(exp), generator=generator).to(device)
+        for k, rows in enumerate(minibatches(order, cfg.algo, full_rows(cfg), kept)):
+            fill = fill_logp_old and epoch == 0 and k == 0
+            mask = exp.response_mask[rows]  # [b, T]
+            num_tokens = all_reduce_sum(mask.sum(), dist_info)  # sum_i |o_i|, whole mini-batch
+            num_seqs = all_reduce_sum((mask.sum(-1) > 0).sum(), dist_info)
+            if num_tokens == 0:  # an empty mini-batch on every rank
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            parts = []
+            micros = micro_batches(exp, rows, cfg.algo)
+            for _ in range(idle_passes(len(micros), policy, dist_info)):
+                idle_pass(policy, cfg, backward=True)
+            for micro in micros:  # the same gradient whatever the split
+                sub = exp.select(micro)
+                loss, s = micro_batch_loss(policy, sub, obj, cfg, num_tokens, num_seqs, old_from_new=fill)
+                if fill:  # the logp_old pass left these rows to this forward
+                    t = sub.response_mask.shape[1]
+                    exp.logp_old[micro, :t] = sub.logp_old
+                    exp.extras["entropy"][micro, :t] = sub.extras["entropy"]
+                policy.scaled(loss).backward()
+                add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
+                parts.append((s, None if forks is None else fork_sums(sub, s, len(forks.names), obj.eps_high)))
+            sum_gradients(params, dist_info)
+            scaler = policy.grad_scaler
+            if scaler is not None:  # float16: the gradients of S * loss, back to those of the loss
+                scale = scaler.get_scale()
+                scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
+            finite = bool(torch.isfinite(grad_norm))
+            if finite:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_at(update_count, cfg.optim)
+                optimizer.step()
+                update_count += 1
+            if scaler is not None:
+                scaler.update()  # S halves after an overflow (this update skipped), grows after a clean run
+            optimizer.zero_grad(set_to_none=True)
+            if parts:
+                stats.append(merge_stats(parts, float(grad_norm), finite))
+                if scaler is not None:
+                    stats[-1]["loss_scale"] = scale
+    return stats, update_count
+
+
+def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg, num_tokens, num_seqs,
+                     old_from_new: bool = False) -> tuple[torch.Tensor, ObjectiveStats]:
+    """One micro-batch's share of the mini-batch objective (normalised by the mini-batch's
+    global ``num_tokens`` / ``num_seqs``) and its statistics. The advantages carry the
+    truncated-IS weight (``tis``) when there is one; ``logp_ref`` the KL term's pi_ref.
+
+    ``algo.fused_head``: the LM head and the objective in one pass (``policy_fused_loss``,
+    the gradient formed in the forward); the statistics are ``policy_loss``'s on its detached
+    log-probs, so both paths log the same numbers.
+
+    ``old_from_new``: ``sub`` runs on the weights logp_old is taken at (the first update, see
+    ``logp_old_from_update``): its ``logp_old`` and ``extras["entropy"]`` are set from this
+    forward, detached, as the separate pass would have computed them (the ratio is then 1)."""
+    T = sub.response_mask.shape[1]
+    advantages = sub.advantages  # [b]
+    if "tis" in sub.extras:  # per-token truncated IS weight   [b, T]
+        advantages = advantages[:, None] * sub.extras["tis"][:, :T]
+    logp_ref = sub.extras.get("logp_ref")  # [b, T] log pi_ref, with a KL penalty
+    if logp_ref is not None:
+        logp_ref = logp_ref[:, :T]
+    if not cfg.algo.fused_head:
+        with policy.compute():
+            out = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head,
+                                  with_entropy=old_from_new, body=policy.train_body)
+        logp_new = out[0] if old_from_new else out  # [b, T]
+        if old_from_new:  # as compute_logp_old stores them
+            sub.logp_old = logp_new.detach().float() * sub.response_mask
+            sub.extras["entropy"] = out[1].detach().float() * sub.response_mask
+        args = (sub.logp_old, advantages, sub.response_mask)
+        return policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
+    args = (sub.logp_old, advantages, sub.response_mask)
+    objective = token_objective(obj, *args, num_tokens=num_tokens, num_seqs=num_seqs, logp_ref=logp_ref)
+    with policy.compute():
+        loss, logp_new = policy_fused_loss(policy.model, sub, objective, cfg.rollout.temperature,
+                                           cfg.model.fp32_lm_head, body=policy.train_body)
+    _, stats = policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, stats
+
+
+def merge_stats(parts: list[tuple[ObjectiveStats, torch.Tensor | None]], grad_norm: float, finite: bool) -> dict:
+    """One optimizer step's statistics: its micro-batches' ``ObjectiveStats`` merged
+    (``ObjectiveStats.merge``), the fork tokens' PPO-drop fraction, the gradient norm; the
+    summed ``fork_sums`` under ``"forks"`` (when fork strings are tracked)."""
+    merged = ObjectiveStats.merge([s for s, _ in parts])
+    sums = sum(f for _, f in parts) if parts and parts[0][1] is not None else None  # [S + 1, F]
+    out = {
+        "loss": merged.loss,
+        "pg_loss": merged.pg_loss,
+        "kl": merged.kl,
+        **merged.to_dict(keys=ObjectiveStats.DIAGNOSTICS),
+        "frac_ppo_dropped_fork": float("nan") if sums is None else frac_ppo_dropped_fork(sums),
+        "grad_norm": grad_norm,
+        "skipped": 0.0 if finite else 1.0,
+    }
+    if sums is not None:
+        out["forks"] = sums
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# One RL step
+# ---------------------------------------------------------------------------------------
+
+
+class StepInterrupted(Exception):
+    """A stop signal came while the step's rewards were scored and some reward calls failed
+    (perhaps because of it: a scheduler signals every process of a job): the step was given up
+    before any update, so that it is not committed with those calls scored 0."""
+
+
+def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, forks,
+            dist_info: DistInfo = DistInfo(), on_samples=None, stop_requested=None):
+    """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count).
+    Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups.
+    ``on_samples(groups, exp)``, if given, is called after the updates with this rank's batch
+    (``exp.extras`` then holds the per-row counts of ``cispo.records.samples``); when this rank kept no
+    group, with every group it sampled (all dropped) and ``exp=None``. ``stop_requested()``,
+    if given, says whether a stop signal has come: true once the rewards are scored, with a
+    failed call on any rank, raises `StepInterrupted` before the updates (the weights, the
+    optimizer and the update count unchanged; the prompt stream and the generators advanced)."""
+    t0 = time.perf_counter()
+    errors: list[str] = []
+    sampled: list = []  # every group of every round, kept or dropped: the samples of a step that keeps none
+
+    def generate(samples):
+        groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
+                               cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s, cfg.rollout.overlong_scope)
+        errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
+        if on_samples is not None:
+            sampled.extend(groups)
+        return groups
+
+    groups, report = fill_groups(
+        stream.take,
+        generate,
+        is_informative,
+        cfg.rollout.prompts_per_step // dist_info.world_size,
+        cfg.rollout.max_sampling_rounds,
+        filter_groups=cfg.rollout.dynamic_sampling,
+        **sharded_sampling(policy, sampling, dist_info),
+    )
+    if stop_requested is not None and any_rank(bool(errors) and stop_requested(), dist_info):
+        raise StepInterrupted(f"{len(errors)} of its reward calls failed while the signal was pending"
+                              + (f" (first: {errors[0]})" if errors else " on another rank"))
+    if errors:
+        print(f"cispo: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})", file=sys.stderr)
+    t1 = time.perf_counter()
+    if not groups and not dist_info.enabled:  # every group uninformative, every round: nothing to learn
+        if on_samples is not None:  # what was sampled and dropped: when a user most needs to see it
+            on_samples(sampled, None)
+        return {"rollout/groups_kept": 0.0, "rollout/rounds": float(report.rounds), "optim/step_updates": 0.0,
+                "optim/updates": float(update_count), "perf/step_s": t1 - t0,
+                "rollout/reward_errors": float(len(errors))}, update_count
+    if not groups:  # this rank has nothing, but it must join the other ranks' updates
+        exp = empty_experience(policy)
+    else:
+        exp = build_experience(groups, policy, cfg.rollout.group_size, cfg.algo.advantage_estimator)
+        if on_samples is not None:
+            start_token_counts(exp)
+    if forks is not None:  # where each tracked string starts, for the metrics of every update   [B, T]
+        exp.extras["fork_index"] = forks.index(exp.response_ids, exp.response_mask)
+    if cfg.rollout.vllm_sleep:  # free the inference engine's memory for the updates (no-op for torch)
+        policy.sampler.sleep()
+    # the first epoch's order, drawn before the logp_old pass so that pass can run the first
+    # mini-batch as the first update will (the same draw the update would make: same stream)
+    first_order = torch.randperm(len(exp), generator=generators["shuffle"]).to(exp.input_ids.device)
+    first_rows = minibatches(first_order, cfg.algo, full_rows(cfg), kept_rows(exp, dist_info))[0]
+    from_update = logp_old_from_update(cfg, policy)
+    exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info, first_rows, from_update)
+    if cfg.algo.tis_cap:  # truncated IS: the trainer's pi_old vs the sampler's own probabilities
+        exp.extras["tis"] = truncated_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, cfg.algo.tis_cap)
+    t2 = time.perf_counter()
+    updates_before = update_count
+    stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, forks,
+                                        dist_info, first_order, fill_logp_old=from_update)
+    t3 = time.perf_counter()
+    policy.sampler.update_weights(policy.model)  # a separate inference engine samples the next batch
+    t4 = time.perf_counter()
+    if on_samples is not None and groups:
+        on_samples(groups, exp)
+    elif on_samples is not None:  # this rank kept no group: the ones it dropped
+        on_samples(sampled, None)
+    tokens = float(exp.response_mask.sum())
+    metrics = rollout_metrics(groups, exp, report, tracked_fork(task)) if groups else {}
+    metrics["rollout/reward_errors"] = float(len(errors))
+    if forks is not None and groups:  # reflective tokens per response (several on the `chain` task)
+        is_fork = (exp.extras["fork_index"] >= 0) & exp.response_mask.bool()  # [B, T]
+        metrics["rollout/fork_tokens_per_response"] = float(is_fork.sum()) / max(1, len(exp))
+        metrics.update(fork_rollout_metrics(exp, forks.slugs))
+    per_update = [s.pop("forks") for s in stats if "forks" in s]
+    if stats:
+        metrics.update(update_metrics(stats))
+    if per_update:
+        metrics.update(fork_metrics(per_update, forks.slugs))
+    metrics.update({
+        "optim/lr": lr_at(update_count - 1, cfg.optim),
+        "optim/updates": float(update_count),
+        "optim/step_updates": float(update_count - updates_before),  # 0: this step changed nothing
+        "perf/sample_s": t1 - t0,
+        "perf/logp_old_s": t2 - t1,
+        "perf/update_s": t3 - t2,
+        "perf/weight_sync_s": t4 - t3,  # the push to a separate engine (vLLM; its wake-up included); ~0 for torch
+        "perf/step_s": t4 - t0,
+        "perf/tokens_per_s": tokens * (1 + cfg.algo.epochs) / max(t3 - t1, 1e-9),
+    })
+    return metrics, update_count
+
+
+def full_rows(cfg) -> int:
+    """Rows of a full generation batch over every rank: prompts_per_step x group_size."""
+    return cfg.rollout.prompts_per_step * cfg.rollout.group_size
+
+
+def kept_rows(exp: Experience, dist_info: DistInfo) -> int:
+    """Rows this step kept, summed over ranks."""
+    return int(all_reduce_sum(torch.tensor(len(exp), device=exp.input_ids.device), dist_info))
+
+
+def idle_passes(n: int, policy: Policy, dist_info: DistInfo) -> int:
+    """With weights sharded across ranks (FSDP) every rank must run as many forward (and
+    backward) passes as the busiest one: how many empty ones to add to this rank's ``n``."""
+    if not (dist_info.enabled and is_sharded(policy.model)):
+        return 0
+    return max_over_ranks(n, dist_info) - n
+
+
+def idle_pass(policy: Policy, cfg, backward: bool) -> None:
+    """A forward (and backward) pass over one padding row with a zero loss: it joins the other
+    ranks' FSDP collectives and adds nothing to the gradient."""
+    ids = torch.full((1, 2), policy.pad_id, dtype=torch.long, device=policy.device)
+    zero = torch.zeros(1, 1, device=policy.device)
+    exp = Experience(ids, torch.ones_like(ids), zero, zero, zero[0], logp_old=zero)
+    with policy.compute():
+        logp = policy_logprobs(policy.model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+    if backward:
+        (logp * 0).sum().backward()
+
+
+def sharded_sampling(policy: Policy, sampling: SamplingConfig, dist_info: DistInfo) -> dict:
+    """``fill_groups``' arguments for weights sharded across ranks (FSDP): every rank takes
+    part in every generation round, a rank with enough groups with a throw-away greedy one."""
+    if not (dist_info.enabled and is_sharded(policy.model)):
+        return {}
+    greedy = SamplingConfig(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
+    return {"any_rank": lambda flag: any_rank(flag, dist_info),
+            "idle": lambda: policy.sampler.generate([[policy.eos_id]], greedy)}
+
+
+def empty_experience(policy: Policy) -> Experience:
+    """A batch of zero rows (a data-parallel rank whose groups were all dropped)."""
+    z = torch.zeros(0, 1, device=policy.device)
+    return Experience(z.long(), z.long(), z, z, torch.zeros(0, device=policy.device), logp_old=z)
+
+
+def tracked_fork(task):
+    """``task.used_fork`` when the task tracks fork strings, else None (fork rates are then null,
+    not 0)."""
+    return task.used_fork if task.fork_tokens else None
