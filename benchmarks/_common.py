@@ -232,7 +232,7 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
                model_path: str | None = None, task: str = "addition", samples: list[dict] | None = None):
     """Everything ``rl_step`` needs for the built-in ``task`` on CPU: a built-in Llama of ``size``
     with random init (character tasks), or the model at ``model_path`` (a folder or
-    ``builtin:<name>``) loaded as ``cispo train`` loads it (``cispo.training.runner.load_policy_for``: the
+    ``builtin:<name>``) loaded as ``cispo train`` loads it (``cispo.training.run_policy.load_policy_for``: the
     chat template of a chat task, ``model.dtype`` from ``extra``, the FP32 head, ``decode=auto``).
 
     ``suppress_eos``: the sampler gets an EOS id outside the vocabulary, so every response runs
@@ -253,7 +253,7 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     from cispo.models.loading import build_model, build_tokenizer
     from cispo.models.policy import Policy
     from cispo.rollout import TorchSampler
-    from cispo.training.runner import load_policy_for
+    from cispo.training.run_policy import load_policy_for
 
     the_task = get_task(task)
     cfg = apply_overrides(TrainConfig(), [

@@ -17,7 +17,7 @@ from _gpu_common import (NO_CUDA, Device, Skipped, build_qwen, calibrate_eos, lo
 
 
 def user_policy(ctx, model, tok, cfg, sampler=None):
-    """The ``Policy`` ``cispo.training.runner.load_policy_for`` builds for ``cfg`` around ``model`` (FP32 weights):
+    """The ``Policy`` ``cispo.training.run_policy.load_policy_for`` builds for ``cfg`` around ``model`` (FP32 weights):
     bf16 autocast, the FP32 head in the sampler, the compiled decoder where ``model.compile=on``."""
     from cispo.models.compile import train_body
     from cispo.models.loading import precision

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from cispo.data.prompts import load_source
     from cispo.foundations.experience import collate
     from cispo.foundations.threads import auto_threads
-    from cispo.training.runner import load_policy_for, resolve_device
+    from cispo.training.run_policy import load_policy_for, resolve_device
     from cispo.training.setup import default_max_new_tokens, fork_matcher, sampling_config
     from cispo.training.trainer import sample_groups
 

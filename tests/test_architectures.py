@@ -144,7 +144,7 @@ def test_an_unknown_logit_post_processing_is_refused_at_load(monkeypatch):
     post-processing logit_transform does not know (simulated: Cohere with the transform forgotten)
     is an error, not training on the wrong log-probs."""
     import cispo.models.policy
-    from cispo.training.runner import check_head
+    from cispo.training.run_policy import check_head
 
     model = build("cohere").train()
     check_head(model, "cohere")  # known: passes, and leaves the model in train mode

@@ -208,10 +208,10 @@ def test_compiled_run_with(tiny_model, tmp_path, dense_task, monkeypatch, capsys
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_sampler_compiles_its_step_with_the_trainer(tiny_model, tmp_path, monkeypatch, mode):
     """model.compile decides for the sampler's decode step as for the trainer's passes."""
-    import cispo.training.runner as runner
+    import cispo.training.run_policy as run_policy
     from cispo.data.tasks import get_task
 
-    monkeypatch.setattr(runner, "train_body", lambda *a, **k: None)  # not the trainer's compile here
+    monkeypatch.setattr(run_policy, "train_body", lambda *a, **k: None)  # not the trainer's compile here
     cfg = small_config(tiny_model, tmp_path, f"model.compile={mode}")
-    policy = runner.load_policy_for(cfg, get_task(cfg.data.task), torch.device("cpu"))
+    policy = run_policy.load_policy_for(cfg, get_task(cfg.data.task), torch.device("cpu"))
     assert policy.sampler.compile_step == (mode == "on")

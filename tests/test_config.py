@@ -230,7 +230,7 @@ def test_bad_setting_exits_2_with_one_line(capsys):
 def test_unavailable_cuda_device_is_a_config_error(monkeypatch):
     import torch
 
-    from cispo.training.runner import resolve_device
+    from cispo.training.run_policy import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="model.device='cuda': CUDA is not available"):

@@ -89,7 +89,7 @@ def test_recipe_settings_reach_each_ranks_engine_and_fsdp(tmp_path, tiny_model, 
         assert sampler.llm.calls[-1] == ("sleep", 2)
     # the policy load_policy_for builds from the recipe (on a CPU): FP32 master weights under bf16 autocast,
     # gradient checkpointing, the engine as its sampler
-    from cispo.training.runner import load_policy_for
+    from cispo.training.run_policy import load_policy_for
 
     cpu = recipe_with(tmp_path, f"model.path={tiny_model}", "model.device=cpu", "data.path=null", "data.reward=null")
     policy = load_policy_for(cpu, None, torch.device("cpu"))

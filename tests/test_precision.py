@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from cispo.config.train import TrainConfig, apply_overrides  # noqa: E402
 from cispo.foundations.experience import Completion, collate  # noqa: E402
-from cispo.training.runner import load_policy_for  # noqa: E402
+from cispo.training.run_policy import load_policy_for  # noqa: E402
 from cispo.models.policy import policy_logprobs  # noqa: E402
 from cispo.training.setup import make_optimizer  # noqa: E402
 from cispo.training.trainer import compute_logp_old  # noqa: E402

@@ -1,5 +1,16 @@
-"""Everything around the RL loop: set-up, run folder, resume, evaluation schedule,
-checkpoints, progress bar, summary and plot. The algorithm itself is in ``trainer.py``."""
+"""A training run around the RL loop, in the order it happens (``train``):
+
+1. set up (``set_up``): the process (threads, seed, device, torchrun rank), the data and rewards
+   (checked before any weights load), the run folder, the policy (``run_policy``) and optimizer,
+   the prompt streams, generators and metric sinks;
+2. resume (``resume_or_start``): the newest intact checkpoint, or a fresh start's run info and
+   step-0 evaluation;
+3. the step loop (``step_loop``): one RL step (``cispo.training.trainer.rl_step``), its checks,
+   held-out evaluation every ``eval.every`` steps, its metrics, a checkpoint every
+   ``checkpoint_every`` steps; a stop signal checkpoints and exits;
+4. finish (``finish``): summary, curves, a warning when no update was made.
+
+The algorithm itself is in ``cispo.training.trainer``."""
 
 from __future__ import annotations
 
@@ -18,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from cispo.config.train import ConfigError, TrainConfig, to_dict
+from cispo.config.train import TrainConfig, to_dict
 from cispo.data.prompts import PromptStream
 from cispo.data.rewards import closing_reward_pools, start_reward_workers
 from cispo.data.rewards.loading import check_reward_fields
@@ -26,19 +37,20 @@ from cispo.foundations.distributed import (DistInfo, any_rank, barrier, broadcas
                                            init_distributed, rank_seed, shard_model)
 from cispo.foundations.nan import is_nan
 from cispo.foundations.threads import auto_threads
-from cispo.models.compile import compile_wanted, train_body
-from cispo.models.policy import Policy, loss_scaler
+from cispo.models.policy import Policy
+from cispo.objective.presets import ObjectiveConfig
 from cispo.records.runfolder import (SUMMARY, check_resume, prepare_run_dir, run_dir_of, run_lock, run_name,
                                      save_config, saved_config)
 from cispo.records.samples import SampleFile, sample_records
 from cispo.records.tracking import make_sinks, read_metrics
-from cispo.rollout import TorchSampler
+from cispo.rollout import SamplingConfig
 from cispo.training.checkpoint import (check_trainer_state, fsync_file, gather_full_state, load_latest_checkpoint,
                                        nonfinite_parameters, save_checkpoint)
 from cispo.training.evaluation import evaluate, evaluate_sets
 from cispo.training.metrics import reduce_over_ranks
+from cispo.training.run_policy import check_model, load_policy_for, load_reference, model_folder, resolve_device
 from cispo.training.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_matcher, fsdp_settings,
-                                  make_objective, make_optimizer, sampling_config, vllm_settings)
+                                  make_objective, make_optimizer, sampling_config)
 from cispo.training.trainer import StepInterrupted, rl_step, tracked_fork
 
 PROGRESS_KEYS = {  # metric -> short label on the progress bar
@@ -56,21 +68,6 @@ class RunResult:
     updates: int | None = None  # optimizer steps taken by this invocation (0: the weights never changed)
 
 
-def resolve_device(name: str) -> torch.device:
-    """``model.device`` as a torch device; one that does not exist here is a ``ConfigError``."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"model.device={name!r}: not a device ({e})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"model.device={name!r}: CUDA is not available on this machine (use cpu or auto)")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"model.device={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
 def all_skipped(metrics: dict, cfg: TrainConfig, policy: Policy) -> bool:
     """Every update of the step had a non-finite gradient. Under float16 loss scaling an
     overflow while the scale S is still large is the scaler finding its level (S halves and
@@ -78,120 +75,6 @@ def all_skipped(metrics: dict, cfg: TrainConfig, policy: Policy) -> bool:
     if metrics.get("optim/skipped", 0) < cfg.algo.updates_per_batch:
         return False
     return policy.grad_scaler is None or policy.grad_scaler.get_scale() < 1.0
-
-
-def model_folder(cfg: TrainConfig, task):
-    """The folder the policy loads from: ``model.path``, else the task's model (``Task.model``), else the
-    task's built-in base model; a ``builtin:<name>`` packaged model is converted on first use
-    (``cispo.models.packaged``)."""
-    from cispo.models.builtin import ensure_builtin_model
-    from cispo.models.packaged import is_packaged, resolve_model_path
-    from cispo.training.checkpoint import check_model_folder
-
-    path = cfg.model.path or (task.model if task is not None else None)
-    if path and not is_packaged(path):
-        check_model_folder(path)
-    return resolve_model_path(path) if path else ensure_builtin_model(task.name, progress=cfg.progress)
-
-
-def check_model(cfg: TrainConfig) -> None:
-    """Before any data or weights are loaded: ``model.path`` and ``model.ref_path`` name a model
-    (``cispo.training.checkpoint.check_model_folder``; a ``builtin:<name>`` is checked when it is converted),
-    and with ``model.chat_template`` the tokenizer has a chat template. ``ConfigError`` otherwise."""
-    from cispo.models.packaged import is_packaged, resolve_model_path
-    from cispo.training.checkpoint import check_model_folder
-
-    for path in (cfg.model.path, cfg.model.ref_path):
-        if path and not is_packaged(path):
-            check_model_folder(path)
-    if cfg.model.chat_template and cfg.model.path:
-        from cispo.models.loading import check_chat_template
-
-        check_chat_template(resolve_model_path(cfg.model.path))
-
-
-def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None,
-                    dist_info: DistInfo = DistInfo()) -> Policy:
-    """The policy for ``device``; its weights are loaded onto ``load_device`` (default: ``device``),
-    e.g. the CPU for a model that FSDP then shards onto the GPUs. ``dist_info``: this torchrun rank
-    (a vLLM engine is then placed on it, with its own seed)."""
-    from cispo.models.loading import load_policy, precision, saved_dtype
-
-    path = model_folder(cfg, task)
-    param_dtype, autocast = precision(cfg.model.dtype, saved_dtype(path), cfg.model.master_weights)
-    if not cfg.model.master_weights and (param_dtype or saved_dtype(path)) in (torch.bfloat16, torch.float16):
-        print(f"cispo: warning: model.master_weights=false: parameters and AdamW state in "
-              f"{param_dtype or saved_dtype(path)}; updates smaller than a weight's rounding step are lost "
-              f"(at lr 1e-6 most of them)", file=sys.stderr)
-    model, tokenizer = load_policy(path, dtype=param_dtype, device=load_device or device, dropout=cfg.model.dropout)
-    if all(p.dtype in (torch.float32, torch.float64) for p in model.parameters()):
-        check_head(model, path)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer of {path} has no EOS token: responses could never end")
-    if tokenizer.pad_token_id is None:  # common for base models: pad with EOS (masked out anyway)
-        print(f"cispo: tokenizer of {path} has no pad token; using its EOS token for padding", file=sys.stderr)
-        tokenizer.pad_token = tokenizer.eos_token
-    if cfg.model.gradient_checkpointing:  # transformers >= 5.2x names it activation checkpointing (the old name warns)
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    if cfg.model.lora_rank:
-        from cispo.models.lora import apply_lora
-
-        model = apply_lora(model, rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha,
-                           dropout=cfg.model.lora_dropout, target_modules=cfg.model.lora_target_modules)
-    if cfg.rollout.engine == "vllm":
-        from cispo.rollout import VLLMSampler
-
-        sampler = VLLMSampler(str(path), tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                              **vllm_settings(cfg, dist_info, device))
-    else:
-        sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
-                               fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
-                               compile_step=compile_wanted(cfg.model.compile, device, cfg.steps, cfg.model.fsdp))
-    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template or (task is not None and task.chat),
-                  system_prompt=cfg.data.system_prompt, autocast=autocast,
-                  train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps),
-                  grad_scaler=loss_scaler(autocast, device))
-
-
-def load_reference(cfg: TrainConfig, task, device: torch.device, tokenizer) -> torch.nn.Module:
-    """The frozen reference policy pi_ref of the KL penalty: ``model.ref_path``, else the initial
-    policy (``model.path`` or the built-in model, read again, so a resumed run keeps the same
-    reference). Loaded like the policy (same parameter dtype; the policy's autocast applies to
-    its forward), in eval mode with ``requires_grad`` off. ValueError when ``model.ref_path``'s
-    tokenizer differs from the policy's ``tokenizer`` (its log-probs would be of other tokens)."""
-    from cispo.models.loading import load_policy, precision, saved_dtype
-    from cispo.models.packaged import resolve_model_path
-
-    policy_path = model_folder(cfg, task)
-    param_dtype, _ = precision(cfg.model.dtype, saved_dtype(policy_path), cfg.model.master_weights)
-    path = resolve_model_path(cfg.model.ref_path) or policy_path
-    model, ref_tokenizer = load_policy(path, dtype=param_dtype or saved_dtype(policy_path), device=device,
-                                       dropout=False)
-    if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"model.ref_path={path}: its tokenizer differs from the policy's ({policy_path}); "
-                         "the reference model must share the policy's vocabulary")
-    if all(p.dtype in (torch.float32, torch.float64) for p in model.parameters()):
-        check_head(model, path)
-    model.eval()
-    model.requires_grad_(False)
-    return model
-
-
-HEAD_TOLERANCE = 1e-3  # nats; float32 rounding gives ~1e-6
-
-
-def check_head(model, path) -> None:
-    """ValueError unless the trainer's chunked head reproduces ``model``'s own distribution
-    (``cispo.models.policy.head_mismatch``): a model that post-processes its logits in a way
-    ``cispo.objective.logprobs.logit_transform`` does not know is refused rather than trained on the
-    wrong log-probs. One short forward at load; run on float32 weights."""
-    from cispo.models.policy import head_mismatch
-
-    err = head_mismatch(model)
-    if not err <= HEAD_TOLERANCE:
-        raise ValueError(f"{path}: the trainer's log-probs of {type(model).__name__} differ from the model's own "
-                         f"by up to {err:.3g} nats: it post-processes its logits in a way "
-                         "cispo.objective.logprobs.logit_transform does not know; please report it")
 
 
 def git_commit() -> str | None:
@@ -257,10 +140,91 @@ def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> Ru
 
 
 def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
-    """``train``'s body, with the run folder locked."""
-    from transformers.utils import logging as hf_logging
+    """``train``'s body, with the run folder locked: set up, resume (or evaluate step 0), the step
+    loop with its evaluation and checkpoint schedule, finish."""
+    run = set_up(cfg, resume, overwrite)
+    start = resume_or_start(run, resume)
+    first_update_count = run.update_count
+    last = step_loop(run, start)
+    return finish(run, start, run.update_count - first_update_count, last)
 
-    from cispo.data.prompts import load_eval_sets, load_source
+
+@dataclass
+class Run:
+    """What a run holds from its set-up to its end (one per process under torchrun). ``update_count``:
+    optimizer steps so far; ``saved_step``: the newest checkpoint's step (None: none yet)."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    dist_info: DistInfo
+    task: object
+    sampling: SamplingConfig
+    obj: ObjectiveConfig
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    stream: PromptStream
+    eval_samples: list[dict]
+    eval_sets: dict[str, list[dict]]
+    generators: dict[str, torch.Generator]
+    forks: object
+    sink: object | None  # the metric sinks (rank 0 only)
+    sample_file: SampleFile | None  # samples.jsonl (rank 0 only)
+    update_count: int = 0
+    saved_step: int | None = None
+
+    @property
+    def main(self) -> bool:
+        return self.dist_info.is_main
+
+    @property
+    def sharded(self) -> bool:
+        return self.cfg.model.fsdp and self.dist_info.enabled
+
+    def generator_states(self) -> dict[str, torch.Tensor]:
+        return {n: g.get_state() for n, g in self.generators.items()}
+
+    def evaluate(self, step: int) -> dict:
+        """Held-out evaluation at ``step`` (``eval/...``; ``data.eval_sets``: ``eval/<name>/...``). Sharded
+        weights: every rank runs the model with rank 0, which alone gets the metrics."""
+        cfg, out = self.cfg, {}
+        if self.main or self.sharded:
+            common = dict(seed=cfg.seed + step, answer_fn=self.task.extract_answer,
+                          reward_timeout_s=cfg.data.reward_timeout_s)
+            fork = tracked_fork(self.task)
+            out = evaluate(self.policy, self.eval_samples, self.task.reward, fork, cfg.eval,
+                           self.sampling.max_new_tokens, **common)
+            out.update(evaluate_sets(self.policy, self.eval_sets, self.task.reward, fork, cfg.eval,
+                                     self.sampling.max_new_tokens, **common))
+        barrier(self.dist_info)
+        return out
+
+    def checkpoint(self, step: int) -> None:
+        """Save the weights, optimizer, every rank's prompt stream and generators, and the counters
+        at ``step`` (rank 0 writes; a sharded model is gathered onto its CPU first)."""
+        self.saved_step = step
+        streams = gather_objects(self.stream.state_dict(), self.dist_info)
+        gens = gather_objects({n: g.cpu() for n, g in self.generator_states().items()}, self.dist_info)
+        full_state = gather_full_state(self.policy.model, self.optimizer) if self.sharded else None  # rank 0's CPU
+        if self.main:
+            fsync_file(self.run_dir / "metrics.jsonl")  # its rows up to `step` are committed by this checkpoint
+            state = {"step": step, "update_count": self.update_count, "streams": streams,
+                     "world_size": self.dist_info.world_size}
+            if self.policy.grad_scaler is not None:  # float16's loss scale, so a resume continues with it
+                state["grad_scaler"] = self.policy.grad_scaler.state_dict()
+            tensors = {f"generator/{n}/{r}": t for r, g in enumerate(gens) for n, t in g.items()}
+            save_checkpoint(self.run_dir, step, self.policy.model, self.policy.tokenizer, self.optimizer, state,
+                            tensors, keep=self.cfg.keep_checkpoints, full_state=full_state)
+        barrier(self.dist_info)
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def set_up(cfg: TrainConfig, resume: bool, overwrite: bool) -> Run:
+    """Everything before the first step: the process (threads, seed, device, torchrun), the data and
+    rewards (checked before any weights load), the run folder, the policy and its optimizer, the
+    prompt streams, the generators and the sinks."""
+    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bar is the one to watch
     run_dir = run_dir_of(cfg)  # run_name checked before any work
@@ -270,6 +234,33 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
         check_resume(absolute_paths(saved), cfg, run_dir)
     torch.set_num_threads(auto_threads(cfg.threads if saved is None else run_threads(cfg.threads, run_dir)))
     torch.manual_seed(cfg.seed)
+    device, dist_info = set_up_devices(cfg)
+    cfg, task, named_sets, sampling, obj = set_up_data(cfg)
+    run_dir = prepare_run_dir(cfg, resume, overwrite) if dist_info.is_main else run_dir
+    policy, optimizer = set_up_policy(cfg, task, obj, device, dist_info)
+    # each rank samples whole groups from its own shard of the prompts, with its own seeds
+    train_samples = fit_prompts(policy, task.train_samples(cfg.data.seed, cfg.data.num_train_prompts),
+                                sampling.max_new_tokens, "training")
+    stream = PromptStream(train_samples[dist_info.rank :: dist_info.world_size], seed=cfg.seed)
+    eval_samples = fit_prompts(policy, task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts),
+                               sampling.max_new_tokens, "held-out")
+    eval_sets = {name: fit_prompts(policy, samples, sampling.max_new_tokens, f"eval set {name!r}")
+                 for name, samples in named_sets.items()}
+    seed = rank_seed(cfg.seed, dist_info)
+    main = dist_info.is_main
+    return Run(
+        cfg, run_dir, dist_info, task, sampling, obj, policy, optimizer, stream=stream, eval_samples=eval_samples, eval_sets=eval_sets,
+        generators={"sample": torch.Generator(device=device).manual_seed(seed),
+                    "shuffle": torch.Generator().manual_seed(seed + 1)},
+        forks=fork_matcher(policy.tokenizer, task),
+        sink=make_sinks(cfg.trackers, run_dir, run_name(cfg), to_dict(cfg)) if main else None,
+        sample_file=SampleFile(run_dir / "samples.jsonl", cfg.samples_max_mb) if main else None,
+    )
+
+
+def set_up_devices(cfg: TrainConfig) -> tuple[torch.device, DistInfo]:
+    """``model.device`` and, under torchrun, this rank (its own CUDA device); the prompts of a step must
+    split evenly over the ranks."""
     device = resolve_device(cfg.model.device)
     dist_info = init_distributed(device.type)
     if dist_info.enabled and device.type == "cuda":
@@ -278,7 +269,15 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     if cfg.rollout.prompts_per_step % dist_info.world_size:
         raise ValueError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                          f"number of processes ({dist_info.world_size})")
-    main = dist_info.is_main
+    return device, dist_info
+
+
+def set_up_data(cfg: TrainConfig):
+    """The task (prompts, reward), the named eval sets, the sampling settings and the objective, all
+    checked before any model is loaded; the reward workers start here, while the model loads. Returns
+    ``(cfg, task, named_sets, sampling, obj)``, ``cfg`` with ``rollout.max_new_tokens`` resolved."""
+    from cispo.data.prompts import load_eval_sets, load_source
+
     check_model(cfg)  # before the (possibly long) data loading
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
@@ -286,9 +285,13 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     start_reward_workers(task.reward)  # they start while the model loads, not in the first step
     sampling = sampling_config(cfg.rollout, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
-    obj = make_objective(cfg.algo, cfg.rollout.max_new_tokens)
-    run_dir = prepare_run_dir(cfg, resume, overwrite) if main else run_dir
-    if main:
+    return cfg, task, named_sets, sampling, make_objective(cfg.algo, cfg.rollout.max_new_tokens)
+
+
+def set_up_policy(cfg: TrainConfig, task, obj: ObjectiveConfig, device: torch.device, dist_info: DistInfo):
+    """The policy on every rank (rank 0 converts or builds the model folder first), its reference model
+    when the KL penalty is on, FSDP2 sharding, and the optimizer over what this rank holds."""
+    if dist_info.is_main:
         model_folder(cfg, task)  # the built-in model, or a packaged one converted: once, before the other ranks
     barrier(dist_info)
     sharded = cfg.model.fsdp and dist_info.enabled
@@ -299,149 +302,135 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     if sharded:  # FSDP2: every rank keeps 1/N of the weights, gradients and optimizer state
         shard_model(policy.model, dist_info, device, **fsdp_settings(cfg, policy.autocast))
         policy.sampler.lock_step(lambda done: not any_rank(not done, dist_info))
-    optimizer = make_optimizer(policy.model, cfg.optim)  # after sharding: it holds the shards
-    # each rank samples whole groups from its own shard of the prompts, with its own seeds
-    train_samples = fit_prompts(policy, task.train_samples(cfg.data.seed, cfg.data.num_train_prompts),
-                                sampling.max_new_tokens, "training")
-    stream = PromptStream(train_samples[dist_info.rank :: dist_info.world_size], seed=cfg.seed)
-    eval_samples = fit_prompts(policy, task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts),
-                               sampling.max_new_tokens, "held-out")
-    eval_sets = {name: fit_prompts(policy, samples, sampling.max_new_tokens, f"eval set {name!r}")
-                 for name, samples in named_sets.items()}
-    seed = rank_seed(cfg.seed, dist_info)
-    generators = {
-        "sample": torch.Generator(device=device).manual_seed(seed),
-        "shuffle": torch.Generator().manual_seed(seed + 1),
-    }
-    forks = fork_matcher(policy.tokenizer, task)
-    sink = make_sinks(cfg.trackers, run_dir, run_name(cfg), to_dict(cfg)) if main else None
-    sample_file = SampleFile(run_dir / "samples.jsonl", cfg.samples_max_mb) if main else None
+    return policy, make_optimizer(policy.model, cfg.optim)  # after sharding: the optimizer holds the shards
 
-    def evaluate_now(step: int) -> dict:  # sharded weights: every rank runs the model with rank 0
-        out = evaluate(policy, eval_samples, task.reward, tracked_fork(task), cfg.eval, sampling.max_new_tokens,
-                       seed=cfg.seed + step, answer_fn=task.extract_answer,
-                       reward_timeout_s=cfg.data.reward_timeout_s) if main or sharded else {}
-        if main or sharded:  # data.eval_sets: eval/<name>/...
-            out.update(evaluate_sets(policy, eval_sets, task.reward, tracked_fork(task), cfg.eval,
-                                     sampling.max_new_tokens, seed=cfg.seed + step, answer_fn=task.extract_answer,
-                                     reward_timeout_s=cfg.data.reward_timeout_s))
-        barrier(dist_info)
-        return out
 
-    start, update_count, saved_step = 0, 0, None
-    check = partial(check_trainer_state, rank=dist_info.rank, world_size=dist_info.world_size,
-                    stream_state=stream.state_dict(), generator_states={n: g.get_state() for n, g in generators.items()})
-    found = load_latest_checkpoint(run_dir, policy.model, optimizer, report=None if main else _quiet,
-                                   check=check) if resume else None
+# --------------------------------------------------------------------------- resume
+
+
+def resume_or_start(run: Run, resume: bool) -> int:
+    """The step the loop continues after: the newest intact checkpoint's (its weights, optimizer,
+    streams, generators and counters restored; the sinks and samples.jsonl cut back to it), else 0,
+    after a fresh start's run info and its step-0 evaluation."""
+    found = None
+    if resume:
+        check = partial(check_trainer_state, rank=run.dist_info.rank, world_size=run.dist_info.world_size,
+                        stream_state=run.stream.state_dict(), generator_states=run.generator_states())
+        found = load_latest_checkpoint(run.run_dir, run.policy.model, run.optimizer,
+                                       report=None if run.main else _quiet, check=check)
     if found is not None:  # the newest intact one; newer broken ones were reported and skipped
-        ckpt, state, tensors = found
-        start, update_count, saved_step = state["step"], state["update_count"], state["step"]
-        if policy.grad_scaler is not None and "grad_scaler" in state:
-            policy.grad_scaler.load_state_dict(state["grad_scaler"])
-        policy.sampler.update_weights(policy.model)  # a separate inference engine (vLLM) takes them
-        stream.load_state_dict(state["streams"][dist_info.rank])
-        for name, gen in generators.items():
-            gen.set_state(tensors[f"generator/{name}/{dist_info.rank}"])
-        if main:
-            sink.truncate_after(start)
-            save_config(cfg, run_dir)  # with the safe keys that changed (steps, ...)
-            sample_file.truncate_after(start)
-            print(f"cispo: resumed {run_dir} from {ckpt.name}", file=sys.stderr)
-    else:
-        if resume and main:
-            print(f"cispo: no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
-        if main:
-            sink.truncate_after(-1)
-            sample_file.truncate_after(-1)
-            write_run_info(run_dir, cfg, sampling, obj, policy.sampler.info())
-        row = evaluate_now(0)
-        if main:
-            sink.log(0, row)
+        return restore(run, *found)
+    if run.main:
+        if resume:
+            print(f"cispo: no checkpoint in {run.run_dir}; starting from step 0", file=sys.stderr)
+        run.sink.truncate_after(-1)
+        run.sample_file.truncate_after(-1)
+        write_run_info(run.run_dir, run.cfg, run.sampling, run.obj, run.policy.sampler.info())
+    row = run.evaluate(0)
+    if run.main:
+        run.sink.log(0, row)
+    return 0
 
-    def checkpoint(step: int) -> None:
-        nonlocal saved_step
-        saved_step = step
-        streams = gather_objects(stream.state_dict(), dist_info)
-        gens = gather_objects({n: g.get_state().cpu() for n, g in generators.items()}, dist_info)
-        full_state = gather_full_state(policy.model, optimizer) if sharded else None  # on rank 0's CPU
-        if main:
-            fsync_file(run_dir / "metrics.jsonl")  # its rows up to `step` are committed by this checkpoint
-            state = {"step": step, "update_count": update_count, "streams": streams,
-                     "world_size": dist_info.world_size}
-            if policy.grad_scaler is not None:  # float16's loss scale, so a resume continues with it
-                state["grad_scaler"] = policy.grad_scaler.state_dict()
-            tensors = {f"generator/{n}/{r}": t for r, g in enumerate(gens) for n, t in g.items()}
-            save_checkpoint(run_dir, step, policy.model, policy.tokenizer, optimizer, state, tensors,
-                            keep=cfg.keep_checkpoints, full_state=full_state)
-        barrier(dist_info)
 
-    templated = policy.tokenizer.decode if policy.chat_template else None  # samples.jsonl shows the templated prompt
-    stop = StopRequest()
-    bar = _progress(cfg, start) if main else None
-    first_update_count = update_count
-    bad_steps = 0
-    with stop.installed(), (sink if sink is not None else contextlib.nullcontext()):
+def restore(run: Run, ckpt: Path, state: dict, tensors: dict) -> int:
+    """Continue from checkpoint ``ckpt`` (its trainer ``state`` and generator ``tensors``; the weights
+    and optimizer are loaded already). Returns its step."""
+    rank = run.dist_info.rank
+    run.update_count, run.saved_step = state["update_count"], state["step"]
+    if run.policy.grad_scaler is not None and "grad_scaler" in state:
+        run.policy.grad_scaler.load_state_dict(state["grad_scaler"])
+    run.policy.sampler.update_weights(run.policy.model)  # a separate inference engine (vLLM) takes them
+    run.stream.load_state_dict(state["streams"][rank])
+    for name, gen in run.generators.items():
+        gen.set_state(tensors[f"generator/{name}/{rank}"])
+    if run.main:
+        run.sink.truncate_after(state["step"])
+        save_config(run.cfg, run.run_dir)  # with the safe keys that changed (steps, ...)
+        run.sample_file.truncate_after(state["step"])
+        print(f"cispo: resumed {run.run_dir} from {ckpt.name}", file=sys.stderr)
+    return state["step"]
+
+
+# --------------------------------------------------------------------------- the step loop
+
+
+def step_loop(run: Run, start: int) -> dict:
+    """Steps ``start + 1 .. cfg.steps``: each one RL step (``rl_step``), then its checks, held-out
+    evaluation when due, its metrics logged, a checkpoint when due. A stop signal checkpoints and
+    raises KeyboardInterrupt; weights gone non-finite, or ``max_bad_steps`` steps of only skipped
+    updates, raise FloatingPointError. Returns the last step's metrics."""
+    cfg, stop, bar = run.cfg, StopRequest(), _progress(run.cfg, start) if run.main else None
+    templated = run.policy.tokenizer.decode if run.policy.chat_template else None  # samples.jsonl: templated prompts
+    bad_steps, metrics = 0, {}
+    with stop.installed(), (run.sink if run.sink is not None else contextlib.nullcontext()), _closing(bar):
         for step in range(start + 1, cfg.steps + 1):
-            before = stream.state_dict(), {n: g.get_state() for n, g in generators.items()}
-            try:
-                metrics, update_count = rl_step(policy, optimizer, stream, task, cfg, obj, sampling, generators,
-                                                update_count, forks, dist_info,
-                                                on_samples=samples_logger(cfg, step, task, sample_file, sink,
-                                                                          templated),
-                                                stop_requested=lambda: stop.requested)
-            except StepInterrupted as e:  # not committed: the last complete step is checkpointed instead
-                stream.load_state_dict(before[0])
-                for name, gen in generators.items():
-                    gen.set_state(before[1][name])
-                if saved_step != step - 1:
-                    checkpoint(step - 1)
-                if bar is not None:
-                    bar.close()
-                raise KeyboardInterrupt(f"stopped by {stop.signal_name} during step {step}, which is not saved: "
-                                        f"{e}; checkpoint of step {step - 1} saved, continue with --resume") from None
-            bad_weights = nonfinite_parameters(policy.model)
-            if any_rank(bool(bad_weights), dist_info):  # never logged, never checkpointed
-                if bar is not None:
-                    bar.close()
-                raise FloatingPointError(nonfinite_weights_message(step, bad_weights, saved_step, run_dir))
-            metrics = metrics_over_ranks(metrics, dist_info)
-            bad_steps = bad_steps + 1 if all_skipped(metrics, cfg, policy) else 0
+            metrics = one_step(run, step, stop, templated)
+            bad_steps = bad_steps + 1 if all_skipped(metrics, cfg, run.policy) else 0
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
-                metrics.update(evaluate_now(step))
-            if main:
-                sink.log(step, metrics)
-                if step == start + 1 and policy.sampler.info():
-                    record_sampler_info(run_dir, policy.sampler.info())
+                metrics.update(run.evaluate(step))
+            if run.main:
+                run.sink.log(step, metrics)
+                if step == start + 1 and run.policy.sampler.info():
+                    record_sampler_info(run.run_dir, run.policy.sampler.info())
             if bad_steps >= cfg.max_bad_steps:
-                checkpoint(step)  # every update of these steps was skipped: the weights are the last good ones
+                run.checkpoint(step)  # every update of these steps was skipped: the weights are the last good ones
                 raise FloatingPointError(
                     f"{bad_steps} consecutive steps had only non-finite gradients (step {step}); "
-                    f"the last good weights are checkpointed in {run_dir / 'checkpoints'}. Lower optim.lr or "
+                    f"the last good weights are checkpointed in {run.run_dir / 'checkpoints'}. Lower optim.lr or "
                     f"check the reward / data.")
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
-                checkpoint(step)
+                run.checkpoint(step)
             _advance(bar, metrics)
-            if main and bar is None and metrics.get("optim/step_updates") == 0:
+            if run.main and bar is None and metrics.get("optim/step_updates") == 0:
                 print(f"cispo: step {step}: no update ({no_update_reason(metrics)})", file=sys.stderr)
             if stop.requested:
-                if bar is not None:
-                    bar.close()
                 raise KeyboardInterrupt(f"stopped by {stop.signal_name} after step {step}; checkpoint saved, "
                                         f"continue with --resume")
-    if bar is not None:
-        bar.close()
-    summary = {}
-    if main:
-        summary = summarize(read_metrics(run_dir / "metrics.jsonl"))
-        (run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
-        _plot(run_dir, cfg)
-    barrier(dist_info)
-    updates = update_count - first_update_count
-    if main and updates == 0 and cfg.steps > start:
+    return metrics
+
+
+def one_step(run: Run, step: int, stop: StopRequest, templated) -> dict:
+    """RL step ``step`` and its metrics over all ranks. A stop signal during the step puts the stream
+    and generators back and checkpoints the step before (KeyboardInterrupt); non-finite weights after
+    it are neither logged nor checkpointed (FloatingPointError)."""
+    before = run.stream.state_dict(), run.generator_states()
+    try:
+        metrics, run.update_count = rl_step(
+            run.policy, run.optimizer, run.stream, run.task, run.cfg, run.obj, run.sampling, run.generators,
+            run.update_count, run.forks, run.dist_info,
+            on_samples=samples_logger(run.cfg, step, run.task, run.sample_file, run.sink, templated),
+            stop_requested=lambda: stop.requested)
+    except StepInterrupted as e:  # not committed: the last complete step is checkpointed instead
+        run.stream.load_state_dict(before[0])
+        for name, gen in run.generators.items():
+            gen.set_state(before[1][name])
+        if run.saved_step != step - 1:
+            run.checkpoint(step - 1)
+        raise KeyboardInterrupt(f"stopped by {stop.signal_name} during step {step}, which is not saved: "
+                                f"{e}; checkpoint of step {step - 1} saved, continue with --resume") from None
+    bad_weights = nonfinite_parameters(run.policy.model)
+    if any_rank(bool(bad_weights), run.dist_info):  # never logged, never checkpointed
+        raise FloatingPointError(nonfinite_weights_message(step, bad_weights, run.saved_step, run.run_dir))
+    return metrics_over_ranks(metrics, run.dist_info)
+
+
+# --------------------------------------------------------------------------- finish
+
+
+def finish(run: Run, start: int, updates: int, last: dict) -> RunResult:
+    """The summary (held-out before -> after) and curves of a finished run; a warning when steps ran
+    but not one update changed the weights."""
+    cfg, summary = run.cfg, {}
+    if run.main:
+        summary = summarize(read_metrics(run.run_dir / "metrics.jsonl"))
+        (run.run_dir / SUMMARY).write_text(json.dumps(summary, indent=1))
+        _plot(run.run_dir, cfg)
+    barrier(run.dist_info)
+    if run.main and updates == 0 and cfg.steps > start:
         print(f"cispo: WARNING: {cfg.steps - start} step(s) ran but not one optimizer update was made: the weights "
-              f"are unchanged ({no_update_reason(metrics)} at the last step). See rollout/groups_kept and "
-              f"optim/skipped in {run_dir / 'metrics.jsonl'}.", file=sys.stderr)
-    return RunResult(run_dir, summary, updates if cfg.steps > start else None)
+              f"are unchanged ({no_update_reason(last)} at the last step). See rollout/groups_kept and "
+              f"optim/skipped in {run.run_dir / 'metrics.jsonl'}.", file=sys.stderr)
+    return RunResult(run.run_dir, summary, updates if cfg.steps > start else None)
 
 
 def nonfinite_weights_message(step: int, names: list[str], saved_step: int | None, run_dir: Path) -> str:
@@ -547,6 +536,16 @@ def _progress(cfg: TrainConfig, start: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=cfg.steps, initial=start, desc="cispo train", unit="step", dynamic_ncols=True)
+
+
+@contextlib.contextmanager
+def _closing(bar):
+    """Close the progress bar however the loop ends (a clean end, a stop, an error)."""
+    try:
+        yield bar
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _advance(bar, metrics: dict) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -339,56 +340,23 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     failed call on any rank, raises `StepInterrupted` before the updates (the weights, the
     optimizer and the update count unchanged; the prompt stream and the generators advanced)."""
     t0 = time.perf_counter()
-    errors: list[str] = []
-    sampled: list = []  # every group of every round, kept or dropped: the samples of a step that keeps none
-
-    def generate(samples):
-        groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
-                               cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s, cfg.rollout.overlong_scope)
-        errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
-        if on_samples is not None:
-            sampled.extend(groups)
-        return groups
-
-    groups, report = fill_groups(
-        stream.take,
-        generate,
-        is_informative,
-        cfg.rollout.prompts_per_step // dist_info.world_size,
-        cfg.rollout.max_sampling_rounds,
-        filter_groups=cfg.rollout.dynamic_sampling,
-        **sharded_sampling(policy, sampling, dist_info),
-    )
-    if stop_requested is not None and any_rank(bool(errors) and stop_requested(), dist_info):
-        raise StepInterrupted(f"{len(errors)} of its reward calls failed while the signal was pending"
-                              + (f" (first: {errors[0]})" if errors else " on another rank"))
-    if errors:
-        print(f"cispo: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})", file=sys.stderr)
+    rollout = sample_step(policy, stream, task, cfg, sampling, generators, dist_info, keep_all=on_samples is not None)
+    if stop_requested is not None and any_rank(bool(rollout.errors) and stop_requested(), dist_info):
+        raise StepInterrupted(f"{len(rollout.errors)} of its reward calls failed while the signal was pending"
+                              + (f" (first: {rollout.errors[0]})" if rollout.errors else " on another rank"))
+    if rollout.errors:
+        print(f"cispo: {len(rollout.errors)} reward call(s) failed and scored 0 (first: {rollout.errors[0]})",
+              file=sys.stderr)
     t1 = time.perf_counter()
+    groups = rollout.groups
     if not groups and not dist_info.enabled:  # every group uninformative, every round: nothing to learn
         if on_samples is not None:  # what was sampled and dropped: when a user most needs to see it
-            on_samples(sampled, None)
-        return {"rollout/groups_kept": 0.0, "rollout/rounds": float(report.rounds), "optim/step_updates": 0.0,
+            on_samples(rollout.sampled, None)
+        return {"rollout/groups_kept": 0.0, "rollout/rounds": float(rollout.report.rounds), "optim/step_updates": 0.0,
                 "optim/updates": float(update_count), "perf/step_s": t1 - t0,
-                "rollout/reward_errors": float(len(errors))}, update_count
-    if not groups:  # this rank has nothing, but it must join the other ranks' updates
-        exp = empty_experience(policy)
-    else:
-        exp = build_experience(groups, policy, cfg.rollout.group_size, cfg.algo.advantage_estimator)
-        if on_samples is not None:
-            start_token_counts(exp)
-    if forks is not None:  # where each tracked string starts, for the metrics of every update   [B, T]
-        exp.extras["fork_index"] = forks.index(exp.response_ids, exp.response_mask)
-    if cfg.rollout.vllm_sleep:  # free the inference engine's memory for the updates (no-op for torch)
-        policy.sampler.sleep()
-    # the first epoch's order, drawn before the logp_old pass so that pass can run the first
-    # mini-batch as the first update will (the same draw the update would make: same stream)
-    first_order = torch.randperm(len(exp), generator=generators["shuffle"]).to(exp.input_ids.device)
-    first_rows = minibatches(first_order, cfg.algo, full_rows(cfg), kept_rows(exp, dist_info))[0]
-    from_update = logp_old_from_update(cfg, policy)
-    exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info, first_rows, from_update)
-    if cfg.algo.tis_cap:  # truncated IS: the trainer's pi_old vs the sampler's own probabilities
-        exp.extras["tis"] = truncated_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, cfg.algo.tis_cap)
+                "rollout/reward_errors": float(len(rollout.errors))}, update_count
+    exp, first_order, from_update = prepare_experience(policy, groups, cfg, forks, generators, dist_info,
+                                                       count_tokens=on_samples is not None)
     t2 = time.perf_counter()
     updates_before = update_count
     stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, forks,
@@ -399,19 +367,9 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     if on_samples is not None and groups:
         on_samples(groups, exp)
     elif on_samples is not None:  # this rank kept no group: the ones it dropped
-        on_samples(sampled, None)
+        on_samples(rollout.sampled, None)
+    metrics = step_metrics(rollout, exp, stats, task, forks)
     tokens = float(exp.response_mask.sum())
-    metrics = rollout_metrics(groups, exp, report, tracked_fork(task)) if groups else {}
-    metrics["rollout/reward_errors"] = float(len(errors))
-    if forks is not None and groups:  # reflective tokens per response (several on the `chain` task)
-        is_fork = (exp.extras["fork_index"] >= 0) & exp.response_mask.bool()  # [B, T]
-        metrics["rollout/fork_tokens_per_response"] = float(is_fork.sum()) / max(1, len(exp))
-        metrics.update(fork_rollout_metrics(exp, forks.slugs))
-    per_update = [s.pop("forks") for s in stats if "forks" in s]
-    if stats:
-        metrics.update(update_metrics(stats))
-    if per_update:
-        metrics.update(fork_metrics(per_update, forks.slugs))
     metrics.update({
         "optim/lr": lr_at(update_count - 1, cfg.optim),
         "optim/updates": float(update_count),
@@ -424,6 +382,87 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         "perf/tokens_per_s": tokens * (1 + cfg.algo.epochs) / max(t3 - t1, 1e-9),
     })
     return metrics, update_count
+
+
+@dataclass
+class StepRollout:
+    """A step's sampling: the informative ``groups`` it keeps, the refill's ``report``, every reward
+    call's error, and (when asked) every group ``sampled``, kept or dropped."""
+
+    groups: list[list[Completion]]
+    report: object
+    errors: list[str]
+    sampled: list[list[Completion]]
+
+
+def sample_step(policy: Policy, stream: PromptStream, task, cfg, sampling: SamplingConfig, generators,
+                dist_info: DistInfo, keep_all: bool) -> StepRollout:
+    """Step 1: this rank's ``prompts_per_step / world_size`` groups, sampled and scored, refilled while
+    dynamic sampling drops uninformative ones (``cispo.data.prompts.fill_groups``). ``keep_all``: keep
+    every group sampled, for ``samples.jsonl``."""
+    errors: list[str] = []
+    sampled: list = []
+
+    def generate(samples):
+        groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
+                               cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s, cfg.rollout.overlong_scope)
+        errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
+        if keep_all:
+            sampled.extend(groups)
+        return groups
+
+    groups, report = fill_groups(
+        stream.take,
+        generate,
+        is_informative,
+        cfg.rollout.prompts_per_step // dist_info.world_size,
+        cfg.rollout.max_sampling_rounds,
+        filter_groups=cfg.rollout.dynamic_sampling,
+        **sharded_sampling(policy, sampling, dist_info),
+    )
+    return StepRollout(groups, report, errors, sampled)
+
+
+def prepare_experience(policy: Policy, groups, cfg, forks, generators, dist_info: DistInfo, count_tokens: bool):
+    """Steps 2-3: the batch with its advantages, fork positions and log pi_old (and, with
+    ``algo.tis_cap``, the truncated IS weights). Returns ``(exp, first_order, from_update)``: the first
+    epoch's row order, drawn here so the logp_old pass can run the first mini-batch as the first update
+    will, and whether that update fills its own rows of logp_old (``logp_old_from_update``)."""
+    if not groups:  # this rank has nothing, but it must join the other ranks' updates
+        exp = empty_experience(policy)
+    else:
+        exp = build_experience(groups, policy, cfg.rollout.group_size, cfg.algo.advantage_estimator)
+        if count_tokens:
+            start_token_counts(exp)
+    if forks is not None:  # where each tracked string starts, for the metrics of every update   [B, T]
+        exp.extras["fork_index"] = forks.index(exp.response_ids, exp.response_mask)
+    if cfg.rollout.vllm_sleep:  # free the inference engine's memory for the updates (no-op for torch)
+        policy.sampler.sleep()
+    # the same draw the update would make (same stream), so the logp_old pass knows the first mini-batch
+    first_order = torch.randperm(len(exp), generator=generators["shuffle"]).to(exp.input_ids.device)
+    first_rows = minibatches(first_order, cfg.algo, full_rows(cfg), kept_rows(exp, dist_info))[0]
+    from_update = logp_old_from_update(cfg, policy)
+    exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info, first_rows, from_update)
+    if cfg.algo.tis_cap:  # truncated IS: the trainer's pi_old vs the sampler's own probabilities
+        exp.extras["tis"] = truncated_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, cfg.algo.tis_cap)
+    return exp, first_order, from_update
+
+
+def step_metrics(rollout: StepRollout, exp: Experience, stats: list[dict], task, forks) -> dict:
+    """Step 5: the rollout's metrics (rewards, lengths, forks) and the updates' (objective, optimizer)."""
+    groups = rollout.groups
+    metrics = rollout_metrics(groups, exp, rollout.report, tracked_fork(task)) if groups else {}
+    metrics["rollout/reward_errors"] = float(len(rollout.errors))
+    if forks is not None and groups:  # reflective tokens per response (several on the `chain` task)
+        is_fork = (exp.extras["fork_index"] >= 0) & exp.response_mask.bool()  # [B, T]
+        metrics["rollout/fork_tokens_per_response"] = float(is_fork.sum()) / max(1, len(exp))
+        metrics.update(fork_rollout_metrics(exp, forks.slugs))
+    per_update = [s.pop("forks") for s in stats if "forks" in s]
+    if stats:
+        metrics.update(update_metrics(stats))
+    if per_update:
+        metrics.update(fork_metrics(per_update, forks.slugs))
+    return metrics
 
 
 def full_rows(cfg) -> int:

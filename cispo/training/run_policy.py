@@ -1,0 +1,145 @@
+"""The run's policy: the device, the model folder (``model.path``, a task's model, the built-in or a
+packaged one), the checks made before weights load, the policy with its sampler, and the frozen
+reference model of the KL penalty."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from cispo.config.train import ConfigError, TrainConfig
+from cispo.foundations.distributed import DistInfo
+from cispo.models.compile import compile_wanted, train_body
+from cispo.models.policy import Policy, loss_scaler
+from cispo.rollout import TorchSampler
+from cispo.training.setup import vllm_settings
+
+
+def resolve_device(name: str) -> torch.device:
+    """``model.device`` as a torch device; one that does not exist here is a ``ConfigError``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"model.device={name!r}: not a device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={name!r}: CUDA is not available on this machine (use cpu or auto)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"model.device={name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def model_folder(cfg: TrainConfig, task):
+    """The folder the policy loads from: ``model.path``, else the task's model (``Task.model``), else the
+    task's built-in base model; a ``builtin:<name>`` packaged model is converted on first use
+    (``cispo.models.packaged``)."""
+    from cispo.models.builtin import ensure_builtin_model
+    from cispo.models.packaged import is_packaged, resolve_model_path
+    from cispo.training.checkpoint import check_model_folder
+
+    path = cfg.model.path or (task.model if task is not None else None)
+    if path and not is_packaged(path):
+        check_model_folder(path)
+    return resolve_model_path(path) if path else ensure_builtin_model(task.name, progress=cfg.progress)
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """Before any data or weights are loaded: ``model.path`` and ``model.ref_path`` name a model
+    (``cispo.training.checkpoint.check_model_folder``; a ``builtin:<name>`` is checked when it is converted),
+    and with ``model.chat_template`` the tokenizer has a chat template. ``ConfigError`` otherwise."""
+    from cispo.models.packaged import is_packaged, resolve_model_path
+    from cispo.training.checkpoint import check_model_folder
+
+    for path in (cfg.model.path, cfg.model.ref_path):
+        if path and not is_packaged(path):
+            check_model_folder(path)
+    if cfg.model.chat_template and cfg.model.path:
+        from cispo.models.loading import check_chat_template
+
+        check_chat_template(resolve_model_path(cfg.model.path))
+
+
+def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None,
+                    dist_info: DistInfo = DistInfo()) -> Policy:
+    """The policy for ``device``; its weights are loaded onto ``load_device`` (default: ``device``),
+    e.g. the CPU for a model that FSDP then shards onto the GPUs. ``dist_info``: this torchrun rank
+    (a vLLM engine is then placed on it, with its own seed)."""
+    from cispo.models.loading import load_policy, precision, saved_dtype
+
+    path = model_folder(cfg, task)
+    param_dtype, autocast = precision(cfg.model.dtype, saved_dtype(path), cfg.model.master_weights)
+    if not cfg.model.master_weights and (param_dtype or saved_dtype(path)) in (torch.bfloat16, torch.float16):
+        print(f"cispo: warning: model.master_weights=false: parameters and AdamW state in "
+              f"{param_dtype or saved_dtype(path)}; updates smaller than a weight's rounding step are lost "
+              f"(at lr 1e-6 most of them)", file=sys.stderr)
+    model, tokenizer = load_policy(path, dtype=param_dtype, device=load_device or device, dropout=cfg.model.dropout)
+    if all(p.dtype in (torch.float32, torch.float64) for p in model.parameters()):
+        check_head(model, path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer of {path} has no EOS token: responses could never end")
+    if tokenizer.pad_token_id is None:  # common for base models: pad with EOS (masked out anyway)
+        print(f"cispo: tokenizer of {path} has no pad token; using its EOS token for padding", file=sys.stderr)
+        tokenizer.pad_token = tokenizer.eos_token
+    if cfg.model.gradient_checkpointing:  # transformers >= 5.2x names it activation checkpointing (the old name warns)
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    if cfg.model.lora_rank:
+        from cispo.models.lora import apply_lora
+
+        model = apply_lora(model, rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha,
+                           dropout=cfg.model.lora_dropout, target_modules=cfg.model.lora_target_modules)
+    if cfg.rollout.engine == "vllm":
+        from cispo.rollout import VLLMSampler
+
+        sampler = VLLMSampler(str(path), tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                              **vllm_settings(cfg, dist_info, device))
+    else:
+        sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
+                               fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
+                               compile_step=compile_wanted(cfg.model.compile, device, cfg.steps, cfg.model.fsdp))
+    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template or (task is not None and task.chat),
+                  system_prompt=cfg.data.system_prompt, autocast=autocast,
+                  train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps),
+                  grad_scaler=loss_scaler(autocast, device))
+
+
+def load_reference(cfg: TrainConfig, task, device: torch.device, tokenizer) -> torch.nn.Module:
+    """The frozen reference policy pi_ref of the KL penalty: ``model.ref_path``, else the initial
+    policy (``model.path`` or the built-in model, read again, so a resumed run keeps the same
+    reference). Loaded like the policy (same parameter dtype; the policy's autocast applies to
+    its forward), in eval mode with ``requires_grad`` off. ValueError when ``model.ref_path``'s
+    tokenizer differs from the policy's ``tokenizer`` (its log-probs would be of other tokens)."""
+    from cispo.models.loading import load_policy, precision, saved_dtype
+    from cispo.models.packaged import resolve_model_path
+
+    policy_path = model_folder(cfg, task)
+    param_dtype, _ = precision(cfg.model.dtype, saved_dtype(policy_path), cfg.model.master_weights)
+    path = resolve_model_path(cfg.model.ref_path) or policy_path
+    model, ref_tokenizer = load_policy(path, dtype=param_dtype or saved_dtype(policy_path), device=device,
+                                       dropout=False)
+    if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"model.ref_path={path}: its tokenizer differs from the policy's ({policy_path}); "
+                         "the reference model must share the policy's vocabulary")
+    if all(p.dtype in (torch.float32, torch.float64) for p in model.parameters()):
+        check_head(model, path)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+HEAD_TOLERANCE = 1e-3  # nats; float32 rounding gives ~1e-6
+
+
+def check_head(model, path) -> None:
+    """ValueError unless the trainer's chunked head reproduces ``model``'s own distribution
+    (``cispo.models.policy.head_mismatch``): a model that post-processes its logits in a way
+    ``cispo.objective.logprobs.logit_transform`` does not know is refused rather than trained on the
+    wrong log-probs. One short forward at load; run on float32 weights."""
+    from cispo.models.policy import head_mismatch
+
+    err = head_mismatch(model)
+    if not err <= HEAD_TOLERANCE:
+        raise ValueError(f"{path}: the trainer's log-probs of {type(model).__name__} differ from the model's own "
+                         f"by up to {err:.3g} nats: it post-processes its logits in a way "
+                         "cispo.objective.logprobs.logit_transform does not know; please report it")
