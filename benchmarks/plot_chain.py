@@ -1,5 +1,6 @@
 """Curves of several `chain` runs (one line per run): held-out accuracy, reflective tokens
-per response and response length by step, from each run folder's ``metrics.jsonl``.
+per response and response length by step, from each run folder's ``metrics.jsonl`` (or
+``metrics.jsonl.gz``, as committed under docs/results/).
 Runs named ``<setting>_s<seed>`` (e.g. ``chain_cispo_s0``) share a colour per setting,
 one line style per seed.
 
@@ -8,11 +9,10 @@ one line style per seed.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from cispo.foundations.plotting import save_figure, series, style_axis
+from cispo.foundations.plotting import read_rows, save_figure, series, style_axis
 
 PANELS = [("held-out accuracy (greedy)", "eval/accuracy_greedy"),
           ("held-out accuracy (mean@4, T=1)", "eval/accuracy"),
@@ -31,7 +31,7 @@ def main(out: str, *run_dirs: str) -> None:
         color = colors.setdefault(group, f"C{len(colors)}")
         style = ("-", "--", ":", "-.")[seen.setdefault(group, -1) + 1 & 3]
         seen[group] += 1
-        rows = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = read_rows(Path(run) / "metrics.jsonl")
         for ax, (_, key) in zip(axes, PANELS):
             x, y = series(rows, key)
             ax.plot(x, y, style, color=color, marker="o" if len(x) < 15 else None, ms=3, label=name)

@@ -5,7 +5,7 @@ From a run's ``samples.jsonl`` (the logged training completions, `log_samples_ev
 written), whether a ``W`` follows it, grouped into *buggy* (the task's `chain.TASK_BUGS`: the
 base model errs there, so the recheck pays), *other carrying* and *no carry*; and how often a
 buggy step's direct result is already right (a "direct fix", no recheck needed). From its
-``metrics.jsonl``, per phase: the ``W`` tokens of the training batches (`fork/w/count`), those with
+``metrics.jsonl`` (each read from its ``.gz`` in a run committed under docs/results/), per phase: the ``W`` tokens of the training batches (`fork/w/count`), those with
 a positive advantage (`fork/w/pos`), of them above 1 + eps_high (`fork/w/pos_above`) and the
 paper's case (`fork/w/pos_lowp_above`), and their mean p_old.
 
@@ -18,6 +18,7 @@ import json
 import sys
 
 from cispo.data.tasks import chain
+from cispo.foundations.jsonl import read_jsonl_bytes
 
 PHASES = ((1, 5), (6, 10), (11, 20), (21, 40))
 
@@ -66,8 +67,8 @@ def fork_counts(rows: list[dict], phases=PHASES) -> dict:
 
 
 def _read(path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+    """The rows of ``path`` or, as committed under docs/results/, of ``path.gz``."""
+    return [json.loads(line) for line in read_jsonl_bytes(path).decode().splitlines() if line.strip()]
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def cmd_eval(args) -> int:
     from cispo.records.samples import HELD_OUT, eval_records
     from cispo.records.tracking import json_safe
     from cispo.training.evaluation import evaluate, evaluate_sets
-    from cispo.training.runner import check_model, load_policy_for, resolve_device
+    from cispo.training.run_policy import check_model, load_policy_for, resolve_device
     from cispo.training.setup import default_max_new_tokens
     from cispo.training.trainer import tracked_fork
 
@@ -312,9 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
             "cispo.experiments.compare:SweepConfig", cmd_compare)
     p.add_argument("--quick", action="store_true", help="the quick size for every K")
     p = sub.add_parser("study-data", help="collect run folders' curves and key metrics into one CSV (the raw data)",
-                       description="Every run folder (with metrics.jsonl) below RUN_DIR: its evaluation curve and "
-                       "per-step key metrics, with its arm, K, seed, learning rate, role and wall time, into one CSV "
-                       "(gzip if OUTPUT ends in .gz). Schema: cispo.experiments.study_data.")
+                       description="Every run folder (with metrics.jsonl, or metrics.jsonl.gz) below RUN_DIR: its "
+                       "evaluation curve and per-step key metrics, with its arm, K, seed, learning rate, role and "
+                       "wall time, into one CSV (gzip if OUTPUT ends in .gz). Schema: cispo.experiments.study_data.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders or folders of runs (a comparison's out_dir)")
     p.add_argument("-o", "--output", default="docs/results/study.csv.gz", help="output CSV (default %(default)s)")
     p.set_defaults(fn=cmd_study_data)
@@ -339,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Overlay the curves of any runs into OUTPUT.png and OUTPUT.html (the page embeds "
                        "the PNG and a table of each run's final metrics; it needs no network or script).")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                   help="run folders (with metrics.jsonl), or folders of runs such as a `cispo compare` output")
+                   help="run folders (with metrics.jsonl or metrics.jsonl.gz), or folders of runs such as a "
+                   "`cispo compare` output")
     p.add_argument("-o", "--output", default="plot.html", help="output path; .png and .html are written (default plot.html)")
     p.add_argument("--metrics", help="comma-separated metric names (default: reward, accuracy, fork rate, "
                    "capped / dropped fractions, entropy, length, KL: each that some run logged)")

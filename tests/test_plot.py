@@ -88,6 +88,27 @@ def test_find_runs_keeps_order_and_drops_duplicates(tmp_path):
     assert find_runs([b, a, tmp_path]) == [b, a]
 
 
+def test_a_run_folder_with_only_metrics_jsonl_gz_is_found_and_plotted(tmp_path, capsys):
+    """A run committed under docs/results/ holds ``metrics.jsonl.gz`` (issue 43): `cispo plot`,
+    `find_runs` (a run folder and a folder of runs) and `cispo study-data`'s discovery take it."""
+    from cispo.experiments.study_data import find_run_dirs
+    from cispo.foundations.jsonl import compress
+
+    a = _write_run(tmp_path / "runs" / "a", [0.1, 0.4], [0.2, 0.81])
+    b = _write_run(tmp_path / "runs" / "b", [0.1, 0.2], [0.2, 0.42])
+    compress(a / "metrics.jsonl")
+    assert sorted(p.name for p in a.iterdir()) == ["metrics.jsonl.gz"]
+    assert find_runs([a]) == [a] and find_runs([tmp_path / "runs"]) == [a, b]
+    assert find_run_dirs([tmp_path]) == [a, b]
+    out = tmp_path / "ab.html"
+    assert main(["plot", str(tmp_path / "runs"), "-o", str(out)]) == 0
+    page = out.read_text()
+    assert "0.81 <small>(step 1)</small>" in page and "0.42 <small>(step 1)</small>" in page
+    (a / "metrics.jsonl.gz").write_bytes(b"not gzip")
+    assert main(["plot", str(a), "-o", str(out)]) == 2
+    assert f"{a / 'metrics.jsonl.gz'}: not a readable gzip file" in capsys.readouterr().err
+
+
 @pytest.fixture
 def figures(monkeypatch):
     """The figures `cispo.foundations.plotting` saves: {panel title: (y limits, plotted y values)} per figure."""

@@ -102,6 +102,30 @@ def test_the_csv_holds_every_run_and_step_and_is_reproducible(study):
     assert gzip.decompress(csv_path.read_bytes()).decode().splitlines()[0] == ",".join(COLUMNS)
 
 
+def test_the_csv_is_the_same_from_compressed_run_files(study, tmp_path):
+    """Run folders whose ``metrics.jsonl`` is ``metrics.jsonl.gz`` (the research data as committed,
+    issue 43) give the same CSV, byte for byte; the unfinished run is still left out."""
+    import shutil
+
+    from cispo.foundations.jsonl import compress
+
+    root, csv_path, n_runs, n_rows, _ = study
+    copy = shutil.copytree(root, tmp_path / "study", ignore=shutil.ignore_patterns("*.csv.gz", "report"))
+    for m in sorted(copy.rglob("metrics.jsonl")):
+        compress(m)
+    assert not list(copy.rglob("metrics.jsonl"))
+    again, runs, rows, unfinished = collect([copy], tmp_path / "again.csv.gz")
+    assert (runs, rows) == (n_runs, n_rows) and unfinished == [copy / "main" / "cispo__chain__K16__seed3"]
+    assert again.read_bytes() == csv_path.read_bytes()
+
+
+def test_the_committed_run_files_are_compressed():
+    """A fresh clone stays small (issue 43): no plain JSONL file over 100 KB under docs/results/
+    (`python -m cispo.foundations.jsonl FILE.jsonl...` compresses one in place)."""
+    big = [str(f.relative_to(ROOT)) for f in (ROOT / "docs" / "results").rglob("*.jsonl") if f.stat().st_size > 100_000]
+    assert not big, f"compress these with `python -m cispo.foundations.jsonl`: {big}"
+
+
 def _pm(values, p=3):
     """mean ± t_{.975, n-1} s / sqrt(n), from the standard library (not the code under test)."""
     half = {2: 4.302653, 1: 12.706205}[len(values) - 1] * statistics.stdev(values) / math.sqrt(len(values))
@@ -363,12 +387,15 @@ def test_the_v3_mechanism_gate_applies_the_protocols_criteria():
 
 
 def test_the_committed_v3_gate_verdicts_recompute_from_their_data():
-    """Each docs/results/v3/gate/RUN.gate.json is the gate script's output on RUN/metrics.jsonl."""
+    """Each docs/results/v3/gate/RUN.gate.json is the gate script's output on RUN/metrics.jsonl
+    (committed as RUN/metrics.jsonl.gz)."""
     from cispo.experiments.mechanism_gate import gate
+    from cispo.foundations.jsonl import has_jsonl
     from cispo.records.tracking import read_metrics
 
     verdicts = sorted((ROOT / "docs" / "results" / "v3" / "gate").glob("*.gate.json"))
     assert len(verdicts) >= 3
     for path in verdicts:
         run = path.parent / path.name.removesuffix(".gate.json")
+        assert has_jsonl(run / "metrics.jsonl"), run  # read_metrics of a missing file is [], not an error
         assert json.loads(path.read_text()) == gate(read_metrics(run / "metrics.jsonl")), path.name

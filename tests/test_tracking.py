@@ -95,6 +95,29 @@ def test_jsonl_sink_writes_null_and_truncates(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
 
 
+def test_read_metrics_reads_metrics_jsonl_gz_when_only_it_is_there(tmp_path):
+    """The research data under docs/results/ is committed as ``metrics.jsonl.gz`` (issue 43): a path
+    naming ``metrics.jsonl`` reads it, and so does the ``.gz`` path itself; the plain file wins."""
+    from cispo.foundations.jsonl import compress, has_jsonl, jsonl_path, main
+
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    log_all(sink)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert main([str(tmp_path / "metrics.jsonl")]) == 0
+    gz = tmp_path / "metrics.jsonl.gz"
+    assert not (tmp_path / "metrics.jsonl").exists() and gz.read_bytes()[4:8] == b"\0\0\0\0"  # mtime 0
+    assert jsonl_path(tmp_path / "metrics.jsonl") == gz and has_jsonl(tmp_path / "metrics.jsonl")
+    assert read_metrics(tmp_path / "metrics.jsonl") == rows == read_metrics(gz)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 9}) + "\n")  # a plain file beside it is read
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 9}]
+    again = tmp_path / "again" / "metrics.jsonl"
+    again.parent.mkdir()
+    again.write_text((tmp_path / "metrics.jsonl").read_text())
+    assert compress(again).read_bytes() == compress(tmp_path / "metrics.jsonl").read_bytes()  # same bytes, same file
+    assert read_metrics(tmp_path / "missing.jsonl") == [] and not has_jsonl(tmp_path / "missing.jsonl")
+    assert main([str(gz)]) == 2  # only .jsonl files are compressed
+
+
 def test_unknown_kind_is_a_value_error_with_a_suggestion(tmp_path):
     with pytest.raises(ValueError, match=r"unknown tracking sink 'tensorbord' \(did you mean 'tensorboard'\?\)"):
         make_sinks(["tensorbord"], tmp_path / "run", "run")

@@ -10,7 +10,8 @@ mechanism act in a run? Read from the run's ``metrics.jsonl`` (the mechanism che
      gradient-mass proxy (1 - p)|w A| above 1 + eps_high) is >= `MIN_MASS_SHARE` and >=
      `MIN_MASS_RATIO` x the same mean of ``objective/other_pos_mass_above``.
 
-``python -m cispo.experiments.mechanism_gate RUN/metrics.jsonl`` prints the figures and the verdict.
+``python -m cispo.experiments.mechanism_gate RUN/metrics.jsonl`` prints the figures and the verdict
+(a committed run under docs/results/ has ``RUN/metrics.jsonl.gz``: either name reads it).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def gate(rows: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m cispo.experiments.mechanism_gate RUN/metrics.jsonl", file=sys.stderr)
+        print("usage: python -m cispo.experiments.mechanism_gate RUN/metrics.jsonl[.gz]", file=sys.stderr)
         return 2
     print(json.dumps(gate(read_metrics(args[0])), indent=1))
     return 0

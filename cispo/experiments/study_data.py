@@ -19,8 +19,9 @@ One row per (run, step) with at least one recorded metric. Columns (``COLUMNS``)
   (docs/metrics.md), empty where the step did not record one (``eval/*`` only at evaluated
   steps; ``rollout/*``, ``objective/*``, ``optim/*`` only at steps with an update).
 
-Numbers are written with 6 significant digits; the gzip stream has no timestamp, so the
-same runs give the same bytes.
+A run folder is one holding ``metrics.jsonl``, or ``metrics.jsonl.gz`` as the research data
+committed under docs/results/ does (`cispo.foundations.jsonl`). Numbers are written with 6
+significant digits; the gzip stream has no timestamp, so the same runs give the same bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import io
 import json
 from pathlib import Path
 
+from cispo.foundations.jsonl import glob_jsonl
 from cispo.records.runfolder import is_finished
 from cispo.records.tracking import read_metrics
 
@@ -49,12 +51,13 @@ COLUMNS = RUN_COLUMNS + ["step"] + METRICS
 
 
 def find_run_dirs(paths: list[str | Path]) -> list[Path]:
-    """Every folder holding a ``metrics.jsonl`` at or below `paths`, sorted."""
+    """Every folder holding a ``metrics.jsonl`` (or ``metrics.jsonl.gz``, the committed research
+    data's) at or below `paths`, sorted."""
     found: set[Path] = set()
     for p in map(Path, paths):
         if not p.exists():
             raise FileNotFoundError(f"{p}: no such folder")
-        found |= {m.parent for m in p.rglob("metrics.jsonl")}
+        found |= {m.parent for m in glob_jsonl(p, "**/metrics.jsonl")}
     return sorted(found)
 
 

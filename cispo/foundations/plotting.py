@@ -1,6 +1,6 @@
-"""Curves from ``metrics.jsonl`` rows: one run (``curves.png``), any runs overlaid
-(``cispo plot RUN_DIR...``: one PNG and a self-contained HTML page), and the bands of the
-comparison plots, clamped to [0, 1] for fractions.
+"""Curves from ``metrics.jsonl`` rows (or ``metrics.jsonl.gz``'s, `cispo.foundations.jsonl`):
+one run (``curves.png``), any runs overlaid (``cispo plot RUN_DIR...``: one PNG and a
+self-contained HTML page), and the bands of the comparison plots, clamped to [0, 1] for fractions.
 
 Every panel whose metrics a run logged is drawn, and only those (``objective/kl``, logged as 0
 when the KL penalty is off, counts once it is non-zero). A fraction is drawn on a [0, 1] axis
@@ -19,6 +19,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from cispo.foundations.jsonl import glob_jsonl, has_jsonl, jsonl_path, read_jsonl_bytes  # noqa: E402
 
 PANELS = [  # (title, [(metric, label), ...])
     ("held-out accuracy", [("eval/accuracy", "mean@k"), ("eval/accuracy_greedy", "greedy")]),
@@ -143,14 +145,14 @@ OVERLAY_METRICS = [key for _, keys in PANELS for key, _ in keys]
 
 
 def find_runs(paths: list[str | Path]) -> list[Path]:
-    """Run folders (holding ``metrics.jsonl``) named by ``paths``: a run folder itself, or a
-    folder whose sub-folders are runs (e.g. a ``cispo compare`` output). ``FileNotFoundError``
-    names a path that is neither."""
+    """Run folders (holding ``metrics.jsonl`` or ``metrics.jsonl.gz``) named by ``paths``: a run
+    folder itself, or a folder whose sub-folders are runs (e.g. a ``cispo compare`` output).
+    ``FileNotFoundError`` names a path that is neither."""
     runs: list[Path] = []
     for p in map(Path, paths):
-        if (p / "metrics.jsonl").is_file():
+        if has_jsonl(p / "metrics.jsonl"):
             runs.append(p)
-        elif p.is_dir() and (found := sorted(q.parent for q in p.glob("*/metrics.jsonl"))):
+        elif p.is_dir() and (found := sorted({q.parent for q in glob_jsonl(p, "*/metrics.jsonl")})):
             runs.extend(found)
         else:
             raise FileNotFoundError(f"{p}: no metrics.jsonl there nor in its sub-folders (not a run folder)")
@@ -158,9 +160,11 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl``; ``ValueError`` naming the file, line and field of a bad one."""
+    """The rows of a ``metrics.jsonl`` (or of its ``.gz``, `jsonl_path`); ``ValueError`` naming the
+    file, line and field of a bad one."""
     rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    path = jsonl_path(path)
+    for n, line in enumerate(read_jsonl_bytes(path).decode().splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -31,6 +31,7 @@ import torch
 
 from cispo.foundations.experience import Completion, Experience
 from cispo.foundations.forks import count_in_text
+from cispo.foundations.jsonl import read_jsonl_bytes
 from cispo.objective.loss import ObjectiveStats
 
 SAMPLE_FIELDS = ("step", "group", "prompt", "completion", "reward", "task_reward", "advantage", "length",
@@ -116,10 +117,11 @@ def eval_records(set_name: str, mode: str, groups: list[list[Completion]], answe
 
 def parse_step_lines(path: Path) -> tuple[list[dict], list[tuple[int, str]], int]:
     """(rows, [(line number, what is wrong)], number of the last non-blank line) of a JSONL
-    file of step rows (``metrics.jsonl``, ``samples.jsonl``); a line that is not a JSON object with a ``step`` (torn, NUL-filled, not
-    UTF-8) is listed, not parsed."""
+    file of step rows (``metrics.jsonl``, ``samples.jsonl``, or their ``.gz``: `read_jsonl_bytes`);
+    a line that is not a JSON object with a ``step`` (torn, NUL-filled, not UTF-8) is listed, not
+    parsed."""
     rows, bad, last = [], [], 0
-    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+    for number, raw in enumerate(read_jsonl_bytes(path).split(b"\n"), start=1):
         if not raw.strip(b" \t\r"):
             continue
         last = number

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from cispo.config.train import SINK_KINDS, check_sink_kinds
+from cispo.foundations.jsonl import jsonl_path
 from cispo.foundations.suggest import did_you_mean
 
 # cispo.records.samples (it imports torch) is imported where it is used: cispo.config.train imports this module
@@ -468,10 +469,11 @@ def make_sinks(
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """All rows of a ``metrics.jsonl`` (missing values as None). A torn last line (a run
-    killed mid-write, or still writing) is left out; an unreadable line before it is a
-    ``ValueError`` naming the file and line."""
-    path = Path(path)
+    """All rows of a ``metrics.jsonl`` (missing values as None), or of its ``metrics.jsonl.gz``
+    when only that is there (the committed research data, `cispo.foundations.jsonl`); [] when
+    neither is. A torn last line (a run killed mid-write, or still writing) is left out; an
+    unreadable line before it is a ``ValueError`` naming the file and line."""
+    path = jsonl_path(path)
     if not path.exists():
         return []
     from cispo.records.samples import parse_step_lines

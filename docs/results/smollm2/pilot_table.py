@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+from cispo.foundations.jsonl import has_jsonl, read_jsonl_bytes
+
 ROOT = Path(__file__).parent
 OBJECTIVES = ("cispo", "dapo", "grpo")
 SEEDS = (0, 1, 2)
@@ -62,11 +64,12 @@ def read_summary(s: dict) -> dict:
 
 
 def trust_region(path: Path) -> dict | None:
-    """Step means of the clip diagnostics in ``metrics.jsonl`` (steps with an update only)."""
+    """Step means of the clip diagnostics in ``metrics.jsonl`` (committed as ``metrics.jsonl.gz``;
+    steps with an update only)."""
     metrics = path / "metrics.jsonl"
-    if not metrics.exists():
+    if not has_jsonl(metrics):
         return None
-    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "objective/frac_capped" in r]
+    rows = [r for r in map(json.loads, read_jsonl_bytes(metrics).decode().splitlines()) if "objective/frac_capped" in r]
     mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     return {"steps": len(rows), "capped": mean("objective/frac_capped"),
             "dropped": mean("objective/frac_ppo_dropped"), "kl": mean("objective/approx_kl"),
