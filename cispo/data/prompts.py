@@ -200,7 +200,7 @@ def with_fork_tokens(task, strings):
 
 def load_eval_sets(data_cfg) -> dict[str, list[dict]]:
     """The named evaluation sets ``data_cfg.eval_sets``: name -> samples, each set read with its
-    own path and fields (``cispo.config.train.EvalSetConfig``) and ``data_cfg.on_error``; {} if none."""
+    own path and fields (``cispo.config.data.EvalSetConfig``) and ``data_cfg.on_error``; {} if none."""
     from cispo.data.datasets import load_prompts
 
     return {name: load_prompts(s.path, prompt_field=s.prompt_field, answer_field=s.answer_field,

@@ -44,6 +44,14 @@ class RankPlacement:
         return {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world_size)}
 
 
+def tokenizer_source(tokenizer, model_path) -> str:
+    """The folder (or hub id) the engine loads its tokenizer from (``engine_kwargs``' ``tokenizer_path``):
+    ``tokenizer`` itself when it is a path, else its ``name_or_path``, else ``model_path``."""
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        return str(tokenizer or model_path)
+    return str(getattr(tokenizer, "name_or_path", "") or model_path)
+
+
 def engine_kwargs(
     model_path: str,
     tokenizer_path: str,

@@ -87,7 +87,7 @@ import torch
 
 from cispo.rollout.base import RolloutBatch, Sampler, SamplingConfig
 from cispo.rollout.vllm_engine import (RankPlacement, engine_accepts, engine_kwargs, set_rank_environment,
-                                       supports_head_dtype)
+                                       supports_head_dtype, tokenizer_source)
 
 INSTALL_HINT = 'VLLMSampler needs vLLM: pip install "cispo[vllm]" (needs a CUDA GPU; see docs/install.md)'
 
@@ -242,10 +242,73 @@ def _no_weights_iterator(error: Exception) -> bool:
     return isinstance(error, (NotImplementedError, AttributeError)) and "reload_weights" in str(error)
 
 
-def _warn_once(key: str, message: str) -> None:
+def _warn_once(key: str, message: str, stacklevel: int = 3) -> None:
+    """Warn ``message`` the first time this process meets ``key``, then never again (``stacklevel`` as
+    ``warnings.warn``'s, counted from this function)."""
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=stacklevel)
+
+
+# --------------------------------------------------------------------------- the sampler's construction steps
+
+
+def _import_vllm():
+    """(``vllm``, ``vllm.SamplingParams``, ``vllm.inputs.TokensPrompt``); ImportError with the install hint
+    where vLLM is missing (imported here, not at module level: importing cispo.rollout needs no vLLM)."""
+    try:
+        import vllm
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return vllm, SamplingParams, TokensPrompt
+
+
+def resolve_token_ids(tokenizer, eos_token_id: int | None, pad_token_id: int | None) -> tuple:
+    """(EOS id, pad id): the ones given, else the tokenizer's; the pad id falls back to the EOS id.
+    ValueError without an EOS id: it is the one stop token of every response."""
+    if eos_token_id is None:
+        eos_token_id = getattr(tokenizer, "eos_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = eos_token_id
+    if eos_token_id is None:
+        raise ValueError("VLLMSampler needs eos_token_id (or a tokenizer that has one)")
+    return eos_token_id, pad_token_id
+
+
+def _engine_features(vllm_version: str, fp32_head: bool) -> tuple[str | None, bool]:
+    """(``logprobs_mode`` for the engine or None, whether the engine computes its logits in FP32), as far
+    as the installed vLLM allows. Warns where it falls short: without ``logprobs_mode`` logp_rollout is
+    raw (right only at temperature 1 with top_p=1); without a head_dtype override the FP32 head covers the
+    trainer only. Called from ``VLLMSampler.__init__``: the warnings name its caller's line."""
+    logprobs_mode = "processed_logprobs" if engine_accepts("logprobs_mode") else None
+    if logprobs_mode is None:
+        warnings.warn(
+            f"vLLM {vllm_version} has no logprobs_mode: its V1 engine returns raw log-probs "
+            "(before temperature and top-p), so logp_rollout is only right at temperature 1 with top_p=1. "
+            "Use vLLM >= 0.10.2.",
+            stacklevel=3,
+        )
+    in_engine = bool(fp32_head) and supports_head_dtype()
+    if fp32_head and not in_engine:
+        _warn_once("fp32_head", f"vLLM {vllm_version} has no head_dtype override: the engine computes its "
+                   "logits in its own dtype, so the FP32 LM head (model.fp32_lm_head) covers the trainer only; "
+                   "logp_rollout comes from the engine's low-precision head (recorded in meta.json)", stacklevel=4)
+    return logprobs_mode, in_engine
+
+
+def _start_engine(vllm, kwargs: dict, placement: RankPlacement | None, device: torch.device | str | None):
+    """(``vllm.LLM(**kwargs)`` built on this rank's GPU (`set_rank_environment`), the trainer's ``device`` as
+    a ``torch.device`` or None); a CUDA ``device`` is made the current device again once the engine is built."""
+    set_rank_environment(placement)
+    llm = vllm.LLM(**kwargs)
+    device = None if device is None else torch.device(device)
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # the engine's worker set its own; the trainer keeps its rank's
+    return llm, device
 
 
 # --------------------------------------------------------------------------- the sampler
@@ -307,66 +370,34 @@ class VLLMSampler(Sampler):
         output_device: torch.device | str = "cpu",
         **llm_kwargs,
     ) -> None:
-        try:
-            import vllm
-            from vllm import SamplingParams
-            from vllm.inputs import TokensPrompt
-        except ImportError as e:
-            raise ImportError(INSTALL_HINT) from e
+        """Checks the arguments, asks the installed vLLM what it supports, builds the engine (the class
+        docstring describes each argument)."""
+        vllm, self._SamplingParams, self._TokensPrompt = _import_vllm()
         from cispo.foundations.versions import warn_if_untested
 
-        if eos_token_id is None:
-            eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = getattr(tokenizer, "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = eos_token_id
-        if eos_token_id is None:
-            raise ValueError("VLLMSampler needs eos_token_id (or a tokenizer that has one)")
+        eos_token_id, pad_token_id = resolve_token_ids(tokenizer, eos_token_id, pad_token_id)
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
         self.output_device = torch.device(output_device)
         self.enable_sleep_mode, self.sleep_level = bool(enable_sleep_mode), int(sleep_level)
-        self._SamplingParams, self._TokensPrompt = SamplingParams, TokensPrompt
         self.vllm_version = getattr(vllm, "__version__", "unknown")
         warn_if_untested("vllm", INSTALL_HINT, version=self.vllm_version)
-        if in_process:
+        if in_process:  # the zero-copy weight push needs the engine core in this process
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer_path = str(tokenizer or model_path)
-        else:
-            tokenizer_path = str(getattr(tokenizer, "name_or_path", "") or model_path)
-        self.logprobs_mode = "processed_logprobs" if engine_accepts("logprobs_mode") else None
-        if self.logprobs_mode is None:
-            warnings.warn(
-                f"vLLM {self.vllm_version} has no logprobs_mode: its V1 engine returns raw log-probs "
-                "(before temperature and top-p), so logp_rollout is only right at temperature 1 with top_p=1. "
-                "Use vLLM >= 0.10.2.",
-                stacklevel=2,
-            )
-        self.fp32_head = bool(fp32_head) and supports_head_dtype()
-        if fp32_head and not self.fp32_head:
-            _warn_once("fp32_head", f"vLLM {self.vllm_version} has no head_dtype override: the engine computes its "
-                       "logits in its own dtype, so the FP32 LM head (model.fp32_lm_head) covers the trainer only; "
-                       "logp_rollout comes from the engine's low-precision head (recorded in meta.json)")
+        self.logprobs_mode, self.fp32_head = _engine_features(self.vllm_version, fp32_head)
+        self._fp32_head_requested = bool(fp32_head)
         self.engine_kwargs = engine_kwargs(
-            str(model_path), tokenizer_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=self.enable_sleep_mode, seed=seed, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, enforce_eager=enforce_eager,
-            placement=placement, logprobs_mode=self.logprobs_mode,
+            str(model_path), tokenizer_source(tokenizer, model_path), dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.enable_sleep_mode, seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enforce_eager=enforce_eager, placement=placement, logprobs_mode=self.logprobs_mode,
             head_dtype="float32" if self.fp32_head else None, extra=llm_kwargs)
-        set_rank_environment(placement)
-        self.llm = vllm.LLM(**self.engine_kwargs)
-        self.device = None if device is None else torch.device(device)
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # the engine's worker set its own; the trainer keeps its rank's
+        self.llm, self.device = _start_engine(vllm, self.engine_kwargs, placement, device)
         self._asleep: set[str] = set()  # parts put to sleep: "weights", "kv_cache"
         self._sleep_level = 0
         self._needs_weights = False  # after waking from level 2: the weights must be pushed again
         self.weight_push: str | None = None  # which path pushed the weights (info())
-        self._fp32_head_requested = bool(fp32_head)
 
     def info(self) -> dict:
         """What the engine does, for the run's ``meta.json``."""

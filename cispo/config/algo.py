@@ -1,0 +1,79 @@
+"""The ``algo:`` and ``optim:`` sections of the run's configuration: the objective preset and the
+schedule of off-policy updates over a generation batch, and the AdamW that takes each update
+(`cispo.config.train` gathers the sections)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["AlgoConfig", "OptimConfig"]
+
+
+@dataclass
+class AlgoConfig:
+    """The objective and the schedule of off-policy updates."""
+
+    objective: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce", "cispo_lowmask", "cispo_highmask"] = "cispo"
+    """Objective preset: cispo, ppo, grpo, dapo, gspo, reinforce; cispo_lowmask / cispo_highmask (CISPO with
+    the lower / upper half of DAPO's trust region)."""
+    objective_overrides: dict[str, Any] = field(default_factory=dict)
+    """Fields of ``ObjectiveConfig`` to override, e.g. ``objective_overrides.eps_high_is=2.0``."""
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """Group-relative advantages: grpo, drgrpo, rloo."""
+    updates_per_batch: int = 16
+    """K: the generation batch is split into K mini-batches, one optimizer step each
+    (MiniMax-M1: 16). With K = 1 every objective is identical (r = 1)."""
+    minibatch_policy: Literal["fixed_updates", "fixed_size"] = "fixed_updates"
+    """When dynamic sampling leaves the batch short of prompts_per_step groups: ``fixed_updates``
+    keeps K updates on smaller mini-batches; ``fixed_size`` keeps the mini-batch at
+    prompts_per_step * group_size / K rows and runs fewer updates (K_eff = kept rows // that,
+    logged as ``optim/step_updates``), as DAPO's recipe keeps its mini-batch size."""
+    epochs: int = 1
+    """Passes over the generation batch (K optimizer steps each)."""
+    micro_batch_size: int | None = None
+    """Rows per forward/backward (gradient accumulation within a mini-batch). None: whole."""
+    micro_batch_split_cost: float | None = 128.0
+    """Length-sorted micro-batches: the rows of each mini-batch (and of the logp_old pass) are
+    sorted by length and cut into micro-batches wherever a cut saves more padded decoder
+    positions than this (the fixed cost of one more forward/backward, in positions), each of at
+    most ``micro_batch_size`` rows and trimmed to its longest row. The mini-batches and the
+    gradient are unchanged (up to float summation order). None: rows in random order, cut only
+    by ``micro_batch_size``."""
+    logp_old_from_update: bool = True
+    """Take logp_old of the first update's rows (the first of the K mini-batches; with K = 1 the
+    whole first epoch) from that update's own forward, detached, instead of a separate no-grad
+    pass: it runs on the same weights over the same micro-batches, so the numbers are bitwise
+    those of the separate pass, one forward fewer over 1/K of the batch. Applies only where
+    exact: not with dropout (``model.dropout``, ``model.lora_dropout``), ``fused_head``,
+    ``tis_cap`` or FSDP (``cispo.training.trainer.logp_old_from_update``). False: a separate pass over
+    every row."""
+    tis_cap: float | None = None
+    """Truncated importance sampling for the rollout/trainer mismatch: each token's advantage
+    is multiplied by min(pi_old / pi_rollout, tis_cap) (Yao et al. 2025 use 2). None: off."""
+    fused_head: bool = False
+    """Compute the LM head and the objective in one chunked pass in the updates
+    (``cispo.objective.fused_head``): each chunk's gradient is formed in the forward while its logits
+    exist, so the backward recomputes no logits (one large matmul fewer; docs/performance.md).
+    The same gradient up to float rounding; the statistics come from the detached log-probs.
+    Only for objectives whose per-token weight is known token by token: refused at config time
+    for a sequence-level ratio (GSPO: a token's weight depends on its whole sequence) and with
+    ``model.fsdp`` (not tested under sharding)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, with MiniMax-M1's settings by default."""
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2). MiniMax-M1: (0.9, 0.95); (0.9, 0.999) did not converge for them."""
+    eps: float = 1e-15
+    """AdamW epsilon. MiniMax-M1: 1e-15 (their gradients span 1e-18 .. 1e-5)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    warmup_updates: int = 16
+    """Linear learning-rate warm-up over this many optimizer steps."""

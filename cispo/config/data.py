@@ -1,0 +1,91 @@
+"""The ``data:`` section of the run's configuration: the prompts (a built-in task or a prompt file),
+the named evaluation sets, and the reward that scores them (`cispo.config.train` gathers the sections)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["DataConfig", "EvalSetConfig"]
+
+
+@dataclass
+class EvalSetConfig:
+    """One named evaluation set (``data.eval_sets``), with its own fields; scored by
+    ``data.reward`` and reported as ``eval/<name>/...``."""
+
+    path: str
+    """JSONL / Parquet file, folder of shards, ``datasets`` folder or hub id (as ``data.path``)."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt (text or chat messages); dotted paths allowed."""
+    answer_field: str | None = "answer"
+    """Field holding the reference answer, passed to the reward as ``answer`` (as ``data.answer_field``)."""
+    extra_fields: list[str] | Literal["all"] | None = "all"
+    """Columns passed to the reward as keyword arguments (as ``data.extra_fields``)."""
+    split: str | None = None
+    """Split of a folder or hub data set (required for a hub id)."""
+    name: str | None = None
+    """Subset of a hub data set."""
+    num_prompts: int | None = None
+    """Evaluate the first this many prompts; None: all of them."""
+
+
+@dataclass
+class DataConfig:
+    """The prompts and their reward."""
+
+    task: str = "addition"
+    """Built-in task name (see ``cispo.data.tasks.list_tasks()``)."""
+    seed: int = 0
+    """Seed of the train / held-out prompt sets: fixed, so runs of any seed share prompts."""
+    num_train_prompts: int = 20000
+    """Size of the training prompt set drawn from the task's train split."""
+    num_eval_prompts: int = 200
+    """Held-out prompts used by the periodic evaluation."""
+    path: str | None = None
+    """Prompt file instead of the built-in task: JSONL, Parquet or a ``datasets`` folder."""
+    eval_path: str | None = None
+    """Held-out prompt file. None: a seeded slice of ``path`` (at most 1/5 of it)."""
+    eval_sets: dict[str, EvalSetConfig] = field(default_factory=dict)
+    """Named evaluation sets, each with its own path and fields, reported as ``eval/<name>/...``
+    next to the held-out set's ``eval/...`` (``num_eval_prompts=0`` leaves only these)."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt (text or chat messages); dotted paths allowed."""
+    answer_field: str | None = "answer"
+    """Field holding the reference answer, passed to the reward as ``answer`` (and under its own
+    name). The default, ``answer``, may be missing from the whole file (then a reward that needs
+    ``answer`` is refused before training); any other field must be in every row. None: no answer."""
+    extra_fields: list[str] | Literal["all"] | None = "all"
+    """Columns passed to the reward as keyword arguments: ``all`` (every column but the prompt's,
+    under its own name, as TRL passes them), a list of fields (dotted paths allowed, each passed
+    under its last component), or None (only ``answer`` and a chat prompt's ``messages``)."""
+    split: str | None = None
+    """Split of a ``datasets`` DatasetDict folder, of a folder of shards, or of a hub data set
+    (required for a hub id)."""
+    name: str | None = None
+    """Subset (configuration) of a hub data set, ``datasets.load_dataset(path, name=...)``."""
+    system_prompt: str | None = None
+    """System message put before each prompt's chat messages (needs ``model.chat_template=true``;
+    a row whose messages already start with a system message keeps its own)."""
+    on_error: Literal["raise", "skip"] = "raise"
+    """Malformed rows: ``raise`` (the first one, naming file, line and field) or ``skip``."""
+    reward: str | None = None
+    """Reward for ``path`` data: ``math``, ``exact_match``, ``code`` or ``module:function``."""
+    fork_tokens: list[str] | None = None
+    """Reflective (fork) strings whose use, probability and clipping are tracked per string
+    (``fork/<string>/...`` metrics, ``rollout/fork_rate``), e.g. ``[Wait, However, "Let me check"]``:
+    each in either case of its first letter, with or without a leading space, as a whole word — every
+    token and token sequence of the vocabulary that spells it (docs/metrics.md). None: the task's own
+    (``wordmath``: an English list; ``addition``, ``chain``: ``[W]``; prompt files: none); ``[]``: none.
+    ``data.fork_token=Wait``, its old name (one string), still reads as ``[Wait]``."""
+    reward_timeout_s: float | None = 60.0
+    """Per-call reward timeout; a reward that hangs, raises or returns a non-number scores 0
+    and is counted in ``rollout/reward_errors``. Applies to rewards in worker processes
+    (``reward_isolation``); None: no timeout."""
+    reward_isolation: Literal["auto", "process", "main"] = "auto"
+    """Where ``reward`` runs: ``process`` (worker processes that a hang, exit or crash cannot
+    take down; ``reward_timeout_s`` kills a call), ``main`` (the trainer's main thread; trusted,
+    no timeout), ``auto``: ``main`` for the built-in names, ``process`` for ``module:function``
+    and ``file.py:function``."""
+    reward_workers: int | None = None
+    """Worker processes of a ``process`` reward (>= 1). None: min(8, CPU count)."""
