@@ -99,7 +99,8 @@ V3_CHAIN_FAMILY = Family(
     ("final_accuracy", "mean_accuracy"),
     note="Part 3 of study v3 (protocol amendment of 2026-12-03, 07:39 UTC): one Holm family of 3 pairs × final and "
          "mean accuracy, 6 tests. On `chain` at lr 1e-4 these answer (a) and (c) as questions about stability at "
-         "that rate, not about the fork-token effect (the mechanism does not bind on `chain`). cispo_lowmask − dapo "
+         "that rate, not about the fork-token effect (by the mechanism gate's criteria it does not bind on `chain`: "
+         "the fork token stops being rare within ~5 steps). cispo_lowmask − dapo "
          "stays in the family so that the correction is the preregistered one; it is reported as "
          "\"cispo_lowmask − dapo on chain\", not as an answer to (b).",
     steps_apart=True)
@@ -108,8 +109,8 @@ V3_CHAIN_Q1_NOTE = (
     "Part 3 of study v3 (protocol amendment of 2026-12-03, 07:39 UTC): this ≤ 50% rule is printed as \"Statistics\" "
     "defines it and is **descriptive only**. No row is a primary test: it is not Q1 (the original study's, answered by "
     "its part `main`) and not an answer to (d) (\"does the best arm reach DAPO's final accuracy in ≤ 50% of DAPO's "
-    "steps\"), which stays gated: only a task that passes the mechanism gate answers it, and on `chain` the mechanism "
-    "does not bind.")
+    "steps\"), which stays gated: only a task that passes the mechanism gate answers it, and `chain` does not pass "
+    "it.")
 Q1_NOTES = {"v3_chain": V3_CHAIN_Q1_NOTE}
 
 
