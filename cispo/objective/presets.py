@@ -21,6 +21,11 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k3")
 
 
+def _is_number(value) -> bool:
+    """A real number, not a bool nor a string such as ``"nan"`` (YAML reads ``nan`` as text; its NaN is ``.nan``)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"ObjectiveConfig.{field} must be one of {choices}, got {value!r}{did_you_mean(value, choices)}")
@@ -75,13 +80,13 @@ class ObjectiveConfig:
         for name in ("eps_low_is", "eps_high_is", "eps_low_is_neg", "eps_high_is_neg", "eps_low", "eps_high",
                      "kl_coef"):
             value = getattr(self, name)
-            if value is not None and not (value >= 0 and math.isfinite(value)):
+            if value is not None and not (_is_number(value) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"ObjectiveConfig.{name} must be a finite number >= 0, got {value!r}")
         if self.eps_low > 1:
             raise ValueError(f"ObjectiveConfig.eps_low must be <= 1 (bound 1 - eps_low >= 0), got {self.eps_low}")
         for name in ("token_sum_norm", "max_log_ratio"):
             value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
+            if value is not None and not (_is_number(value) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"ObjectiveConfig.{name} must be a finite number > 0 or None, got {value!r}")
 
 

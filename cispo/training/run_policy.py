@@ -75,10 +75,17 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
               f"{param_dtype or saved_dtype(path)}; updates smaller than a weight's rounding step are lost "
               f"(at lr 1e-6 most of them)", file=sys.stderr)
     model, tokenizer = load_policy(path, dtype=param_dtype, device=load_device or device, dropout=cfg.model.dropout)
+    check_weights(model, path)
     if all(p.dtype in (torch.float32, torch.float64) for p in model.parameters()):
         check_head(model, path)
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer of {path} has no EOS token: responses could never end")
+        raise ConfigError(f"the tokenizer of {path} has no EOS token, so a response could never end: set "
+                          "eos_token in its tokenizer_config.json")
+    uses_template = cfg.model.chat_template or (task is not None and task.chat)
+    if uses_template and not tokenizer.chat_template:
+        raise ConfigError(f"data.task={task.name if task is not None else None} writes its prompts as chat messages, "
+                          f"but the tokenizer of {path} has no chat template (a base model?): use an instruct model "
+                          "or add a chat_template to its tokenizer_config.json")
     if tokenizer.pad_token_id is None:  # common for base models: pad with EOS (masked out anyway)
         print(f"cispo: tokenizer of {path} has no pad token; using its EOS token for padding", file=sys.stderr)
         tokenizer.pad_token = tokenizer.eos_token
@@ -121,6 +128,7 @@ def load_reference(cfg: TrainConfig, task, device: torch.device, tokenizer) -> t
     if ref_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"model.ref_path={path}: its tokenizer differs from the policy's ({policy_path}); "
                          "the reference model must share the policy's vocabulary")
+    check_weights(model, path)
     if all(p.dtype in (torch.float32, torch.float64) for p in model.parameters()):
         check_head(model, path)
     model.eval()
@@ -129,6 +137,15 @@ def load_reference(cfg: TrainConfig, task, device: torch.device, tokenizer) -> t
 
 
 HEAD_TOLERANCE = 1e-3  # nats; float32 rounding gives ~1e-6
+
+
+def check_weights(model, path) -> None:
+    """ConfigError naming the first parameter of ``model`` (loaded from ``path``) that holds NaN or
+    inf: training would only spread it, and the head check would misread it as a model it does not know."""
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            raise ConfigError(f"{path}: the weights are not finite ({name} holds NaN or inf); the model "
+                              "folder is damaged or was saved from a diverged run")
 
 
 def check_head(model, path) -> None:

@@ -39,7 +39,10 @@ def fit_prompts(policy: Policy, samples: list[dict], max_new_tokens: int, what: 
         msg = (f"{len(samples) - len(kept)} of {len(samples)} {what} prompts are longer than the context "
                f"({context} tokens) minus max_new_tokens={max_new_tokens} (first: #{first})")
         if not kept:
-            raise ValueError(msg + "; nothing left to train on")
+            from cispo.config.train import ConfigError
+
+            raise ConfigError(msg + "; nothing left to train on: raise the model's context or lower "
+                              "rollout.max_new_tokens")
         print(f"cispo: skipping {msg}", file=sys.stderr)
     return kept
 
