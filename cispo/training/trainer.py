@@ -48,7 +48,7 @@ from cispo.training.metrics import (fork_metrics, fork_rollout_metrics, fork_sum
                                     rollout_metrics, update_metrics)
 
 if TYPE_CHECKING:
-    from cispo.config.train import OptimConfig
+    from cispo.config.algo import OptimConfig
 
 
 # ---------------------------------------------------------------------------------------
@@ -223,40 +223,59 @@ def update_policy(
             if num_tokens == 0:  # an empty mini-batch on every rank
                 continue
             optimizer.zero_grad(set_to_none=True)
-            parts = []
-            micros = micro_batches(exp, rows, cfg.algo)
-            for _ in range(idle_passes(len(micros), policy, dist_info)):
-                idle_pass(policy, cfg, backward=True)
-            for micro in micros:  # the same gradient whatever the split
-                sub = exp.select(micro)
-                loss, s = micro_batch_loss(policy, sub, obj, cfg, num_tokens, num_seqs, old_from_new=fill)
-                if fill:  # the logp_old pass left these rows to this forward
-                    t = sub.response_mask.shape[1]
-                    exp.logp_old[micro, :t] = sub.logp_old
-                    exp.extras["entropy"][micro, :t] = sub.extras["entropy"]
-                policy.scaled(loss).backward()
-                add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
-                parts.append((s, None if forks is None else fork_sums(sub, s, len(forks.names), obj.eps_high)))
+            parts = accumulate_gradients(policy, exp, rows, obj, cfg, forks, dist_info, num_tokens, num_seqs, fill)
             sum_gradients(params, dist_info)
-            scaler = policy.grad_scaler
-            if scaler is not None:  # float16: the gradients of S * loss, back to those of the loss
-                scale = scaler.get_scale()
-                scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip or float("inf"))
-            finite = bool(torch.isfinite(grad_norm))
-            if finite:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_at(update_count, cfg.optim)
-                optimizer.step()
-                update_count += 1
-            if scaler is not None:
-                scaler.update()  # S halves after an overflow (this update skipped), grows after a clean run
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm, finite, scale = optimizer_step(policy, optimizer, params, cfg.optim, update_count)
+            update_count += int(finite)
             if parts:
                 stats.append(merge_stats(parts, float(grad_norm), finite))
-                if scaler is not None:
+                if scale is not None:
                     stats[-1]["loss_scale"] = scale
     return stats, update_count
+
+
+def accumulate_gradients(policy: Policy, exp: Experience, rows: torch.Tensor, obj: ObjectiveConfig, cfg,
+                         forks: ForkTokens | None, dist_info: DistInfo, num_tokens, num_seqs, fill: bool) -> list:
+    """One mini-batch's gradient, accumulated over its micro-batches (``micro_batches``), each loss
+    normalised by the whole mini-batch's ``num_tokens`` / ``num_seqs``; ranks with fewer micro-batches
+    run idle passes so every rank joins each collective. ``fill``: this forward supplies the rows'
+    logp_old and entropy. Returns each micro-batch's ``(stats, fork sums)``."""
+    parts = []
+    micros = micro_batches(exp, rows, cfg.algo)
+    for _ in range(idle_passes(len(micros), policy, dist_info)):
+        idle_pass(policy, cfg, backward=True)
+    for micro in micros:  # the same gradient whatever the split
+        sub = exp.select(micro)
+        loss, s = micro_batch_loss(policy, sub, obj, cfg, num_tokens, num_seqs, old_from_new=fill)
+        if fill:  # the logp_old pass left these rows to this forward
+            t = sub.response_mask.shape[1]
+            exp.logp_old[micro, :t] = sub.logp_old
+            exp.extras["entropy"][micro, :t] = sub.extras["entropy"]
+        policy.scaled(loss).backward()
+        add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
+        parts.append((s, None if forks is None else fork_sums(sub, s, len(forks.names), obj.eps_high)))
+    return parts
+
+
+def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, params: list, optim: OptimConfig,
+                   update_count: int) -> tuple[torch.Tensor, bool, float | None]:
+    """Clip the accumulated gradient and take the AdamW step at update ``update_count``'s learning rate,
+    unless its norm is not finite (the update is skipped). Under float16 loss scaling the gradients are
+    unscaled first and the scale S then updated. Returns ``(grad_norm, finite, S before the step or None)``."""
+    scaler, scale = policy.grad_scaler, None
+    if scaler is not None:  # float16: the gradients of S * loss, back to those of the loss
+        scale = scaler.get_scale()
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip or float("inf"))
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(update_count, optim)
+        optimizer.step()
+    if scaler is not None:
+        scaler.update()  # S halves after an overflow (this update skipped), grows after a clean run
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, finite, scale
 
 
 def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg, num_tokens, num_seqs,
