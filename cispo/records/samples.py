@@ -31,7 +31,7 @@ import torch
 
 from cispo.foundations.experience import Completion, Experience
 from cispo.foundations.forks import count_in_text
-from cispo.foundations.jsonl import read_jsonl_bytes
+from cispo.foundations.jsonl import parse_step_lines
 from cispo.objective.loss import ObjectiveStats
 
 SAMPLE_FIELDS = ("step", "group", "prompt", "completion", "reward", "task_reward", "advantage", "length",
@@ -115,26 +115,14 @@ def eval_records(set_name: str, mode: str, groups: list[list[Completion]], answe
             for g, group in enumerate(groups) for j, c in enumerate(group)]
 
 
-def parse_step_lines(path: Path) -> tuple[list[dict], list[tuple[int, str]], int]:
-    """(rows, [(line number, what is wrong)], number of the last non-blank line) of a JSONL
-    file of step rows (``metrics.jsonl``, ``samples.jsonl``, or their ``.gz``: `read_jsonl_bytes`);
-    a line that is not a JSON object with a ``step`` (torn, NUL-filled, not UTF-8) is listed, not
-    parsed."""
-    rows, bad, last = [], [], 0
-    for number, raw in enumerate(read_jsonl_bytes(path).split(b"\n"), start=1):
-        if not raw.strip(b" \t\r"):
-            continue
-        last = number
-        try:
-            row = json.loads(raw.decode("utf-8"))
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError("not a JSON object with an integer 'step'")
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            what = "NUL bytes (a write lost in a crash)" if b"\0" in raw else f"{type(e).__name__}: {e}"
-            bad.append((number, what))
-            continue
-        rows.append(row)
-    return rows, bad, last
+def check_run_file(path: Path) -> None:
+    """ConfigError when a run's file (``metrics.jsonl``, ``samples.jsonl``) exists but is not a regular
+    file (a folder, a FIFO): resuming would otherwise fail on it with a library traceback."""
+    if path.exists() and not path.is_file():
+        from cispo.config.engine import ConfigError
+
+        raise ConfigError(f"{path} is not a file (a folder or a device?): this run folder is damaged; move it "
+                          "aside to resume the run, or start a new run")
 
 
 def replace_atomically(path: Path, text: str) -> None:
@@ -174,6 +162,7 @@ class SampleFile:
         """Drop the records of steps after ``step`` (a resumed run samples them again), and torn or
         non-UTF-8 lines (a kill or a full disk during an append) with a warning naming them; the
         file is replaced atomically."""
+        check_run_file(self.path)
         if not self.path.exists():
             return
         rows, bad, _ = parse_step_lines(self.path)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from cispo.config.train import SINK_KINDS, check_sink_kinds
-from cispo.foundations.jsonl import jsonl_path
+from cispo.foundations.jsonl import jsonl_path, parse_step_lines
 from cispo.foundations.suggest import did_you_mean
 
 # cispo.records.samples (it imports torch) is imported where it is used: cispo.config.train imports this module
@@ -86,17 +86,27 @@ def _require(module: str, extra: str, what: str):
 
 
 class JsonlSink:
-    """Appends ``{"step": s, **metrics}`` lines to ``path``."""
+    """Appends ``{"step": s, **metrics}`` lines to ``path``. Another writer (a reward that appends to its
+    own run's file, say) is noticed: the file no longer ends where this sink's last row did, and a
+    warning says so once (the rows stay: ``metrics.jsonl`` is never rewritten behind a user's back)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.end: int | None = None  # the file's size after this sink's last row (None: not written yet)
+        self.warned = False
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **json_safe(metrics)}
         with open(self.path, "a") as f:
+            if self.end is not None and f.tell() != self.end and not self.warned:
+                self.warned = True
+                warnings.warn(f"cispo: {self.path} was changed by another writer after step {self.last_step} "
+                              f"({f.tell() - self.end:+d} bytes; a reward or another process writing to it?): "
+                              "rows this run did not log may be in it", RuntimeWarning, stacklevel=2)
             f.write(json.dumps(row) + "\n")
             f.flush()
+            self.end, self.last_step = f.tell(), step
 
     def log_samples(self, step: int, records: list[dict]) -> None:
         pass  # samples.jsonl is written by cispo.records.samples.SampleFile
@@ -105,14 +115,16 @@ class JsonlSink:
         """Keep the rows of steps <= ``step`` (the ones a checkpoint of ``step`` committed; a
         resumed run logs the others again); drop torn or NUL-filled lines with a warning
         naming them. The file is replaced atomically."""
+        from cispo.records.samples import check_run_file, parse_step_lines, replace_atomically  # deferred: it loads torch
+
+        check_run_file(self.path)
+        self.end = None  # rewritten below: the next row starts a fresh watch
         if not self.path.exists():
             if step >= 0:
                 warnings.warn(f"cispo: {self.path} is missing: the rows of steps 0-{step}, which the checkpoint of "
                               f"step {step} committed, are lost; the run continues from step {step + 1} and the "
                               f"file holds only the steps from there", RuntimeWarning, stacklevel=2)
             return
-        from cispo.records.samples import parse_step_lines, replace_atomically
-
         rows, bad, _ = parse_step_lines(self.path)
         if bad and step >= 0:
             lines = "; ".join(f"line {n}: {what}" for n, what in bad)
@@ -476,8 +488,6 @@ def read_metrics(path: Path) -> list[dict]:
     path = jsonl_path(path)
     if not path.exists():
         return []
-    from cispo.records.samples import parse_step_lines
-
     rows, bad, last = parse_step_lines(path)
     inner = [(n, what) for n, what in bad if n != last]
     if inner:
