@@ -155,19 +155,48 @@ def cmd_eval(args) -> int:
 
 @contextlib.contextmanager
 def _samples_file(path: str | None):
-    """``--samples``: the file opened for writing (None when not asked); one that cannot be
-    opened is a `ConfigError` naming it, before any model is loaded."""
+    """``--samples``: a new temporary file beside ``path`` for the block, renamed to ``path`` only when
+    the block ends without an error (a failed eval leaves ``path`` as it was); None when not asked.
+    Refused with a `ConfigError` naming it, before any model is loaded: a path in a run folder
+    (a run's own ``metrics.jsonl`` would be replaced; ``--overwrite`` deletes the folder), a folder,
+    a file that cannot be written."""
     if not path:
         yield None
         return
-    try:
-        f = open(path, "w", encoding="utf-8")
-    except OSError as e:
-        from cispo.config.train import ConfigError
+    import os
 
+    from cispo.config.train import ConfigError
+    from cispo.records.runfolder import RUN_OWN_FILES, run_folder_of
+
+    try:
+        target = Path(path).expanduser().resolve()  # through a symlink: the file it names, as open() did
+        run = run_folder_of(target)
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise ConfigError(f"--samples {path}: cannot resolve it ({e})") from None
+    if run is not None:
+        what = f"the run's own {target.name} in" if target.parent == run and target.name in RUN_OWN_FILES else "inside the run folder"
+        raise ConfigError(f"--samples {path}: {what} {run}; cispo eval writes no file into a run folder. Choose a "
+                          f"path outside it, e.g. {run.parent / (run.name + '.eval.jsonl')}")
+    if target.is_dir():
+        raise ConfigError(f"--samples {path}: a folder; give the name of a file to write")
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    try:
+        f = open(tmp, "x", encoding="utf-8")  # "x": never through a file or link already there
+    except OSError as e:
         raise ConfigError(f"--samples {path}: cannot write it ({e.strerror or e})") from None
-    with f:
-        yield f
+    try:
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        os.replace(tmp, target)
+    except OSError as e:
+        raise ConfigError(f"--samples {path}: cannot replace it ({e.strerror or e}); the completions are in "
+                          f"{tmp}") from None
 
 
 def _split_overrides(cls, overrides: list[str]) -> tuple[list[str], list[str]]:

@@ -186,3 +186,52 @@ def test_pretrain_measure_prints_parseable_json(monkeypatch, tmp_path, capsys):
     out = capsys.readouterr().out
     report = json.loads(out[out.index("{"):], parse_constant=reject)
     assert report == {"fork_rate": 0.0, "accuracy_with_fork": None, "per_digit": [None, 1.0]}
+
+
+# --------------------------------------------------------------------------- issue 44, item 3: --samples
+
+
+def test_a_failed_eval_leaves_the_samples_file_as_it_was(relative_run, tmp_path, capsys):
+    """Was: ``--samples FILE`` was opened for writing before the model loaded, so an eval that
+    failed (here a truncated ``model.safetensors``) left FILE empty. Now the completions go to a
+    temporary file beside it, renamed to FILE only when the eval succeeded."""
+    run = tmp_path / "runs" / "r"
+    shutil.copytree(relative_run / "runs" / "r", run)
+    model = run / "checkpoints" / "step_000002" / "model"
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "s.jsonl"
+    out.write_text('{"earlier": "completions"}\n')
+    try:
+        code = main(["eval", "--model", str(model), "--samples", str(out)])
+    except Exception as e:  # how a truncated model fails is not this test's business
+        code = repr(e)
+    assert code != 0
+    assert out.read_text() == '{"earlier": "completions"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "s.jsonl"]  # no temporary file left
+    capsys.readouterr()
+    good = relative_run / "runs" / "r" / "checkpoints" / "step_000002" / "model"
+    assert main(["eval", "--model", str(good), "--samples", str(out)]) == 0  # the same file, replaced on success
+    assert len(out.read_text().splitlines()) == 2 * (1 + 2) and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["runs", "s.jsonl"]
+
+
+@pytest.mark.parametrize("where", ["metrics.jsonl", "eval.jsonl", "checkpoints/eval.jsonl", "link-to-metrics"])
+def test_samples_into_a_run_folder_are_refused(relative_run, tmp_path, capsys, monkeypatch, where):
+    """Was: ``--samples RUN/metrics.jsonl`` replaced the run's metrics without a word. A path in a
+    run folder (through a symlink too) is one line, before the model loads; nothing changes."""
+    run = tmp_path / "runs" / "r"
+    shutil.copytree(relative_run / "runs" / "r", run)
+    (tmp_path / "link-to-metrics").symlink_to(run / "metrics.jsonl")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    import cispo.training.run_policy
+
+    monkeypatch.setattr(cispo.training.run_policy, "load_policy_for", lambda *a, **k: pytest.fail("model loaded"))
+    path = tmp_path / where if where.startswith("link") else run / where
+    model = run / "checkpoints" / "step_000002" / "model"
+    assert main(["eval", "--model", str(model), "--samples", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"cispo eval: error: --samples {path}: ") and "Traceback" not in "".join(err), err
+    assert ("the run's own metrics.jsonl in" if "metrics" in where else "inside the run folder") in err[-1]
+    assert f"{run}; cispo eval writes no file into a run folder" in err[-1]
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

@@ -5,6 +5,7 @@ A ``--resume`` started while the run was going once wrote a second trajectory in
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -152,3 +153,94 @@ def test_an_overwrite_while_a_real_training_runs_is_refused(tiny_model, dense_ta
         first.wait()
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.endswith("}")]
     assert steps == list(range(len(steps))) and len(steps) >= 2  # one trajectory, in order
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 44, items 1 and 2: the lock file is never written through, and one folder has one lock
+# ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def holding(path):
+    """Another process holding ``run_lock(path)``, as a running ``cispo train`` on ``path`` does."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "hard link", "fifo", "another file"])
+def test_a_lock_file_cispo_did_not_write_is_refused_never_written_through(tiny_model, dense_task, tmp_path, capsys,
+                                                                          kind):
+    """Was: the lock was opened without ``O_NOFOLLOW`` and truncated, so ``.r.lock -> precious.txt``
+    replaced precious.txt with the lock's JSON (a dangling link created its target; a hard link or a
+    user's file of that name was overwritten; a FIFO was a traceback)."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("years of work\n")
+    (tmp_path / "runs").mkdir()
+    lock = lock_path(tmp_path / "runs" / "r")
+    if kind == "symlink":
+        lock.symlink_to(precious)
+    elif kind == "dangling symlink":
+        lock.symlink_to(tmp_path / "created.txt")
+    elif kind == "hard link":
+        os.link(precious, lock)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.write_text("notes that happen to have this name\n")
+    assert main(["train", *tiny_args(tiny_model, tmp_path / "runs"), "run_name=r"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cispo train: error: run lock {lock} ") and err.count("\n") == 1, err
+    assert "nothing was changed" in err and "Traceback" not in err
+    assert precious.read_text() == "years of work\n" and not (tmp_path / "created.txt").exists()
+    assert kind != "another file" or lock.read_text() == "notes that happen to have this name\n"
+    assert not (tmp_path / "runs" / "r").exists()  # refused before the run folder was made
+
+
+@pytest.mark.parametrize("held, out_dir, name", [("r", "runs", "alias"), ("alias", "runs", "r"), ("r", "linked", "r")],
+                         ids=["resume-the-alias-of-a-running-run", "resume-a-run-running-under-its-alias",
+                              "resume-through-a-symlinked-out_dir"])
+def test_a_run_folder_in_use_is_refused_under_any_of_its_names(tiny_model, dense_task, tmp_path, capsys,
+                                                               finished_run, held, out_dir, name):
+    """Was: the lock was keyed by the name, so with ``runs/alias -> runs/r`` a ``--resume
+    run_name=alias`` while ``r`` trained (or the other way round) was not refused, and both appended
+    to one ``metrics.jsonl``. (A symlinked ``out_dir`` already met the same lock file.)"""
+    run, before = finished_run
+    (tmp_path / "runs" / "alias").symlink_to(run)
+    (tmp_path / "linked").symlink_to(tmp_path / "runs")
+    capsys.readouterr()
+    with holding(tmp_path / "runs" / held) as proc:
+        args = tiny_args(tiny_model, tmp_path / out_dir, f"run_name={name}", "steps=2")
+        assert main(["train", *args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"is in use by another cispo process (pid {proc.pid} " in err and "Traceback" not in err, err
+    assert {p: (run / p).read_bytes() for p in files(run) if (run / p).is_file()} == before  # nothing touched
+
+
+def test_the_folder_itself_is_locked_for_a_path_that_resolves_elsewhere(finished_run, tmp_path, monkeypatch):
+    """A second path to the folder whose lock file is another one (a bind mount; simulated by giving
+    this process other lock files) still meets the lock on the folder's device and inode."""
+    run, _ = finished_run
+    with holding(run):
+        monkeypatch.setattr(runfolder, "lock_paths", lambda run_dir: [tmp_path / ".elsewhere.lock"])
+        with pytest.raises(runfolder.RunFolderInUse, match="reached it by another path"):
+            with run_lock(run):
+                pass
+    with run_lock(run):  # released with its holder
+        pass
+
+
+def test_an_old_run_folder_resumes_and_a_plain_run_keeps_its_one_lock_file(tiny_model, dense_task, tmp_path,
+                                                                           finished_run):
+    """A run folder from before (its lock beside it, as ever) resumes; no lock file is added."""
+    run, _ = finished_run
+    before = sorted(p.name for p in run.parent.iterdir())
+    assert before == [".r.lock", "r"]
+    assert main(["train", *tiny_args(tiny_model, tmp_path / "runs", "run_name=r", "steps=2"), "--resume"]) == 0
+    assert sorted(p.name for p in run.parent.iterdir()) == before
+    assert json.loads(lock_path(run).read_text())["pid"] == os.getpid()

@@ -5,6 +5,9 @@ continues with.
 * Every run folder cispo creates gets a marker file, ``.cispo-run`` (JSON: ``version``,
   ``created``). ``--overwrite`` deletes only a folder that has it and that lies directly in
   ``out_dir`` once symlinks are resolved; anything else is refused and nothing is deleted.
+* One process per run folder (`run_lock`): the lock is keyed by the folder, so two names of one
+  folder (a symlink to it, a symlinked ``out_dir``) meet the same lock; a lock file that is a
+  symlink, a hard link or someone else's file is refused, never written through.
 * A resumed run is the same run: the saved ``config.yaml`` is reloaded, and a value given
   with ``--resume`` must equal the saved one unless its key is in ``RESUME_SAFE_FIELDS``
   (``ConfigError`` naming each key with both values otherwise).
@@ -13,11 +16,13 @@ continues with.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 from dataclasses import replace
@@ -89,6 +94,28 @@ def is_run_folder(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
+RUN_OWN_FILES = ("metrics.jsonl", "samples.jsonl", "config.yaml", SUMMARY, "meta.json", MARKER, "checkpoints")
+"""Files (and the folder) a run writes into its run folder."""
+
+
+def run_folder_of(path: Path) -> Path | None:
+    """The run folder that ``path`` (symlinks resolved) lies in, else None: the nearest folder above
+    it that is marked, or, from before the marker, holds ``config.yaml`` beside ``metrics.jsonl``;
+    also the folder of a file named as a run's own (``metrics.jsonl``, ``config.yaml``, ...) beside
+    ``metrics.jsonl``, ``summary.json`` or ``checkpoints/`` (an unmarked run, a copied one). For
+    writers from outside a run (``cispo eval --samples``), which must not replace a run's files nor
+    put theirs where ``--overwrite`` deletes them. (A lone ``config.yaml`` proves nothing: projects
+    keep theirs in the folder they write to.)"""
+    real = Path(path).expanduser().resolve()
+    beside = [real.parent / n for n in ("metrics.jsonl", SUMMARY, "checkpoints") if n != real.name]
+    if real.name in RUN_OWN_FILES and any(p.exists() for p in beside):
+        return real.parent
+    for folder in real.parents:
+        if is_run_folder(folder) or ((folder / "config.yaml").is_file() and (folder / "metrics.jsonl").is_file()):
+            return folder
+    return None
+
+
 def is_finished(run_dir: Path) -> bool:
     """Whether the run in `run_dir` ran to its end (the trainer writes `SUMMARY` last); a folder
     without it is still running or was stopped."""
@@ -104,17 +131,42 @@ class RunFolderInUse(FileExistsError):
     """Another process holds the run folder's lock."""
 
 
+class RunFolderUnwritable(FileExistsError):
+    """The run folder or its out_dir cannot be written, or its lock file is not one cispo may rewrite."""
+
+
+LOCK_START = b'{"pid": '
+"""How every lock file cispo writes begins (``json.dumps`` of its holder)."""
+
+
 def lock_path(run_dir: Path) -> Path:
-    """The lock file of ``run_dir``: beside it in ``out_dir`` (``.<run_name>.lock``), so that it
+    """The lock file of ``run_dir`` by its name: beside it in ``out_dir`` (``.<run_name>.lock``), so that it
     outlives an ``--overwrite`` that deletes and re-creates the folder."""
     return Path(run_dir).parent / f".{Path(run_dir).name}.lock"
 
 
-def _holder(fd: int) -> dict:
+def lock_paths(run_dir: Path) -> list[Path]:
+    """The lock files a run on ``run_dir`` holds: its name's and, when ``run_dir`` is a symlink
+    (``runs/alias -> runs/victim``), the one of the folder it resolves to (``runs/.victim.lock``), so
+    that every name of one folder meets one lock. (A symlinked ``out_dir`` already leads to the same
+    file; a plain folder has one lock, where it always was.)"""
+    run_dir = Path(run_dir)
     try:
-        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+        real = lock_path(run_dir.resolve())
+    except (OSError, RuntimeError):  # a symlink loop: the name's lock is taken, and the run fails at its mkdir
+        return [lock_path(run_dir)]
+    if real == lock_path(run_dir.parent.resolve() / run_dir.name) or not real.parent.is_dir():
+        return [lock_path(run_dir)]  # a dangling link: no folders are made for it (the run fails at its mkdir)
+    return [lock_path(run_dir), real]
+
+
+def _holder(fd: int) -> dict:
+    """The holder a lock file names (``{}`` when it names none)."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
     except ValueError:
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _alive(pid) -> bool:
@@ -127,22 +179,57 @@ def _alive(pid) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def run_lock(run_dir: Path):
-    """Hold an exclusive lock on ``run_dir`` for the block (``flock`` on ``lock_path``): a second
-    process (a start, ``--resume`` or ``--overwrite``) is refused before it touches anything, with
-    ``RunFolderInUse`` naming the holder's pid. The kernel drops the lock when its holder dies, so a
-    lock file left by a dead process is simply taken over (and said). Not for network file systems
-    whose ``flock`` is local to one machine."""
-    path = lock_path(run_dir)
+def _refuse_unsafe_lock(path: Path, st: os.stat_result) -> None:
+    """``RunFolderUnwritable`` unless ``st`` is a regular file with one name: cispo rewrites its lock
+    file, which through a symlink would overwrite the file it points to, through a hard link the
+    other name's content, and on a FIFO or device would write into whatever reads it."""
+    if stat.S_ISLNK(st.st_mode):
+        raise RunFolderUnwritable(f"run lock {path} is a symbolic link (to {os.readlink(path)}): cispo rewrites its "
+                                  f"lock file and would overwrite what the link points to; nothing was changed. "
+                                  f"Remove the link")
+    if not stat.S_ISREG(st.st_mode):
+        raise RunFolderUnwritable(f"run lock {path} is not a regular file (mode {stat.filemode(st.st_mode)}); nothing "
+                                  f"was changed. Remove it, or choose another run_name")
+    if st.st_nlink != 1:
+        raise RunFolderUnwritable(f"run lock {path} has {st.st_nlink} names (hard links): rewriting it would change "
+                                  f"the other files too; nothing was changed. Remove it, or choose another run_name")
+
+
+def _open_lock(path: Path) -> int:
+    """A descriptor on the lock file ``path``, created if missing (never through a symlink:
+    ``O_NOFOLLOW``). ``RunFolderUnwritable``: its folder is a file or cannot be written, or the file
+    is not one cispo may rewrite (`_refuse_unsafe_lock`)."""
     if path.parent.exists() and not path.parent.is_dir():
         raise RunFolderUnwritable(f"out_dir {path.parent} is a file, not a folder; choose another out_dir")
     try:
+        st = os.lstat(path)
+    except OSError:
+        st = None  # not there (or out_dir unreachable: the open below says so)
+    if st is not None:
+        _refuse_unsafe_lock(path, st)  # before opening: opening a device or FIFO can act on it
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # O_NOFOLLOW: a symlink put there since the check fails (ELOOP) instead of being written through;
+        # O_NONBLOCK: a FIFO put there does not wait for a reader
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            _refuse_unsafe_lock(path, os.lstat(path))
         raise RunFolderUnwritable(f"out_dir {path.parent}: cannot create the run's lock file {path.name} "
                                   f"({os.strerror(exc.errno) if exc.errno else exc}); choose a writable out_dir") from None
+    try:
+        _refuse_unsafe_lock(path, os.fstat(fd))
+    except RunFolderUnwritable:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _take_lock(path: Path, run_dir: Path) -> int:
+    """The descriptor of ``path``, exclusively locked (``flock``). ``RunFolderInUse`` naming the holder
+    when another process has it; ``RunFolderUnwritable`` when the file holds something other than a
+    cispo lock (a user's file of that name, which rewriting it would destroy)."""
+    fd = _open_lock(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -151,20 +238,78 @@ def run_lock(run_dir: Path):
             raise RunFolderInUse(f"run folder {run_dir} is in use by another cispo process (pid {who.get('pid', '?')} "
                                  f"on {who.get('host', '?')}, since {who.get('started', '?')}); nothing was changed. "
                                  f"Wait for it to end, stop it, or choose another run_name") from None
-        before = _holder(fd)
-        if before.get("pid") and before.get("host") == socket.gethostname() and not _alive(before["pid"]):
-            print(f"cispo: took over the lock of {run_dir} left by pid {before['pid']} (no longer running)",
-                  file=sys.stderr)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime(
-            "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n").encode(), 0)
+        size = os.fstat(fd).st_size
+        if size and (size > 4096 or os.pread(fd, len(LOCK_START), 0) != LOCK_START):
+            raise RunFolderUnwritable(f"run lock {path} holds something other than a cispo lock (it begins "
+                                      f"{os.pread(fd, 40, 0)!r}); cispo would overwrite it; nothing was changed. "
+                                      f"Move it away, or choose another run_name")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock_folder(run_dir: Path) -> int | None:
+    """A descriptor on the run folder itself, ``flock``-ed: a lock keyed by the folder's device and
+    inode, which a second path to it meets even where it does not resolve to the same place (a bind
+    mount). None when the folder does not exist yet (its name locks cover it) or its file system
+    has no ``flock`` on folders. ``RunFolderInUse`` when another process holds it."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None  # not there yet, or not a folder (prepare_run_dir says so)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunFolderInUse(f"run folder {run_dir} is in use by another cispo process, which reached it by another "
+                             f"path (its lock file is not {lock_path(run_dir)}: a bind mount?); nothing was changed. "
+                             f"Wait for it to end, stop it, or choose another run_name") from None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _write_holder(fd: int, run_dir: Path, said: set) -> None:
+    """This process as the holder of the lock file ``fd`` (taken); a holder that died is said (once:
+    ``said`` has the pids already named)."""
+    before = _holder(fd)
+    if before.get("pid") and before.get("host") == socket.gethostname() and not _alive(before["pid"]) \
+            and before["pid"] not in said:
+        said.add(before["pid"])
+        print(f"cispo: took over the lock of {run_dir} left by pid {before['pid']} (no longer running)",
+              file=sys.stderr)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n").encode(), 0)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
+    """Hold an exclusive lock on ``run_dir`` for the block: a second process (a start, ``--resume``
+    or ``--overwrite``) is refused before it touches anything, with ``RunFolderInUse`` naming the
+    holder's pid. The lock is keyed by the folder, not by the name it is reached by: ``flock`` on
+    every file of ``lock_paths`` (the name's, and the resolved folder's when the name is a symlink)
+    and on the folder itself once it exists (`_lock_folder`). All are taken before any is written.
+    The kernel drops the locks when their holder dies, so a lock file left by a dead process is
+    simply taken over (and said). Not for network file systems whose ``flock`` is local to one
+    machine."""
+    fds: list[int] = []
+    try:
+        for path in lock_paths(run_dir):
+            fds.append(_take_lock(path, run_dir))
+        files = list(fds)
+        folder = _lock_folder(run_dir)
+        if folder is not None:
+            fds.append(folder)
+        said: set = set()
+        for fd in files:  # only now that every lock is held: a refused process rewrites none
+            _write_holder(fd, run_dir, said)
         yield
     finally:
-        os.close(fd)  # releases the lock; the file stays (deleting it would race a waiting process)
-
-
-class RunFolderUnwritable(FileExistsError):
-    """The run folder or its out_dir cannot be written."""
+        for fd in fds:
+            os.close(fd)  # releases the lock; the file stays (deleting it would race a waiting process)
 
 
 def _check_deletable(out_dir: Path, run_dir: Path) -> None:
