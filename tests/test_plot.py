@@ -73,8 +73,8 @@ def test_cispo_plot_errors_name_the_path_and_line(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "missing"), "-o", str(tmp_path / "x.html")]) == 2
     assert "missing: no metrics.jsonl" in capsys.readouterr().err
     bad = _write_run(tmp_path / "bad", [0.1, 0.2], [0.1, 0.2], bad_line='{"step": 1, "rollout/reward_mean": ')
-    assert main(["plot", str(bad), "-o", str(tmp_path / "x.html")]) == 2
-    assert f"{bad / 'metrics.jsonl'}, line 2: not a JSON object" in capsys.readouterr().err
+    assert main(["plot", str(bad), "-o", str(tmp_path / "x.html")]) == 0  # the rows --resume keeps: a warning
+    assert f"{bad / 'metrics.jsonl'}: left out 1 unreadable line(s) (line 2: JSONDecodeError" in capsys.readouterr().err
     run = _write_run(tmp_path / "ok", [0.1], [0.1])
     assert main(["plot", str(run), "--metrics", "no/such_metric", "-o", str(tmp_path / "x.html")]) == 2
     assert "none of the metrics no/such_metric" in capsys.readouterr().err
@@ -156,3 +156,89 @@ def test_every_logged_family_is_a_default_panel(tmp_path, figures):
     panels = figures[-1]
     assert {"KL", "policy entropy", "gradient lost / capped", "training reward"} == set(panels)
     assert sorted(panels["KL"][1]) == sorted([0.001, 0.002, 0.003, 0.02, 0.04, 0.06])
+
+
+# --------------------------------------------------------------------------- issue 44, item 9
+
+def _plot(run, out, capsys):
+    """``cispo plot run -o out``: (exit code, stderr lines)."""
+    code = main(["plot", str(run), "-o", str(out)])
+    return code, capsys.readouterr().err.splitlines()
+
+
+@pytest.mark.parametrize("tail", [b'{"step": 3, "rollout/reward_mean": 0.', b"\0" * 300, b'{"step": 3, "x": "\xff'],
+                         ids=["torn", "nul", "not-utf8"])
+def test_a_crashed_or_running_run_is_plotted_from_the_rows_resume_keeps(tmp_path, capsys, figures, tail):
+    """A torn, NUL-filled or non-UTF-8 last line (a kill, a power loss, a run still writing) is left
+    out without a word, exactly as ``--resume`` and `read_metrics` leave it out (was: exit 2)."""
+    from cispo.foundations.jsonl import parse_step_lines
+    from cispo.records.tracking import read_metrics
+
+    run = _write_run(tmp_path / "run", [0.1, 0.4, 0.7], [0.2, 0.5, 0.8])
+    path = run / "metrics.jsonl"
+    path.write_bytes(path.read_bytes() + tail)
+    assert _plot(run, tmp_path / "p.html", capsys) == (0, [])
+    assert figures[0]["rollout/reward_mean"][1] == [0.1, 0.4, 0.7]
+    assert read_metrics(path) == parse_step_lines(path)[0] and len(read_metrics(path)) == 3
+
+
+def test_unreadable_inner_lines_are_left_out_and_named_in_one_warning(tmp_path, capsys, figures):
+    """NUL bytes and non-UTF-8 bytes before the last line: the other rows are drawn (as ``--resume``
+    keeps them) and one warning names the file and each line (was: a decode error naming no file)."""
+    run = _write_run(tmp_path / "run", [0.1, 0.4, 0.7], [0.2, 0.5, 0.8])
+    path = run / "metrics.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + b"\0\0\0\n" + b'{"step": 9, "x": "\xff"}\n' + b"".join(lines[1:]))
+    code, err = _plot(run, tmp_path / "p.html", capsys)
+    assert code == 0 and len(err) == 1
+    assert err[0].startswith(f"cispo plot: warning: {path}: left out 2 unreadable line(s) (line 2: NUL bytes")
+    assert "line 3: UnicodeDecodeError" in err[0]
+    assert figures[0]["rollout/reward_mean"][1] == [0.1, 0.4, 0.7]
+
+
+def test_values_that_are_not_finite_numbers_are_not_drawn(tmp_path, capsys, figures):
+    """10**400 (an int no float holds), 1e400 (inf), NaN, objects, arrays, strings, booleans and a
+    too large step are skipped; a line nested too deeply for the JSON parser is an unreadable line
+    named with its file and line (was: OverflowError / RecursionError tracebacks)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    key = "rollout/reward_mean"
+    odd = [str(10**400), "1e400", "NaN", '{"a": 1}', "[1, 2]", '"0.5"', "true", "[" * 200 + "]" * 200]
+    lines = [f'{{"step": {s}, "{key}": {v}}}' for s, v in enumerate(odd, start=1)]
+    lines += [json.dumps({"step": 10**400, key: 0.5}), json.dumps({"step": 20, key: 0.25}),
+              f'{{"step": 21, "{key}": ' + "[" * 100_000 + "]" * 100_000 + "}", json.dumps({"step": 22, key: 0.75})]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    code, err = _plot(run, tmp_path / "p.html", capsys)
+    assert code == 0 and len(err) == 1
+    assert f"{run / 'metrics.jsonl'}: left out 1 unreadable line(s) (line 11: JSON nested too deeply" in err[0]
+    assert figures[0][key][1] == [0.25, 0.75]
+    assert "0.75 <small>(step 22)</small>" in (tmp_path / "p.html").read_text()
+
+
+@pytest.mark.parametrize("suffix", [".png", ".html"])
+def test_an_output_whose_png_or_html_is_a_folder_is_one_line(tmp_path, capsys, suffix):
+    run = _write_run(tmp_path / "run", [0.1], [0.2])
+    (tmp_path / ("out" + suffix)).mkdir()
+    code, err = _plot(run, tmp_path / "out.html", capsys)
+    folder = tmp_path / ("out" + suffix)
+    said = f"cispo plot: error: {folder}: a folder; -o names the file to write (out.png and out.html are written)"
+    assert code == 2 and err == [said]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out" + suffix, "run"]  # nothing written
+
+
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    run = _write_run(tmp_path / "run", [0.1], [0.2])
+    (tmp_path / "file").write_text("")
+    code, err = _plot(run, tmp_path / "file" / "out.html", capsys)  # its folder would be inside a file
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"cispo plot: error: {tmp_path / 'file'}: cannot write it")
+
+
+def test_resume_drops_a_line_nested_too_deeply_instead_of_a_traceback(tmp_path):
+    """The one parser (`parse_step_lines`) serves ``--resume`` too: such a line is dropped and named."""
+    from cispo.records.tracking import JsonlSink, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + '}\n{"step": 1}\n')
+    with pytest.warns(RuntimeWarning, match=r"line 2: JSON nested too deeply to read"):
+        JsonlSink(path).truncate_after(1)
+    assert read_metrics(path) == [{"step": 0}, {"step": 1}]

@@ -7,6 +7,10 @@ small. A reader names the plain file; ``jsonl_path`` takes the compressed one wh
 there, so ``read_metrics``, ``cispo plot``, ``cispo study-data``, ``compare`` and the doc tests
 read either. Plain Python (gzip only).
 
+A run's step files (``metrics.jsonl``, ``samples.jsonl``) are parsed in one place,
+`parse_step_lines`: ``--resume`` (which cuts them), ``read_metrics`` and ``cispo plot`` read the
+same rows, and a torn, NUL-filled, non-UTF-8 or too deeply nested line is listed, not parsed.
+
 ``python -m cispo.foundations.jsonl FILE.jsonl...`` compresses run files copied into
 ``docs/results/`` (`compress`: ``FILE.jsonl.gz`` written, checked, ``FILE.jsonl`` removed).
 """
@@ -14,6 +18,7 @@ read either. Plain Python (gzip only).
 from __future__ import annotations
 
 import gzip
+import json
 import sys
 import zlib
 from pathlib import Path
@@ -48,6 +53,39 @@ def read_jsonl_bytes(path: str | Path) -> bytes:
         return gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut stream an EOFError
         raise ValueError(f"{path}: not a readable gzip file ({e})") from None
+
+
+def parse_step_lines(path: str | Path) -> tuple[list[dict], list[tuple[int, str]], int]:
+    """(rows, [(line number, what is wrong)], number of the last non-blank line) of a JSONL
+    file of step rows (``metrics.jsonl``, ``samples.jsonl``, or their ``.gz``: `read_jsonl_bytes`);
+    a line that is not a JSON object with an integer ``step`` (torn, NUL-filled, not UTF-8,
+    nested too deeply for the parser) is listed, not parsed."""
+    rows, bad, last = [], [], 0
+    for number, raw in enumerate(read_jsonl_bytes(path).split(b"\n"), start=1):
+        if not raw.strip(b" \t\r"):
+            continue
+        last = number
+        what = read_step_line(raw)
+        if isinstance(what, str):
+            bad.append((number, what))
+        else:
+            rows.append(what)
+    return rows, bad, last
+
+
+def read_step_line(raw: bytes) -> dict | str:
+    """The row of one line of a step file, or what is wrong with it (`parse_step_lines`)."""
+    if b"\0" in raw:
+        return "NUL bytes (a write lost in a crash)"
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"{type(e).__name__}: {e}"
+    except RecursionError:
+        return "JSON nested too deeply to read (hundreds of levels of [ or {)"
+    if not isinstance(row, dict) or type(row.get("step")) is not int:  # a JSON true is no step
+        return "not a JSON object with an integer 'step'"
+    return row
 
 
 def glob_jsonl(folder: str | Path, pattern: str) -> list[Path]:

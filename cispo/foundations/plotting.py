@@ -10,9 +10,10 @@ while its values lie in [0, 1]; ``accuracy`` is the mean task reward, so a rewar
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
-import json
 import math
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -20,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from cispo.foundations.jsonl import glob_jsonl, has_jsonl, jsonl_path, read_jsonl_bytes  # noqa: E402
+from cispo.foundations.jsonl import glob_jsonl, has_jsonl, jsonl_path, parse_step_lines  # noqa: E402
 
 PANELS = [  # (title, [(metric, label), ...])
     ("held-out accuracy", [("eval/accuracy", "mean@k"), ("eval/accuracy_greedy", "greedy")]),
@@ -69,15 +70,29 @@ def fill_band(ax, steps: list[int], low: list[float], high: list[float], key: st
     return ax.fill_between(steps, low, high, **kwargs)
 
 
+def finite(value) -> float | None:
+    """``value`` as a float when it is a finite number; else None: null, NaN, +-inf, a bool, a
+    string, an object or array, an int too large for a float (``1e400`` parses to inf, ``10**400``
+    to such an int). The only values a plot draws."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    """(steps, values) of the rows whose ``key`` and step are finite numbers (`finite`)."""
+    pts = [(r["step"], y) for r in rows if (y := finite(r.get(key))) is not None and finite(r["step"]) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
 def has_metric(rows: list[dict], key: str, asked: bool = False) -> bool:
     """Some row has a finite value of ``key``; a non-zero one for `ZERO_WHEN_OFF` metrics unless
     ``asked`` (named by the user)."""
-    values = [v for v in series(rows, key)[1] if isinstance(v, (int, float)) and math.isfinite(v)]
+    values = series(rows, key)[1]
     return any(values) if key in ZERO_WHEN_OFF and not asked else bool(values)
 
 
@@ -130,11 +145,14 @@ def style_gap_vs_k(ax, title: str) -> None:
 
 
 def save_figure(fig, path: Path, title: str = "") -> Path:
+    """``fig`` written to ``path`` (PNG), and closed also when that fails."""
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
     return Path(path)
 
 
@@ -160,20 +178,22 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl`` (or of its ``.gz``, `jsonl_path`); ``ValueError`` naming the
-    file, line and field of a bad one."""
-    rows = []
+    """The rows of a ``metrics.jsonl`` (or of its ``.gz``, `jsonl_path`): the rows ``--resume``
+    keeps (`parse_step_lines`, the one parser). A torn or NUL-filled last line (a run killed
+    mid-write, or still writing) is left out silently; unreadable lines before it are left out too,
+    with one line on stderr naming the file and them.
+    ``ValueError`` naming the file when it cannot be read at all."""
     path = jsonl_path(path)
-    for n, line in enumerate(read_jsonl_bytes(path).decode().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}, line {n}: not a JSON object ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise ValueError(f"{path}, line {n}: field 'step' missing or not an integer")
-        rows.append(row)
+    try:
+        rows, bad, last = parse_step_lines(path)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
+    inner = [(n, what) for n, what in bad if n != last]
+    if inner:
+        named = "; ".join(f"line {n}: {what}" for n, what in inner[:3])
+        more = f"; and {len(inner) - 3} more" if len(inner) > 3 else ""
+        print(f"cispo plot: warning: {path}: left out {len(inner)} unreadable line(s) ({named}{more})",
+              file=sys.stderr)
     return rows
 
 
@@ -184,12 +204,9 @@ def run_labels(runs: list[Path]) -> list[str]:
 
 
 def final_value(rows: list[dict], key: str) -> tuple[int, float] | None:
-    """(step, value) of the last row with a value for ``key``; None if it never has one."""
-    for row in reversed(rows):
-        value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return row["step"], float(value)
-    return None
+    """(step, value) of the last row with a finite value for ``key`` (`series`); None if none has one."""
+    steps, values = series(rows, key)
+    return (steps[-1], values[-1]) if steps else None
 
 
 def shown_metrics(runs: dict[str, list[dict]], metrics: list[str] | None = None) -> list[str]:
@@ -255,10 +272,32 @@ def plot_runs(paths: list[str | Path], out: Path, metrics: list[str] | None = No
     ``.png`` and ``.html`` (the page embeds the PNG and a table of final metrics). Returns both paths."""
     run_dirs = find_runs(paths)
     runs = {label: read_rows(run / "metrics.jsonl") for label, run in zip(run_labels(run_dirs), run_dirs)}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    png, page = output_paths(out)
     title = title or ", ".join(runs)
-    png = plot_overlay(runs, out.with_suffix(".png"), metrics, title if len(title) < 120 else "")
-    page = out.with_suffix(".html")
-    page.write_text(report_html(runs, png.read_bytes(), shown_metrics(runs, metrics), title))
+    with writing(png):
+        plot_overlay(runs, png, metrics, title if len(title) < 120 else "")
+    with writing(page):
+        page.write_text(report_html(runs, png.read_bytes(), shown_metrics(runs, metrics), title), encoding="utf-8")
+    return png, page
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """An ``OSError`` of the block (no permission, a full disk) as a ``ValueError`` naming ``path``."""
+    try:
+        yield
+    except OSError as e:
+        raise ValueError(f"{path}: cannot write it ({e.strerror or e})") from None
+
+
+def output_paths(out: str | Path) -> tuple[Path, Path]:
+    """The ``.png`` and ``.html`` that ``cispo plot -o out`` writes, their folder made;
+    ``ValueError`` naming one that is a folder, or the folder when it cannot be made."""
+    out = Path(out)
+    png, page = out.with_suffix(".png"), out.with_suffix(".html")
+    for path in (png, page):
+        if path.is_dir():
+            raise ValueError(f"{path}: a folder; -o names the file to write ({png.name} and {page.name} are written)")
+    with writing(out.parent):
+        out.parent.mkdir(parents=True, exist_ok=True)
     return png, page
