@@ -8,25 +8,34 @@ Llama architecture, 49k BPE vocabulary, ChatML template), shipped as a 4-bit GGU
 dequantised by transformers (``from_pretrained(folder, gguf_file=...)``, which needs the ``gguf`` package:
 ``pip install "cispo[real]"``) and saved once as an fp32 safetensors folder in the cispo cache
 (``$CISPO_CACHE/models/<name>-<sha prefix>``, written to a temporary folder and renamed, so a kill leaves
-no half-written model); later runs load that folder. Where a hub is reachable, the unquantised weights
-load by the ordinary path, ``model.path=HuggingFaceTB/SmolLM2-135M-Instruct`` (not tested here: no hub).
+no half-written model); later runs load that folder. The cache is handled as the built-in tasks' is
+(`cispo.models.builtin.cached_model`, `staging_folder`, `install_cache_folder`): every file's size and
+SHA-256 are recorded before the rename and checked at every load (a damaged folder is converted again),
+and the cache folder's problems are found before the minutes of conversion. Where a hub is reachable, the
+unquantised weights load by the ordinary path, ``model.path=HuggingFaceTB/SmolLM2-135M-Instruct`` (not
+tested here: no hub).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from cispo.config.train import ConfigError
-from cispo.models.builtin import SHIPPED_ROOT, cache_root
+from cispo.models.builtin import (
+    SHIPPED_ROOT,
+    cache_root,
+    cached_model,
+    file_sha256,
+    install_cache_folder,
+    staging_folder,
+)
 
 PREFIX = "builtin:"
+MARKER = "cispo-packaged.json"
+"""What a converted folder was made from (name, source file and its SHA-256, hub id, license)."""
 
 
 @dataclass(frozen=True)
@@ -76,27 +85,20 @@ def source_file(name: str) -> Path:
     return path
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def cached_folder(name: str, cache_dir=None) -> Path:
     """Where the converted folder of ``name`` lives (it may not exist yet)."""
     return cache_root(cache_dir) / "models" / f"{name}-{PACKAGED[name].sha256[:12]}"
 
 
 def ensure_packaged(name: str, cache_dir=None, progress: bool = False) -> Path:
-    """The converted safetensors folder of packaged model ``name``: from the cache, else checked and
-    converted from the package's file now (a few tens of seconds, once)."""
+    """The converted safetensors folder of packaged model ``name``: from the cache when it matches what
+    was recorded when it was converted (`cispo.models.builtin.cached_model`), else checked and converted
+    from the package's file now (4-7 minutes on a 2-core CPU, once)."""
     source = source_file(name)
     folder = cached_folder(name, cache_dir)
-    if (folder / "cispo-packaged.json").is_file():
+    if cached_model(folder, redo="converting it again (a few minutes)"):
         return folder
-    digest = sha256_of(source)
+    digest = file_sha256(source)
     if digest != PACKAGED[name].sha256:
         raise PackagedModelError(f"{source}: SHA-256 {digest} differs from the recorded "
                                  f"{PACKAGED[name].sha256}; reinstall it: {PACKAGED[name].install}")
@@ -106,7 +108,18 @@ def ensure_packaged(name: str, cache_dir=None, progress: bool = False) -> Path:
 
 
 def convert_gguf(source: Path, folder: Path, record: dict) -> None:
-    """Dequantise the GGUF file ``source`` to an fp32 Hugging Face folder at ``folder`` (atomically).
+    """Dequantise the GGUF file ``source`` to an fp32 Hugging Face folder at ``folder`` (atomically; the
+    cache is checked first, `cispo.models.builtin.staging_folder`), with ``record`` as its ``MARKER``."""
+    with staging_folder(folder) as tmp:
+        model, tokenizer = read_gguf(source)
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+        install_cache_folder(tmp, folder, f"{source}, dequantised")
+
+
+def read_gguf(source: Path):
+    """``(model, tokenizer)`` of the GGUF file ``source``, the model in fp32 and savable.
 
     transformers marks a GGUF-loaded model as quantized and refuses to save it, so its weights are
     copied into a model built from the same config without the ``quantization_config``; the
@@ -128,21 +141,7 @@ def convert_gguf(source: Path, folder: Path, record: dict) -> None:
     config.architectures = [type(loaded).__name__]
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(loaded.state_dict())
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / "cispo-packaged.json").write_text(json.dumps(record, indent=1) + "\n")
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process converted it meanwhile: keep theirs
-            if not (folder / "cispo-packaged.json").is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return model, tokenizer
 
 
 # --------------------------------------------------------------------------- a tiny stand-in for tests
@@ -161,7 +160,7 @@ def save_tiny_smollm2(folder, seed: int = 0, max_positions: int = 512) -> Path:
     from cispo.models.loading import build_model, save_policy
 
     for name, digest in read_checksums(TOKENIZER_DIR).items():
-        if not (TOKENIZER_DIR / name).is_file() or sha256_of(TOKENIZER_DIR / name) != digest:
+        if not (TOKENIZER_DIR / name).is_file() or file_sha256(TOKENIZER_DIR / name) != digest:
             raise ChecksumError(f"{TOKENIZER_DIR / name}: missing or not the shipped file (SHA256SUMS)")
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
     save_policy(build_model(tokenizer, size="tiny", seed=seed, max_positions=max_positions), tokenizer, folder)
