@@ -65,3 +65,19 @@ def test_an_objective_override_that_is_not_a_number(tiny_model, tmp_path, capsys
 def test_a_chat_task_on_a_model_without_a_chat_template(tiny_model, tmp_path, capsys):
     err = train_error(tmp_path, capsys, f"model.path={tiny_model}", "data.task=wordmath")
     assert "data.task=wordmath writes its prompts as chat messages" in err and "no chat template" in err
+
+
+def test_a_damaged_shipped_model_is_one_line(tmp_path, capsys, monkeypatch):
+    """A shipped base model that fails its SHA256SUMS (a damaged install): exit 1, one line naming the file."""
+    import cispo.models.builtin as builtin
+
+    shipped = tmp_path / "base_models"
+    shutil.copytree(builtin.SHIPPED_ROOT / "addition", shipped / "addition")
+    with open(shipped / "addition" / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    monkeypatch.setattr(builtin, "SHIPPED_ROOT", shipped)
+    monkeypatch.setenv("CISPO_CACHE", str(tmp_path / "cache"))
+    code = main(["train", *RUN, f"out_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err[-2000:]
+    assert "model.safetensors" in err

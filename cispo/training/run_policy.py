@@ -4,6 +4,7 @@ reference model of the KL penalty."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -142,10 +143,13 @@ HEAD_TOLERANCE = 1e-3  # nats; float32 rounding gives ~1e-6
 def check_weights(model, path) -> None:
     """ConfigError naming the first parameter of ``model`` (loaded from ``path``) that holds NaN or
     inf: training would only spread it, and the head check would misread it as a model it does not know."""
-    for name, param in model.named_parameters():
-        if not torch.isfinite(param).all():
-            raise ConfigError(f"{path}: the weights are not finite ({name} holds NaN or inf); the model "
-                              "folder is damaged or was saved from a diverged run")
+    from cispo.models.builtin import nonfinite_tensors
+
+    bad = nonfinite_tensors(model.named_parameters())
+    if bad:
+        raise ConfigError(f"{path}: the weights are not finite ({bad[0]} holds NaN or inf"
+                          + (f", and {len(bad) - 1} more" if len(bad) > 1 else "") + "); the model folder is "
+                          "damaged or was saved from a diverged run")
 
 
 def check_head(model, path) -> None:
@@ -156,6 +160,9 @@ def check_head(model, path) -> None:
     from cispo.models.policy import head_mismatch
 
     err = head_mismatch(model)
+    if math.isnan(err):  # finite weights (check_weights) whose logits are not: an overflow in the forward
+        raise ConfigError(f"{path}: a short forward of {type(model).__name__} gives non-finite logits although its "
+                          "weights are finite (an overflow in this dtype?); try model.dtype=float32")
     if not err <= HEAD_TOLERANCE:
         raise ValueError(f"{path}: the trainer's log-probs of {type(model).__name__} differ from the model's own "
                          f"by up to {err:.3g} nats: it post-processes its logits in a way "
