@@ -452,6 +452,96 @@ def test_train_checks_the_fields_before_loading_a_model(tmp_path):
         train(cfg)
 
 
+# --------------------------------------------------------------------------- reserved column names (issue 44)
+
+RESERVED_REWARDS = """
+def score(prompt, completion, **sample):
+    return 1.0
+
+
+def named(question, response, **sample):
+    return 1.0
+
+
+def by_position(question, response, /, **sample):
+    return 1.0
+
+
+class Scorer:
+    def score(self, prompt, completion, **sample):
+        return 1.0
+
+
+scorer = Scorer()
+"""
+
+
+@pytest.mark.parametrize("column, spec, what", [
+    ("self", "exact_match", "argument 'self'"),  # every call: "Reward.__call__() got multiple values for 'self'"
+    ("self", "{file}:score", "argument 'self'"),
+    ("self", "{file}:scorer.score", "argument 'self'"),  # a method: its own self
+    ("question", "{file}:named", "parameter 'question', which receives the prompt"),
+    ("response", "{file}:named", "parameter 'response', which receives the completion"),
+])
+def test_a_column_named_like_an_argument_the_reward_gets_fails_at_setup(tmp_path, column, spec, what):
+    """Before, a column ``self`` made every reward call fail ("got multiple values for argument 'self'")
+    and the run went on with every reward 0; no set-up check named the column."""
+    from cispo.data.rewards.loading import check_reward_fields
+
+    file = tmp_path / "reserved_rewards.py"
+    file.write_text(RESERVED_REWARDS)
+    rows = [{"prompt": f"q{i}", "answer": str(i), column: "x"} for i in range(20)]
+    task, cfg = _source(tmp_path, rows, spec.format(file=file), reward_isolation="main")
+    with pytest.raises(RewardSpecError, match=rf"^data file '.*prompts\.jsonl': training sample 0 has a column "
+                                              rf"'{column}', which would meet its {what}") as e:
+        check_reward_fields(task, cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_columns_a_reward_does_not_bind_pass_the_check(tmp_path):
+    from cispo.data.rewards.loading import check_reward_fields
+
+    file = tmp_path / "reserved_rewards.py"
+    file.write_text(RESERVED_REWARDS)
+    rows = [{"prompt": f"q{i}", "answer": str(i), "question": "x", "response": "y"} for i in range(20)]
+    for spec in ("exact_match", f"{file}:score", f"{file}:by_position"):  # positional-only: no clash
+        task, cfg = _source(tmp_path, rows, spec, reward_isolation="main")
+        check_reward_fields(task, cfg)
+        sample = {k: v for k, v in task.train_samples(0, 1)[0].items() if k != "prompt"}
+        assert task.reward("q", "#### 0", **sample) in (0.0, 1.0)
+    assert load_reward("exact_match")("q", "#### 1", answer="1", self="x") == 1.0  # a Reward's own self is positional
+
+
+def test_named_eval_sets_are_checked_when_given(tmp_path):
+    from cispo.config.data import EvalSetConfig
+    from cispo.data.rewards.loading import check_reward_fields
+
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
+    task, cfg = _source(tmp_path, rows, "exact_match", eval_sets={"extra": EvalSetConfig(path="extra.jsonl")})
+    check_reward_fields(task, cfg, {"extra": [{"prompt": "q", "answer": "1"}]})
+    with pytest.raises(RewardSpecError, match=r"^data file 'extra\.jsonl': evaluation set 'extra' sample 1 has a "
+                                              r"column 'self'"):
+        check_reward_fields(task, cfg, {"extra": [{"prompt": "q", "answer": "1"}, {"prompt": "q", "self": 1}]})
+    with pytest.raises(RewardSpecError, match=r"evaluation set 'extra' sample 0 has no field 'answer'"):
+        check_reward_fields(task, cfg, {"extra": [{"prompt": "q"}]})
+
+
+def test_train_names_a_reserved_column_before_loading_a_model(tmp_path):
+    from cispo.config.train import TrainConfig, apply_overrides
+    from cispo.training.runner import train
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i), "self": i}) + "\n" for i in range(20)))
+    not_loadable = tmp_path / "not_loadable"  # a model folder whose loading would fail
+    not_loadable.mkdir()
+    (not_loadable / "config.json").write_text("{}")
+    cfg = apply_overrides(TrainConfig(), [f"data.path={path}", "data.reward=exact_match", "max_new_tokens=8",
+                                          f"model.path={not_loadable}", f"out_dir={tmp_path}",
+                                          "model.device=cpu", "progress=false"])
+    with pytest.raises(RewardSpecError, match="prompts.jsonl': training sample 0 has a column 'self'"):
+        train(cfg)
+
+
 # --------------------------------------------------------------------------- stated answers (issue 18)
 
 

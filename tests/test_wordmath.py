@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,103 @@ def test_wordmath_working_pays_a_right_answer_only_after_true_working(completion
     assert wordmath.reward_working(Q, completion, answer="51") == score
 
 
+# Issue 44: (completion, gold, score) — hedges after the final answer (on its line or the lines after, in
+# digits or words), numerals that are not ASCII digits, decimals that a float rounds to the gold, commas
+# that are no thousands separators, echoes of the question after the answer; and clean answers that pay.
+VERBOSE = ("Ava had 10 apples and gave away 3, so she has 10 - 3 = 7 apples left, which is the number we want."
+           "\n#### 7 apples.\nI hope this helps!")
+FINAL_ANSWER_VERDICTS = [
+    ("#### 7 or maybe eight", "7", 0.0),
+    ("#### 7\nor 8", "7", 0.0),
+    ("#### 7\n(if she lost one, 6)", "7", 0.0),
+    ("#### 7 is wrong, it is nine", "7", 0.0),
+    ("#### 7\nOr twenty-one.", "7", 0.0),
+    ("#### 7²", "7", 0.0),
+    ("#### 7½", "7", 0.0),
+    ("#### 7 ³", "7", 0.0),
+    ("#### ٧", "7", 0.0),  # an Arabic-Indic seven: not ASCII digits
+    ("#### 6.99999999999999999", "7", 0.0),  # a float says 7.0
+    ("#### 7.00000000000000001", "7", 0.0),
+    ("#### 1,2", "12", 0.0),
+    ("#### 5,6", "56", 0.0),
+    ("#### 10,00", "1000", 0.0),
+    ("#### 7,7", "7", 0.0),  # not "7" restated: no number at all
+    ("The answer is eight.\n#### 7", "7", 0.0),  # the first stated answer is in words: not paid
+    ("#### 51\n30 + 21 = 51", "51", 0.0),  # echoes the question's numbers after the answer
+    (f"{Q}\n#### 51", "51", 1.0),  # ... before it: working
+    (f"#### 51\n{Q}", "51", 0.0),
+    ("\\boxed{7 + 0}", "7", 0.0),
+    ("#### 1,000", "1000", 1.0),
+    ("#### 7", "7", 1.0),
+    ("#### 7.", "7", 1.0),
+    ("#### 7.0", "7", 1.0),
+    ("The answer is 7.", "7", 1.0),
+    ("#### 7\n#### 7", "7", 1.0),  # a restatement is no hedge
+    ("#### 7 (seven)", "7", 1.0),
+    ("#### −7", "-7", 1.0),  # U+2212
+    (VERBOSE, "7", 1.0),  # verbose, and nothing numeric after the answer
+]
+
+
+@pytest.mark.parametrize("completion, gold, score", FINAL_ANSWER_VERDICTS)
+def test_no_other_number_may_follow_the_final_answer(completion, gold, score):
+    assert wordmath.reward(Q, completion, answer=gold) == score
+
+
+@pytest.mark.parametrize("minus", ["\u2212", "\u2013", "\ufe63", "\uff0d"])
+def test_working_with_a_unicode_minus_sign_pays(minus):
+    completion = f"10 {minus} 3 = 7\n#### 7"
+    assert wordmath.reward_working(Q, completion, answer="7") == 1.0
+    assert wordmath.equations(f"10 {minus} 3 = 7") == [(7, 7)]
+
+
+def test_working_is_checked_exactly():
+    assert wordmath.equations("0.1 + 0.2 = 0.3") == [(Fraction(3, 10), Fraction(3, 10))]  # a float says 0.30000000000000004
+    assert wordmath.reward_working(Q, "10 / 3 = 3.3333333333\n#### 3.3333333333", answer="3.3333333333") == 0.0
+    assert wordmath.reward_working(Q, "10 - 3 = 6.99999999999999999\n#### 7", answer="7") == 0.0
+    long = "+".join(["1"] * 150)  # 299 characters: not checked, so the working does not count
+    assert wordmath.equations(f"{long} = 150") == [(None, 150)]
+    assert wordmath.reward_working(Q, f"{long} = 150\n149 + 1 = 150\n#### 150", answer="150") == 0.0
+
+
+def _hostile(n: int) -> dict[str, str]:
+    """Completions of about ``n`` characters that made the old verifier's regexes backtrack (cubic:
+    "answer is" and spaces; quadratic: "#### " and spaces, "=" and spaces, long runs of arithmetic
+    characters before an "=", many equations, many markers) or recurse (a long expression)."""
+    return {
+        "answer is, spaces": "answer is" + " " * n + "x",
+        "answer:, spaces": "answer:" + " " * n + "x",
+        "####, spaces": "#### " + " " * n,
+        "####, $, spaces": "#### $" + " " * n + "x",
+        "boxed, spaces": "\\boxed{" + " " * n + "x",
+        "boxed number, spaces": "\\boxed{7" + " " * n + "x",
+        "many markers": "#### 7 " * (n // 7),
+        "many stated markers": "answer is: " * (n // 11),
+        "=, spaces": "=" + " " * n + "x\n#### 7",
+        "arithmetic run before =": "1 " * (n // 2) + "a= 1\n#### 7",
+        "many equations": "1+1=2 " * (n // 6) + "\n#### 2",
+        "long expression": "1+" * (n // 2) + "1 = 7\n#### 7",
+        "nested parentheses": "(" * (n // 2) + "1" + ")" * (n // 2) + " + 1 = 2\n#### 2",
+        "restated tail": "#### 7" + "\n7" * (n // 2),
+        "comma runs": "#### 7 " + "1," * (n // 2),
+        "one long number": "#### " + "9" * n,
+        "long decimal": "#### 7." + "0" * n + "1",
+        "number words": "#### 7 " + "seven " * (n // 6),
+        "a numeral at the end": "#### 7 " + "x" * n + "²",
+    }
+
+
+@pytest.mark.parametrize("shape", sorted(_hostile(10)))
+def test_the_verifier_is_linear_on_hostile_completions(shape):
+    """100,000 characters in well under 2 s (measured: at most 0.2 s for both rewards; the old verifier
+    took 4.4 s on "answer is" and 800 spaces, growing with the cube; 0.66 s on "#### " and 8,000
+    spaces, growing with the square)."""
+    text = _hostile(100_000)[shape]
+    start = time.perf_counter()
+    wordmath.reward(Q, text, answer="7"), wordmath.reward_working(Q, text, answer="7"), wordmath.extract_answer(text)
+    assert time.perf_counter() - start < 2.0
+
+
 def test_wordmath_working_is_wordmath_with_that_reward():
     plain, working = get_task("wordmath"), get_task("wordmath_working")
     assert working.train_samples(0, 5) == plain.train_samples(0, 5)
@@ -98,6 +197,9 @@ def test_equations_reads_chains_times_signs_and_thousands():
 def test_extract_answer_is_the_one_stated_answer():
     assert wordmath.extract_answer("x\n#### 1,234") == "1234"
     assert wordmath.extract_answer("#### 3\n#### 4") is None and wordmath.extract_answer("3") is None
+    assert [wordmath.extract_answer(c) for c in ("#### 51.0", "#### 7.50", "#### 7.00000000000000001", "#### 7\n#### 7")] \
+        == ["51", "7.5", "7.00000000000000001", "7"]
+    assert [wordmath.extract_answer(c) for c in ("#### 7 or eight", "#### 7²", "#### 1,2", "#### seven")] == [None] * 4
 
 
 def test_splits_are_disjoint_seeded_and_chat_shaped():

@@ -33,7 +33,8 @@ A function of any kind without ``**kwargs`` gets only the fields it names (a col
 name is not passed); a built-in gets only its `BUILTIN_FIELDS`. An async function is run to
 completion (``asyncio.run``).
 
-`check_reward_fields` checks before training that every sample has the fields the reward needs.
+`check_reward_fields` checks before training that every sample has the fields the reward needs, and
+no column that would meet an argument the reward already gets (`RESERVED_FIELDS`, `Reward.reserved`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,15 @@ TRL_ARGS = ("prompts", "completions", "completion_ids", "completions_ids", "trai
 
 VERL_GROUND_TRUTH = ("ground_truth", "reward_model.ground_truth", "answer")
 """Where a verl ``compute_score`` finds its ``ground_truth`` in a sample, first found first."""
+
+
+RESERVED_FIELDS = {"self": "its argument 'self' (the reward object's own)",
+                   "completion": "its argument 'completion' (the model's text)"}
+"""Sample fields no data column may fill, for any reward, each with the argument it would meet: a
+method reward's ``self`` and a cispo-style function's ``completion`` are bound by every call, so a
+column of that name made every call fail ("got multiple values for argument 'self'": issue 44; a
+`Reward` itself now takes its arguments by position). The sample's ``prompt`` is its normalised
+prompt, passed by position and never as a field."""
 
 
 class RewardSpecError(ValueError):
@@ -257,6 +267,16 @@ def _required_args(fn: Callable, skip_positional: tuple) -> set[str]:
     return {p.name for p in params[len(skip_positional):] if p.kind in kinds and p.default is inspect.Parameter.empty}
 
 
+def _positional_names(fn: Callable) -> tuple[str, ...]:
+    """The names of ``fn``'s first two parameters where a keyword of that name would meet them (not
+    positional-only ones), which a cispo-style call fills by position with the prompt and the completion."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[:2]
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else "" for p in params)
+
+
 def _settle(value):
     return asyncio.run(value) if inspect.isawaitable(value) else value
 
@@ -351,7 +371,7 @@ class Reward:
     workers: int = 1
     """Worker processes when ``isolated``."""
 
-    def __call__(self, prompt: str, completion: str, **sample) -> float:
+    def __call__(self, prompt: str, completion: str, /, **sample) -> float:
         if self.builtin:  # the fields it reads, and no column that would meet one of its options (mode=...)
             sample = {k: sample[k] for k in BUILTIN_FIELDS.get(self.spec, ()) if k in sample}
         return _CALLS[self.convention](self.fn, prompt, completion, sample)
@@ -367,28 +387,69 @@ class Reward:
             return [(name,) for name in sorted(_required_args(self.fn, ()) - set(TRL_ARGS))]
         return [(name,) for name in sorted(_required_args(self.fn, ("prompt", "completion")))]
 
+    @property
+    def reserved(self) -> dict[str, str]:
+        """Sample fields that may not come from a data column, each with the argument it would meet:
+        `RESERVED_FIELDS`, and for a cispo-style function the names of its first two parameters (``def
+        score(question, response, **kw)``: a column ``question`` would meet the prompt)."""
+        out = dict(RESERVED_FIELDS)
+        if not self.builtin and self.convention == "cispo":
+            for name, what in zip(_positional_names(self.fn), ("the prompt", "the completion")):
+                if name and name != "prompt":
+                    out.setdefault(name, f"its parameter {name!r}, which receives {what}")
+        return out
 
-def check_reward_fields(task, data_cfg) -> None:
+
+def _sources(task, data_cfg, named_sets: dict | None):
+    """``(role, data file, its extra_fields, samples)`` for each set a run scores with ``task.reward``."""
+    yield "training", data_cfg.path, data_cfg.extra_fields, task.train_samples(data_cfg.seed, data_cfg.num_train_prompts)
+    yield ("held-out", data_cfg.eval_path or data_cfg.path, data_cfg.extra_fields,
+           task.eval_samples(data_cfg.seed, data_cfg.num_eval_prompts))
+    for name, samples in (named_sets or {}).items():
+        set_cfg = data_cfg.eval_sets.get(name)
+        yield (f"evaluation set {name!r}", getattr(set_cfg, "path", name),
+               getattr(set_cfg, "extra_fields", data_cfg.extra_fields), samples)
+
+
+def _missing_field(needs: list[tuple[str, ...]], spec: str, sample: dict, extra_fields) -> str | None:
+    """What is wrong when ``sample`` lacks a field the reward ``spec`` needs (`Reward.needs`), or None."""
+    for names in needs:
+        if not any(field_of(sample, name) is not None for name in names):
+            have = ", ".join(sorted(sample)) or "none"
+            want = " or ".join(repr(n) for n in names)
+            hint = ("set data.answer_field to the field holding it" if "answer" in names else
+                    f"the data set has no such column{did_you_mean(names[0], sample)}"
+                    if extra_fields == "all" else
+                    f"add it with data.extra_fields=[{names[0]}], or data.extra_fields=all")
+            return f"has no field {want}, which reward {spec!r} needs ({hint}); the sample's fields: {have}"
+    return None
+
+
+def _reserved_column(reserved: dict[str, str], spec: str, sample: dict) -> str | None:
+    """What is wrong when ``sample`` has a field named like an argument the reward ``spec`` already
+    gets (`Reward.reserved`), or None."""
+    for name, what in reserved.items():
+        if name in sample:
+            return (f"has a column {name!r}, which would meet {what} in every call of reward {spec!r}, "
+                    f"failing each; rename the column, or pass only the columns the reward needs "
+                    f"(data.extra_fields=[...])")
+    return None
+
+
+def check_reward_fields(task, data_cfg, named_sets: dict | None = None) -> None:
     """Raise `RewardSpecError` naming the data file, the sample and the field if a training or
     held-out sample of ``task`` (a prompt source: ``reward``, ``train_samples``,
-    ``eval_samples``) lacks a field its reward needs (`Reward.needs`). Rewards that are not a
-    `Reward` (the built-in tasks') are not checked. Called once, before sampling starts."""
+    ``eval_samples``) — or of ``named_sets`` (``data.eval_sets``: name -> samples) — lacks a field its
+    reward needs (`Reward.needs`), or has a column named like an argument the reward already gets
+    (`Reward.reserved`: ``self``, ``completion``). Rewards that are not a `Reward` (the built-in
+    tasks') are not checked. Called once, before sampling starts."""
     reward = task.reward
-    if not isinstance(reward, Reward) or not reward.needs:
+    if not isinstance(reward, Reward):
         return
-    sources = (("training", data_cfg.path, task.train_samples(data_cfg.seed, data_cfg.num_train_prompts)),
-               ("held-out", data_cfg.eval_path or data_cfg.path,
-                task.eval_samples(data_cfg.seed, data_cfg.num_eval_prompts)))
-    for role, path, samples in sources:
+    needs, reserved = reward.needs, reward.reserved
+    for role, path, extra_fields, samples in _sources(task, data_cfg, named_sets):
         for i, sample in enumerate(samples):
-            for names in reward.needs:
-                if not any(field_of(sample, name) is not None for name in names):
-                    have = ", ".join(sorted(sample)) or "none"
-                    want = " or ".join(repr(n) for n in names)
-                    hint = ("set data.answer_field to the field holding it" if "answer" in names else
-                            f"the data set has no such column{did_you_mean(names[0], sample)}"
-                            if data_cfg.extra_fields == "all" else
-                            f"add it with data.extra_fields=[{names[0]}], or data.extra_fields=all")
-                    raise RewardSpecError(
-                        f"data file {path!r}: {role} sample {i} has no field {want}, which reward {reward.spec!r} "
-                        f"needs ({hint}); the sample's fields: {have}")
+            problem = (_reserved_column(reserved, reward.spec, sample)
+                       or _missing_field(needs, reward.spec, sample, extra_fields))
+            if problem:
+                raise RewardSpecError(f"data file {path!r}: {role} sample {i} {problem}")

@@ -7,17 +7,22 @@ problems never coincide, whatever the seeds. Prompts are chat messages: the task
 (which states the answer format) and the problem.
 
 The verifier scores the **stated final answer** — ``#### N``, ``Answer: N`` / ``the answer is N`` or
-``\\boxed{N}`` —
-and nothing else, so the ways a last-number verifier was gamed on SmolLM2 score 0:
+``\\boxed{N}``, the first such marker that a number follows — and nothing else, so the ways a
+last-number verifier was gamed on SmolLM2 score 0 (`final_answer`):
 
-* every stated final answer equals the gold one → 1.0, after any amount of working;
-* several *different* stated final answers (hedging) → 0.0, even if one is right; so is a final
-  answer followed by another number on its line ("#### 51, or maybe 52");
+* the final answer equals the gold one → 1.0, after any amount of working;
+* another number anywhere after it — on its line or on the lines after, in digits or as an
+  English number word — → 0.0, unless it restates the same value: a hedge ("#### 51, or maybe 52",
+  "#### 7\\nor 8", "#### 7 is wrong, it is nine"), a second different answer, or an echo of the
+  question's numbers after the answer; a bare restatement ("#### 51\\nThe answer is: 51") is fine;
 * no stated final answer → 0.0: an echo of the question ("30 + 21 =") and a bare number (right or
   wrong) state none. (A last-number rule would pay for listing several results, which RL found.)
 
-Numbers are whole; "1,234" and "1234" are the same answer. math-verify is not needed for integer
-answers: they are compared as integers.
+Numbers are ASCII digits ("7²", "7½", "٧" are not 7), compared exactly as decimals (never floats:
+6.99999999999999999 is not 7; 7.0 is); a comma is read only between groups of three digits ("1,234"
+and "1234" are the same answer; "1,2", "5,6", "10,00" are no number). Unicode minus signs
+(`MINUS_SIGNS`) read as ``-``. Every scan is linear in the completion's length (no regex that
+backtracks over it), so a hostile completion cannot stall the trainer's main thread, where this runs.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import hashlib
 import operator
 import random
 import re
+from decimal import Decimal
+from fractions import Fraction
 
 from cispo.foundations.forks import used_any
 
@@ -131,93 +138,186 @@ def samples(seed: int, n: int, split: str = "train") -> list[dict]:
     return out
 
 
-_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
-_MARKERS = re.compile(rf"####\s*\$?\s*({_NUMBER})|answer\s*(?:is\s*:?|[:：])\s*\$?\s*({_NUMBER})|"
-                      rf"\\boxed\{{\s*({_NUMBER})\s*\}}", re.IGNORECASE)
-_ANY_NUMBER = re.compile(r"\d")
+# --- the verifier: the stated final answer, in one pass --------------------------------------------------
+# Linear in the completion's length: every repeat below is possessive (``*+``, ``++``: a failed match
+# gives nothing back), each scan reads a stretch of text once, and the working's expressions are
+# bounded (`MAX_EXPRESSION_CHARS`). (Issue 44: ``answer\s*(?:is\s*:?|:)\s*\$?\s*`` took 41 s on
+# "answer is" and 1000 spaces.)
+
+MINUS_SIGNS = "\u2010\u2011\u2012\u2013\u2014\u2212\ufe58\ufe63\uff0d"
+"""Dashes written for a minus sign (U+2212 MINUS SIGN; the hyphen, figure, en and em dashes; their small
+and full-width forms): each is read as ``-``, in the answer and in the working."""
+_AS_MINUS = str.maketrans(dict.fromkeys(MINUS_SIGNS, "-"))
+
+_NUMERAL = r"-?[0-9](?:[0-9]|[.,](?=[0-9]))*+"
+"""A run of ASCII digits joined by single ``.`` / ``,`` ("1,000.5", "1,2", "7.0.1"), with its sign."""
+_NUMERALS = re.compile(_NUMERAL)
+_WELL_FORMED = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})++|[0-9]++)(?:\.[0-9]++)?")
+_MARKER = re.compile(r"(?:####|answer\s*+(?:is\s*+:?|[:：])|(?P<boxed>\\boxed\{))\s*+\$?\s*+", re.IGNORECASE)
+_BOXED_END = re.compile(r"\s*+\}")
+
+_UNITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+          "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
+_TENS = ("twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
+NUMBER_WORDS = {**{w: i for i, w in enumerate(_UNITS)}, **{w: 20 + 10 * i for i, w in enumerate(_TENS)},
+                "hundred": 100, "thousand": 1000, "million": 10 ** 6, "billion": 10 ** 9, "dozen": 12}
+"""English number words read as numbers after a final answer ("#### 7 or maybe eight" hedges)."""
+_NUMBER_WORD = re.compile(rf"\b(?:({'|'.join(_TENS)})[- ]({'|'.join(_UNITS[1:10])})|({'|'.join(NUMBER_WORDS)}))\b",
+                          re.IGNORECASE)
 
 
-def _value(text: str) -> int | float:
-    number = float(text.replace(",", ""))
-    return int(number) if number.is_integer() else number
+def _number(numeral: str) -> Decimal | None:
+    """The exact value of a `_NUMERAL` (never a float: 6.99999999999999999 is not 7), or None unless it
+    is well formed: a comma only between groups of three digits ("1,000"; not "1,2", "5,6", "10,00")."""
+    return Decimal(numeral.replace(",", "")) if _WELL_FORMED.fullmatch(numeral) else None
 
 
-def stated_answers(completion: str) -> list[int | float | None]:
-    """Every stated final answer of ``completion``, in order; None for one that another number
-    follows on its line (a hedge such as "#### 51, or maybe 52")."""
-    out = []
-    for m in _MARKERS.finditer(completion):
-        rest = completion[m.end():].split("\n", 1)[0]
-        out.append(None if _ANY_NUMBER.search(rest) else _value(next(g for g in m.groups() if g)))
-    return out
+def _word_value(m: re.Match) -> int:
+    tens, unit, word = (g and g.lower() for g in m.groups())
+    return NUMBER_WORDS[tens] + NUMBER_WORDS[unit] if tens else NUMBER_WORDS[word]
+
+
+def _other_numeral(text: str) -> bool:
+    """Whether ``text`` holds a numeral that is not ASCII digits ("²", "½", "³", "٣")."""
+    return not text.isascii() and any(c.isnumeric() for c in text if not c.isascii())
+
+
+def _restates_only(tail: str, value: Decimal) -> bool:
+    """Whether every number in ``tail`` equals ``value``: each numeral (`_number`; an ill-formed one
+    never does) and each English number word ("eight", "twenty-one"), and it holds no other numeral."""
+    return (not _other_numeral(tail)
+            and all(_number(m.group()) == value for m in _NUMERALS.finditer(tail))
+            and all(_word_value(m) == value for m in _NUMBER_WORD.finditer(tail)))
+
+
+def final_answer(completion: str) -> tuple[int, Decimal | None] | None:
+    """The completion's final answer: ``(where its marker starts, its value)``, None when it states none.
+
+    The rule: the final answer is the first marker (``####``, ``answer is`` / ``answer:``,
+    ``\\boxed{``) that a number follows (after spaces and a ``$``). Its value is None — never paid —
+    unless that number is ASCII digits, well formed (`_number`), and, boxed, alone in its braces;
+    and unless every number after it, on its line *and on the lines after*, restates it
+    (`_restates_only`): "#### 7 or maybe eight", "#### 7\\nor 8", "#### 7²" and an echo of the
+    question's numbers after the answer state another number. Unicode minus signs read as ``-``."""
+    text = completion.translate(_AS_MINUS)
+    for m in _MARKER.finditer(text):
+        numeral = _NUMERALS.match(text, m.end())
+        if numeral is None:
+            word = _NUMBER_WORD.match(text, m.end())
+            if word is not None or (m.end() < len(text) and text[m.end()].isnumeric()):
+                return m.start(), None  # "the answer is eight", "#### ½": stated, not in digits
+            continue  # "#### Step 1", "The answer is: ...": a marker, no answer
+        end = numeral.end()
+        if m.group("boxed"):
+            close = _BOXED_END.match(text, end)
+            if close is None:
+                return m.start(), None  # "\boxed{7 + 1}"
+            end = close.end()
+        value = _number(numeral.group())
+        return m.start(), value if value is not None and _restates_only(text[end:], value) else None
+    return None
+
+
+def _canonical(value: Decimal) -> str:
+    """``value`` written plainly and exactly, at any length: "1234", "51" (for 51.0), "7.5"."""
+    text = format(value, "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _gold(answer) -> Decimal:
+    value = _number(str(answer).strip())
+    if value is None:
+        raise ValueError(f"wordmath: the gold answer {answer!r} is not a number")
+    return value
 
 
 def extract_answer(completion: str) -> str | None:
-    """The one stated final answer (what maj@k votes on); None when there is none or they differ."""
-    stated = set(stated_answers(completion))
-    return str(stated.pop()) if len(stated) == 1 and None not in stated else None
+    """The final answer (`final_answer`) written plainly, what maj@k votes on; None when there is
+    none or it is not paid whatever the gold (another number follows it, not ASCII digits, ...)."""
+    stated = final_answer(completion)
+    return None if stated is None or stated[1] is None else _canonical(stated[1])
 
 
 def reward(prompt, completion: str, answer=None, **sample) -> float:
-    """1.0 iff the completion states a final answer and every one it states equals ``answer``."""
-    stated = stated_answers(completion)
-    return 1.0 if stated and all(v is not None and v == _value(str(answer)) for v in stated) else 0.0
+    """1.0 iff the completion's final answer (`final_answer`) equals ``answer`` exactly and no other
+    number follows it."""
+    stated = final_answer(completion)
+    return 1.0 if stated is not None and stated[1] is not None and stated[1] == _gold(answer) else 0.0
 
 
 # --- wordmath_working: the instruction's "one short line of working" is part of the answer -------------
 
-_EQUALS = re.compile(rf"=\s*\$?\s*({_NUMBER})")
-_EXPRESSION_TAIL = re.compile(r"[\d\s.,+\-*/x×÷()$]*$")
+MAX_EXPRESSION_CHARS = 200
+"""The longest left side ``E`` of an equation ``E = c`` that is evaluated; a longer one is not checked,
+and working that holds one does not count (`shows_working`)."""
+_EQUALS = re.compile(rf"=\s*+\$?\s*+({_NUMERAL})")
+_EXPRESSION_RUN = re.compile(r"[0-9\s.,+\-*/x×÷()$]++")
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
-def _evaluate(node: ast.AST) -> float:
-    """The value of an arithmetic syntax tree of numbers, + - * / and parentheses (ValueError otherwise)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-        return node.value
+def _evaluate(node: ast.AST, source: str) -> Fraction:
+    """The exact value of an arithmetic syntax tree of numbers, + - * / and parentheses parsed from
+    ``source`` (each number read from its text, so 0.1 + 0.2 is 0.3); ValueError otherwise."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return Fraction(ast.get_source_segment(source, node))
     if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-        return _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+        return _OPERATORS[type(node.op)](_evaluate(node.left, source), _evaluate(node.right, source))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_evaluate(node.operand)
+        return -_evaluate(node.operand, source)
     raise ValueError("not arithmetic")
 
 
-def equations(working: str) -> list[tuple[float, float]]:
+def _left_side(run: str) -> str:
+    """The expression a run of arithmetic characters ends in: its last clause (a ". ", ", " or ": "
+    ends one), from its first digit or parenthesis, ``x`` / ``×`` as ``*``, ``÷`` as ``/``, no
+    thousands commas or ``$``."""
+    tail = re.split(r"[.,:]\s", run)[-1]
+    lhs = re.sub(r"^[^\d(]*+", "", tail).replace("x", "*").replace("×", "*").replace("÷", "/")
+    return re.sub(r"(?<=\d),(?=\d{3})", "", lhs).replace("$", "").strip()
+
+
+def equations(working: str) -> list[tuple[Fraction | None, Fraction | None]]:
     """Every ``E = c`` in ``working`` whose left side ``E`` is arithmetic with at least one operator
-    (``x`` / ``×`` read as times, ``÷`` as divided by), in order: ``(value of E, c)``. "2 x 4 = 8 - 7 = 1"
-    holds two; "6 marbles - 3 marbles = 3" none (the text between numbers is not arithmetic)."""
+    (``x`` / ``×`` read as times, ``÷`` as divided by), in order: ``(exact value of E, c)``. "2 x 4 = 8 - 7 = 1"
+    holds two; "6 marbles - 3 marbles = 3" none (the text between numbers is not arithmetic). An ``E``
+    longer than `MAX_EXPRESSION_CHARS`, or a ``c`` that is no well-formed number ("= 1,05"), is
+    ``None``: an equation that cannot be checked."""
+    working = working.translate(_AS_MINUS)
+    run_starts = {m.end(): m.start() for m in _EXPRESSION_RUN.finditer(working)}  # "=" ends any run
     out = []
     for m in _EQUALS.finditer(working):
-        tail = _EXPRESSION_TAIL.search(working[:m.start()]).group()
-        tail = re.split(r"[.,:]\s", tail)[-1]  # a sentence or clause break ends the expression
-        lhs = re.sub(r"^[^\d(]*", "", tail).replace("x", "*").replace("×", "*").replace("÷", "/")
-        lhs = re.sub(r"(?<=\d),(?=\d{3})", "", lhs).replace("$", "").strip()
+        lhs = _left_side(working[run_starts.get(m.start(), m.start()):m.start()])
+        c = _number(m.group(1))
+        exact = None if c is None else Fraction(c)
+        if len(lhs) > MAX_EXPRESSION_CHARS:
+            out.append((None, exact))
+            continue
         try:
             tree = ast.parse(lhs, mode="eval").body
             if not isinstance(tree, ast.BinOp):
                 continue
-            out.append((_evaluate(tree), _value(m.group(1))))
+            out.append((_evaluate(tree, lhs), exact))
         except (SyntaxError, ValueError, ZeroDivisionError):
             continue
     return out
 
 
 def shows_working(completion: str) -> bool:
-    """Whether the text before the first stated final answer holds the instruction's working: at least
-    one equation ``E = c`` (`equations`), every one of them true (``E`` = c), the last one ending in the
-    stated answer. A bare "#### 5", a guess after a trivial or wrong equation ("1 + 1 = 2 #### 7",
-    "6 * 3 = 3 #### 3") and an echo of the question show none."""
-    first = _MARKERS.search(completion)
-    stated = extract_answer(completion)
-    if first is None or stated is None:
+    """Whether the text before the final answer (`final_answer`) holds the instruction's working: at least
+    one equation ``E = c`` (`equations`), every one of them checked and true (``E`` = c exactly), the
+    last one ending in the stated answer. A bare "#### 5", a guess after a trivial or wrong equation
+    ("1 + 1 = 2 #### 7", "6 * 3 = 3 #### 3") and an echo of the question show none."""
+    stated = final_answer(completion)
+    if stated is None or stated[1] is None:
         return False
-    shown = equations(completion[:first.start()])
-    return bool(shown) and all(abs(e - c) < 1e-9 for e, c in shown) and shown[-1][1] == _value(stated)
+    shown = equations(completion[:stated[0]])
+    return (bool(shown) and all(e is not None and e == c for e, c in shown)
+            and shown[-1][1] == Fraction(stated[1]))
 
 
 def reward_working(prompt, completion: str, answer=None, **sample) -> float:
-    """`reward` (every stated final answer equals ``answer``) times `shows_working`: 1.0 iff the answer
-    is right *and* reached by a line of true working that ends in it, as the task's instruction asks."""
+    """`reward` (the final answer equals ``answer``, nothing after it) times `shows_working`: 1.0 iff the
+    answer is right *and* reached by a line of true working that ends in it, as the task's instruction asks."""
     return reward(prompt, completion, answer) if shows_working(completion) else 0.0
 
 
