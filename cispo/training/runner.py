@@ -281,7 +281,7 @@ def set_up_data(cfg: TrainConfig):
     check_model(cfg)  # before the (possibly long) data loading
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
-    check_reward_fields(task, cfg.data)  # before any model is loaded or sampled from
+    check_reward_fields(task, cfg.data, named_sets)  # before any model is loaded or sampled from
     start_reward_workers(task.reward)  # they start while the model loads, not in the first step
     sampling = sampling_config(cfg.rollout, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))

@@ -38,19 +38,20 @@ _TEXT_WRAP = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
 
 def extract_boxed(text: str) -> str | None:
     """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``, or ``\\boxed 5``) in
-    `text`, with nested braces balanced; None if there is none (an unclosed one is ignored)."""
+    `text`, with nested braces balanced; None if there is none (an unclosed one is ignored).
+    One pass over the braces with a stack (linear: a run of nested ``\\boxed{`` once took each
+    opener's own scan to the end, quadratic)."""
+    openers = {m.end() - 1: m.start() for m in _BOXED.finditer(text)}  # index of a boxed's "{" -> its start
     last: str | None = None
     last_pos = -1
-    for m in _BOXED.finditer(text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-            i += 1
-        if depth == 0:
-            last, last_pos = text[m.end() : i - 1], m.start()
+    stack: list[int] = []  # indices of the "{" not closed yet
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            open_at = stack.pop()
+            if open_at in openers and openers[open_at] > last_pos:
+                last, last_pos = text[open_at + 1 : i], openers[open_at]
     for m in _BOXED_BARE.finditer(text):
         if m.start() > last_pos:
             last, last_pos = m.group(1), m.start()
