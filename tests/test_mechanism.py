@@ -98,3 +98,24 @@ def test_a_run_logs_the_check_per_update(tiny_model, tmp_path):
     assert sum(row.get(f"fork/w/tokens_k{k}", 0.0) for k in ks) == row["fork/w/count"]  # none: no _k keys
     assert sum(row.get(f"fork/w/pos_lowp_above_k{k}", 0.0) for k in ks) == row[MECHANISM_COUNT]
     assert sum(row[f"fork/other/tokens_k{k}"] for k in ks) == row["fork/other/count"]
+
+
+def test_the_mechanism_on_every_token_by_hand():
+    """Study v4's all-token measures (issue 46, item 2) on the batch above, with row 1's last token pushed
+    down to r = 0.5 (below 1 - eps_low = 0.8): DAPO's weight is r, so the proxy (1 - r p_old) |r A| is
+    row 0: 0.925 * 1.5, 0.25 * 1.5, 0.5 * 1 (A = +1); row 1: 0.925 * 1.5, 0.5 * 1, 0.75 * 0.5 (A = -1)."""
+    exp, _ = batch()
+    r = torch.tensor([[1.5, 1.5, 1.0], [1.5, 1.0, 0.5]], dtype=torch.float64)
+    _, stats = policy_loss(exp.logp_old + r.log(), exp.logp_old, exp.advantages, exp.response_mask, preset("dapo"))
+    sums = fork_sums(exp, stats, len(NAMES), eps_high=0.2, eps_low=0.2)
+    out = fork_metrics([sums], NAMES)
+    positive = 0.925 * 1.5 + 0.25 * 1.5 + 0.5
+    negative = 0.925 * 1.5 + 0.5 + 0.75 * 0.5
+    assert out["objective/all_pos_lowp_above"] == 1.0 and out["objective/all_pos_lowp_above_k1"] == 1.0
+    assert out["objective/all_pos_mass_above"] == pytest.approx((0.925 * 1.5 + 0.25 * 1.5) / positive)
+    assert out["objective/all_pos_mass_lowp_above"] == pytest.approx(0.925 * 1.5 / positive)
+    assert out["objective/all_neg_mass_below"] == pytest.approx(0.75 * 0.5 / negative)
+    assert out["objective/all_neg_mass_below_k1"] == out["objective/all_neg_mass_below"]
+    # eps_low is the lower bound's own: at 0.6 (bound 0.4) no negative token is below it
+    wide = fork_metrics([fork_sums(exp, stats, len(NAMES), eps_high=0.2, eps_low=0.6)], NAMES)
+    assert wide["objective/all_neg_mass_below"] == 0.0

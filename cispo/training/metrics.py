@@ -95,7 +95,8 @@ def update_metrics(stats: list[dict]) -> dict:
 # ---------------------------------------------------------------------------------------
 
 MECHANISM_COUNT = "objective/fork_pos_lowp_above"  # and its per-update "..._k{k}" keys: summed over ranks
-FORK_COLUMNS = ("tokens", "capped", "ppo_dropped", "pos", "pos_above", "pos_lowp_above", "mass", "mass_above")
+FORK_COLUMNS = ("tokens", "capped", "ppo_dropped", "pos", "pos_above", "pos_lowp_above", "mass", "mass_above",
+                "mass_lowp_above", "neg_mass", "neg_mass_below")
 """The columns of `fork_sums`."""
 _COL = {name: i for i, name in enumerate(FORK_COLUMNS)}
 _FORK_COUNT = re.compile(r"^fork/[^/]+/(count|tokens|pos|pos_above|pos_lowp_above)(_k\d+)?$")
@@ -116,7 +117,8 @@ def fork_labels(exp: Experience, n_strings: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fork_sums(exp: Experience, stats: ObjectiveStats, n_strings: int, eps_high: float) -> torch.Tensor:
+def fork_sums(exp: Experience, stats: ObjectiveStats, n_strings: int, eps_high: float,
+              eps_low: float = 0.2) -> torch.Tensor:
     """One micro-batch's counts per fork string (rows 0..S-1, in ``ForkTokens.names`` order) and for
     the other response tokens (row S), in the columns `FORK_COLUMNS`:
 
@@ -125,7 +127,10 @@ def fork_sums(exp: Experience, stats: ObjectiveStats, n_strings: int, eps_high: 
       PPO's upper mask drops (CISPO keeps it, capped); ``pos_lowp_above``: of those, p_old < 0.1 — the
       paper's case;
     * ``mass`` / ``mass_above``: the gradient-mass proxy (1 - p) |w A| summed over the A > 0 tokens /
-      over those with r > 1 + eps_high (|d log p / d logit| = 1 - p).
+      over those with r > 1 + eps_high (|d log p / d logit| = 1 - p); ``mass_lowp_above``: of the
+      latter, p_old < 0.1 (the paper's case, by mass);
+    * ``neg_mass`` / ``neg_mass_below``: the same proxy over the A < 0 tokens / over those with
+      r < 1 - eps_low (what PPO's lower mask drops and CISPO keeps).
 
     ``stats`` must carry its per-token flags, ``ratio`` and ``weight``.  -> [S + 1, F] float64"""
     mask = exp.response_mask.bool()  # [b, T]
@@ -136,9 +141,12 @@ def fork_sums(exp: Experience, stats: ObjectiveStats, n_strings: int, eps_high: 
     p_new = torch.exp(exp.logp_old[:, :T]) * ratio  # pi_theta = r pi_old    [b, T]
     mass = (1.0 - p_new).clamp(min=0) * (weight * exp.advantages[:, None]).abs()  # [b, T]
     low_prob = exp.logp_old[:, :T] < math.log(LOW_PROB)  # [b, T]
+    negative = (exp.advantages[:, None] < 0).expand_as(mask) & mask  # [b, T]
+    below = negative & (ratio < 1.0 - eps_low)  # [b, T]
     columns = {"tokens": mask, "capped": stats.capped[:, :T], "ppo_dropped": stats.ppo_dropped[:, :T],
                "pos": positive, "pos_above": above, "pos_lowp_above": above & low_prob,
-               "mass": mass * positive, "mass_above": mass * above}
+               "mass": mass * positive, "mass_above": mass * above, "mass_lowp_above": mass * (above & low_prob),
+               "neg_mass": mass * negative, "neg_mass_below": mass * below}
     values = torch.stack([columns[c].double() for c in FORK_COLUMNS], dim=-1)[mask]  # [n, F]
     labels = fork_labels(exp, n_strings)[mask]  # [n]
     out = torch.zeros(n_strings + 1, len(FORK_COLUMNS), dtype=torch.float64, device=values.device)
@@ -166,6 +174,20 @@ def _update_block(row: torch.Tensor, suffix: str) -> dict:
             f"pos_mass_above{suffix}": _ratio(c["mass_above"], c["mass"])}
 
 
+def all_token_metrics(row: torch.Tensor, suffix: str) -> dict:
+    """The mechanism on every response token (study v4, issue 46), from ``fork_sums`` summed over its rows:
+    ``objective/all_pos_lowp_above`` (A > 0, p_old < 0.1, r > 1 + eps_high: the paper's case, counted),
+    ``all_pos_mass_above`` (the share of the positive gradient-mass proxy above 1 + eps_high: what DAPO's
+    upper mask drops), ``all_pos_mass_lowp_above`` (the share of it both above and p_old < 0.1) and
+    ``all_neg_mass_below`` (the share of the negative tokens' proxy below 1 - eps_low: what the lower mask
+    drops), each named with ``suffix`` (``""`` pooled over the step's updates, ``_k{k}`` for update k)."""
+    c = {name: float(row[i]) for name, i in _COL.items()}
+    return {f"objective/all_pos_lowp_above{suffix}": c["pos_lowp_above"],
+            f"objective/all_pos_mass_above{suffix}": _ratio(c["mass_above"], c["mass"]),
+            f"objective/all_pos_mass_lowp_above{suffix}": _ratio(c["mass_lowp_above"], c["mass"]),
+            f"objective/all_neg_mass_below{suffix}": _ratio(c["neg_mass_below"], c["neg_mass"])}
+
+
 def fork_metrics(per_update: list[torch.Tensor], names: tuple[str, ...]) -> dict:
     """The step's fork diagnostics from each optimizer step's ``fork_sums`` (update index k = 1..K·epochs):
 
@@ -183,10 +205,12 @@ def fork_metrics(per_update: list[torch.Tensor], names: tuple[str, ...]) -> dict
     mass_share = lambda row: _ratio(float(row[_COL["mass_above"]]), float(row[_COL["mass"]]))  # noqa: E731
     out = {MECHANISM_COUNT: float(forks(total)[_COL["pos_lowp_above"]]),
            "objective/fork_pos_mass_above": mass_share(forks(total)),
-           "objective/other_pos_mass_above": mass_share(total[-1])}
+           "objective/other_pos_mass_above": mass_share(total[-1]),
+           **all_token_metrics(total.sum(0), "")}
     for k, sums in enumerate(per_update, start=1):
         out[f"{MECHANISM_COUNT}_k{k}"] = float(forks(sums)[_COL["pos_lowp_above"]])
         out[f"objective/fork_pos_mass_above_k{k}"] = mass_share(forks(sums))
+        out.update(all_token_metrics(sums.sum(0), f"_k{k}"))
     for row, name in enumerate((*names, OTHER)):
         blocks = {**_update_block(total[row], "")}
         for k, sums in enumerate(per_update if total[row, _COL["tokens"]] > 0 else [], start=1):

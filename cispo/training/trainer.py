@@ -253,7 +253,8 @@ def accumulate_gradients(policy: Policy, exp: Experience, rows: torch.Tensor, ob
             exp.extras["entropy"][micro, :t] = sub.extras["entropy"]
         policy.scaled(loss).backward()
         add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
-        parts.append((s, None if forks is None else fork_sums(sub, s, len(forks.names), obj.eps_high)))
+        parts.append((s, None if forks is None else fork_sums(sub, s, len(forks.names), obj.eps_high,
+                                                                  obj.eps_low)))
     return parts
 
 
