@@ -40,3 +40,20 @@ def test_the_issue_figures_recompute_from_the_v3_gate_runs():
     k32 = gate_all_tokens(read_metrics(GATE / "chain_hidden_sharp_k32_dapo_s100" / "metrics.jsonl"))
     assert k16["complete"] and k16["late_steps_with_paper_case"] == 20 and k16["persistence"]
     assert k32["late_steps_with_paper_case"] == 16 and math.isnan(k16["all_pos_mass_above_mean"])
+
+
+V4_GATE = Path(__file__).resolve().parents[1] / "docs" / "results" / "v4" / "gate"
+
+
+def test_the_committed_v4_gate_verdicts_recompute_from_their_data():
+    """docs/results.md, "Study v4": seed 101 fails persistence (9 of steps 11-40), seed 102 passes (17)."""
+    import json
+
+    for seed, late, passes in ((101, 9, False), (102, 17, True)):
+        name = f"chain_hidden_sharp_dapo_s{seed}"
+        assert (V4_GATE / name / "metrics.jsonl.gz").is_file()
+        verdict = gate_all_tokens(read_metrics(V4_GATE / name / "metrics.jsonl"))
+        committed = json.loads((V4_GATE / f"{name}.gate.json").read_text())
+        assert verdict == committed and verdict["complete"]
+        assert verdict["late_steps_with_paper_case"] == late and verdict["mechanism_acts"] is passes
+        assert verdict["size"]  # (ii) holds on both seeds
