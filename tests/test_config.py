@@ -155,7 +155,7 @@ def test_override_does_not_change_its_input():
         (["steps"], "override 'steps': expected key=value"),
         (["optim.lrr=1"], "override 'optim.lrr=1': optim.lrr: unknown key (did you mean 'optim.lr'?)"),
         (["lrr=1"], "lrr: unknown key (did you mean 'lr'?)"),
-        (["learning_rate=1"], "learning_rate: unknown key"),
+        (["learning_rate=abc"], "override 'learning_rate=abc': optim.lr: expected float, got 'abc'"),  # TRL's name
         (["lr=abc"], "override 'lr=abc': optim.lr: expected float, got 'abc'"),
         (["seed=1.5"], "seed: expected int, got 1.5"),
         (["steps=true"], "steps: expected int, got True"),  # not read as 1
@@ -317,7 +317,7 @@ def test_did_you_mean():
 
 
 # ---------------------------------------------------------------------------------------
-# TRL's and verl's names (issue 30, item 7)
+# TRL's and verl's names (issue 30, item 7; issue 48, item 2)
 # ---------------------------------------------------------------------------------------
 
 
@@ -326,30 +326,190 @@ def test_did_you_mean():
     [
         ("beta=0.04", "beta: unknown key (did you mean 'algo.objective_overrides.kl_coef'? 'beta' in TRL:"),
         ("kl_coef=0.1", "(did you mean 'algo.objective_overrides.kl_coef'?"),
-        ("num_generations=4", "(did you mean 'rollout.group_size'? 'num_generations' in TRL"),
-        ("num_iterations=2", "(did you mean 'algo.epochs'?"),
-        ("epsilon=0.2", "(did you mean 'algo.objective_overrides.eps_low'?"),
-        ("epsilon_high=0.28", "(did you mean 'algo.objective_overrides.eps_high'?"),
-        ("loss_type=dapo", "(did you mean 'algo.objective'?"),
-        ("max_completion_length=64", "(did you mean 'rollout.max_new_tokens'?"),
-        ("learning_rate=1e-5", "(did you mean 'optim.lr'?"),
+        ("epsilon=0.2", "(did you mean 'algo.objective_overrides.eps_low' and 'algo.objective_overrides.eps_high'?"),
+        ("epsilon_high=0.28", "(did you mean 'algo.objective_overrides.eps_high' and "),
         ("use_kl_loss=true", "(did you mean 'algo.objective_overrides.kl_coef'? 'use_kl_loss' in verl"),
         ("kl_loss_coef=0.001", "(did you mean 'algo.objective_overrides.kl_coef'?"),
         ("clip_ratio_low=0.2", "(did you mean 'algo.objective_overrides.eps_low'?"),
         ("clip_ratio_high=0.28", "(did you mean 'algo.objective_overrides.eps_high'?"),
         ("algo.beta=0.04", "algo.beta: unknown key (did you mean 'algo.objective_overrides.kl_coef'?"),
         ("objective_overrides.beta=0.04", "ObjectiveConfig has no field 'beta' (did you mean 'kl_coef'? 'beta' in TRL"),
+        ("objective_overrides.loss_agg_mode=token-mean", "ObjectiveConfig has no field 'loss_agg_mode' (did you mean "
+                                                          "'aggregation'? 'loss_agg_mode' in verl"),
+        # issue 48: a mapped name wins over the closest spelling (was 'trackers', 'rollout', 'data.extra_fields',
+        # 'max_bad_steps', 'steps', 'reward', 'data.reward_workers')
+        ("trainer.total_epochs=3", "trainer.total_epochs: unknown key (did you mean 'steps'? 'trainer.total_epochs' in "
+                                   "verl: cispo counts RL steps"),
+        ("max_steps=100", "max_steps: unknown key (did you mean 'steps'? 'max_steps' in TRL: cispo counts RL steps"),
+        ("save_steps=100", "(did you mean 'checkpoint_every'? 'save_steps' in TRL: cispo counts RL steps"),
+        ("logging_steps=10", "logging_steps: unknown key ('logging_steps' in TRL: no cispo setting; cispo logs every"),
+        ("trainer.foo=1", "trainer.foo: unknown key (below verl's trainer: cispo reads none of that name"),
     ],
 )
 def test_trl_and_verl_names_are_answered_with_cispos_key(override, expected):
     assert expected in _error([override])
+    assert "\n" not in _error([override])
+
+
+def _nested(dotted: str, value) -> dict:
+    """{'a': {'b': value}} for 'a.b'."""
+    for part in reversed(dotted.split(".")):
+        value = {part: value}
+    return value
+
+
+def _merged(a: dict, b: dict) -> dict:
+    return {**a, **{k: _merged(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                    for k, v in b.items()}}
+
+
+def _value(cfg, dotted: str):
+    """A config's value at dotted key (through dict fields too)."""
+    for part in dotted.split("."):
+        cfg = cfg[part] if isinstance(cfg, dict) else getattr(cfg, part)
+    return cfg
+
+
+_FILE_RUN = {"model": {"path": "m"}, "data": {"reward": "math"}, "rollout": {"max_new_tokens": 8}}
+_NEEDS = {  # what a key read needs beside it to make a valid config
+    "data.path": _FILE_RUN,
+    "data.eval_path": _merged(_FILE_RUN, {"data": {"path": "train.jsonl"}}),
+    "data.reward_weights": _merged(_FILE_RUN, {"data": {"path": "train.jsonl", "reward": ["a.py:f", "b.py:g"]}}),
+}
+
+
+def _other_names():
+    from cispo.foundations.suggest import OTHER_NAMES
+
+    return OTHER_NAMES
+
+
+def _forms(name: str):
+    """``name`` and, for verl's dotted names, its last part where that alone finds the same row."""
+    from cispo.config.engine import _own_leaves
+    from cispo.foundations.suggest import lookup
+
+    leaf = name.rsplit(".", 1)[-1]
+    same = leaf != name and lookup((leaf,), _own_leaves(TrainConfig)) == (name, _other_names()[name])
+    return [name, leaf] if same else [name]
+
+
+@pytest.mark.parametrize("name", list(_other_names()))
+def test_every_trl_and_verl_name_is_read_as_its_key_or_refused_naming_it(name, monkeypatch, capsys):
+    """Each name of OTHER_NAMES, typed as TRL or verl users write it (and, for verl's, by its last
+    part alone where that is unambiguous): read as cispo's key, with that key's value and one line on
+    stderr; or refused in one line that names cispo's key (or says there is none) and the difference."""
+    from cispo.config import engine
+    from cispo.config.engine import _fields
+    from cispo.foundations.suggest import read_line
+
+    other = _other_names()[name]
+    for typed in _forms(name):
+        monkeypatch.setattr(engine, "_ANNOUNCED", set())
+        if other.read is not None:
+            given, expected = other.example
+            key = other.keys[0]
+            cfg = from_dict(TrainConfig, _merged(_NEEDS.get(key, {}), _nested(typed, given)))
+            assert _value(cfg, key) == expected
+            said = capsys.readouterr().err
+            assert said == ("" if typed == key else read_line(typed, other, given, other.read(given)) + "\n")
+        else:
+            with pytest.raises(ConfigError) as e:
+                from_dict(TrainConfig, _nested(typed, 1))
+            message = str(e.value)
+            assert "\n" not in message and message.startswith(f"<dict>: {typed}: unknown key (")
+            assert all(repr(k) in message for k in other.keys) and other.what in message
+            assert other.keys or "no cispo setting" in message
+            if sum(k[-1] == typed for k in _fields(TrainConfig)) == 0:  # else cispo's own short name (weight_decay)
+                with pytest.raises(ConfigError) as e:  # as an override: the same words
+                    apply_overrides(TrainConfig(), [f"{typed}=1"])
+                assert str(e.value) == message.replace("<dict>", f"override '{typed}=1'")
+
+
+def test_the_read_line_shows_translated_values_once(monkeypatch, capsys):
+    from cispo.config import engine
+
+    monkeypatch.setattr(engine, "_ANNOUNCED", set())
+    cfg = apply_overrides(TrainConfig(), ["loss_type=dapo", "use_vllm=true", "trainer.logger=[console, file, wandb]"])
+    assert (cfg.algo.objective, cfg.rollout.engine, cfg.trackers) == ("ppo", "vllm", ["jsonl", "wandb"])
+    apply_overrides(cfg, ["loss_type=dapo"])  # said once per process
+    assert capsys.readouterr().err.splitlines() == [
+        "cispo: reading TRL's loss_type=dapo as algo.objective=ppo",
+        "cispo: reading TRL's use_vllm=true as rollout.engine=vllm",
+        "cispo: reading verl's trainer.logger=['console', 'file', 'wandb'] as trackers=['jsonl', 'wandb']"]
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("loss_type=cispo", "loss_type: 'cispo' is not read: TRL's cispo caps the IS weight at epsilon_high itself "
+                            "(0.2 unless set); set algo.objective=cispo"),
+        ("loss_type=bnpo", "loss_type: 'bnpo' is not read: TRL's bnpo divides by the tokens of the local micro-batch"),
+        ("loss_type=sapo", "loss_type: 'sapo' is not read: no cispo value equals it ('loss_type' in TRL is read as "
+                           "algo.objective: grpo -> grpo; dapo -> ppo"),
+        ("scale_rewards=batch", "scale_rewards: 'batch' is not read: TRL's batch divides by the std of the whole batch"),
+        ("report_to=all", "report_to: 'all' is not read: TRL's all (every installed integration) is not read"),
+        ("report_to=comet_ml", "unknown tracking sink 'comet_ml'"),
+        ("loss_agg_mode=seq-mean-token-sum", "loss_agg_mode: 'seq-mean-token-sum' is not read: set "
+                                             "aggregation=seq-mean-token-sum-norm with token_sum_norm=1"),
+        ("actor_rollout_ref.actor.loss_agg_mode=token-sum", "is not read: verl's token-sum is a sum"),
+        ("trainer.save_freq=-1", "trainer.save_freq: -1 is not read: verl's -1 never saves; cispo always saves at the "
+                                 "end (checkpoint_every=0: only then)"),
+        ("data.train_files=[a.parquet, b.parquet]", "cispo reads one path: put several files in a folder"),
+        ("actor_rollout_ref.rollout.name=sglang", "'sglang' is not read: cispo samples with torch or vllm"),
+        ("algorithm.adv_estimator=gae", "algorithm.adv_estimator: 'gae' is not read: no cispo value equals it"),
+        ("optim.clip_grad=0", "optim.clip_grad: 0 is not read: verl's 0 scales every gradient to 0"),
+        ("kl_loss_type=abs", "kl_loss_type: 'abs' is not read"),
+    ],
+)
+def test_a_value_with_no_exact_cispo_equivalent_is_refused_with_the_mapping(override, expected):
+    assert expected in _error([override])
+    assert "\n" not in _error([override])
+
+
+def test_verl_names_in_a_yaml_file_and_a_name_given_twice(tmp_path, monkeypatch, capsys):
+    from cispo.config import engine
+
+    monkeypatch.setattr(engine, "_ANNOUNCED", set())
+    path = tmp_path / "verl.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1.0e-06\n    ppo_epochs: 2\n"
+                    "    loss_agg_mode: seq-mean-token-mean\n  rollout:\n    n: 4\n"
+                    "data:\n  train_batch_size: 16\ntrainer:\n  total_training_steps: 30\n  logger: [console]\n")
+    cfg = load_yaml(TrainConfig, path)
+    assert (cfg.optim.lr, cfg.algo.epochs, cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.steps,
+            cfg.trackers) == (1e-6, 2, 4, 16, 30, [])
+    assert cfg.algo.objective_overrides == {"aggregation": "seq-mean-token-mean"}
+    assert len(capsys.readouterr().err.splitlines()) == 7
+    path.write_text("optim:\n  lr: 1.0e-4\ntrainer:\n  total_epochs: 3\nlearning_rate: 1.0e-5\n")
+    with pytest.raises(ConfigError) as e:
+        load_yaml(TrainConfig, path)
+    assert str(e.value).splitlines() == [
+        f"{path}:4: trainer.total_epochs: unknown key (did you mean 'steps'? 'trainer.total_epochs' in verl: cispo counts "
+        "RL steps of rollout.prompts_per_step prompts each; verl's total_epochs counts passes over the data set: steps "
+        "= total_epochs x prompts / data.train_batch_size)",
+        f"{path}:5: learning_rate: TRL's name of optim.lr, which is given too: give only optim.lr"]
+    cfg = apply_overrides(TrainConfig(), ["optim.lr=1e-4", "learning_rate=1e-5"])  # overrides: the last one wins
+    assert cfg.optim.lr == 1e-5
+
+
+def test_trackers_takes_one_sink_as_a_string(tmp_path):
+    """Was ``trackers: expected list[str], got 'tensorboard'`` (and TRL's report_to=tensorboard with it)."""
+    assert apply_overrides(TrainConfig(), ["trackers=tensorboard"]).trackers == ["tensorboard"]
+    assert apply_overrides(TrainConfig(), ["report_to=tensorboard"]).trackers == ["tensorboard"]
+    assert dataclasses.replace(TrainConfig(), trackers="wandb").trackers == ["wandb"]
+    path = tmp_path / "run.yaml"
+    path.write_text("trackers: mlflow\n")
+    cfg = load_yaml(TrainConfig, path)
+    save_yaml(cfg, tmp_path / "saved.yaml")
+    assert cfg.trackers == ["mlflow"] and load_yaml(TrainConfig, tmp_path / "saved.yaml") == cfg
+    assert "unknown tracking sink 'tensorbord'" in _error(["trackers=tensorbord"])
 
 
 def test_other_names_in_a_yaml_file_and_in_another_config(tmp_path):
     from cispo.models.pretrain import PretrainConfig
 
     path = tmp_path / "run.yaml"
-    path.write_text("rollout:\n  num_generations: 4\n")
+    path.write_text("rollout:\n  num_generations: 4\n")  # TRL's names are read at the top level only
     with pytest.raises(ConfigError, match=r"run\.yaml:2: rollout\.num_generations: unknown key \(did you mean "
                                           r"'rollout\.group_size'\?"):
         load_yaml(TrainConfig, path)
@@ -361,19 +521,31 @@ def test_other_names_in_a_yaml_file_and_in_another_config(tmp_path):
     assert "kl_coef" not in str(e.value)
 
 
+def _yamlish(value) -> str:
+    import yaml
+
+    value = list(value) if isinstance(value, tuple) else value
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).removesuffix("\n...\n").strip()
+
+
+def names_table() -> str:
+    """docs/integrations.md's table of TRL's and verl's names, from `cispo.foundations.suggest.OTHER_NAMES`."""
+    rows = ["| name | in | cispo's key | read | note |", "|---|---|---|---|---|"]
+    for name, o in _other_names().items():
+        keys = ", ".join(f"`{k}`" for k in o.keys) or "—"
+        given, read = (_yamlish(v) for v in o.example) if o.read else ("", "")
+        read = "no" if o.read is None else "yes" if given == read else f"yes: `{given}` → `{read}`"
+        rows.append(f"| `{name}` | {o.source} | {keys} | {read} | {o.what} |")
+    return "\n".join(rows)
+
+
 def test_the_integrations_doc_shows_the_names_table():
-    """docs/integrations.md's table of TRL's and verl's names is `cispo.foundations.suggest.OTHER_NAMES`, row for row."""
-    from pathlib import Path
-
-    from cispo.foundations.suggest import OTHER_NAMES
-
+    """docs/integrations.md's table of TRL's and verl's names is `cispo.foundations.suggest.OTHER_NAMES`,
+    row for row (on failure, the expected table is printed: paste it in)."""
     doc = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
     section = doc.split("## TRL's and verl's names in `cispo train`", 1)[1].split("\n## ", 1)[0]
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
-            if line.startswith("| `")]
-    table = {name.strip("`"): (source, tuple(k.strip(" `") for k in keys.split(",")), what)
-             for name, source, keys, what in rows}
-    assert table == OTHER_NAMES
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
+    assert table == names_table(), names_table()
 
 
 def _leaves(tree: dict, prefix: str = ""):

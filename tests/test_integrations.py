@@ -6,6 +6,7 @@ default venv has neither). The first tests need neither.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -101,6 +102,19 @@ def _verl_batch(seed=0, B=6, T=7):
     logp_old = logp_new.detach() + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.8  # ratios ~ e^{+-2}
     adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).clone()  # verl: token-level [B, T]
     is_w = torch.rand(B, T, generator=g, dtype=torch.float64) * 2  # truncated-IS weights in [0, 2)
+    return logp_new, logp_old, adv, mask, is_w
+
+
+def _verl_batch_across_the_edges(B=6, T=13):
+    """As `_verl_batch`, with each row's ratios 0.55, 0.65, ..., 1.75: every clip edge tried here
+    (0.8, 0.9; 1.2, 1.28, 1.5) has tokens of both signs of A on each side."""
+    g = torch.Generator().manual_seed(3)
+    mask = torch.arange(T)[None, :] < torch.tensor([13, 10, 13, 9, 12, 4])[:B, None]
+    logp_new = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    ratio = torch.linspace(0.55, 1.75, T, dtype=torch.float64).expand(B, T)
+    logp_old = logp_new.detach() - ratio.log()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.7, 1.3, -0.2], dtype=torch.float64)[:B, None].expand(B, T).clone()
+    is_w = torch.rand(B, T, generator=g, dtype=torch.float64) * 2
     return logp_new, logp_old, adv, mask, is_w
 
 
@@ -251,6 +265,90 @@ def test_verl_warns_once_when_loss_agg_mode_replaces_the_presets(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _call_like_verl(config, logp_new, logp_old, adv, mask, is_w)  # once per (mode, aggregation)
+
+
+@needs_verl
+@pytest.mark.parametrize(
+    "name, verl_kw, agg",
+    [
+        ("dapo", dict(clip_ratio_low=0.1, clip_ratio_high=0.5), "token-mean"),
+        ("ppo", dict(clip_ratio_high=0.28), "token-mean"),  # DAPO's 0.28 on ppo's 0.2 / 0.2
+        ("grpo", dict(clip_ratio_high=0.28), "seq-mean-token-mean"),
+        ("ppo", dict(clip_ratio=0.3, clip_ratio_low=None, clip_ratio_high=None), "token-mean"),  # verl: clip_ratio
+    ],
+)
+def test_verl_clip_ratios_set_by_the_user_act_where_the_preset_has_a_mask(name, verl_kw, agg, monkeypatch):
+    """Issue 48, item 3 (before: never read). The gradient and clip fraction equal verl's own vanilla
+    loss with the same clip ratios (dual-clip off; the value is eq. 6's), and differ from the preset's
+    own edges; no warning."""
+    import cispo.integrations.verl as integ
+
+    monkeypatch.setattr(integ, "_WARNED", set())
+    logp_new, logp_old, adv, mask, is_w = _verl_batch_across_the_edges()
+    info = dict(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
+    theirs_cfg = _actor_config("cispo_unified", agg, info=info, clip_ratio_c=1e9, **verl_kw)
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    def theirs():
+        return get_policy_loss_fn("vanilla")(
+            old_log_prob=logp_old, log_prob=logp_new, advantages=adv, response_mask=mask,
+            loss_agg_mode=agg, config=theirs_cfg, rollout_is_weights=is_w,
+        )
+
+    _, ref_grad, (_, ref_metrics) = _loss_and_grad(theirs, logp_new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, grad, (_, metrics) = _loss_and_grad(lambda: _call_like_verl(
+            _actor_config(f"cispo_unified_{name}", agg, info=info, **verl_kw), logp_new, logp_old, adv, mask, is_w),
+            logp_new)
+    _, preset_grad, _ = _loss_and_grad(lambda: _call_like_verl(
+        _actor_config(f"cispo_unified_{name}", agg, info=info), logp_new, logp_old, adv, mask, is_w), logp_new)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-7, atol=1e-10)
+    torch.testing.assert_close(metrics["actor/pg_clipfrac"], ref_metrics["actor/pg_clipfrac"])
+    assert not torch.allclose(grad, preset_grad)  # the setting acted
+
+
+@needs_verl
+def test_verl_clip_ratios_that_have_no_effect_warn_once(monkeypatch):
+    """CISPO has no PPO mask: verl's clip_ratio_high changes nothing, and a warning says so once
+    (as CISPOGRPOTrainer does for TRL's epsilon_high); cispo_lowmask reads the lower edge and warns
+    about the upper; a dual-clip warns; an override that disagrees is an error."""
+    import cispo.integrations.verl as integ
+    from verl.workers.config import ActorConfig
+
+    monkeypatch.setattr(integ, "_WARNED", set())
+    assert integ.VERL_CLIP_DEFAULTS == {f.name: f.default for f in dataclasses.fields(ActorConfig)
+                                        if f.name in integ.VERL_CLIP_DEFAULTS}
+    logp_new, logp_old, adv, mask, is_w = _verl_batch_across_the_edges()
+
+    def run(config):
+        return _loss_and_grad(lambda: _call_like_verl(config, logp_new, logp_old, adv, mask, is_w), logp_new)[:2]
+
+    config = _actor_config("cispo_unified_cispo", clip_ratio_high=0.28)
+    with pytest.warns(UserWarning, match=r"cispo_unified: actor\.clip_ratio_high=0\.28 has no effect on preset 'cispo': "
+                                         r"it has no PPO mask; its IS weight's bounds are policy_loss\.cispo_overrides"):
+        loss, grad = run(config)
+    ref_loss, ref_grad = run(_actor_config("cispo_unified_cispo"))
+    torch.testing.assert_close((loss, grad), (ref_loss, ref_grad))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(config)  # once
+
+    config = _actor_config("cispo_unified", preset_name="cispo_lowmask", clip_ratio_low=0.1, clip_ratio_high=0.28)
+    with pytest.warns(UserWarning, match=r"clip_ratio_high=0\.28 has no effect on preset 'cispo_lowmask': its "
+                                         r"mask_rule='ppo-low' uses the other edge only"):
+        loss, grad = run(config)
+    ref_loss, ref_grad = _loss_and_grad(lambda: policy_loss(
+        logp_new, logp_old, adv * is_w, mask, preset("cispo_lowmask", eps_low=0.1)), logp_new)[:2]
+    torch.testing.assert_close((loss, grad), (ref_loss, ref_grad))
+
+    with pytest.warns(UserWarning, match=r"actor\.clip_ratio_c=10\.0 has no effect: the unified objective has no "
+                                         r"dual-clip"):
+        run(_actor_config("cispo_unified_ppo", clip_ratio_c=10.0))
+    with pytest.raises(ValueError, match=r"^policy_loss\.cispo_overrides\.eps_high=0\.3 and actor\.clip_ratio_high=0\.5 "
+                                         r"disagree: give one$"):
+        run(_actor_config("cispo_unified_dapo", overrides={"eps_high": 0.3}, clip_ratio_high=0.5))
+    run(_actor_config("cispo_unified_dapo", overrides={"eps_high": 0.5}, clip_ratio_high=0.5))  # the same: fine
 
 
 @needs_verl

@@ -132,7 +132,7 @@ def test_repeated_faults_stop_with_a_checkpoint(tiny_model, dense_task, monkeypa
         ("group_size=1", "rollout.group_size must be >= 2"),
         ("objective_overrides.eps_high_is=-1", "eps_high_is must be a finite number >= 0"),
         ("objective=dapoo", "did you mean 'dapo'"),
-        ("learning_rate=1e-3", "unknown key"),
+        ("max_steps=10", "max_steps: unknown key (did you mean 'steps'? 'max_steps' in TRL"),  # learning_rate is read
         ("optim.lrr=1e-3", "did you mean 'optim.lr'"),
         ("lr=abc", "expected float"),
         ("steps", "expected key=value"),

@@ -30,7 +30,7 @@ class AlgoConfig:
     prompts_per_step * group_size / K rows and runs fewer updates (K_eff = kept rows // that,
     logged as ``optim/step_updates``), as DAPO's recipe keeps its mini-batch size."""
     epochs: int = 1
-    """Passes over the generation batch (K optimizer steps each)."""
+    """Passes over the generation batch (K optimizer steps each); at most 10^6."""
     micro_batch_size: int | None = None
     """Rows per forward/backward (gradient accumulation within a mini-batch). None: whole."""
     micro_batch_split_cost: float | None = 128.0

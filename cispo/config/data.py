@@ -37,11 +37,12 @@ class DataConfig:
     task: str = "addition"
     """Built-in task name (see ``cispo.data.tasks.list_tasks()``)."""
     seed: int = 0
-    """Seed of the train / held-out prompt sets: fixed, so runs of any seed share prompts."""
+    """Seed of the train / held-out prompt sets: fixed, so runs of any seed share prompts. 0 to
+    2^31 - 1, as ``seed``."""
     num_train_prompts: int = 20000
-    """Size of the training prompt set drawn from the task's train split."""
+    """Size of the training prompt set drawn from the task's train split; at most 10^8 (held in memory)."""
     num_eval_prompts: int = 200
-    """Held-out prompts used by the periodic evaluation."""
+    """Held-out prompts used by the periodic evaluation; at most 10^8."""
     path: str | None = None
     """Prompt file instead of the built-in task: JSONL, Parquet or a ``datasets`` folder."""
     eval_path: str | None = None
@@ -65,12 +66,17 @@ class DataConfig:
     name: str | None = None
     """Subset (configuration) of a hub data set, ``datasets.load_dataset(path, name=...)``."""
     system_prompt: str | None = None
-    """System message put before each prompt's chat messages (needs ``model.chat_template=true``;
-    a row whose messages already start with a system message keeps its own)."""
+    """System message put before each prompt's chat messages (turns ``model.chat_template=auto`` on;
+    refused with ``false``; a row whose messages already start with a system message keeps its own)."""
     on_error: Literal["raise", "skip"] = "raise"
     """Malformed rows: ``raise`` (the first one, naming file, line and field) or ``skip``."""
-    reward: str | None = None
-    """Reward for ``path`` data: ``math``, ``exact_match``, ``code`` or ``module:function``."""
+    reward: str | list[str] | None = None
+    """Reward for ``path`` data: ``math``, ``exact_match``, ``code``, ``module:function``,
+    ``file.py:function`` or ``rm:<folder>`` (a reward model); a list of them (``[a.py:f, b.py:g]``)
+    sums them, weighted by ``reward_weights`` (docs/real-models.md, "Several rewards")."""
+    reward_weights: list[float] | None = None
+    """One weight per ``reward`` (the task reward is their weighted sum, TRL's ``reward_weights``).
+    None: 1.0 each."""
     fork_tokens: list[str] | None = None
     """Reflective (fork) strings whose use, probability and clipping are tracked per string
     (``fork/<string>/...`` metrics, ``rollout/fork_rate``), e.g. ``[Wait, However, "Let me check"]``:
@@ -88,4 +94,4 @@ class DataConfig:
     no timeout), ``auto``: ``main`` for the built-in names, ``process`` for ``module:function``
     and ``file.py:function``."""
     reward_workers: int | None = None
-    """Worker processes of a ``process`` reward (>= 1). None: min(8, CPU count)."""
+    """Worker processes of a ``process`` reward (1 to 1024). None: min(8, CPU count)."""

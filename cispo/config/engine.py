@@ -6,6 +6,11 @@ The configs are plain dataclasses; pydantic checks and converts plain data into 
 verl and Hydra use, was the first choice; version 2.3 rejects ``Literal`` fields and turns
 tuples into lists. The YAML files and ``key=value`` overrides are the same with either.
 PyYAML reads ``1e-4`` (no dot) as a string; here it is a float, as in YAML 1.2.
+Hostile or careless input is one line, fast (docs/reliability.md, "Config"): a config file is read
+only when it is a regular file of at most `MAX_CONFIG_BYTES`; the YAML loader refuses duplicate
+keys, nesting deeper than `MAX_DEPTH`, aliases that expand to more than `MAX_ALIAS_NODES` nodes
+(an alias bomb) and integers longer than `MAX_INT_CHARS`; an error message shows a value through
+`short_repr` and at most `MAX_PROBLEMS` problems.
 pydantic is imported where a config is read or checked, not at import: the config dataclasses
 themselves (``TrainConfig()``, ``dataclasses.replace``) work without it, as on a bare CUDA image
 (``benchmarks/gpu_check.py``).
@@ -16,18 +21,24 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import os
 import pathlib
 import re
+import reprlib
+import stat
+import sys
 import types
 import typing
 from typing import Any, Callable, Literal, TypeVar
 
 import yaml
 
-from cispo.foundations.suggest import did_you_mean, other_name_hint
+from cispo.foundations.suggest import (OTHER_SECTIONS, OtherName, describe, did_you_mean, lookup, other_name_hint,
+                                       read_line)
 
-__all__ = ["ConfigError", "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml", "rename_key",
-           "save_yaml", "to_dict"]
+__all__ = ["ConfigError", "MAX_ALIAS_NODES", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_INT_CHARS", "MAX_PROBLEMS",
+           "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml", "rename_key", "save_yaml",
+           "short_repr", "to_dict"]
 T = TypeVar("T")
 KeyPath = tuple  # field names (str) and list indices (int), as in pydantic's error locations
 
@@ -36,7 +47,96 @@ class ConfigError(ValueError):
     """A config could not be read, parsed or validated; the message says where and why."""
 
 
-class _Loader(yaml.SafeLoader): ...  # reads 1e-4 as a float
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config file read, 1 MiB: a run's config is a few KB (``config.yaml`` of a run with
+every field: about 3 KB), and PyYAML reads about 0.5 MB/s, so a larger file (a 50 MB string, or
+``/dev/zero``) is refused before it is parsed. A ``key=value`` override has the same limit."""
+MAX_DEPTH = 100
+"""The deepest nesting of YAML collections read: a config nests 4 levels (``data.eval_sets.NAME.
+extra_fields``); deeper is refused before PyYAML's recursion, and pydantic's, run out of stack."""
+MAX_ALIAS_NODES = 10_000
+"""The most nodes YAML aliases (``*name``) may add to a document, counting each alias as the whole
+subtree it names. An anchor and merge key (``<<: *common``) that share a few fields are far below it;
+an alias bomb (10 aliases of 10 aliases of ... : 10^9 leaves from a few hundred bytes) is refused
+as it is read, in milliseconds, before anything walks or prints the expanded value."""
+MAX_INT_CHARS = 100
+"""The longest integer literal read: no setting needs more than 20 digits (2**64), and Python
+converts at most 4300 (a longer one is a ``ValueError``; a sexagesimal one, ``1:59:59:...``, is
+quadratic)."""
+MAX_PROBLEMS = 20
+"""An error message lists at most this many problems, then how many more there are."""
+MAX_LINE_CHARS = 1000
+"""An error line longer than this (a long key, or a check's message that quotes a long value) is
+cut, with its length said."""
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """YAML that parses but that the loader refuses (`_Loader`); ``problem`` says why, ``problem_mark``
+    where. A subclass of ``yaml.YAMLError``, so that every caller that handles bad YAML handles it."""
+
+    def __init__(self, problem: str, mark: Any) -> None:
+        super().__init__(problem=problem, problem_mark=mark)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, which also reads ``1e-4`` as a float (YAML 1.2) and refuses, as `_Refused`
+    at the line where it is found: a key given twice in one mapping (PyYAML would keep the last one
+    silently), nesting deeper than `MAX_DEPTH`, aliases beyond `MAX_ALIAS_NODES` and an alias inside
+    the node it names (a cycle; both would make every later walk of the value explode or never end),
+    and an integer literal longer than `MAX_INT_CHARS` (Python refuses or takes quadratic time)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth, self._alias_nodes = 0, 0
+        self._sizes: dict[int, int] = {}  # id(node) -> nodes in its expanded subtree, once it is composed
+
+    def compose_node(self, parent: Any, index: Any) -> yaml.Node:
+        """The next node, counted: refuses nesting past `MAX_DEPTH` and aliases past `MAX_ALIAS_NODES`."""
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            node = super().compose_node(parent, index)
+            size = self._sizes.get(id(node))
+            if size is None:
+                raise _Refused(f"alias *{short_repr(event.anchor)[1:-1]} is inside the node it names (a cycle)",
+                               event.start_mark)
+            self._alias_nodes += size
+            if self._alias_nodes > MAX_ALIAS_NODES:
+                raise _Refused(f"YAML aliases expand to more than {MAX_ALIAS_NODES:,} nodes (an alias bomb?); "
+                               "write the values out", event.start_mark)
+            return node
+        if self._depth >= MAX_DEPTH:
+            raise _Refused(f"nested more than {MAX_DEPTH} levels deep", event.start_mark)
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        children = (node.value if isinstance(node, yaml.SequenceNode) else
+                    [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+        self._sizes[id(node)] = 1 + sum(self._sizes.get(id(c), 1) for c in children)
+        return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """A mapping; refuses a key given twice (keys that a merge, ``<<: *common``, brings may be set again)."""
+        first: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else []:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                seen = first.setdefault(key, key_node) if isinstance(key, typing.Hashable) else key_node
+                if seen is not key_node:
+                    raise _Refused(f"duplicate key {short_repr(key)} (first on line {seen.start_mark.line + 1}): "
+                                   "give each key once", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """An integer; refuses a literal longer than `MAX_INT_CHARS` before converting it."""
+        if len(node.value) > MAX_INT_CHARS:
+            raise _Refused(f"an integer of {len(node.value):,} characters: no setting takes one longer than "
+                           f"{MAX_INT_CHARS}", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
 
 class _Dumper(yaml.SafeDumper): ...  # quotes the string '1e-4'
@@ -45,6 +145,36 @@ class _Dumper(yaml.SafeDumper): ...  # quotes the string '1e-4'
 for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
         r"^[-+]?(\d[\d_]*(\.[\d_]*)?|\.\d[\d_]*)[eE][-+]?\d+$"), list("-+0123456789."))
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's size-limited repr, which also shows an integer too long for ``repr`` by its size."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        """``repr(x)``, its middle cut past ``maxlong``; an integer of more than ~4000 digits (``repr``
+        raises ``ValueError`` past 4300) as ``<an integer of about N digits>``."""
+        if x.bit_length() > 13_000:
+            return f"<an integer of about {int(x.bit_length() * 0.30103):,} digits>"
+        return super().repr_int(x, level)
+
+
+_SHORT = _ShortRepr()
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 80
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfrozenset = 6
+_SHORT.maxlevel = 3
+
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` in at most about ``limit`` characters (reprlib: long strings and numbers cut in
+    the middle, at most 6 items and 3 levels of a container shown): an error message shows what was
+    given, never all of it (an alias bomb is 10^9 leaves; a 50 MB string is 50 MB)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 1]}…"
+
+
+def _clip(line: str) -> str:
+    """``line`` cut to `MAX_LINE_CHARS`, saying its length when it was cut."""
+    return line if len(line) <= MAX_LINE_CHARS else f"{line[:MAX_LINE_CHARS]}… ({len(line):,} characters)"
 
 
 @functools.cache
@@ -97,9 +227,15 @@ def _accepts_str(tp: Any) -> bool:
 
 
 def _problem(cls: type, err: dict) -> str:
-    """``dotted.key: what is wrong`` for one pydantic error (a typo gets a suggestion)."""
+    """``dotted.key: what is wrong`` for one pydantic error (a typo gets a suggestion; the value
+    given is shown by `short_repr`, and only a short word or key is compared with the choices)."""
     loc, fields = tuple(err["loc"]), _fields(cls)
+    if loc not in fields and typing.get_origin(fields.get(loc[:-1])) in (typing.Union, types.UnionType):
+        # one branch of a union field (pydantic tags it 'bool', "literal['auto']"): one line for the field
+        return f"{_dotted(loc[:-1])}: expected {_type_name(fields[loc[:-1]])}, got {short_repr(err.get('input'))}"
     key, tp, got = _dotted(loc), fields.get(loc), err.get("input")
+    if len(key) > 200:  # a 1 MB key: no suggestion can help, and comparing it would be slow
+        return f"{short_repr(key)}: unknown key" if err["type"] == "extra_forbidden" else f"{short_repr(key)}: {err['msg']}"
     if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         same_leaf = [_dotted(k) for k in fields if k[-1] == loc[-1]]  # 'lr' where 'optim.lr' belongs
         hint = (did_you_mean(key, same_leaf, len(same_leaf), 0) if same_leaf else "") or other_name_hint(
@@ -110,8 +246,9 @@ def _problem(cls: type, err: dict) -> str:
         return f"{key + ': ' if key else ''}{err['ctx']['error']}"
     if err["type"] == "literal_error" and tp is not None:  # Literal[...] or Literal[...] | None
         choices = [c for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
-        return f"{key}: expected one of {', '.join(map(repr, choices))}, got {got!r}{did_you_mean(got, choices)}"
-    return f"{key}: expected {_type_name(tp)}, got {got!r}" if tp else f"{key}: {err['msg']}, got {got!r}"
+        hint = did_you_mean(got, choices) if isinstance(got, str) and len(got) <= 200 else ""
+        return f"{key}: expected one of {', '.join(map(repr, choices))}, got {short_repr(got)}{hint}"
+    return f"{key}: expected {_type_name(tp)}, got {short_repr(got)}" if tp else f"{key}: {err['msg']}, got {short_repr(got)}"
 
 
 _RENAMED: dict[type, dict[KeyPath, tuple[KeyPath, Callable[[Any], Any]]]] = {}
@@ -143,9 +280,145 @@ def _renamed(cls: type, data: Any, where: Callable[[KeyPath], str]) -> Any:
     return data
 
 
+# ------------------------------------------------------------ TRL's and verl's names (OTHER_NAMES)
+
+
+class _NotRead(Exception):
+    """TRL's or verl's name that is refused, or a value of one that has no exact cispo value; the
+    message is the problem (``key: what``), without its source."""
+
+
+_ANNOUNCED: set[str] = set()
+"""The lines `_announce` has printed in this process."""
+
+
+def _announce(line: str) -> None:
+    """``line`` on stderr, once per process: a config read twice (a file, then overrides) says it once."""
+    if line not in _ANNOUNCED:
+        _ANNOUNCED.add(line)
+        print(line, file=sys.stderr)
+
+
+@functools.cache
+def _own_leaves(cls: type) -> frozenset[str]:
+    """The last parts of every key of config ``cls`` (``lr``, ``temperature``, ...)."""
+    return frozenset(str(k[-1]) for k in _fields(cls))
+
+
+def _cispo_key(cls: type, key: str) -> KeyPath | None:
+    """The key path of dotted cispo ``key`` in config ``cls``: a field, or a key below a dict field
+    (``algo.objective_overrides.kl_coef``); None where ``cls`` has neither."""
+    fields, path = _fields(cls), tuple(key.split("."))
+    if path in fields or any(typing.get_origin(fields.get(path[:n])) is dict for n in range(1, len(path))):
+        return path
+    return None
+
+
+def _other_name(cls: type, path: KeyPath) -> tuple[str, OtherName] | None:
+    """(name, row) of `OTHER_NAMES` that unknown key ``path`` of config ``cls`` is (`lookup`), where
+    ``cls`` has every cispo key of the row; None otherwise."""
+    if not all(isinstance(p, str) for p in path):
+        return None
+    found = lookup(path, _own_leaves(cls))
+    return found if found and all(_cispo_key(cls, k) for k in found[1].keys) else None
+
+
+def _read_other(cls: type, path: KeyPath, value: Any, other: OtherName) -> tuple[KeyPath, Any]:
+    """(cispo's key path, its value) for TRL's or verl's name ``other``, given as ``path`` = ``value``,
+    announced on stderr (`_announce`); `_NotRead` where the name or the value is refused."""
+    typed = _dotted(path)
+    if other.read is None:
+        raise _NotRead(f"{typed}: unknown key{describe(typed, other, other.keys)}")
+    try:
+        read = other.read(value)
+    except ValueError as exc:
+        raise _NotRead(f"{typed}: {short_repr(value)} is not read: {exc} ({typed!r} in {other.source} is read as "
+                       f"{other.keys[0]}{': ' + other.what if other.what else ''})") from None
+    _announce(read_line(typed, other, value, read))
+    return _cispo_key(cls, other.keys[0]), read
+
+
+def _unknown_leaves(cls: type, data: dict) -> list[KeyPath]:
+    """Key paths of the unknown keys of ``data`` (config ``cls``'s plain data): of each leaf below an
+    unknown key (``actor_rollout_ref.rollout.n``), not of the mappings above it; not below a dict field."""
+    fields, out, stack = _fields(cls), [], [((), iter(data.items()))]
+    while stack:  # depth first, in the order given (a file's problems in the order of its lines)
+        prefix, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        key, value = item
+        path = prefix + (key,)
+        known = path in fields
+        if known and not (dataclasses.is_dataclass(fields[path]) and isinstance(value, dict)):
+            continue
+        if isinstance(value, dict) and value and len(path) < MAX_DEPTH:
+            stack.append((path, iter(value.items())))
+        elif not known:
+            out.append(path)
+    return out
+
+
+def _pop(data: dict, path: KeyPath) -> Any:
+    """Remove ``path`` from nested ``data`` (and the mappings it leaves empty); its value."""
+    parents = [data]
+    for part in path[:-1]:
+        parents.append(parents[-1][part])
+    value = parents[-1].pop(path[-1])
+    for parent, part in zip(reversed(parents[:-1]), reversed(path[:-1])):
+        if parent[part]:
+            break
+        del parent[part]
+    return value
+
+
+def _read_other_names(cls: type, data: Any, where: Callable[[KeyPath], str]) -> tuple[Any, list[str]]:
+    """``data`` with the unknown keys that are TRL's or verl's names (`OTHER_NAMES`) read as cispo's
+    (`_read_other`: a line on stderr says so), and the problem lines of those refused; a copy where
+    any is found. An unknown key below a verl section cispo has not (``trainer.foo``) is a problem
+    line too, so that no other hint ('trackers') answers it; other unknown keys stay for pydantic.
+    TRL's or verl's name of a key given as well is an error: only one may be given."""
+    if not isinstance(data, dict):
+        return data, []
+    top = {k[0] for k in _fields(cls)}
+    found = [(path, _other_name(cls, path)) for path in _unknown_leaves(cls, data)]
+    found = [(path, match) for path, match in found if match or (path[0] in OTHER_SECTIONS - top and len(path) > 1)]
+    if not found:
+        return data, []
+    data, problems = copy.deepcopy(data), []
+    for path, match in found:
+        value = _pop(data, path)
+        if match is None:
+            problems.append(f"{where(path)}: {_dotted(path)}: unknown key (below verl's {path[0]}: cispo reads none "
+                            "of that name; docs/integrations.md lists the verl names it reads)")
+            continue
+        try:
+            target, read = _read_other(cls, path, value, match[1])
+        except _NotRead as exc:
+            problems.append(f"{where(path)}: {exc}")
+            continue
+        node = data
+        for part in target[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        else:
+            if target[-1] in node:
+                problems.append(f"{where(path)}: {_dotted(path)}: {match[1].source}'s name of {_dotted(target)}, "
+                                f"which is given too: give only {_dotted(target)}")
+            else:
+                node[target[-1]] = read
+            continue
+        problems.append(f"{where(path)}: {_dotted(path)}: {_dotted(target)} is not a section here")
+    return data, problems
+
+
 def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
-    """``cls`` from plain data; each problem is a line ``where(key path): key: what``."""
+    """``cls`` from plain data; each problem is a line ``where(key path): key: what``. TRL's and
+    verl's names are read first (`_read_other_names`); their problems come first."""
     data = _renamed(cls, data, where)
+    data, refused = _read_other_names(cls, data, where)
     for key, tp in _fields(cls).items():  # pydantic reads true as 1 where a number is due: refused
         value = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, key, data)
         if isinstance(value, bool) and {int, float} & {tp, *typing.get_args(tp)} and bool not in typing.get_args(tp):
@@ -153,10 +426,28 @@ def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
     import pydantic
 
     try:
-        return _adapter(cls).validate_python({} if data is None else data)
+        built = _adapter(cls).validate_python({} if data is None else data)
     except pydantic.ValidationError as exc:
-        problems = dict.fromkeys(f"{where(tuple(e['loc']))}: {_problem(cls, e)}" for e in exc.errors())
-        raise ConfigError("\n".join(problems)) from None
+        raise ConfigError(_problem_lines(cls, exc.errors(include_url=False), where, refused)) from None
+    if refused:
+        raise ConfigError(_problem_lines(cls, [], where, refused))
+    return built
+
+
+def _problem_lines(cls: type, errors: list[dict], where: Callable[[KeyPath], str], first: list[str] = ()) -> str:
+    """One line ``where(key path): key: what`` per distinct pydantic error, each cut to
+    `MAX_LINE_CHARS`; at most `MAX_PROBLEMS` of them (a list of 100,000 wrong values, or a file of
+    100,000 unknown keys, is not 100,000 lines: nor the minutes that suggesting a key for each takes),
+    then how many more there are (at most 50 times as many errors are read: repeats of a line). Lines
+    ``first`` (already ``where: key: what``) come before pydantic's."""
+    lines: dict[str, None] = {}
+    problems = [*first, *errors]
+    for i, err in enumerate(problems):
+        if len(lines) == MAX_PROBLEMS or i == 50 * MAX_PROBLEMS:
+            lines[f"… and {len(problems) - i:,} more problems"] = None
+            break
+        lines[_clip(err if isinstance(err, str) else f"{where(tuple(err['loc']))}: {_problem(cls, err)}")] = None
+    return "\n".join(lines)
 
 
 def from_dict(cls: type[T], data: dict[str, Any] | None, source: str = "<dict>") -> T:
@@ -178,19 +469,69 @@ def _line(node: yaml.Node | None, loc: KeyPath) -> str:
     return line
 
 
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISFIFO, "a FIFO or pipe"), (stat.S_ISSOCK, "a socket"))
+
+
+def _read_config_text(path: str | pathlib.Path) -> str:
+    """The text of config file ``path``. Refuses, as a `ConfigError` naming the file: a path that
+    cannot be opened; one that is not a regular file (``/dev/zero`` would be read forever, a FIFO
+    blocks until someone writes: checked on the file opened non-blocking, before any read, so a
+    ``<(...)`` process substitution is refused too); a file larger than `MAX_CONFIG_BYTES` (at most
+    one byte more is read); bytes that are not UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    try:
+        mode, raw = os.fstat(fd).st_mode, b""
+        if stat.S_ISREG(mode):
+            with open(fd, "rb", closefd=False) as file:
+                raw = file.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
+        raise ConfigError(f"{path}: cannot read config file: {kind}, not a regular file; give a YAML file")
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: cannot read config file: larger than {MAX_CONFIG_BYTES >> 20} MiB (a config "
+                          "is a few KB of YAML)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: cannot read config file: not UTF-8 (byte {exc.start}: {exc.reason})") from None
+
+
+def _parse_yaml(text: str) -> tuple[yaml.Node | None, Any]:
+    """The node tree of YAML ``text`` (for the lines of errors) and its data, read once by `_Loader`."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        return node, None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """``:LINE: what`` for a YAML error: ``invalid YAML: ...`` for a syntax error, the refusal itself
+    for `_Refused` (a duplicate key, an alias bomb, ...)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = exc.problem if isinstance(exc, _Refused) else f"invalid YAML: {getattr(exc, 'problem', None) or exc}"
+    return f"{f':{mark.line + 1}' if mark else ''}: {what}"
+
+
 def load_yaml(cls: type[T], path: str | pathlib.Path) -> T:
     """Config ``cls`` from a YAML file (empty: the defaults). Errors name the file, line and
-    key: ``run.yaml:12: optim.lr: expected float, got 'abc'``."""
+    key: ``run.yaml:12: optim.lr: expected float, got 'abc'``; a file that is not a regular file
+    or too large (`_read_config_text`), and YAML that `_Loader` refuses, are one line each."""
     _fields(cls)
+    text = _read_config_text(path)
     try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
-        node, data = yaml.compose(text, Loader=_Loader), yaml.load(text, Loader=_Loader)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read config file: {getattr(exc, 'strerror', None) or exc}") from None
+        node, data = _parse_yaml(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise ConfigError(f"{path}{f':{mark.line + 1}' if mark else ''}: invalid YAML: "
-                          f"{getattr(exc, 'problem', None) or exc}") from None
+        raise ConfigError(f"{path}{_yaml_problem(exc)}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}:1: expected a mapping of config keys at top level, got {type(data).__name__}")
     sections = {k for k, v in (data or {}).items() if v is None and dataclasses.is_dataclass(_fields(cls).get((k,)))}
@@ -227,14 +568,18 @@ def _accepts_container(tp: Any) -> bool:
 def _override_value(text: str, tp: Any, source: str) -> Any:
     """YAML (``3e-4``, ``true``, ``[1, 2]``, ``{a: 1}``); ``None``/``null``: None; the text
     itself for a string field that YAML reads as something else (``run_name=2024``), but a list
-    or mapping for a field that also takes one (``extra_fields=[a, b]`` where ``all`` would do)."""
+    or mapping for a field that also takes one (``extra_fields=[a, b]`` where ``all`` would do).
+    YAML that `_Loader` refuses (an alias bomb, a 5000-digit integer, ...) is a `ConfigError` saying
+    why, unless the field takes the text itself."""
     if text.lower() in ("none", "null", "~"):
         return None
     try:
         value = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         if not _accepts_str(tp):
-            raise ConfigError(f"{source}: cannot parse {text!r} as a YAML value: {getattr(exc, 'problem', exc)}")
+            why = exc.problem if isinstance(exc, _Refused) else f"cannot parse {short_repr(text)} as a YAML value: " \
+                f"{getattr(exc, 'problem', None) or exc}"
+            raise ConfigError(f"{source}: {why}") from None
         value = text
     if isinstance(value, (list, dict)) and _accepts_container(tp):
         return value
@@ -248,24 +593,39 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
     ``key``: a dotted path (``optim.lr``) or a field name found in one place only (``lr``; a
     top-level field wins); an ambiguous name is an error naming the candidates. Past a dict
     field the rest is a key into it (``objective_overrides.eps_high_is=2``). A mapping for a
-    section sets just those fields. ``cfg`` is not changed."""
+    section sets just those fields. ``cfg`` is not changed. An override longer than
+    `MAX_CONFIG_BYTES` or with a key of more than `MAX_DEPTH` parts is refused; errors show an
+    override by `short_repr`."""
     if not overrides:
         return cfg
     cls, data, sources = type(cfg), to_dict(cfg), {}
     fields = _fields(cls)
     for item in overrides:
-        source = f"override {item!r}"
+        source = f"override {short_repr(item)}"
         key, sep, text = item.partition("=") if isinstance(item, str) else ("", "", "")
         path = tuple(p.strip() for p in key.split("."))
         if not sep or not all(path):
             raise ConfigError(f"{source}: expected key=value (e.g. optim.lr=3e-4)")
+        if len(item) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{source}: longer than {MAX_CONFIG_BYTES >> 20} MiB; no setting takes one")
+        if len(path) > MAX_DEPTH:
+            raise ConfigError(f"{source}: a key of {len(path):,} parts; no setting is nested more than {MAX_DEPTH} deep")
         if path[:1] not in fields:
             found = [k for k in fields if k[-1] == path[0]]
             if len(found) > 1:
                 raise ConfigError(f"{source}: ambiguous key {path[0]!r}: it could be "
                                   f"{', '.join(map(_dotted, found))}; use the full dotted key")
             path = found[0] + path[1:] if found else path  # an unknown key: pydantic names it
-        value, node = _override_value(text.strip(), fields.get(path), source), data
+        other = _other_name(cls, path) if _cispo_key(cls, _dotted(path)) is None else None
+        if other and other[1].read:  # TRL's or verl's name of a key: read as that key, in its place among the overrides
+            tp = fields.get(_cispo_key(cls, other[1].keys[0])) if other[1].as_is else None  # else: TRL's / verl's value
+            try:
+                path, value = _read_other(cls, path, _override_value(text.strip(), tp, source), other[1])
+            except _NotRead as exc:
+                raise ConfigError(f"{source}: {exc}") from None
+        else:  # a refused name stays unknown: _build's _read_other_names says why
+            value = _override_value(text.strip(), fields.get(path), source)
+        node = data
         for i, part in enumerate(path[:-1]):
             node = node[part] if isinstance(node.get(part), dict) else node.setdefault(part, {})
             if not isinstance(node, dict):
@@ -273,7 +633,7 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
         if dataclasses.is_dataclass(fields.get(path)) and isinstance(value, dict):
             value = {**node[path[-1]], **value}
         node[path[-1]], sources[path] = value, source
-    every = source if len(overrides) == 1 else "overrides " + ", ".join(map(repr, overrides))
+    every = source if len(overrides) == 1 else "overrides " + ", ".join(map(short_repr, overrides))
     return _build(cls, data, lambda loc: next(
         (sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources), every))
 

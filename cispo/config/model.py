@@ -24,13 +24,22 @@ class ModelConfig:
     """``cpu``, ``cuda``, ``cuda:1``, … or ``auto`` (CUDA when available)."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Parameter dtype: ``float32``, ``bfloat16``, ``float16``. None: as saved."""
-    chat_template: bool = False
-    """Wrap each prompt (or its ``messages``) in the tokenizer's chat template."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """Put each prompt through the tokenizer's chat template (``apply_chat_template(messages,
+    add_generation_prompt=True)``): a row's whole chat message list (system, user and earlier
+    assistant turns), or a text prompt as one user message, after ``data.system_prompt``. ``auto``:
+    on when the prompts are chat message lists (TRL's conversational format, verl's parquet
+    ``prompt``) or ``data.system_prompt`` is set, off for text prompts; resolved when the run starts
+    (``config.yaml`` records true or false), a ``ConfigError`` naming the data file and the model
+    when the prompts are messages and the tokenizer has no chat template. ``true``: always (the
+    tokenizer must have one). ``false``: never; a chat-message prompt is then its last user message
+    alone (its system message and earlier turns dropped: a warning counts them). Templated prompts
+    also stop at the template's end-of-turn token (``cispo.models.loading.stop_token_ids``)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     lora_rank: int = 0
     """LoRA rank (``pip install "cispo[lora]"``): train rank-r adapters on every linear layer
-    but lm_head. 0: full fine-tuning."""
+    but lm_head; at most 65536 (wider than any layer). 0: full fine-tuning."""
     lora_alpha: float = 16.0
     """LoRA scale: the adapters' output is multiplied by lora_alpha / lora_rank."""
     lora_dropout: float = 0.0

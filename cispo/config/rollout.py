@@ -48,15 +48,16 @@ class RolloutConfig:
     """Sampling the generation batch."""
 
     prompts_per_step: int = 32
-    """P: prompts (groups) per generation batch."""
+    """P: prompts (groups) per generation batch; at most 10^6."""
     group_size: int = 8
-    """G: responses sampled per prompt."""
+    """G: responses sampled per prompt; at most 10^6."""
     temperature: float = 1.0
     """Sampling temperature (the trainer's log-probs use the same one)."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1 = off)."""
     max_new_tokens: int | None = None
-    """Longest response, in tokens. None: the task's longest well-formed answer + 25%."""
+    """Longest response, in tokens; at most 10^8 (10 times the longest context of any model). None:
+    the task's longest well-formed answer + 25%."""
     repetition_stop_tokens: int | None = None
     """Stop a response once this many consecutive tokens each had probability above
     ``repetition_stop_prob`` (MiniMax-M1: 3000 of 40k-80k). None: 3/4 of max_new_tokens.
@@ -68,7 +69,8 @@ class RolloutConfig:
     max_sampling_rounds: int = 3
     """Cap on generation rounds per step with dynamic sampling (each round samples the groups still
     missing); then train on what was kept. DAPO's recipe samples until the batch is full: set it
-    high (e.g. 20) with ``algo.minibatch_policy=fixed_size``."""
+    high (e.g. 20) with ``algo.minibatch_policy=fixed_size``. At most 10^4 (on a task whose groups all
+    tie, a higher cap would not end)."""
     overlong_buffer: int | None = None
     """DAPO's soft overlong penalty: the last ``overlong_buffer`` tokens before
     max_new_tokens are penalised linearly down to -1. None: off."""
@@ -98,12 +100,12 @@ class RolloutConfig:
     dtype; float32 checkpoints run in bfloat16)."""
     vllm_max_model_len: int | None = None
     """Longest prompt + response the engine serves. None: the model's context (vLLM's default);
-    set it to the longest prompt + max_new_tokens to leave more memory for the KV cache."""
+    set it to the longest prompt + max_new_tokens to leave more memory for the KV cache. At most 10^8."""
     vllm_max_num_seqs: int | None = None
-    """Most sequences the engine decodes at once. None: vLLM's default."""
+    """Most sequences the engine decodes at once (at most 10^6). None: vLLM's default."""
     vllm_max_num_batched_tokens: int | None = 4096
     """Most tokens in one engine step (prefill chunks). 4096, as TRL's colocate mode sets it
-    (vLLM's memory profiler is misled by its larger default). None: vLLM's default."""
+    (vLLM's memory profiler is misled by its larger default). At most 10^8. None: vLLM's default."""
     vllm_enforce_eager: bool = False
     """Run the engine without CUDA graphs (less memory and start-up time, slower decoding)."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -40,8 +40,8 @@ class EvalConfig:
     every: int = 10
     """Evaluate every this many steps (and before the first and after the last). 0: only then."""
     num_samples: int = 4
-    """k: samples per prompt for the mean accuracy (the analogue of avg@k). 0: greedy only (half
-    the time or less; ``eval/accuracy`` is then the greedy accuracy)."""
+    """k: samples per prompt for the mean accuracy (the analogue of avg@k), at most 10^6. 0: greedy only
+    (half the time or less; ``eval/accuracy`` is then the greedy accuracy)."""
     temperature: float = 1.0
     """Temperature of the k samples (greedy accuracy is also reported)."""
 
@@ -80,9 +80,10 @@ class TrainConfig:
     """A CISPO (or PPO / GRPO / DAPO / GSPO / REINFORCE) training run."""
 
     steps: int = 60
-    """Generation batches (RL steps)."""
+    """Generation batches (RL steps); at most 10^9 (more would never end)."""
     seed: int = 0
-    """Seeds sampling, shuffling and the prompt order."""
+    """Seeds sampling, shuffling and the prompt order: 0 to 2^31 - 1 (each torchrun rank and step
+    adds to it, and the sum must stay a seed numpy, and so vLLM, accepts: below 2^32)."""
     out_dir: str = "runs"
     """Folder that holds the run folders."""
     run_name: str | None = None
@@ -92,7 +93,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep. 0: all."""
     threads: int | None = None
-    """torch CPU threads. None: picked by load (``cispo.foundations.threads.pick_threads``: 2 when another
+    """torch CPU threads, at most 1024. None: picked by load (``cispo.foundations.threads.pick_threads``: 2 when another
     core is idle, else 1; docs/performance.md)."""
     progress: bool = True
     """Show a progress bar."""
@@ -100,10 +101,10 @@ class TrainConfig:
     """Stop (with a checkpoint of the last good weights) after this many consecutive steps
     whose every update had a non-finite gradient (under float16 loss scaling: once the loss
     scale has backed off below 1, so the scaler's own overflow probing does not count)."""
-    trackers: list[str] = field(default_factory=list)
+    trackers: list[str] | str = field(default_factory=list)
     """Metric sinks besides metrics.jsonl: ``tensorboard``, ``wandb``, ``mlflow``
-    (``pip install 'cispo[wandb]'`` etc.). W&B and MLflow read their usual environment
-    variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...); see docs/api.md."""
+    (``pip install 'cispo[wandb]'`` etc.); a list, or one name (read as a list of it). W&B and MLflow
+    read their usual environment variables (WANDB_PROJECT, WANDB_MODE, MLFLOW_TRACKING_URI, ...); see docs/api.md."""
     log_samples_every: int = 1
     """Append some of the step's responses (prompt, completion, reward, advantage, fork /
     capped / PPO-dropped token counts) to ``<run>/samples.jsonl`` and the trackers every this
@@ -124,6 +125,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         """Every setting checked before any work: ``ValueError`` naming the key. None means the
         default; 0 or a negative number is an error where it has no meaning."""
+        if isinstance(self.trackers, str):  # one sink, as TRL's report_to takes it
+            self.trackers = [self.trackers]
         check_finite(self)
         problems = setting_problems(self)
         if problems:  # all of them at once: a user fixes them in one go, not one error per run
@@ -208,6 +211,20 @@ def _data_checks(cfg: TrainConfig) -> list[Check]:
         ("data.num_eval_prompts", d.num_eval_prompts >= 0, "must be >= 0"),
         ("data.reward_timeout_s", d.reward_timeout_s is None or d.reward_timeout_s > 0, "must be > 0 or None (off)"),
         ("data.reward_workers", d.reward_workers is None or d.reward_workers >= 1, "must be >= 1 or None (auto)"),
+        *_reward_list_checks(d),
+    ]
+
+
+def _reward_list_checks(d) -> list[Check]:
+    """Several rewards: refuses an empty ``data.reward`` list, and ``data.reward_weights`` without a
+    ``data.reward``, of another length than it, or not finite."""
+    n = len(d.reward) if isinstance(d.reward, list) else int(d.reward is not None)
+    weights = d.reward_weights
+    return [
+        ("data.reward", d.reward != [], "is an empty list: name at least one reward"),
+        ("data.reward_weights", weights is None or len(weights) == n,
+         f"has {len(weights or [])} weight(s) for {n} reward(s) in data.reward: give one weight per reward"),
+        ("data.reward_weights", weights is None or all(math.isfinite(w) for w in weights), "must be finite numbers"),
     ]
 
 
@@ -228,8 +245,8 @@ def _prompt_file_checks(cfg: TrainConfig) -> list[Check]:
            "is not a usable set name (part of metric names: letters, digits, _ . - only)") for n in d.eval_sets),
         *((f"data.eval_sets.{n}.num_prompts", e.num_prompts is None or e.num_prompts >= 1, "must be >= 1 or None (all)")
           for n, e in d.eval_sets.items()),
-        ("data.system_prompt", d.system_prompt is None or model.chat_template,
-         "needs model.chat_template=true (a system message exists only in a chat template)"),
+        ("data.system_prompt", d.system_prompt is None or model.chat_template is not False,
+         "needs model.chat_template=auto or true, not false (a system message exists only in a chat template)"),
         ("data.reward", d.path is None or d.reward is not None,
          "is required with data.path (math, exact_match, code or module:function)"),
         ("rollout.max_new_tokens", d.path is None or cfg.rollout.max_new_tokens is not None,
@@ -313,8 +330,52 @@ def _samples_checks(cfg: TrainConfig) -> list[Check]:
     ]
 
 
+MAX_SEED = 2**31 - 1
+"""The largest ``seed`` and ``data.seed``. Seeds reach torch (``manual_seed``: below 2^64), the prompt
+order (``seed * 1_000_003 + epoch``, `cispo.data.prompts.PromptStream`: below 2^63 while seed < 2^43)
+and, under vLLM, numpy (``np.random.seed``: 0 to 2^32 - 1), each rank with ``seed + 1000 * rank``
+and the evaluation with ``seed + step``: below 2^31 every sum stays below 2^32 for any run. A seed
+of 2^64 was a traceback from torch; a negative one fails in numpy."""
+
+UPPER_BOUNDS: dict[str, tuple[int, str]] = {
+    "steps": (10**9, "a run of more would never end"),
+    "threads": (1024, "more CPU threads than the largest machines have"),
+    "data.num_train_prompts": (10**8, "more prompts than any data set; the built-in tasks build them in memory"),
+    "data.num_eval_prompts": (10**8, "more prompts than any data set; the built-in tasks build them in memory"),
+    "data.reward_workers": (1024, "each is a process: more than the largest machines have cores"),
+    "model.lora_rank": (65536, "wider than any layer it adapts"),
+    "rollout.prompts_per_step": (10**6, "a generation batch is held in memory"),
+    "rollout.group_size": (10**6, "a generation batch is held in memory"),
+    "rollout.max_new_tokens": (10**8, "10 times the longest context of any model; the sampler allocates it"),
+    "rollout.max_sampling_rounds": (10**4, "on a task whose groups all tie a higher cap would not end"),
+    "rollout.vllm_max_model_len": (10**8, "10 times the longest context of any model"),
+    "rollout.vllm_max_num_seqs": (10**6, "a generation batch is held in memory"),
+    "rollout.vllm_max_num_batched_tokens": (10**8, "10 times the longest context of any model"),
+    "algo.epochs": (10**6, "a run of more passes would never end"),
+    "eval.num_samples": (10**6, "the samples are held in memory"),
+}
+"""Upper bounds of sizes and counts (each field's docstring says it): beyond them a value can only be a
+mistake (``prompts_per_step=10**12``), and would end in an out-of-memory error, an overflow in torch,
+numpy or vLLM (all take C integers), or a run that never ends, not in a message naming the key."""
+
+
+def _bound_checks(cfg: TrainConfig) -> list[Check]:
+    """Seeds outside [0, `MAX_SEED`] and sizes or counts above `UPPER_BOUNDS` (None: unset, passes)."""
+    def value(key: str) -> object:
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+    seeds = [(k, 0 <= value(k) <= MAX_SEED, f"must be in [0, {MAX_SEED}] (2^31 - 1: numpy and vLLM take seeds "
+              "below 2^32, and each rank and step adds to it)") for k in ("seed", "data.seed")]
+    return seeds + [(k, value(k) is None or value(k) <= bound, f"must be <= {bound:,} ({why})")
+                    for k, (bound, why) in UPPER_BOUNDS.items()]
+
+
 _SETTING_CHECKS = (_schedule_checks, _model_checks, _vllm_engine_checks, _sharding_checks, _data_checks,
-                  _prompt_file_checks, _rollout_checks, _algo_checks, _optim_checks, _eval_checks, _samples_checks)
+                  _prompt_file_checks, _rollout_checks, _algo_checks, _optim_checks, _eval_checks, _samples_checks,
+                  _bound_checks)
 """`TrainConfig`'s checks of plain settings, in the order their problems are reported."""
 
 

@@ -27,12 +27,18 @@ What is read from verl's actor config (``actor_rollout_ref.actor``):
 | ``loss_agg_mode`` | the aggregation (verl's wins over the preset's, see ``AGG_MODES``) |
 | ``loss_scale_factor`` | ``token_sum_norm`` of ``seq-mean-token-sum-norm`` (None: response length) |
 | ``global_batch_info`` | global token / sequence counts, so micro-batches and DP ranks add up |
+| ``clip_ratio_low`` / ``clip_ratio_high`` | ``eps_low`` / ``eps_high`` of the PPO mask, where set (see below) |
 
-NOT read: ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high`` (verl's PPO / CISPO clip
-range) and ``clip_ratio_c`` (dual-clip). Our ``eps_low`` / ``eps_high`` / ``eps_*_is`` come
-only from the preset and ``cispo_overrides``; to reuse verl's values, say so explicitly with
-a Hydra interpolation (``cispo_overrides.eps_high='${actor_rollout_ref.actor.clip_ratio_high}'``).
-The KL penalty stays verl's (``use_kl_loss`` / ``kl_loss_coef``): ``kl_coef > 0`` is refused.
+verl's clip ratios (``clip_ratio_low`` / ``clip_ratio_high``, or ``clip_ratio`` where those are
+null, as verl reads them) are read where the user set them, i.e. where they differ from verl's
+defaults (``VERL_CLIP_DEFAULTS``; a default is not a setting, so ``cispo_unified_dapo`` keeps its
+0.28 under verl's 0.2), and where the objective's mask uses that edge (``mask_rule`` ``ppo``: both,
+as in the ppo, grpo, dapo and gspo presets; ``ppo-low``: the lower, cispo_lowmask; ``ppo-high``: the
+upper). Where the edge has no effect (CISPO's and REINFORCE's ``mask_rule="none"``: their IS-weight
+bounds are ``cispo_overrides.eps_low_is`` / ``eps_high_is``) a warning says so, once; so does a
+``clip_ratio_c`` (verl's dual-clip) other than 3. ``cispo_overrides.eps_low`` / ``eps_high`` that
+disagree with a clip ratio read are an error. The KL penalty stays verl's (``use_kl_loss`` /
+``kl_loss_coef``): ``kl_coef > 0`` is refused.
 
 Rollout correction (decoupled mode): verl multiplies each token's loss by
 ``rollout_is_weights``; here the weights multiply the advantages before ``policy_loss``,
@@ -75,7 +81,20 @@ INSTALL_HINT = (
     "`pip install verl==0.9.1`, which pins transformers<5.11; see docs/integrations.md)"
 )
 
-_WARNED: set[tuple[str, str]] = set()
+VERL_CLIP_DEFAULTS: dict[str, float] = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2,
+                                         "clip_ratio_c": 3.0}
+"""verl 0.9.1's defaults of the actor's clip settings (``ActorConfig``, ``ppo_trainer.yaml``): a value
+that differs is one the user set (tests check these against ``ActorConfig``)."""
+
+MASK_EDGES: dict[str, dict[str, str]] = {
+    "ppo": {"clip_ratio_low": "eps_low", "clip_ratio_high": "eps_high"},
+    "ppo-low": {"clip_ratio_low": "eps_low"},
+    "ppo-high": {"clip_ratio_high": "eps_high"},
+    "none": {},
+}
+"""Our ``mask_rule`` -> verl's clip ratios that act in it, and the ``ObjectiveConfig`` field each sets."""
+
+_WARNED: set[tuple] = set()
 
 
 def verl_available() -> bool:
@@ -163,13 +182,50 @@ def objective_from_verl_config(config: Any, loss_mode: str | None = None) -> Obj
                 f"policy_loss.cispo_overrides.{key} is not used under verl: set actor.{verl_key} instead "
                 f"(it also aggregates verl's entropy and KL terms)"
             )
-    cfg = preset(name_preset or cfg_preset or "cispo", **overrides)
+    name = name_preset or cfg_preset or "cispo"
+    cfg = _with_verl_clip(config, preset(name, **overrides), name, overrides)
     if cfg.kl_coef > 0:
         raise ValueError(
             "ObjectiveConfig.kl_coef > 0 under verl: verl passes no reference log-probs to the policy loss. "
             "Use verl's actor.use_kl_loss=True, kl_loss_coef and kl_loss_type (low_var_kl is k3) instead."
         )
     return cfg
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def _with_verl_clip(config: Any, cfg: ObjectiveConfig, name: str, overrides: dict) -> ObjectiveConfig:
+    """``cfg`` (preset ``name`` with ``overrides``) with verl's clip ratios that the user set (values
+    other than `VERL_CLIP_DEFAULTS`; ``clip_ratio`` where a ratio is null, as verl) as the edges of
+    its PPO mask that ``cfg.mask_rule`` uses (`MASK_EDGES`); a warning, once, for each that has no
+    effect, and for a ``clip_ratio_c`` set (no dual-clip here). ``ValueError`` where an override of
+    that edge disagrees."""
+    acting, changes = MASK_EDGES.get(cfg.mask_rule, {}), {}
+    for key in ("clip_ratio_low", "clip_ratio_high"):
+        value = _get(config, key, None)
+        value = _get(config, "clip_ratio", VERL_CLIP_DEFAULTS["clip_ratio"]) if value is None else value
+        if value == VERL_CLIP_DEFAULTS[key]:
+            continue  # verl's default: no setting of the user's
+        field_name = acting.get(key)
+        if field_name is None:
+            why = ("it has no PPO mask; its IS weight's bounds are policy_loss.cispo_overrides.eps_low_is / eps_high_is"
+                   if cfg.mask_rule == "none" else f"its mask_rule={cfg.mask_rule!r} uses the other edge only")
+            _warn_once(("clip", key, value, name, cfg.mask_rule),
+                       f"{LOSS_NAME}: actor.{key}={value} has no effect on preset {name!r}: {why}")
+            continue
+        if field_name in overrides and overrides[field_name] != value:
+            raise ValueError(f"policy_loss.cispo_overrides.{field_name}={overrides[field_name]} and actor.{key}={value} "
+                             "disagree: give one")
+        changes[field_name] = float(value)
+    dual_clip = _get(config, "clip_ratio_c", VERL_CLIP_DEFAULTS["clip_ratio_c"])
+    if dual_clip != VERL_CLIP_DEFAULTS["clip_ratio_c"]:
+        _warn_once(("clip", "clip_ratio_c", dual_clip), f"{LOSS_NAME}: actor.clip_ratio_c={dual_clip} has no effect: "
+                   "the unified objective has no dual-clip")
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def _aggregation(
