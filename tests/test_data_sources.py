@@ -152,10 +152,47 @@ def test_load_source_passes_name_and_split(monkeypatch):
 
 
 def test_system_prompt_needs_chat_template():
-    with pytest.raises(ValueError, match=r"data\.system_prompt.*model\.chat_template=true"):
-        Config(data=DataConfig(system_prompt="Be brief."))
-    cfg = Config(model=ModelConfig(chat_template=True), data=DataConfig(system_prompt="Be brief."))
-    assert cfg.data.system_prompt == "Be brief."
+    with pytest.raises(ValueError, match=r"data\.system_prompt.*model\.chat_template=auto or true, not false"):
+        Config(model=ModelConfig(chat_template=False), data=DataConfig(system_prompt="Be brief."))
+    for setting in (True, "auto"):  # auto (the default) turns the template on for a system prompt
+        cfg = Config(model=ModelConfig(chat_template=setting), data=DataConfig(system_prompt="Be brief."))
+        assert cfg.data.system_prompt == "Be brief."
+
+
+def test_chat_template_is_true_false_or_auto(tmp_path):
+    """Default auto; old configs' true / false still read, from YAML and the command line; a wrong
+    value is one line naming the field and its choices."""
+    from cispo.config.train import ConfigError, apply_overrides, load_yaml
+
+    assert Config().model.chat_template == "auto"
+    for text, value in (("true", True), ("false", False), ("auto", "auto")):
+        assert apply_overrides(Config(), [f"model.chat_template={text}"]).model.chat_template == value
+        (tmp_path / "c.yaml").write_text(f"model:\n  chat_template: {text}\n")
+        assert load_yaml(Config, tmp_path / "c.yaml").model.chat_template == value
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(Config(), ["model.chat_template=atuo"])
+    assert str(e.value) == ("override 'model.chat_template=atuo': model.chat_template: expected bool | "
+                            "Literal['auto'], got 'atuo'")
+
+
+def test_chat_samples_are_found_in_every_file_of_the_run(tmp_path):
+    """Which files hold chat-message prompts (what model.chat_template=auto turns the template on for):
+    the training file, data.eval_path and each eval set, each named."""
+    from cispo.config.data import EvalSetConfig
+    from cispo.data.prompts import chat_samples, load_eval_sets, load_source
+
+    chat = [{"role": "user", "content": "hi"}]
+    text = write_jsonl(tmp_path / "text.jsonl", [{"prompt": f"p{i}", "answer": "1"} for i in range(6)])
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"prompt": chat, "answer": "1"}] * 5)
+    for kw, found in (({}, {}), ({"eval_path": str(chats)}, {str(chats): 5}),
+                      ({"eval_sets": {"c": EvalSetConfig(path=str(chats))}}, {str(chats): 5})):
+        cfg = DataConfig(path=str(text), reward="exact_match", **kw)
+        source = load_source(cfg, max_new_tokens=4)
+        got = chat_samples(cfg, source, load_eval_sets(cfg))
+        assert {path: len(samples) for path, samples in got.items()} == found
+    cfg = DataConfig(path=str(chats), reward="exact_match", num_eval_prompts=1)  # 4 training rows, 1 held out
+    assert {p: len(s) for p, s in chat_samples(cfg, load_source(cfg, 4), {}).items()} == {str(chats): 5}
+    assert chat_samples(DataConfig(), None, {}) == {}  # a built-in task: Task.chat says
 
 
 def test_system_prompt_override_and_yaml(tmp_path):

@@ -207,6 +207,39 @@ def test_repetition_counter_on_a_scripted_model(n, expected, use_cache):
     assert model.calls == b.response_ids.shape[1]  # one prefill, then one call per step; stops when all done
 
 
+TURN_END = 8  # a chat template's end of turn that is not the EOS (ChatML's <|im_end|> beside <|endoftext|>)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_row_stops_at_any_of_several_stop_ids(use_cache):
+    """eos_token_id may list several ids (a generation config's, a chat template's end of turn): a row
+    stops at the first it samples, which it keeps (mask 1), and is padded after; with EOS alone the
+    turn end is just another token."""
+    model = Bigram({2: {3: 0.999}, 3: {2: 0.999}, 6: {7: 0.999}, 7: {TURN_END: 0.999}, TURN_END: {EOS: 0.999}})
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0, use_cache=use_cache)
+    b = TorchSampler(model, eos_token_id=[EOS, TURN_END], pad_token_id=PAD).generate([[9, 2], [6]], greedy)
+    assert b.response_ids.tolist() == [[3, 2, 3, 2, 3, 2], [7, TURN_END, PAD, PAD, PAD, PAD]]
+    assert b.response_mask.tolist() == [[1.0] * 6, [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]]
+    assert b.finish_reason == ["length", "eos"] and b.logp_rollout[1, 2:].eq(0).all()
+    eos_only = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD).generate([[6]], greedy)
+    assert eos_only.response_ids.tolist() == [[7, TURN_END, EOS]] and eos_only.finish_reason == ["eos"]
+
+
+@pytest.mark.parametrize("decode", ["static", "hf"])
+def test_several_stop_ids_end_rows_in_both_decode_loops(model, decode):
+    stops = (EOS, 5, 9)
+    s = TorchSampler(model, eos_token_id=list(stops), pad_token_id=PAD, decode=decode)
+    assert s.stop_token_ids == stops and s.eos_token_id == EOS
+    b = s.generate(PROMPTS * 4, SamplingConfig(max_new_tokens=20), torch.Generator().manual_seed(1))
+    ends = []
+    for row, reason, n in zip(b.response_ids.tolist(), b.finish_reason, b.response_lengths.tolist()):
+        assert not set(row[: n - 1]) & set(stops) and (row[n - 1] in stops) == (reason == "eos")
+        ends += [row[n - 1]] if reason == "eos" else []
+    assert {5, 9} & set(ends)  # rows stopped at ids other than EOS (3 of 20 ids stop: most rows do)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id or a non-empty list"):
+        TorchSampler(model, eos_token_id=[], pad_token_id=PAD)
+
+
 def test_tiny_top_p_samples_the_argmax(sampler):
     greedy = gen(sampler, max_new_tokens=10, temperature=0.0)
     for temperature in (1.0, 2.0):

@@ -138,6 +138,20 @@ def test_resume_through_the_api_checks_the_config(tiny_model, tmp_path):
                  tmp_path)  # None is resolved when the run starts: it matches the saved value
 
 
+def test_a_run_saved_with_chat_template_false_resumes_with_it():
+    """config.yaml holds the resolved chat_template; a run saved with false (the default before auto)
+    resumes with false when the given config says auto (the default now), and a real change is named."""
+    from cispo.config.train import TrainConfig
+    from cispo.records.runfolder import keep_resolved, resume_changes
+
+    saved, given = apply_overrides(TrainConfig(), ["model.chat_template=false"]), TrainConfig()
+    assert given.model.chat_template == "auto" and resume_changes(saved, given) == []
+    assert keep_resolved(saved, given).model.chat_template is False
+    assert resume_changes(saved, apply_overrides(given, ["model.chat_template=true"])) == [
+        ("model.chat_template", False, True)]
+    assert keep_resolved(saved, apply_overrides(given, ["max_new_tokens=7"])).rollout.max_new_tokens == 7
+
+
 def test_resume_with_a_config_file_takes_only_the_keys_it_sets(tiny_model, tmp_path):
     saved_run(tmp_path, tiny_model)
     more = tmp_path / "more.yaml"

@@ -256,6 +256,32 @@ def test_finalize_response(ids, lps, engine, n, expected):
     assert (out_ids, reason) == expected and out_lps == lps[: len(out_ids)]
 
 
+@pytest.mark.parametrize(
+    "ids,engine,expected",
+    [
+        ([5, 8], "stop", ([5, 8], "eos")),  # the engine stopped on the second stop id
+        ([5, 8, 6, 7], "length", ([5, 8], "eos")),  # never expected: cut at the first stop id all the same
+        ([5, 6, 7, 8], "length", ([5, 6, 7, 8], "eos")),  # a stop id as the last allowed token
+    ],
+)
+def test_finalize_response_with_several_stop_ids(ids, engine, expected):
+    out_ids, _, reason = finalize_response(ids, [LP_LO] * len(ids), engine, [EOS, 8], SamplingConfig(max_new_tokens=4))
+    assert (out_ids, reason) == expected
+
+
+def test_the_engine_stops_on_every_stop_id(model_dir):
+    """eos_token_id a list (the tokenizer's EOS and a chat turn end): all of it goes to SamplingParams'
+    stop_token_ids, and a model that always says 7 stops at its first token."""
+    with pytest.MonkeyPatch.context() as mp:
+        fake_vllm.install(mp)
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        sampler = VLLMSampler(model_dir, eos_token_id=[EOS, 7], pad_token_id=PAD)
+    sampler.update_weights(force_token(load_hf(model_dir), 7))
+    b = gen(sampler, max_new_tokens=6)
+    assert sampler.llm.calls[-1][0].stop_token_ids == [EOS, 7]
+    assert b.response_ids.tolist() == [[7]] * len(PROMPTS) and b.finish_reason == ["eos"] * len(PROMPTS)
+
+
 def test_finalize_response_rejects_inconsistent_engine_output():
     cfg = SamplingConfig(max_new_tokens=4)
     with pytest.raises(RuntimeError, match="not on EOS"):

@@ -28,8 +28,8 @@ Each sample is a dict with normalised names, so the trainer always finds ``promp
 
 * ``prompt`` (str): the prompt field's text. If the field holds a chat message list
   (``[{"role": "user", "content": "..."}, ...]``, as in DAPO-Math / verl parquet files), the
-  list is kept under ``messages`` (for a chat template) and ``prompt`` is the content of the
-  last ``user`` message.
+  list is kept under ``messages`` (what the chat template renders, whole: ``model.chat_template``)
+  and ``prompt`` is the content of the last ``user`` message (the prompt without a template).
 * ``answer`` (str): the answer field's value as a string (numbers are converted); absent when
   ``answer_field=None`` (for rewards that need no answer). The default field, ``answer``, may
   be missing from every row of a file (a data set whose reference is ``solution``, or verl's

@@ -135,6 +135,9 @@ class FileSource:
     max_new_tokens: int
     model: str | None = None  # the Task interface's: no model of its own (model.path or the built-in one)
     chat: bool = False  # the Task interface's: the chat template only where model.chat_template asks
+    accuracy: bool = False
+    """The Task interface's: whether the reward's mean is an accuracy (a built-in 0/1 verifier's,
+    ``Reward.binary``; `cispo.training.metrics.reports_accuracy`)."""
 
     def train_samples(self, seed: int, n: int) -> list[dict]:
         return list(self.train[:n])
@@ -161,7 +164,7 @@ def load_source(data_cfg, max_new_tokens: int | None):
         task = get_task(data_cfg.task)
         return task if data_cfg.fork_tokens is None else with_fork_tokens(task, data_cfg.fork_tokens)
     from cispo.data.datasets import load_prompts
-    from cispo.data.rewards.loading import load_reward
+    from cispo.data.rewards.loading import load_rewards
 
     if data_cfg.reward is None:
         raise ValueError("data.reward is required with data.path (e.g. math, exact_match, code, module:function)")
@@ -182,14 +185,31 @@ def load_source(data_cfg, max_new_tokens: int | None):
                             f"add prompts (>= 5), give data.eval_path, or set data.num_eval_prompts=0")
         held_out = [train[i] for i in order[:n_eval]]
         train = [train[i] for i in order[n_eval:]]
+    reward = load_rewards(data_cfg.reward, data_cfg.reward_weights, data_cfg.reward_isolation, data_cfg.reward_workers)
     return FileSource(
         name=Path(data_cfg.path).stem,
         train=tuple(train),
         eval=tuple(held_out),
-        reward=load_reward(data_cfg.reward, data_cfg.reward_isolation, data_cfg.reward_workers),
+        reward=reward,
         fork_tokens=normalise(data_cfg.fork_tokens or ()),
         max_new_tokens=max_new_tokens,
+        accuracy=reward.binary,
     )
+
+
+def chat_samples(data_cfg, source, named_sets: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The samples whose prompt is a chat message list (they have ``messages``), by the file they came
+    from: ``data.path`` (training and held-out rows), ``data.eval_path`` and each ``data.eval_sets``
+    path; files with none are left out. {} for a built-in task (``Task.chat`` says whether its
+    prompts are messages) or no ``source``."""
+    if data_cfg.path is None or source is None:
+        return {}
+    parts = [(data_cfg.path, source.train), (data_cfg.eval_path or data_cfg.path, source.eval)]
+    parts += [(data_cfg.eval_sets[name].path, samples) for name, samples in named_sets.items()]
+    found: dict[str, list[dict]] = {}
+    for path, samples in parts:
+        found.setdefault(str(path), []).extend(s for s in samples if "messages" in s)
+    return {path: samples for path, samples in found.items() if samples}
 
 
 def with_fork_tokens(task, strings):

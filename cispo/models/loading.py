@@ -239,6 +239,44 @@ def check_vocab_fits(model, tokenizer, path) -> None:
                           f"model.resize_token_embeddings); put the model's own tokenizer in the folder")
 
 
+TURN_PROBE = "cispo-turn-end-probe"
+"""The assistant text `turn_end_id` renders through a chat template, to find what closes the turn."""
+
+
+def stop_token_ids(model, tokenizer, templated: bool) -> list[int]:
+    """The ids a response of ``model`` stops at (each once, in this order): the tokenizer's EOS, every id
+    of the model's generation config ``eos_token_id`` (an int or a list: ``generation_config.json``, or
+    ``config.json`` without one; Llama-3-Instruct lists ``<|end_of_text|>``, ``<|eom_id|>`` and
+    ``<|eot_id|>``), and with ``templated`` prompts the chat template's end of turn (`turn_end_id`:
+    ChatML's ``<|im_end|>`` where the EOS is ``<|endoftext|>``), so that a chat model that ends its
+    turn without its EOS is not sampled on to ``max_new_tokens``."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = [listed] if isinstance(listed, int) else list(listed or [])
+    turn = turn_end_id(tokenizer) if templated else None
+    return list(dict.fromkeys([tokenizer.eos_token_id, *listed, *([turn] if turn is not None else [])]))
+
+
+def turn_end_id(tokenizer) -> int | None:
+    """The special token that closes an assistant turn in ``tokenizer``'s chat template (``<|im_end|>``,
+    ``<|eot_id|>``, ``<end_of_turn>``, ``<|end|>``, ``</s>``): a user turn and an assistant turn whose
+    text is `TURN_PROBE` are rendered, and the first token of the text after the probe is taken if it is
+    a special (added) token. Reading the template itself finds the token of any template, where a list
+    of known names would miss new ones. None without a template, when the two turns do not render
+    (a template is code, and may refuse them), or when plain text follows the turn (a template that
+    ends a turn with a newline: no token to stop at)."""
+    if not tokenizer.chat_template:
+        return None
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": TURN_PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(turns, tokenize=False)
+    except Exception:  # noqa: BLE001 — whatever the template raises: no turn end found
+        return None
+    at = text.rfind(TURN_PROBE) if isinstance(text, str) else -1
+    ids = tokenizer.encode(text[at + len(TURN_PROBE):], add_special_tokens=False) if at >= 0 else []
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return ids[0] if ids and ids[0] in special else None
+
+
 def check_chat_template(path) -> None:
     """ConfigError unless the tokenizer in folder ``path`` has a chat template (for
     ``model.chat_template=true``; checked before the data is loaded)."""

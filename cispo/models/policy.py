@@ -49,8 +49,11 @@ class Policy:
         return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
     def encode(self, sample: dict) -> list[int]:
-        """Prompt token ids: the raw prompt, or its chat messages in the chat template, after a
-        system message ``system_prompt`` unless the messages start with their own."""
+        """Prompt token ids. With ``chat_template``: the sample's whole chat message list (system, user
+        and earlier assistant turns), or its text prompt as one user message, after a system message
+        ``system_prompt`` unless the messages start with their own, rendered by the tokenizer's template
+        with the assistant turn opened (``add_generation_prompt=True``). Without: the text ``prompt``
+        (for a chat-message row, its last user message: ``cispo.data.datasets``)."""
         if self.chat_template:
             messages = sample.get("messages") or [{"role": "user", "content": sample["prompt"]}]
             if self.system_prompt is not None and messages[0].get("role") != "system":

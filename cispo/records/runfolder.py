@@ -62,9 +62,11 @@ trajectory (prompts, sampling, objective, optimizer). Everything else must equal
 ``config.yaml``. ``data.num_eval_prompts`` is *not* here: with a data file it sets how many
 of its rows are held out, hence the training prompts."""
 
-RESOLVED_AT_START = {"rollout.max_new_tokens"}
-"""Keys whose ``None`` is resolved when the run starts (``config.yaml`` has the resolved
-value): on resume, ``None`` matches whatever was saved."""
+RESOLVED_AT_START = {"rollout.max_new_tokens": None, "model.chat_template": "auto"}
+"""Keys whose value here (``None``, ``auto``) is resolved when the run starts (``config.yaml`` has
+the resolved value): on resume it matches whatever was saved, and the saved value is used
+(`keep_resolved`): a run saved with ``model.chat_template: false`` (the default before ``auto``)
+resumes with false."""
 
 
 def run_name(cfg: TrainConfig) -> str:
@@ -392,10 +394,20 @@ def resume_changes(saved: TrainConfig, cfg: TrainConfig) -> list[tuple[str, Any,
     changes = []
     for key in sorted(old.keys() | new.keys()):
         a, b = old.get(key), new.get(key)
-        if a == b or _is_safe(key) or (key in RESOLVED_AT_START and b is None):
+        if a == b or _is_safe(key) or (key in RESOLVED_AT_START and b == RESOLVED_AT_START[key]):
             continue
         changes.append((key, a, b))
     return changes
+
+
+def keep_resolved(saved: TrainConfig, cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with each key of ``RESOLVED_AT_START`` that it leaves unresolved set to ``saved``'s value."""
+    for key, unresolved in RESOLVED_AT_START.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) == unresolved:
+            value = getattr(getattr(saved, section), name)
+            cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{name: value})})
+    return cfg
 
 
 def check_resume(saved: TrainConfig, cfg: TrainConfig, run_dir: Path) -> None:

@@ -10,12 +10,28 @@ and the optional capabilities (weight sync, sleep / wake, lock-step across ranks
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 FINISH_REASONS = ("eos", "length", "repetition")
+
+
+def stop_ids(eos_token_id: int | Sequence[int]) -> tuple[int, ...]:
+    """The ids that end a response, from a sampler's ``eos_token_id``: one id, or several, as a Hugging
+    Face generation config lists them (Llama-3's ``<|end_of_text|>`` and ``<|eot_id|>``); ints, each
+    once, in order. A response stops at the first of them it samples ("eos"), which it keeps (mask 1).
+    ValueError when there is none."""
+    ids = tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (eos_token_id,)
+    try:
+        out = tuple(dict.fromkeys(operator.index(i) for i in ids))
+    except TypeError:
+        out = ()
+    if not out or any(isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_token_id must be a token id or a non-empty list of them, got {eos_token_id!r}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -80,15 +96,15 @@ class RolloutBatch:
     """LongTensor [B, T]: the sampled tokens, right-padded with the pad id."""
 
     response_mask: torch.Tensor
-    """float32 [B, T]: 1 at generated tokens (the EOS token included, when one was emitted), 0 at padding."""
+    """float32 [B, T]: 1 at generated tokens (the stop token included, when one was emitted), 0 at padding."""
 
     logp_rollout: torch.Tensor
     """float32 [B, T]: log-prob of each sampled token under the sampler's softmax(logits / temperature),
     before top-p truncation (untempered when temperature == 0); 0 at padding."""
 
     finish_reason: list[str]
-    """Per row, why it stopped: "eos" (emitted EOS), "length" (hit max_new_tokens) or "repetition"
-    (repetition early stop)."""
+    """Per row, why it stopped: "eos" (emitted a stop token: EOS or another of the sampler's stop ids,
+    `stop_ids`), "length" (hit max_new_tokens) or "repetition" (repetition early stop)."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

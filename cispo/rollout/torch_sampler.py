@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from cispo.foundations.distributed import sharded_call
 from cispo.models.policy import decoder, lm_head
 from cispo.objective.logprobs import lm_logits, logit_transform
-from cispo.rollout.base import FINISH_REASONS, RolloutBatch, Sampler, SamplingConfig
+from cispo.rollout.base import FINISH_REASONS, RolloutBatch, Sampler, SamplingConfig, stop_ids
 from cispo.rollout.static_cache import StaticDecoder, layer_stack, matmul_attention, unsupported_reason
 
 DECODE_MODES = ("auto", "static", "hf")
@@ -46,9 +46,12 @@ class TorchSampler(Sampler):
     Args:
         model: the policy. It is put in eval mode while sampling; every submodule's train/eval mode is
             restored afterwards.
-        eos_token_id: the token that ends a response (it is kept in the response, with mask 1).
+        eos_token_id: the token that ends a response, or a list of them (``cispo.rollout.base.stop_ids``:
+            a model's generation-config EOS ids and its chat template's end of turn,
+            ``cispo.models.loading.stop_token_ids``); a row stops at the first it samples, which is kept
+            in the response with mask 1.
         pad_token_id: fills the left of short prompts and the right of short responses. It may equal
-            ``eos_token_id``.
+            a stop id.
         autocast: None, or the low-precision dtype to compute in under ``torch.autocast`` (mixed
             precision with FP32 master weights, ``cispo.models.loading.precision``).
         fp32_head: compute the next-token logits with the trainer's head (``cispo.objective.logprobs.lm_logits``
@@ -73,7 +76,7 @@ class TorchSampler(Sampler):
     training). It samples from the trained model itself, so it needs no weight sync.
     """
 
-    def __init__(self, model: torch.nn.Module, eos_token_id: int, pad_token_id: int,
+    def __init__(self, model: torch.nn.Module, eos_token_id: int | Sequence[int], pad_token_id: int,
                  autocast: torch.dtype | None = None, fp32_head: bool = False, decode: str = "auto",
                  compile_step: bool = False) -> None:
         if decode not in DECODE_MODES:
@@ -86,7 +89,8 @@ class TorchSampler(Sampler):
         self.model = model
         self.autocast = autocast
         self.fp32_head = fp32_head
-        self.eos_token_id = int(eos_token_id)
+        self.stop_token_ids = stop_ids(eos_token_id)
+        self.eos_token_id = self.stop_token_ids[0]  # the first stop id (the tokenizer's EOS in a run)
         self.pad_token_id = int(pad_token_id)
         self._all_ranks_done: Callable[[bool], bool] | None = None
         params = inspect.signature((decoder(model) if fp32_head else model).forward).parameters
@@ -111,7 +115,7 @@ class TorchSampler(Sampler):
     ) -> RolloutBatch:
         """Sample one response per prompt; see :class:`RolloutBatch` for the result's layout.
 
-        Rows stop at EOS ("eos"), at ``cfg.max_new_tokens`` ("length") or at the repetition early stop
+        Rows stop at a stop id ("eos"; ``stop_token_ids``), at ``cfg.max_new_tokens`` ("length") or at the repetition early stop
         ("repetition"); a stopped row gets pad tokens with mask 0, and the loop ends when every row has
         stopped. ``generator`` (on the model's device) makes sampling reproducible; greedy decoding
         (temperature 0) draws no random numbers.
@@ -208,6 +212,7 @@ class TorchSampler(Sampler):
         finished = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
         reason = torch.full((B,), _LENGTH, dtype=torch.long, device=dev)  # [B]
         confident_run = torch.zeros(B, dtype=torch.long, device=dev)  # [B] consecutive tokens with p > thr
+        stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)  # [S]
 
         pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
         logits, cache = self._forward(prompt, prompt_mask, pos, None, cfg.use_cache)  # [B, V]
@@ -232,7 +237,7 @@ class TorchSampler(Sampler):
             response[:, t] = tok.masked_fill(finished, pad)
             logp_out[:, t] = tok_logp.masked_fill(finished, 0.0)
             response_mask[:, t] = alive.float()
-            stop_eos = alive & (tok == self.eos_token_id)  # [B]
+            stop_eos = alive & torch.isin(tok, stops)  # [B]
             stop = stop_eos
             if cfg.repetition_stop_tokens is not None:
                 confident = tok_logp.exp() > cfg.repetition_stop_prob  # [B]

@@ -10,11 +10,12 @@ piece relies on:
 
 * **Sampling.** ``LLM.generate([TokensPrompt(prompt_token_ids=...)], [SamplingParams(...)], use_tqdm=False)``
   with ``SamplingParams(temperature, top_p, max_tokens=max_new_tokens, logprobs=0, seed,
-  stop_token_ids=[eos], ignore_eos=True, detokenize=False)``. ``logprobs=0`` returns the log-prob of the
-  sampled token only (vLLM always adds the sampled token to the top-k it returns); ``ignore_eos=True``
-  plus ``stop_token_ids=[eos]`` makes *our* EOS the only stop token (the model's own EOS and the
-  ``eos_token_id`` list of its generation config then do not stop the row, as in ``TorchSampler``); the
-  stop token is kept in ``CompletionOutput.token_ids``. vLLM's ``finish_reason`` "stop" maps to "eos",
+  stop_token_ids=[stop ids], ignore_eos=True, detokenize=False)``. ``logprobs=0`` returns the log-prob of
+  the sampled token only (vLLM always adds the sampled token to the top-k it returns); ``ignore_eos=True``
+  plus ``stop_token_ids`` makes *our* stop ids the only stop tokens, as in ``TorchSampler`` (the run
+  passes the tokenizer's EOS, the ``eos_token_id`` list of the model's generation config and the chat
+  template's end of turn: ``cispo.models.loading.stop_token_ids``); the stop token is kept in
+  ``CompletionOutput.token_ids``. vLLM's ``finish_reason`` "stop" maps to "eos",
   "length" to "length". The engine is built with ``generation_config="vllm"`` so the checkpoint's
   generation config does not change the sampling defaults.
 
@@ -85,7 +86,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from cispo.rollout.base import RolloutBatch, Sampler, SamplingConfig
+from cispo.rollout.base import RolloutBatch, Sampler, SamplingConfig, stop_ids
 from cispo.rollout.vllm_engine import (RankPlacement, engine_accepts, engine_kwargs, set_rank_environment,
                                        supports_head_dtype, tokenizer_source)
 
@@ -113,7 +114,7 @@ def finalize_response(
     token_ids: Sequence[int],
     logprobs: Sequence[float],
     engine_reason: str | None,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     cfg: SamplingConfig,
 ) -> tuple[list[int], list[float], str]:
     """One engine response -> (token ids, their log-probs, finish reason) under the ``RolloutBatch`` contract.
@@ -121,22 +122,25 @@ def finalize_response(
     Maps vLLM's finish reason ("stop" -> "eos", "length" -> "length"), checks it against the tokens, then
     applies the repetition early stop post hoc (see the module docstring): the response is cut where the
     run of confident tokens reaches ``cfg.repetition_stop_tokens``; the cut row is "repetition", unless the
-    token that reaches N is the EOS ("eos", as in ``TorchSampler``). A "length" row whose last token
-    reaches N becomes "repetition", as in ``TorchSampler``.
+    token that reaches N is a stop token ("eos", as in ``TorchSampler``). A "length" row whose last token
+    reaches N becomes "repetition", as in ``TorchSampler``. ``eos_token_id``: the stop id or ids
+    (``cispo.rollout.base.stop_ids``).
     """
+    stops = set(stop_ids(eos_token_id))
     ids, lps = [int(t) for t in token_ids], [float(x) for x in logprobs]
     if len(ids) != len(lps):
         raise RuntimeError(f"engine returned {len(ids)} tokens but {len(lps)} log-probs")
     if not ids:
         raise RuntimeError(f"engine returned an empty response (finish_reason={engine_reason!r})")
-    if eos_token_id in ids[:-1]:  # never expected (EOS is a stop token), but keep the contract
-        ids, lps, reason = ids[: ids.index(eos_token_id) + 1], lps[: ids.index(eos_token_id) + 1], "eos"
+    first = next((i for i, t in enumerate(ids[:-1]) if t in stops), None)
+    if first is not None:  # never expected (the engine stops there), but keep the contract
+        ids, lps, reason = ids[: first + 1], lps[: first + 1], "eos"
     elif engine_reason == "stop":
-        if ids[-1] != eos_token_id:
-            raise RuntimeError(f"engine stopped on token {ids[-1]}, not on EOS {eos_token_id}")
+        if ids[-1] not in stops:
+            raise RuntimeError(f"engine stopped on token {ids[-1]}, not on EOS or another stop id {sorted(stops)}")
         reason = "eos"
     elif engine_reason == "length":
-        if ids[-1] == eos_token_id:  # EOS sampled as the last allowed token
+        if ids[-1] in stops:  # a stop token sampled as the last allowed token
             reason = "eos"
         elif len(ids) != cfg.max_new_tokens:
             raise RuntimeError(
@@ -152,7 +156,7 @@ def finalize_response(
                                      cfg.repetition_stop_prob)
         if cut is not None:
             ids, lps = ids[:cut], lps[:cut]
-            reason = "eos" if ids[-1] == eos_token_id else "repetition"
+            reason = "eos" if ids[-1] in stops else "repetition"
     return ids, lps, reason
 
 
@@ -265,18 +269,18 @@ def _import_vllm():
     return vllm, SamplingParams, TokensPrompt
 
 
-def resolve_token_ids(tokenizer, eos_token_id: int | None, pad_token_id: int | None) -> tuple:
-    """(EOS id, pad id): the ones given, else the tokenizer's; the pad id falls back to the EOS id.
-    ValueError without an EOS id: it is the one stop token of every response."""
+def resolve_token_ids(tokenizer, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None) -> tuple:
+    """(stop ids, pad id): the ones given (``eos_token_id``: one id or a list), else the tokenizer's EOS
+    and pad; the pad id falls back to the first stop id. ValueError without a stop id: a response
+    could never end."""
     if eos_token_id is None:
         eos_token_id = getattr(tokenizer, "eos_token_id", None)
     if pad_token_id is None:
         pad_token_id = getattr(tokenizer, "pad_token_id", None)
-    if pad_token_id is None:
-        pad_token_id = eos_token_id
     if eos_token_id is None:
         raise ValueError("VLLMSampler needs eos_token_id (or a tokenizer that has one)")
-    return eos_token_id, pad_token_id
+    stops = stop_ids(eos_token_id)
+    return stops, stops[0] if pad_token_id is None else pad_token_id
 
 
 def _engine_features(vllm_version: str, fp32_head: bool) -> tuple[str | None, bool]:
@@ -325,7 +329,8 @@ class VLLMSampler(Sampler):
     Args:
         model_path: the Hugging Face folder of the policy (what ``cispo.models.loading.load_policy`` loads).
         tokenizer: its tokenizer (an object with ``name_or_path``, or a path); None: ``model_path``.
-        eos_token_id: the token that ends a response (kept in the response, mask 1).
+        eos_token_id: the token that ends a response, or a list of them (``cispo.rollout.base.stop_ids``);
+            kept in the response, mask 1. None: the tokenizer's EOS.
         pad_token_id: fills the left of short prompts and the right of short responses.
         gpu_memory_utilization: share of the GPU memory vLLM may take (weights + KV cache).
         dtype: the engine's parameter dtype ("auto": the checkpoint's, float32 ones run in bf16).
@@ -351,7 +356,7 @@ class VLLMSampler(Sampler):
         self,
         model_path,
         tokenizer=None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         gpu_memory_utilization: float = 0.3,
         dtype: str = "auto",
@@ -375,10 +380,10 @@ class VLLMSampler(Sampler):
         vllm, self._SamplingParams, self._TokensPrompt = _import_vllm()
         from cispo.foundations.versions import warn_if_untested
 
-        eos_token_id, pad_token_id = resolve_token_ids(tokenizer, eos_token_id, pad_token_id)
+        self.stop_token_ids, pad_token_id = resolve_token_ids(tokenizer, eos_token_id, pad_token_id)
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
-        self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
+        self.eos_token_id, self.pad_token_id = self.stop_token_ids[0], int(pad_token_id)
         self.output_device = torch.device(output_device)
         self.enable_sleep_mode, self.sleep_level = bool(enable_sleep_mode), int(sleep_level)
         self.vllm_version = getattr(vllm, "__version__", "unknown")
@@ -426,7 +431,7 @@ class VLLMSampler(Sampler):
             max_tokens=cfg.max_new_tokens,
             logprobs=0,
             seed=seed,
-            stop_token_ids=[self.eos_token_id],
+            stop_token_ids=list(self.stop_token_ids),
             ignore_eos=True,
             detokenize=False,
         )
@@ -476,7 +481,7 @@ class VLLMSampler(Sampler):
             if completion.logprobs is None:
                 raise RuntimeError("vLLM returned no logprobs (SamplingParams.logprobs was 0)")
             lps = [completion.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
-            responses.append(finalize_response(ids, lps, completion.finish_reason, self.eos_token_id, cfg))
+            responses.append(finalize_response(ids, lps, completion.finish_reason, self.stop_token_ids, cfg))
         return pad_rollout(prompt_ids, responses, self.pad_token_id, self.output_device)
 
     def _check_lengths(self, prompt_ids, cfg: SamplingConfig) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -49,17 +50,76 @@ def model_folder(cfg: TrainConfig, task):
 def check_model(cfg: TrainConfig) -> None:
     """Before any data or weights are loaded: ``model.path`` and ``model.ref_path`` name a model
     (``cispo.training.checkpoint.check_model_folder``; a ``builtin:<name>`` is checked when it is converted),
-    and with ``model.chat_template`` the tokenizer has a chat template. ``ConfigError`` otherwise."""
+    and with ``model.chat_template=true`` the tokenizer has a chat template. ``ConfigError`` otherwise."""
     from cispo.models.packaged import is_packaged, resolve_model_path
     from cispo.training.checkpoint import check_model_folder
 
     for path in (cfg.model.path, cfg.model.ref_path):
         if path and not is_packaged(path):
             check_model_folder(path)
-    if cfg.model.chat_template and cfg.model.path:
+    if cfg.model.chat_template is True and cfg.model.path:
         from cispo.models.loading import check_chat_template
 
         check_chat_template(resolve_model_path(cfg.model.path))
+
+
+def resolve_chat_template(cfg: TrainConfig, task, named_sets: dict | None = None) -> TrainConfig:
+    """``cfg`` with ``model.chat_template=auto`` resolved once the data is read (``config.yaml`` then
+    records what the run does): true when prompts of the run are chat message lists
+    (``cispo.data.prompts.chat_samples``), ``data.system_prompt`` is set or the task is a chat task
+    (``Task.chat``); false otherwise. Turned on by ``auto``, the tokenizer of ``model.path`` must have
+    a chat template (``ConfigError`` naming the data file and the model; the built-in or a task's
+    model is checked as it loads). With false, chat-message prompts are cut to their last user
+    message: a warning counts those that lose a system message or earlier turns."""
+    from cispo.data.prompts import chat_samples
+
+    chats, chat_task = chat_samples(cfg.data, task, named_sets or {}), getattr(task, "chat", False)
+    if cfg.model.chat_template == "auto":
+        why = auto_reason(cfg, chats)
+        cfg = replace(cfg, model=replace(cfg.model, chat_template=why is not None or chat_task))
+        if why is not None and cfg.model.path and not chat_task:  # a chat task's model: checked as it loads
+            check_auto_template(cfg.model.path, why)
+    if cfg.model.chat_template is False and not chat_task:
+        warn_cut_conversations(chats)
+    return cfg
+
+
+def auto_reason(cfg: TrainConfig, chats: dict[str, list[dict]]) -> str | None:
+    """Why ``model.chat_template=auto`` turns the template on for a data file's prompts (``chats``: its
+    chat-message samples by file), or None (off)."""
+    if chats:
+        return f"the prompts of {next(iter(chats))} are chat messages"
+    if cfg.data.system_prompt is not None:
+        return "data.system_prompt is set (a system message exists only in a chat template)"
+    return None
+
+
+def check_auto_template(model_path: str, why: str) -> None:
+    """ConfigError, saying ``why`` ``model.chat_template=auto`` turned the template on (the data file
+    whose prompts are chat messages, ...) and naming the model, when the tokenizer of ``model_path``
+    has no chat template."""
+    from transformers import AutoTokenizer
+
+    from cispo.models.loading import from_pretrained
+    from cispo.models.packaged import resolve_model_path
+
+    path = resolve_model_path(model_path)
+    if from_pretrained(AutoTokenizer, path).chat_template:
+        return
+    raise ConfigError(f"model.chat_template=auto: {why}, but the tokenizer of {path} has no chat template (a base "
+                      "model?): use a chat model, add a chat_template to its tokenizer_config.json, or set "
+                      "model.chat_template=false to train on each prompt's last user message alone")
+
+
+def warn_cut_conversations(chats: dict[str, list[dict]]) -> None:
+    """The warning of ``model.chat_template=false`` for chat-message prompts that hold more than their
+    last user message (a system message, earlier turns): each prompt is that user message alone."""
+    for path, samples in chats.items():
+        cut = sum(len(s["messages"]) > 1 for s in samples)
+        if cut:
+            print(f"cispo: warning: model.chat_template=false: {cut} of the chat-message prompts of {path} hold more "
+                  "than their last user message (a system message, earlier turns), which is all the model sees of "
+                  "them; model.chat_template=auto templates whole conversations", file=sys.stderr)
 
 
 def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: torch.device | None = None,
@@ -67,8 +127,10 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     """The policy for ``device``; its weights are loaded onto ``load_device`` (default: ``device``),
     e.g. the CPU for a model that FSDP then shards onto the GPUs. ``dist_info``: this torchrun rank
     (a vLLM engine is then placed on it, with its own seed)."""
-    from cispo.models.loading import load_policy, precision, saved_dtype
+    from cispo.models.loading import load_policy, precision, saved_dtype, stop_token_ids
 
+    if cfg.model.chat_template == "auto":  # a caller that did not resolve it with its data (the runner does)
+        cfg = resolve_chat_template(cfg, task)
     path = model_folder(cfg, task)
     param_dtype, autocast = precision(cfg.model.dtype, saved_dtype(path), cfg.model.master_weights)
     if not cfg.model.master_weights and (param_dtype or saved_dtype(path)) in (torch.bfloat16, torch.float16):
@@ -82,11 +144,13 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of {path} has no EOS token, so a response could never end: set "
                           "eos_token in its tokenizer_config.json")
-    uses_template = cfg.model.chat_template or (task is not None and task.chat)
-    if uses_template and not tokenizer.chat_template:
-        raise ConfigError(f"data.task={task.name if task is not None else None} writes its prompts as chat messages, "
-                          f"but the tokenizer of {path} has no chat template (a base model?): use an instruct model "
-                          "or add a chat_template to its tokenizer_config.json")
+    templated = cfg.model.chat_template is True or getattr(task, "chat", False)
+    if templated and not tokenizer.chat_template:
+        why = (f"data.task={task.name} writes its prompts as chat messages" if getattr(task, "chat", False) else
+               "model.chat_template is on (chat-message prompts, or data.system_prompt)")
+        raise ConfigError(f"{why}, but the tokenizer of {path} has no chat template (a base model?): use an instruct "
+                          "model or add a chat_template to its tokenizer_config.json")
+    stops = stop_token_ids(model, tokenizer, templated)
     if tokenizer.pad_token_id is None:  # common for base models: pad with EOS (masked out anyway)
         print(f"cispo: tokenizer of {path} has no pad token; using its EOS token for padding", file=sys.stderr)
         tokenizer.pad_token = tokenizer.eos_token
@@ -100,13 +164,12 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     if cfg.rollout.engine == "vllm":
         from cispo.rollout import VLLMSampler
 
-        sampler = VLLMSampler(str(path), tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                              **vllm_settings(cfg, dist_info, device))
+        sampler = VLLMSampler(str(path), tokenizer, stops, tokenizer.pad_token_id, **vllm_settings(cfg, dist_info, device))
     else:
-        sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast=autocast,
+        sampler = TorchSampler(model, stops, tokenizer.pad_token_id, autocast=autocast,
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
                                compile_step=compile_wanted(cfg.model.compile, device, cfg.steps, cfg.model.fsdp))
-    return Policy(model, tokenizer, sampler, device, chat_template=cfg.model.chat_template or (task is not None and task.chat),
+    return Policy(model, tokenizer, sampler, device, chat_template=templated,
                   system_prompt=cfg.data.system_prompt, autocast=autocast,
                   train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps),
                   grad_scaler=loss_scaler(autocast, device))
