@@ -27,7 +27,7 @@ from pathlib import Path
 # Start-up imports nothing heavy: `cispo --help`, `cispo train --help` and a config error answer
 # before torch, transformers or pandas would have loaded (each command imports what it runs).
 
-INPUT_ERRORS = ("cispo.config.engine.ConfigError", "cispo.data.datasets.DataError", "cispo.data.rewards.loading.RewardSpecError",
+INPUT_ERRORS = ("cispo.config.engine.ConfigError", "cispo.data.datasets.DataError", "cispo.data.rewards.RewardSpecError",
                 "builtins.FileExistsError", "cispo.data.tasks.UnknownTaskError")
 """Bad input: one line on stderr, exit status 2, no traceback."""
 RUN_ERRORS = ("cispo.training.checkpoint.CheckpointError", "cispo.models.builtin.ChecksumError")
@@ -124,13 +124,15 @@ def cmd_eval(args) -> int:
     from cispo.records.samples import HELD_OUT, eval_records
     from cispo.records.tracking import json_safe
     from cispo.training.evaluation import evaluate, evaluate_sets
-    from cispo.training.run_policy import check_model, load_policy_for, resolve_device
+    from cispo.training.metrics import reports_accuracy
+    from cispo.training.run_policy import check_model, load_policy_for, resolve_chat_template, resolve_device
     from cispo.training.setup import default_max_new_tokens
     from cispo.training.trainer import tracked_fork
 
     check_model(cfg)  # before the data is loaded
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)
+    cfg = resolve_chat_template(cfg, task, named_sets)
     with _samples_file(args.samples) as out:
         def on_groups(set_name, mode, groups) -> None:  # --samples: every completion, as it is scored
             if out is not None:
@@ -143,10 +145,11 @@ def cmd_eval(args) -> int:
         max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
         metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg.eval, max_new, seed=cfg.seed,
                            answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s,
-                           on_groups=functools.partial(on_groups, HELD_OUT))
+                           on_groups=functools.partial(on_groups, HELD_OUT), accuracy=reports_accuracy(task))
         metrics.update(evaluate_sets(policy, named_sets, task.reward, tracked_fork(task), cfg.eval, max_new,
                                      seed=cfg.seed, answer_fn=task.extract_answer,
-                                     reward_timeout_s=cfg.data.reward_timeout_s, on_groups=on_groups))
+                                     reward_timeout_s=cfg.data.reward_timeout_s, on_groups=on_groups,
+                                     accuracy=reports_accuracy(task)))
     print(json.dumps(json_safe(metrics), indent=2, allow_nan=False))  # NaN (undefined) -> null, as metrics.jsonl
     if args.samples:
         print(f"cispo eval: completions written to {args.samples}", file=sys.stderr)

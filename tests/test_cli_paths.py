@@ -153,7 +153,7 @@ def test_eval_from_another_folder_saves_every_completion_and_prints_json(relativ
     assert main(["eval", "--model", str(model), "--samples", "s.jsonl"]) == 0
     out = capsys.readouterr().out
     metrics = json.loads(out, parse_constant=reject)  # NaN (no completion used the fork word) is null
-    assert metrics["eval/accuracy_with_fork"] is None and metrics["eval/fork_rate"] == 0.0
+    assert metrics["eval/reward_with_fork"] is None and metrics["eval/fork_rate"] == 0.0  # a user's reward: no accuracy
     records = [json.loads(line, parse_constant=reject) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert len(records) == 2 * (1 + 2)  # 2 held-out prompts: 1 greedy + 2 sampled completions each
     assert {(r["mode"], r["sample_index"]) for r in records} == {("greedy", 0), ("sampled", 0), ("sampled", 1)}
@@ -162,7 +162,7 @@ def test_eval_from_another_folder_saves_every_completion_and_prints_json(relativ
         assert r["reward"] == r["completion"].count("1") / max(len(r["completion"]), 1)
         assert "parsed_answer" in r and r["reference_answer"] == str(int(r["prompt"].split("+")[0]) + 1)
     greedy = [r["reward"] for r in records if r["mode"] == "greedy"]
-    assert metrics["eval/accuracy_greedy"] == pytest.approx(sum(greedy) / len(greedy))
+    assert metrics["eval/reward_greedy"] == pytest.approx(sum(greedy) / len(greedy))
 
 
 def test_a_relative_path_run_resumes_from_another_folder(relative_run, tmp_path, monkeypatch):

@@ -258,7 +258,8 @@ def test_torchrun_cli_fsdp(fsdp_run):
 
     root, _ = fsdp_run
     rows = read_metrics(root / "fsdp" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2]
+    # a fractional user reward: its held-out mean is eval/reward_mean, not an "accuracy" (issue 48, item 5)
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[2]
     assert rows[-1]["optim/updates"] == 4 and rows[-1]["optim/grad_norm"] > 0
     ckpt = root / "fsdp" / "checkpoints" / "step_000002"
     model, _ = load_policy(ckpt / "model")  # a plain Hugging Face folder

@@ -26,6 +26,8 @@ class Completion:
     task_reward: float = 0.0  # the verifier's score (accuracy when 0/1)
     reward: float = 0.0  # task_reward + shaping
     reward_error: str | None = None  # why the reward failed (then task_reward = 0)
+    reward_parts: dict = field(default_factory=dict)  # each data.reward's value by name (None: it abstained)
+    reward_extras: tuple = ()  # (key, number) pairs the reward calls reported besides their rewards
 
     @property
     def length(self) -> int:

@@ -25,6 +25,7 @@ from cispo.foundations.jsonl import glob_jsonl, has_jsonl, jsonl_path, parse_ste
 
 PANELS = [  # (title, [(metric, label), ...])
     ("held-out accuracy", [("eval/accuracy", "mean@k"), ("eval/accuracy_greedy", "greedy")]),
+    ("held-out reward", [("eval/reward_mean", "mean@k"), ("eval/reward_greedy", "greedy")]),  # no 0/1 verifier
     ("training reward", [("rollout/reward_mean", "reward"), ("rollout/accuracy", "accuracy")]),
     ("fork-token rate", [("rollout/fork_rate", "train samples"), ("eval/fork_rate", "held-out samples")]),
     ("gradient lost / capped", [("objective/frac_ppo_dropped", "PPO would drop"),

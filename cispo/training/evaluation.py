@@ -16,6 +16,7 @@ import torch
 from cispo.foundations.experience import Completion
 from cispo.models.policy import Policy
 from cispo.rollout import SamplingConfig
+from cispo.training.metrics import reward_metrics
 from cispo.training.trainer import sample_groups
 
 if TYPE_CHECKING:
@@ -24,14 +25,19 @@ if TYPE_CHECKING:
 
 @torch.no_grad()
 def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg: EvalConfig, max_new_tokens: int,
-             seed: int, answer_fn=None, reward_timeout_s: float | None = None, on_groups=None) -> dict:
+             seed: int, answer_fn=None, reward_timeout_s: float | None = None, on_groups=None,
+             accuracy: bool = True) -> dict:
     """Held-out accuracy: greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
     ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``; k = 0: greedy
     only, and ``eval/accuracy``, the fork rate, the length and ``eval/truncated`` (the share cut at
     ``max_new_tokens``) are the greedy answers';
     ``answer_fn(completion)`` gives the answer maj@k votes on). Each reward call is killed past
     ``reward_timeout_s`` (``data.reward_timeout_s``). ``on_groups(mode, groups)``, if given, gets
-    the scored completions of each mode (``"greedy"``, ``"sampled"``; a group per prompt)."""
+    the scored completions of each mode (``"greedy"``, ``"sampled"``; a group per prompt). Each
+    ``data.reward``'s mean and std (``eval/rewards/<name>/...``) and the calls' extras
+    (``eval/reward_extra/<key>``) are over the completions ``eval/accuracy`` is. ``accuracy=False``
+    (`cispo.training.metrics.reports_accuracy`: the reward is no 0/1 verifier) says every accuracy as
+    a reward (`reward_named`)."""
     if not samples:
         return {}
     generator = torch.Generator(device=policy.device).manual_seed(seed)
@@ -63,25 +69,38 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
             out["eval/fork_rate"] = len(fork) / len(flat)
             out["eval/accuracy_with_fork"] = sum(c.task_reward for c in fork) / len(fork) if fork else float("nan")
             out["eval/accuracy_without_fork"] = sum(c.task_reward for c in rest) / len(rest) if rest else float("nan")
+        out.update(reward_metrics(flat, "eval/"))
         out["eval/response_length"] = sum(c.length for c in flat) / len(flat)
         out["eval/truncated"] = sum(c.finish_reason == "length" for c in flat) / len(flat)  # cut at max_new_tokens
     out["eval/reward_errors"] = float(len(errors))  # greedy and sampled calls together
     if errors:
         print(f"cispo: evaluation: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})",
               file=sys.stderr)
-    return out
+    return out if accuracy else reward_named(out)
+
+
+def reward_named(metrics: dict) -> dict:
+    """``metrics`` with each accuracy said as what it is, the mean of a reward that is no 0/1 verdict:
+    ``eval/accuracy`` -> ``eval/reward_mean``, ``eval/accuracy_<x>`` -> ``eval/reward_<x>``
+    (``eval/reward_greedy``, ``eval/reward_pass_at_4``, ...); the other names as they are."""
+    def renamed(key: str) -> str:
+        if key == "eval/accuracy":
+            return "eval/reward_mean"
+        return "eval/reward_" + key.removeprefix("eval/accuracy_") if key.startswith("eval/accuracy_") else key
+
+    return {renamed(key): value for key, value in metrics.items()}
 
 
 def evaluate_sets(policy: Policy, sets: dict[str, list[dict]], reward_fn, used_fork, eval_cfg: EvalConfig,
                   max_new_tokens: int, seed: int, answer_fn=None, reward_timeout_s: float | None = None,
-                  on_groups=None) -> dict:
+                  on_groups=None, accuracy: bool = True) -> dict:
     """`evaluate` on each named set (``data.eval_sets``), its metrics renamed
     ``eval/<metric>`` -> ``eval/<name>/<metric>``; ``on_groups(name, mode, groups)`` as `evaluate`'s."""
     out = {}
     for name, samples in sets.items():
         hook = None if on_groups is None else functools.partial(on_groups, name)
         metrics = evaluate(policy, samples, reward_fn, used_fork, eval_cfg, max_new_tokens, seed, answer_fn,
-                           reward_timeout_s, hook)
+                           reward_timeout_s, hook, accuracy)
         out.update(set_metrics(metrics, name))
     return out
 

@@ -50,14 +50,53 @@ def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x * y).sum() / denom) if denom > 0 else float("nan")
 
 
-def rollout_metrics(groups, exp: Experience, report: FillReport, used_fork) -> dict:
+def reports_accuracy(task) -> bool:
+    """Whether ``task``'s reward mean is an accuracy (``rollout/accuracy``, ``eval/accuracy...``): its
+    ``accuracy`` flag — a built-in task's reward, or a built-in 0/1 verifier (``math``, ``exact_match``,
+    ``code``; `cispo.data.rewards.loading.Reward.binary`). A user's function, a reward model or several
+    rewards are not: their means are ``reward`` names. A task without the flag is taken to be one."""
+    return bool(getattr(task, "accuracy", True))
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population standard deviation of ``values``; NaN for none."""
+    if not values:
+        return math.nan, math.nan
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def reward_metrics(completions, prefix: str) -> dict:
+    """Each ``data.reward``'s ``<prefix>rewards/<name>/mean`` and ``/std`` over the completions where it
+    returned a number (`cispo.foundations.experience.Completion.reward_parts`; a failed call counts as
+    the 0 it scored, an abstention (None) not at all), and ``<prefix>reward_extra/<key>``: the mean of
+    every number the calls reported under ``key`` (``reward_extras``: a verl dict's other keys, TRL's
+    ``log_metric`` / ``log_extra``). Nothing for a built-in task's reward (no parts)."""
+    out = {}
+    for name in dict.fromkeys(n for c in completions for n in c.reward_parts):
+        mean, std = mean_std([v for c in completions if (v := c.reward_parts.get(name)) is not None])
+        out[f"{prefix}rewards/{name}/mean"], out[f"{prefix}rewards/{name}/std"] = mean, std
+    extras: dict[str, list[float]] = {}
+    for c in completions:
+        for key, value in c.reward_extras:
+            extras.setdefault(key, []).append(value)
+    out.update({f"{prefix}reward_extra/{key}": sum(v) / len(v) for key, v in extras.items()})
+    return out
+
+
+def rollout_metrics(groups, exp: Experience, report: FillReport, used_fork, accuracy: bool = True) -> dict:
+    """The kept batch's rewards, lengths, fork rate, log-prob agreement and refill counts;
+    ``rollout/accuracy`` only where ``accuracy`` (`reports_accuracy`)."""
     flat = [c for group in groups for c in group]
     mask = exp.response_mask.bool()
     lengths = torch.tensor([c.length for c in flat], dtype=torch.float)
     forked = [used_fork(c.text) for c in flat] if used_fork else []
+    reward_mean, reward_std = mean_std([c.reward for c in flat])
     return {
-        "rollout/reward_mean": sum(c.reward for c in flat) / len(flat),
-        "rollout/accuracy": sum(c.task_reward for c in flat) / len(flat),
+        "rollout/reward_mean": reward_mean,
+        "rollout/reward_std": reward_std,
+        **({"rollout/accuracy": sum(c.task_reward for c in flat) / len(flat)} if accuracy else {}),
+        **reward_metrics(flat, "rollout/"),
         "rollout/response_length": float(lengths.mean()),
         "rollout/response_length_max": float(lengths.max()),
         "rollout/fork_rate": sum(forked) / len(flat) if forked else float("nan"),

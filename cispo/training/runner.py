@@ -39,16 +39,17 @@ from cispo.foundations.nan import is_nan
 from cispo.foundations.threads import auto_threads
 from cispo.models.policy import Policy
 from cispo.objective.presets import ObjectiveConfig
-from cispo.records.runfolder import (SUMMARY, check_resume, prepare_run_dir, run_dir_of, run_lock, run_name,
-                                     save_config, saved_config)
+from cispo.records.runfolder import (SUMMARY, check_resume, keep_resolved, prepare_run_dir, run_dir_of, run_lock,
+                                     run_name, save_config, saved_config)
 from cispo.records.samples import SampleFile, sample_records
 from cispo.records.tracking import make_sinks, read_metrics
 from cispo.rollout import SamplingConfig
 from cispo.training.checkpoint import (check_trainer_state, fsync_file, gather_full_state, load_latest_checkpoint,
                                        nonfinite_parameters, save_checkpoint)
 from cispo.training.evaluation import evaluate, evaluate_sets
-from cispo.training.metrics import reduce_over_ranks
-from cispo.training.run_policy import check_model, load_policy_for, load_reference, model_folder, resolve_device
+from cispo.training.metrics import reduce_over_ranks, reports_accuracy
+from cispo.training.run_policy import (check_model, load_policy_for, load_reference, model_folder, resolve_chat_template,
+                                       resolve_device)
 from cispo.training.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_matcher, fsdp_settings,
                                   make_objective, make_optimizer, sampling_config)
 from cispo.training.trainer import StepInterrupted, rl_step, tracked_fork
@@ -58,6 +59,7 @@ PROGRESS_KEYS = {  # metric -> short label on the progress bar
     "rollout/fork_rate": "fork",
     "objective/frac_capped": "capped",
     "eval/accuracy": "eval_acc",
+    "eval/reward_mean": "eval_reward",  # in place of eval/accuracy where the reward is no 0/1 verifier's
 }
 
 
@@ -189,7 +191,7 @@ class Run:
         cfg, out = self.cfg, {}
         if self.main or self.sharded:
             common = dict(seed=cfg.seed + step, answer_fn=self.task.extract_answer,
-                          reward_timeout_s=cfg.data.reward_timeout_s)
+                          reward_timeout_s=cfg.data.reward_timeout_s, accuracy=reports_accuracy(self.task))
             fork = tracked_fork(self.task)
             out = evaluate(self.policy, self.eval_samples, self.task.reward, fork, cfg.eval,
                            self.sampling.max_new_tokens, **common)
@@ -232,6 +234,7 @@ def set_up(cfg: TrainConfig, resume: bool, overwrite: bool) -> Run:
     saved = saved_config(run_dir) if resume else None
     if saved is not None:  # a resumed run is the same run (a config saved with relative paths: as read from here)
         check_resume(absolute_paths(saved), cfg, run_dir)
+        cfg = keep_resolved(saved, cfg)  # model.chat_template=auto: what the run resolved at its start
     torch.set_num_threads(auto_threads(cfg.threads if saved is None else run_threads(cfg.threads, run_dir)))
     torch.manual_seed(cfg.seed)
     device, dist_info = set_up_devices(cfg)
@@ -275,12 +278,14 @@ def set_up_devices(cfg: TrainConfig) -> tuple[torch.device, DistInfo]:
 def set_up_data(cfg: TrainConfig):
     """The task (prompts, reward), the named eval sets, the sampling settings and the objective, all
     checked before any model is loaded; the reward workers start here, while the model loads. Returns
-    ``(cfg, task, named_sets, sampling, obj)``, ``cfg`` with ``rollout.max_new_tokens`` resolved."""
+    ``(cfg, task, named_sets, sampling, obj)``, ``cfg`` with ``rollout.max_new_tokens`` and
+    ``model.chat_template`` resolved."""
     from cispo.data.prompts import load_eval_sets, load_source
 
     check_model(cfg)  # before the (possibly long) data loading
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
+    cfg = resolve_chat_template(cfg, task, named_sets)  # model.chat_template=auto: by the prompts read
     check_reward_fields(task, cfg.data, named_sets)  # before any model is loaded or sampled from
     start_reward_workers(task.reward)  # they start while the model loads, not in the first step
     sampling = sampling_config(cfg.rollout, default_max_new_tokens(task))
@@ -511,7 +516,7 @@ class StopRequest:
 
 def summarize(rows: list[dict]) -> dict:
     """Held-out metrics before (step 0) and after (last evaluation)."""
-    evals = [r for r in rows if "eval/accuracy" in r]
+    evals = [r for r in rows if "eval/accuracy" in r or "eval/reward_mean" in r]
     if not evals:
         return {}
     first, last = evals[0], evals[-1]

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cispo.data.prompts import PromptStream, fill_groups
-from cispo.data.rewards import score_rewards, shaped_reward
+from cispo.data.rewards import score_completions, shaped_reward
 from cispo.foundations.distributed import DistInfo, all_reduce_sum, any_rank, is_sharded, max_over_ranks, sum_gradients
 from cispo.foundations.experience import Completion, Experience, collate, is_informative
 from cispo.foundations.forks import ForkTokens
@@ -45,7 +45,7 @@ from cispo.records.samples import add_token_counts, start_token_counts
 from cispo.rollout import SamplingConfig, truncated_is_weights
 from cispo.training.batching import micro_batches, minibatches
 from cispo.training.metrics import (fork_metrics, fork_rollout_metrics, fork_sums, frac_ppo_dropped_fork,
-                                    rollout_metrics, update_metrics)
+                                    reports_accuracy, rollout_metrics, update_metrics)
 
 if TYPE_CHECKING:
     from cispo.config.algo import OptimConfig
@@ -68,9 +68,10 @@ def sample_groups(
     overlong_scope: str = "all",
 ) -> list[list[Completion]]:
     """G responses to each sample's prompt, decoded and scored, the whole batch at once
-    (`cispo.data.rewards.score_rewards`: user rewards in worker processes, each call killed past
-    ``reward_timeout_s``). A reward that fails scores 0 and the failure is recorded on the
-    completion (``reward_error``)."""
+    (`cispo.data.rewards.score_completions`: user rewards in worker processes, each call
+    killed past ``reward_timeout_s``; several rewards summed with their weights). A reward that fails
+    scores 0 and the failure is recorded on the completion (``reward_error``), with each reward's
+    value (``reward_parts``) and the numbers the calls reported (``reward_extras``)."""
     prompt_ids = [policy.encode(s) for s in samples]
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
     batch = policy.sampler.generate(rows, sampling, generator=generator)
@@ -79,16 +80,16 @@ def sample_groups(
     texts = [policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
     calls = [(samples[i // group_size]["prompt"], texts[i],
               {k: v for k, v in samples[i // group_size].items() if k != "prompt"}) for i in range(len(rows))]
-    scored = score_rewards(reward_fn, calls, reward_timeout_s)  # [(task reward, error)]   [B]
+    scored = score_completions(reward_fn, calls, reward_timeout_s)  # [Scored(task reward, error, ...)]   [B]
     groups: list[list[Completion]] = []
     for g, sample in enumerate(samples):
         group = []
         for i in range(g * group_size, (g + 1) * group_size):
-            task_reward, error = scored[i]
+            task_reward, error, parts, extras = scored[i]
             reward = shaped_reward(task_reward, lengths[i], sampling.max_new_tokens, overlong_buffer, overlong_scope)
             group.append(
                 Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
-                           batch.finish_reason[i], texts[i], task_reward, reward, error)
+                           batch.finish_reason[i], texts[i], task_reward, reward, error, parts, extras)
             )
         groups.append(group)
     return groups
@@ -471,7 +472,7 @@ def prepare_experience(policy: Policy, groups, cfg, forks, generators, dist_info
 def step_metrics(rollout: StepRollout, exp: Experience, stats: list[dict], task, forks) -> dict:
     """Step 5: the rollout's metrics (rewards, lengths, forks) and the updates' (objective, optimizer)."""
     groups = rollout.groups
-    metrics = rollout_metrics(groups, exp, rollout.report, tracked_fork(task)) if groups else {}
+    metrics = rollout_metrics(groups, exp, rollout.report, tracked_fork(task), reports_accuracy(task)) if groups else {}
     metrics["rollout/reward_errors"] = float(len(rollout.errors))
     if forks is not None and groups:  # reflective tokens per response (several on the `chain` task)
         is_fork = (exp.extras["fork_index"] >= 0) & exp.response_mask.bool()  # [B, T]

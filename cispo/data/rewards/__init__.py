@@ -14,12 +14,19 @@ import contextlib as _contextlib
 import math as _math
 import numbers as _numbers
 import sys as _sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
 RewardFn = Callable[..., float]
 
-__all__ = ["RewardFn", "overlong_penalty", "shaped_reward", "safe_reward", "score_rewards", "check_reward_value", "describe_error",
-           "cap_message", "closing_reward_pools", "MESSAGE_HEAD_CHARS", "MESSAGE_TAIL_CHARS"]
+__all__ = ["RewardFn", "RewardSpecError", "Outcome", "Scored", "overlong_penalty", "shaped_reward", "safe_reward",
+           "reward_outcome", "score_rewards", "score_outcomes", "score_completions", "combine", "check_reward_value",
+           "describe_error", "cap_message", "closing_reward_pools", "MESSAGE_HEAD_CHARS", "MESSAGE_TAIL_CHARS"]
+
+
+class RewardSpecError(ValueError):
+    """A reward spec that names no usable callable (or reward model); also
+    ``cispo.data.rewards.loading.RewardSpecError``."""
+
 
 MESSAGE_HEAD_CHARS = MESSAGE_TAIL_CHARS = 2000
 """A reward's error message longer than their sum keeps only its first and last characters
@@ -89,46 +96,169 @@ def describe_error(e: BaseException) -> str:
     return cap_message(f"{type(e).__name__}: {message}" if message else type(e).__name__)
 
 
+class Outcome(NamedTuple):
+    """One reward call's result. ``value``: the reward as a finite float (0.0 when the call failed),
+    or None when the reward returned None — it *abstains* (TRL's "not applicable"): among several
+    rewards it is left out of the sum (`combine`), alone it scores 0 with
+    ``error`` saying so. ``error``: why the call failed (or the abstention's message), else None.
+    ``extras``: ``(key, value)`` numbers the call reported besides its reward (a verl dict's other
+    keys, TRL's ``log_metric`` / ``log_extra``), logged as ``rollout/reward_extra/<key>``."""
+
+    value: float | None
+    error: str | None
+    extras: tuple = ()
+
+
+def _returned_none() -> str:
+    """The message of a reward that returned None, as `check_reward_value` words it."""
+    try:
+        check_reward_value(None)
+    except ValueError as e:
+        return describe_error(e)
+    raise AssertionError("check_reward_value accepted None")
+
+
+def reward_outcome(fn: RewardFn, prompt: str, completion: str, sample: dict) -> Outcome:
+    """`Outcome` of ``fn(prompt, completion, **sample)`` called here, in this thread: a loaded
+    `cispo.data.rewards.loading.Reward` through its ``score`` (which also gathers its extras), any
+    other callable directly. An ``Exception`` or a value that is neither a finite number nor None
+    (NaN, a string, ...) fails the call (``value`` 0.0); None abstains (``value`` None). A
+    ``BaseException`` (``SystemExit``) passes: the worker processes catch it, trusted code is trusted."""
+    from cispo.data.rewards.loading import Reward
+
+    try:
+        value, extras = fn.score(prompt, completion, **sample) if isinstance(fn, Reward) else \
+            (fn(prompt, completion, **sample), ())
+        if value is None:
+            return Outcome(None, _returned_none(), tuple(extras))
+        return Outcome(check_reward_value(value), None, tuple(extras))
+    except Exception as e:  # noqa: BLE001 - a reward must never take the run down
+        return Outcome(0.0, describe_error(e))
+
+
 def safe_reward(fn: RewardFn, prompt: str, completion: str, sample: dict):
     """``(reward, error)``: ``fn(prompt, completion, **sample)`` called here, in this thread, as a
     finite float, or ``(0.0, message)`` when it raised an Exception or returned something that is
     not a finite number (None, NaN, a string, ...). For trusted rewards: nothing bounds its time
     and a ``BaseException`` (``SystemExit``) passes; user rewards go through `score_rewards`."""
-    try:
-        return check_reward_value(fn(prompt, completion, **sample)), None
-    except Exception as e:  # noqa: BLE001 - a reward must never take the run down
-        return 0.0, describe_error(e)
+    return as_pair(reward_outcome(fn, prompt, completion, sample))
 
 
-def score_rewards(reward_fn: RewardFn, calls: list, timeout_s: float | None = None) -> list:
-    """``[(reward, error), ...]`` for ``calls = [(prompt, completion, sample), ...]``, in order.
+def as_pair(outcome: Outcome) -> tuple[float, str | None]:
+    """``(reward, error)`` of one reward scored alone: an abstention (None) scores 0 with its message."""
+    return (0.0 if outcome.value is None else outcome.value), outcome.error
+
+
+def submit_outcomes(reward_fn: RewardFn, calls: list, timeout_s: float | None = None):
+    """Start scoring ``calls = [(prompt, completion, sample), ...]`` with one reward and return a
+    function that waits for and returns their `Outcome` s, in order: a reward's worker processes
+    start on the batch at once, so several rewards' pools run side by side while the trainer
+    scores the ones that run in it (`score_completions`).
 
     Where the calls run (one rule): a `cispo.data.rewards.loading.Reward` whose ``isolated`` is set
     (by default every ``module:function`` / ``file.py:function`` reward; ``data.reward_isolation``
     overrides) runs in worker processes (`cispo.data.rewards.pool`): the whole batch is submitted at
-    once, each call is killed past ``timeout_s`` and any exit or crash is one failed call. Any
-    other callable (the built-in names, the built-in tasks' rewards) is trusted and called here,
-    in this (main) thread, one after another, with no time limit (`safe_reward`)."""
+    once, each call is killed past ``timeout_s`` and any exit or crash is one failed call. A reward
+    model (``rm:<folder>``, `cispo.data.rewards.reward_model`) scores the batch in this process,
+    batched. Any other callable (the built-in names, the built-in tasks' rewards) is trusted and
+    called here, in this (main) thread, one after another, with no time limit (`reward_outcome`)."""
     from cispo.data.rewards.loading import Reward
+    from cispo.data.rewards.reward_model import RewardModel
 
     if isinstance(reward_fn, Reward) and reward_fn.isolated:
         from cispo.data.rewards.pool import pool_for
 
-        return pool_for(reward_fn.spec, reward_fn.workers).score(calls, timeout_s)
-    return [safe_reward(reward_fn, p, c, s) for p, c, s in calls]
+        futures = pool_for(reward_fn.spec, reward_fn.workers).submit(calls, timeout_s)
+        return lambda: [f.result() for f in futures]
+    if isinstance(reward_fn, RewardModel):
+        return lambda: reward_fn.score_batch(calls)
+    return lambda: [reward_outcome(reward_fn, p, c, s) for p, c, s in calls]
+
+
+def score_outcomes(reward_fn: RewardFn, calls: list, timeout_s: float | None = None) -> list[Outcome]:
+    """The `Outcome` of each of ``calls = [(prompt, completion, sample), ...]`` with one reward, in
+    order (where they run: `submit_outcomes`)."""
+    return submit_outcomes(reward_fn, calls, timeout_s)()
+
+
+# ---------------------------------------------------------------------------------------
+# Several rewards, weighted (data.reward=[a.py:f, b.py:g], data.reward_weights)
+# ---------------------------------------------------------------------------------------
+
+
+class Scored(NamedTuple):
+    """One completion's score: ``value`` the task reward (`combine`), ``error`` why (some of) its calls
+    failed or None, ``parts`` each ``data.reward``'s value by metric name (None where it abstained;
+    empty for a built-in task's reward), ``extras`` the ``(key, number)`` pairs its calls reported."""
+
+    value: float
+    error: str | None
+    parts: dict
+    extras: tuple
+
+
+def combine(outcomes: list[Outcome], weights, names) -> Scored:
+    """One completion's `Scored` from each reward's `Outcome`, TRL's rule (``GRPOTrainer``: ``nansum``
+    over the functions) where TRL has one:
+
+    * the task reward is Σ_i w_i r_i over the rewards that returned a number;
+    * a reward that returned None *abstains* (TRL's "not applicable": a maths checker on a code
+      prompt): it is left out of the sum and of its own ``rewards/<name>`` mean and std;
+    * a failed call (raised, returned a non-number, timed out, crashed its worker) counts as r_i = 0
+      and is a reward error, as one reward's failed call is (TRL stops the step instead);
+    * a completion every reward abstained on scores 0 and is a reward error (TRL gives it a zero
+      advantage); with one reward that is its None's message, as it always was.
+
+    ``names`` None: a built-in task's reward (no parts). With several rewards each error is prefixed by
+    its reward's name and joined by `` | ``."""
+    several = len(outcomes) > 1
+    failed = [(n, o.error) for n, o in zip(names or [None] * len(outcomes), outcomes)
+              if o.error is not None and o.value is not None]
+    errors = [f"{n}: {e}" if several else e for n, e in failed]
+    paid = [(w, o.value) for w, o in zip(weights, outcomes) if o.value is not None]
+    value = sum(w * v for w, v in paid) if paid else 0.0
+    if not paid:
+        errors.append("every reward returned None (none applies to it): scored 0" if several else outcomes[0].error)
+    parts = dict(zip(names, (o.value for o in outcomes))) if names else {}
+    return Scored(value, " | ".join(errors) or None, parts, tuple(x for o in outcomes for x in o.extras))
+
+
+def score_completions(reward_fn: RewardFn, calls: list, timeout_s: float | None = None) -> list[Scored]:
+    """The `Scored` of each of ``calls = [(prompt, completion, sample), ...]``, in order, under
+    ``reward_fn``: several rewards (`cispo.data.rewards.loading.RewardSet`), one loaded reward, or any
+    callable (a built-in task's reward). Each reward keeps its own home (`submit_outcomes`): every
+    worker pool gets the batch first, so the pools run side by side while the rewards that run in
+    this process (built-ins, a reward model) score it; each call is killed past ``timeout_s`` where it
+    runs in a worker."""
+    from cispo.data.rewards.loading import RewardSet, members_of, reward_names
+
+    members = members_of(reward_fn)
+    weights = reward_fn.weights if isinstance(reward_fn, RewardSet) else (1.0,)
+    waits = [submit_outcomes(m, calls, timeout_s) for m in members]  # the pools start at once
+    per_reward = [wait() for wait in waits]  # [R][B]
+    names = reward_names(reward_fn)
+    return [combine([outcomes[j] for outcomes in per_reward], weights, names) for j in range(len(calls))]
+
+
+def score_rewards(reward_fn: RewardFn, calls: list, timeout_s: float | None = None) -> list:
+    """``[(reward, error), ...]`` for ``calls = [(prompt, completion, sample), ...]`` with one reward,
+    in order (`score_outcomes`, each as `as_pair`); where the calls run: `submit_outcomes`."""
+    return [as_pair(o) for o in score_outcomes(reward_fn, calls, timeout_s)]
 
 
 def start_reward_workers(reward_fn: RewardFn) -> None:
     """Start now, without waiting, the worker processes of a reward whose calls run in them
-    (`score_rewards`' rule), each loading the reward as it starts; nothing for any other reward.
-    A run calls it before loading its model: the workers start (~2 s: a fresh interpreter each,
-    then the reward's imports) while the model loads, instead of at the first reward call."""
-    from cispo.data.rewards.loading import Reward
+    (`submit_outcomes`' rule; each of several rewards, `cispo.data.rewards.loading.RewardSet`), each
+    loading the reward as it starts; nothing for any other reward. A run calls it before loading its
+    model: the workers start (~2 s: a fresh interpreter each, then the reward's imports) while the
+    model loads, instead of at the first reward call."""
+    from cispo.data.rewards.loading import Reward, members_of
 
-    if isinstance(reward_fn, Reward) and reward_fn.isolated:
-        from cispo.data.rewards.pool import pool_for
+    for member in members_of(reward_fn):
+        if isinstance(member, Reward) and member.isolated:
+            from cispo.data.rewards.pool import pool_for
 
-        pool_for(reward_fn.spec, reward_fn.workers).start()
+            pool_for(member.spec, member.workers).start()
 
 
 @_contextlib.contextmanager

@@ -22,12 +22,19 @@ Three signatures are accepted unchanged, told apart by their parameter names (`c
   ``answer``. For chat data (the sample has ``messages``) the prompt is the
   message list and the completion ``[{"role": "assistant", "content": text}]``, as TRL's
   conversational format. ``completion_ids`` is not available (such a function is refused);
-  ``log_extra`` / ``log_metric`` are accepted and ignored.
+  ``log_metric(name, value)`` and ``log_extra(column, values)`` record their numbers, logged as
+  ``rollout/reward_extra/<name>`` (`Reward.score`).
 * verl (``compute_score``; parameters ``solution_str`` and ``ground_truth``): called as
   ``fn(data_source=sample.get("data_source"), solution_str=completion, ground_truth=...,
   extra_info=sample.get("extra_info") or {})``, the ground truth being the sample's first of
   ``ground_truth``, ``reward_model.ground_truth`` (verl's parquet layout) and ``answer``
-  (`VERL_GROUND_TRUTH`); a dict result gives its ``"score"``.
+  (`VERL_GROUND_TRUTH`); a dict result gives its ``"score"``, and its other keys that hold numbers
+  are logged as ``rollout/reward_extra/<key>`` (`Reward.score`).
+
+A reward returning None abstains (`cispo.data.rewards.Outcome`). ``rm:<folder>`` is a reward model
+(`cispo.data.rewards.reward_model`). Several rewards, weighted (``data.reward=[a.py:f, b.py:g]``,
+``data.reward_weights``): `load_rewards` gives a `RewardSet`, scored by
+`cispo.data.rewards.score_completions` (the rule: `cispo.data.rewards.combine`).
 
 A function of any kind without ``**kwargs`` gets only the fields it names (a column it does not
 name is not passed); a built-in gets only its `BUILTIN_FIELDS`. An async function is run to
@@ -51,12 +58,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from cispo.data.rewards import cap_message, describe_error
+from cispo.data.rewards import RewardSpecError, cap_message, check_reward_value, describe_error
 from cispo.data.rewards.processes import trial_import
+from cispo.data.rewards.reward_model import REWARD_MODEL_PREFIX, RewardModel, load_reward_model
 from cispo.foundations.suggest import did_you_mean
 
-__all__ = ["load_reward", "Reward", "BUILTIN_REWARDS", "RewardSpecError", "ISOLATIONS", "convention_of",
-           "check_reward_fields", "absolute_spec", "field_of"]
+__all__ = ["load_reward", "load_rewards", "Reward", "RewardSet", "BUILTIN_REWARDS", "RewardSpecError", "ISOLATIONS",
+           "convention_of", "check_reward_fields", "absolute_spec", "field_of", "members_of", "reward_names",
+           "unique_names"]
 
 BUILTIN_REWARDS: dict[str, str] = {
     "math": "cispo.data.rewards.math:math_reward",
@@ -87,10 +96,6 @@ method reward's ``self`` and a cispo-style function's ``completion`` are bound b
 column of that name made every call fail ("got multiple values for argument 'self'": issue 44; a
 `Reward` itself now takes its arguments by position). The sample's ``prompt`` is its normalised
 prompt, passed by position and never as a field."""
-
-
-class RewardSpecError(ValueError):
-    """A reward spec that names no usable callable."""
 
 
 def _is_path(module: str) -> bool:
@@ -161,9 +166,12 @@ def _import_module(spec: str, name: str, trial: bool = True):
 
 
 def absolute_spec(spec: str) -> str:
-    """``spec`` with the file of a ``path/to/file.py:function`` made absolute where it exists (the
-    reward's worker processes, and a later ``cispo eval`` / ``--resume`` from another folder,
-    load it again); any other spec as given."""
+    """``spec`` with the file of a ``path/to/file.py:function``, or the folder of an ``rm:<folder>``,
+    made absolute where it exists (the reward's worker processes, and a later ``cispo eval`` /
+    ``--resume`` from another folder, load it again); any other spec as given."""
+    if spec.startswith(REWARD_MODEL_PREFIX):
+        folder = Path(spec[len(REWARD_MODEL_PREFIX):].strip()).expanduser()
+        return f"{REWARD_MODEL_PREFIX}{folder.resolve()}" if folder.is_dir() else spec
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not _is_path(module_name) or not Path(module_name).expanduser().is_file():
         return spec
@@ -190,7 +198,8 @@ def _resolve(spec: str, target: str, trial: bool = True) -> Callable[..., float]
 
 def load_reward(spec: str, isolation: str = "auto", workers: int | None = None, trial: bool = True) -> "Reward":
     """The `Reward` named by ``spec``: a built-in name (`BUILTIN_REWARDS`), ``module:function``
-    or ``path/to/file.py:function``, written with any signature of the module docstring.
+    or ``path/to/file.py:function``, written with any signature of the module docstring; or, for
+    ``rm:<folder>``, a `cispo.data.rewards.reward_model.RewardModel` (``isolation`` does not apply).
 
     ``trial``: a user module not yet imported is imported first in a throw-away process
     (`cispo.data.rewards.processes.trial_import`), so that ``sys.exit``, ``os._exit``,
@@ -210,6 +219,8 @@ def load_reward(spec: str, isolation: str = "auto", workers: int | None = None, 
     if not isinstance(spec, str) or not spec.strip():
         raise RewardSpecError(f"reward spec must be a non-empty string, got {spec!r}")
     spec = spec.strip()
+    if spec.startswith(REWARD_MODEL_PREFIX):  # in this process, batched: never in worker processes
+        return load_reward_model(spec)
     builtin = spec in BUILTIN_REWARDS
     if builtin:
         module_name = BUILTIN_REWARDS[spec].partition(":")[0]
@@ -281,8 +292,35 @@ def _settle(value):
     return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
-def _ignore(*args, **kwargs) -> None:
-    """TRL's ``log_extra`` / ``log_metric``: accepted, not recorded."""
+def number_or_none(value) -> float | None:
+    """``value`` as a finite float when it is one (a bool, int, float, numpy scalar, 0-dim tensor),
+    else None (a text, a list, NaN)."""
+    try:
+        return check_reward_value(value)
+    except Exception:  # noqa: BLE001 - anything that is not a finite number
+        return None
+
+
+class Extras:
+    """The numbers one reward call reports besides its reward, as ``(key, value)`` pairs: a verl
+    dict's other keys (`add`), and TRL's ``log_metric(name, value)`` / ``log_extra(column, values)``
+    (one value per completion in the batch: cispo's batch is the one completion). Values that are
+    not finite numbers (a ``log_extra`` text column) are left out: a metric is a number."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, float]] = []
+
+    def add(self, key, value) -> None:
+        number = number_or_none(value)
+        if number is not None:
+            self.items.append((str(key), number))
+
+    def log_metric(self, name, value) -> None:
+        self.add(name, value)
+
+    def log_extra(self, column, values) -> None:
+        for value in values if isinstance(values, (list, tuple)) else [values]:
+            self.add(column, value)
 
 
 def _keywords(fn: Callable) -> frozenset[str] | None:
@@ -323,23 +361,23 @@ def field_of(sample: dict, name: str):
     return value
 
 
-def _call_cispo(fn, prompt, completion, sample):
+def _call_cispo(fn, prompt, completion, sample, extras: Extras):
     return _settle(fn(prompt, completion, **_accepted(fn, sample)))
 
 
-def _call_trl(fn, prompt, completion, sample):
+def _call_trl(fn, prompt, completion, sample, extras: Extras):
     chat = "messages" in sample
     columns = {k: [v] for k, v in sample.items() if k not in TRL_ARGS}
     kwargs = dict(prompts=[sample["messages"] if chat else prompt],
                   completions=[[{"role": "assistant", "content": completion}] if chat else completion],
-                  trainer_state=None, log_extra=_ignore, log_metric=_ignore, **columns)
+                  trainer_state=None, log_extra=extras.log_extra, log_metric=extras.log_metric, **columns)
     out = _settle(fn(**_accepted(fn, kwargs)))
     if not isinstance(out, (list, tuple)) or len(out) != 1:
         raise ValueError(f"TRL-style reward returned {type(out).__name__} ({out!r:.60}), not a list of one reward")
     return out[0]
 
 
-def _call_verl(fn, prompt, completion, sample):
+def _call_verl(fn, prompt, completion, sample, extras: Extras):
     truth = next((v for name in VERL_GROUND_TRUTH if (v := field_of(sample, name)) is not None), None)
     kwargs = {"solution_str": completion, "ground_truth": truth, "data_source": sample.get("data_source"),
               "extra_info": dict(sample.get("extra_info") or {})}
@@ -347,6 +385,9 @@ def _call_verl(fn, prompt, completion, sample):
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"verl-style reward returned a dict without 'score' (keys: {sorted(out)})")
+        for key, value in out.items():
+            if key != "score":
+                extras.add(key, value)
         return out["score"]
     return out
 
@@ -372,9 +413,36 @@ class Reward:
     """Worker processes when ``isolated``."""
 
     def __call__(self, prompt: str, completion: str, /, **sample) -> float:
+        return self.score(prompt, completion, **sample)[0]
+
+    def score(self, prompt: str, completion: str, /, **sample) -> tuple[object, tuple[tuple[str, float], ...]]:
+        """``(value, extras)``: what the function returned (its list's one value for TRL, a dict's
+        ``"score"`` for verl; not yet checked: `cispo.data.rewards.reward_outcome` does) and the
+        numbers it reported besides (`Extras`)."""
         if self.builtin:  # the fields it reads, and no column that would meet one of its options (mode=...)
             sample = {k: sample[k] for k in BUILTIN_FIELDS.get(self.spec, ()) if k in sample}
-        return _CALLS[self.convention](self.fn, prompt, completion, sample)
+        extras = Extras()
+        value = _CALLS[self.convention](self.fn, prompt, completion, sample, extras)
+        return value, tuple(extras.items)
+
+    @property
+    def name(self) -> str:
+        """The function's name (``rollout/rewards/<name>/...``), as TRL names a reward function:
+        its ``__name__`` (a ``functools.partial``'s function's), else its class's; a built-in's is the
+        name it is given by (``math``, ``math_lenient``: one function underneath)."""
+        if self.builtin:
+            return self.spec
+        fn = self.fn
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        return getattr(fn, "__name__", None) or type(fn).__name__
+
+    @property
+    def binary(self) -> bool:
+        """Whether it is a 0/1 verifier, so that its mean is an accuracy (``rollout/accuracy``,
+        ``eval/accuracy``): the built-in names are (`BUILTIN_REWARDS`: each pays 1.0 or 0.0); of a
+        user's function cispo cannot know it."""
+        return self.builtin
 
     @property
     def needs(self) -> list[tuple[str, ...]]:
@@ -398,6 +466,77 @@ class Reward:
                 if name and name != "prompt":
                     out.setdefault(name, f"its parameter {name!r}, which receives {what}")
         return out
+
+
+# ---------------------------------------------------------------------------------------
+# Several rewards, weighted: data.reward=[a.py:f, b.py:g], data.reward_weights (TRL's reward_funcs /
+# reward_weights); scored by cispo.data.rewards.score_completions
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RewardSet:
+    """Several loaded rewards (`Reward` s, reward models), their weights and their metric names
+    (`unique_names`); the task reward is their weighted sum (`cispo.data.rewards.combine`). Each member
+    keeps its own home: a function its own worker pool, a built-in the main thread, a reward model the
+    trainer's process (`cispo.data.rewards.submit_outcomes`)."""
+
+    members: tuple
+    weights: tuple[float, ...]
+    names: tuple[str, ...]
+    binary = False
+    """A weighted sum is no 0/1 verdict: its mean is no accuracy."""
+
+    def __call__(self, prompt: str, completion: str, /, **sample) -> float:
+        """The task reward of one completion (`cispo.data.rewards.score_completions`)."""
+        from cispo.data.rewards import score_completions
+
+        return score_completions(self, [(prompt, completion, sample)])[0].value
+
+
+def unique_names(names) -> tuple[str, ...]:
+    """``names`` with each repeat made unique by a suffix: ``(reward, reward, f)`` -> ``(reward, reward_2, f)``."""
+    out, seen = [], set()
+    for name in names:
+        unique, n = name, 1
+        while unique in seen:
+            n += 1
+            unique = f"{name}_{n}"
+        seen.add(unique)
+        out.append(unique)
+    return tuple(out)
+
+
+def load_rewards(spec, weights=None, isolation: str = "auto", workers: int | None = None):
+    """``data.reward`` (one spec, or a list of them) and ``data.reward_weights`` (None: 1.0 each) as one
+    reward: the `Reward` (or reward model) itself for one spec of weight 1.0, as it always was, else a
+    `RewardSet`. Each spec is loaded by `load_reward`; an empty list, or a number of weights other than
+    the specs', -> `RewardSpecError` (the config refuses both first: ``cispo.config.train``)."""
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    if not specs:
+        raise RewardSpecError("data.reward: an empty list names no reward")
+    if weights is not None and len(weights) != len(specs):
+        raise RewardSpecError(f"data.reward_weights: {len(weights)} weight(s) for {len(specs)} reward(s) "
+                              f"(data.reward): give one weight per reward")
+    members = [load_reward(s, isolation, workers) for s in specs]
+    weights = tuple(float(w) for w in weights) if weights is not None else (1.0,) * len(members)
+    if len(members) == 1 and weights == (1.0,):
+        return members[0]
+    return RewardSet(tuple(members), weights, unique_names(m.name for m in members))
+
+
+def members_of(reward_fn) -> tuple:
+    """The rewards a task reward is made of: a `RewardSet`'s members, else the reward itself."""
+    return reward_fn.members if isinstance(reward_fn, RewardSet) else (reward_fn,)
+
+
+def reward_names(reward_fn) -> tuple[str, ...] | None:
+    """The metric names of ``reward_fn``'s rewards (``rollout/rewards/<name>/...``): a `RewardSet`'s,
+    one loaded reward's (`Reward.name`, a reward model's folder name); None for any other callable (a
+    built-in task's reward: its mean is ``rollout/accuracy``)."""
+    if isinstance(reward_fn, RewardSet):
+        return reward_fn.names
+    return (reward_fn.name,) if isinstance(reward_fn, (Reward, RewardModel)) else None
 
 
 def _sources(task, data_cfg, named_sets: dict | None):
@@ -441,11 +580,16 @@ def check_reward_fields(task, data_cfg, named_sets: dict | None = None) -> None:
     held-out sample of ``task`` (a prompt source: ``reward``, ``train_samples``,
     ``eval_samples``) — or of ``named_sets`` (``data.eval_sets``: name -> samples) — lacks a field its
     reward needs (`Reward.needs`), or has a column named like an argument the reward already gets
-    (`Reward.reserved`: ``self``, ``completion``). Rewards that are not a `Reward` (the built-in
-    tasks') are not checked. Called once, before sampling starts."""
-    reward = task.reward
-    if not isinstance(reward, Reward):
-        return
+    (`Reward.reserved`: ``self``, ``completion``); each of several rewards
+    (`RewardSet`) so. Rewards that are not a `Reward` (the built-in
+    tasks', a reward model) are not checked. Called once, before sampling starts."""
+    for reward in members_of(task.reward):
+        if isinstance(reward, Reward):
+            _check_fields(reward, task, data_cfg, named_sets)
+
+
+def _check_fields(reward: Reward, task, data_cfg, named_sets: dict | None) -> None:
+    """`check_reward_fields` for one reward."""
     needs, reserved = reward.needs, reward.reserved
     for role, path, extra_fields, samples in _sources(task, data_cfg, named_sets):
         for i, sample in enumerate(samples):

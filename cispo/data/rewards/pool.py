@@ -59,7 +59,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from multiprocessing.connection import wait
 
-from cispo.data.rewards import check_reward_value, describe_error
+from cispo.data.rewards import Outcome, describe_error, reward_outcome
 from cispo.data.rewards.processes import (OUTPUT_LIMIT_BYTES, OUTPUT_TAIL_CHARS, OutputCapture, signal_name,
                                           ignore_sigterm, worker_context)
 
@@ -108,25 +108,26 @@ def start_worker(spec: str) -> None:
     _WORKERS[spec] = _Worker(spec)
 
 
-def score_call(spec: str, prompt, completion, sample: dict) -> tuple[float, str | None]:
-    """Runs in a worker: ``(reward, None)`` or ``(0.0, message)``; never raises."""
+def score_call(spec: str, prompt, completion, sample: dict) -> Outcome:
+    """Runs in a worker: the call's `Outcome` (`reward_outcome`: its reward, or None where it
+    abstained, and its extras), or ``(0.0, message)``; never raises."""
     worker = _WORKERS.get(spec) or _WORKERS.setdefault(spec, _Worker(spec))
-    value, error = 0.0, worker.load_error
-    if error is None:
+    outcome = Outcome(0.0, worker.load_error)
+    if worker.load_error is None:
         try:
-            value = check_reward_value(worker.reward(prompt, completion, **sample))
+            outcome = reward_outcome(worker.reward, prompt, completion, sample)
         except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, ...: one failed call
-            value, error = 0.0, describe_error(e)
+            outcome = Outcome(0.0, describe_error(e))
     tail = worker.output.take()
-    if error is not None and tail.strip():
-        error = f"{error} | output (end): {tail.strip()!r}"
-    return value, error
+    if outcome.error is not None and tail.strip():
+        outcome = outcome._replace(error=f"{outcome.error} | output (end): {tail.strip()!r}")
+    return outcome
 
 
 def worker_main(spec: str, conn) -> None:
     """A worker process: load the reward, send its pid (ready), then for each pickled call it
-    receives send None (started), score it and send ``(reward, error, seconds)``, until the pool
-    closes the pipe."""
+    receives send None (started), score it and send ``(reward, error, seconds, extras)``, until the
+    pool closes the pipe."""
     os.set_inheritable(conn.fileno(), False)  # programs the reward runs do not hold the pipe
     start_worker(spec)
     conn.send(os.getpid())
@@ -138,10 +139,10 @@ def worker_main(spec: str, conn) -> None:
         conn.send(None)
         started = time.perf_counter()
         try:
-            value, error = score_call(spec, *pickle.loads(call))
+            value, error, extras = score_call(spec, *pickle.loads(call))
         except BaseException as e:  # noqa: BLE001 - e.g. an argument whose class cannot be imported here
-            value, error = 0.0, f"could not run in a worker process: {describe_error(e)}"
-        conn.send((value, error, time.perf_counter() - started))
+            value, error, extras = 0.0, f"could not run in a worker process: {describe_error(e)}", ()
+        conn.send((value, error, time.perf_counter() - started, extras))
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def worker_main(spec: str, conn) -> None:
 
 
 class _Call:
-    """One call: its pickled arguments, time limit and future ``(reward, error)``; whether its
+    """One call: its pickled arguments, time limit and future `Outcome`; whether its
     worker said it started (and its deadline then), and how many workers it was sent to."""
 
     def __init__(self, call: tuple, timeout_s: float | None) -> None:
@@ -159,7 +160,7 @@ class _Call:
         try:
             self.payload = pickle.dumps(tuple(call), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001 - arguments that cannot be pickled
-            self.future.set_result((0.0, f"could not run in a worker process: {describe_error(e)}"))
+            self.future.set_result(Outcome(0.0, f"could not run in a worker process: {describe_error(e)}"))
 
 
 class _CallTime:
@@ -208,8 +209,8 @@ class _Proc:
                     call.started = True
                     call.deadline = None if call.timeout_s is None else time.monotonic() + call.timeout_s
                 else:
-                    value, error, seconds = message
-                    self.calls.popleft().future.set_result((value, error))
+                    value, error, seconds, extras = message
+                    self.calls.popleft().future.set_result(Outcome(value, error, extras))
                     self.call_time.add(seconds)
         except (EOFError, OSError):
             return False
@@ -227,7 +228,7 @@ class _Proc:
         unstarted = []
         for call in calls:
             if call.started or call.sends >= MAX_SENDS:
-                call.future.set_result((0.0, outcome if call.started and outcome else _death(self.process.exitcode)))
+                call.future.set_result(Outcome(0.0, outcome if call.started and outcome else _death(self.process.exitcode)))
             else:
                 unstarted.append(call)
         return unstarted
@@ -260,16 +261,21 @@ class RewardPool:
         with self._lock:
             self._start_locked()
 
-    def score(self, calls, timeout_s: float | None) -> list[tuple[float, str | None]]:
-        """``[(reward, error)]`` for ``calls = [(prompt, completion, sample), ...]``, in order.
-        All calls are queued at once and gathered; each has its own ``timeout_s``."""
+    def submit(self, calls, timeout_s: float | None) -> list[Future]:
+        """Queue ``calls = [(prompt, completion, sample), ...]`` at once; a future `Outcome` each, in
+        order; each call has its own ``timeout_s``."""
         batch = [_Call(call, timeout_s) for call in calls]
         with self._lock:
             self._start_locked()
             self._queue.extend(c for c in batch if not c.future.done())
         self._wake()
-        futures.wait([c.future for c in batch])  # one wake-up for the batch, not one per call
-        return [c.future.result() for c in batch]
+        return [c.future for c in batch]
+
+    def score(self, calls, timeout_s: float | None) -> list[Outcome]:
+        """The `Outcome` of each of ``calls``, in order (`submit`, then gathered)."""
+        batch = self.submit(calls, timeout_s)
+        futures.wait(batch)  # one wake-up for the batch, not one per call
+        return [f.result() for f in batch]
 
     def close(self) -> None:
         """Stop at once: running and queued calls fail, every worker's process group is killed."""
@@ -324,7 +330,7 @@ class RewardPool:
                     queued += [c for c in calls if not c.future.done()]
             for call in queued:
                 if not call.future.done():
-                    call.future.set_result((0.0, reason))
+                    call.future.set_result(Outcome(0.0, reason))
 
     def _top_up(self) -> None:
         if not self._start_failed or self._queue:  # a worker died while starting: wait for work
@@ -394,7 +400,7 @@ class RewardPool:
             queued = list(self._queue)
             self._queue.clear()
         for call in queued:
-            call.future.set_result((0.0, reason))
+            call.future.set_result(Outcome(0.0, reason))
 
 
 _POOLS: dict[tuple[str, int], RewardPool] = {}

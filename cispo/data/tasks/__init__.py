@@ -65,6 +65,10 @@ class Task:
     chat: bool = False
     """Prompts are chat messages (a system prompt stating the answer format, then the problem) and go
     through the model's chat template whatever ``model.chat_template`` says."""
+    accuracy: bool = True
+    """The reward's mean is reported as an accuracy (``rollout/accuracy``, ``eval/accuracy...``): every
+    built-in task's reward is a 0/1 verifier's, but `chain_hidden_graded`'s, a grade in [0, 1] whose
+    mean keeps the name the studies read."""
 
 
 def _addition(digits: tuple[int, ...], name: str) -> Task:
