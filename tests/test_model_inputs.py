@@ -81,3 +81,15 @@ def test_a_damaged_shipped_model_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert code == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err[-2000:]
     assert "model.safetensors" in err
+
+
+def test_a_truncated_model_file_is_one_line_for_train_and_eval(tiny_model, tmp_path, capsys):
+    """A model folder whose model.safetensors was cut short (a copy interrupted): one line naming the file,
+    before anything loads (was: safetensors' error from inside from_pretrained, a traceback)."""
+    model = copy_model(tiny_model, tmp_path / "cut")
+    with open(model / "model.safetensors", "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+    err = train_error(tmp_path, capsys, f"model.path={model}")
+    assert "model.safetensors cannot be read" in err and "the model folder is damaged" in err
+    assert main(["eval", "--model", str(model), "data.task=addition", "num_eval_prompts=2"]) == 2
+    assert "model.safetensors cannot be read" in capsys.readouterr().err

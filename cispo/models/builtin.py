@@ -241,7 +241,7 @@ def _safetensors_tensors(folder: Path, names):
                     yield key, f.get_tensor(key)
 
 
-def _header_problem(folder: Path, names) -> str | None:
+def safetensors_problem(folder: Path, names) -> str | None:
     """Why a ``.safetensors`` file among ``names`` cannot be read, or None. ``safetensors.safe_open`` reads
     the header and checks that the file holds exactly the bytes it lists (so a truncated file fails)."""
     from safetensors import SafetensorError, safe_open
@@ -302,7 +302,7 @@ def cache_problem(folder) -> str | None:
             return f"{name} is not a plain file"
         if st.st_size != sizes[name]:
             return f"{name} is {st.st_size} bytes, {sizes[name]} when it was written"
-    problem = _header_problem(folder, sorted(sizes))
+    problem = safetensors_problem(folder, sorted(sizes))
     if problem:
         return problem
     try:
@@ -328,7 +328,7 @@ def legacy_problem(folder) -> str | None:
         json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         return f"config.json cannot be read ({e})"
-    problem = _header_problem(folder, names)
+    problem = safetensors_problem(folder, names)
     if problem:
         return problem
     bad = nonfinite_tensors(_safetensors_tensors(folder, names))

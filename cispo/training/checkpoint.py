@@ -71,12 +71,18 @@ def check_model_folder(path) -> None:
     local folder with a ``config.json``, or names no local file or folder and reads as a hub id
     (``cispo.data.datasets.looks_like_hub_id``; ``from_pretrained`` then fetches it). A run folder, its
     ``checkpoints/`` or a ``step_N`` folder is answered with the model folder to use: the newest
-    checkpoint's ``model/``."""
+    checkpoint's ``model/``. A ``.safetensors`` file whose header does not read (a truncated copy) is a
+    ``ConfigError`` too."""
     from cispo.config.train import ConfigError
     from cispo.data.datasets import looks_like_hub_id
 
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
+        from cispo.models.builtin import safetensors_problem
+
+        problem = safetensors_problem(folder, sorted(p.name for p in folder.glob("*.safetensors")))
+        if problem:  # e.g. a copy cut short: one line here, not safetensors' error from inside from_pretrained
+            raise ConfigError(f"{path}: {problem}; the model folder is damaged (copy it again)")
         return
     if not folder.exists():
         if looks_like_hub_id(str(path)):
