@@ -3,6 +3,7 @@
     cispo train                                   # CISPO on the built-in task, defaults
     cispo train algo.objective=dapo lr=5e-5       # dotted keys, or unique leaf names
     cispo train --config run.yaml seed=1
+    cispo train recipe=scalerl lr=3e-6            # a paper's settings across sections (cispo.config.recipes)
     cispo train --resume run_name=cispo__addition__seed0 steps=120   # its saved config.yaml, run longer
     cispo pretrain seed=1 --measure 2000
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model
@@ -56,13 +57,15 @@ def _build_config(cls, config_file: str | None, overrides: list[str]):
 
 
 def cmd_train(args) -> int:
+    from cispo.config.recipes import expand_recipes
     from cispo.config.train import TrainConfig
     from cispo.records.runfolder import resume_config
 
+    overrides = expand_recipes(args.overrides)  # recipe=NAME: a paper's settings, in its place
     if args.resume:  # the run's saved config.yaml, with the given keys on top (checked by train)
-        cfg = resume_config(args.config, args.overrides)
+        cfg = resume_config(args.config, overrides)
     else:
-        cfg = _build_config(TrainConfig, args.config, args.overrides)
+        cfg = _build_config(TrainConfig, args.config, overrides)
     from cispo.foundations.distributed import close_distributed  # the config is good: now torch and the rest
     from cispo.training.runner import format_summary, train
 

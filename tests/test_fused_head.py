@@ -14,6 +14,7 @@ from cispo.objective.logprobs import LogitTransform, naive_token_logprobs
 from cispo.objective.loss import AGGREGATIONS, aggregate, policy_loss, preset
 
 B, T, H, V = 5, 7, 12, 29
+LBAR = torch.tensor([6.0, 6.0, 3.0, 3.0, 3.5], dtype=torch.float64)  # group mean lengths (prompt-mean-token-mean)
 
 
 def inputs(dtype=torch.float64, seed=0, bias=False):
@@ -39,9 +40,10 @@ def reference(hidden, weight, b, targets, mask, adv, logp_old, cfg, logp_ref=Non
     b = None if b is None else b.clone().requires_grad_()
     logp, ent = naive_token_logprobs(hidden, weight, targets, bias=b, temperature=temperature, with_entropy=True,
                                      transform=transform)
-    loss, _ = policy_loss(logp, logp_old, adv, mask, cfg, logp_ref=logp_ref)
+    loss, _ = policy_loss(logp, logp_old, adv, mask, cfg, logp_ref=logp_ref, group_mean_length=LBAR)
     if entropy_coef:
-        loss = loss - entropy_coef * aggregate(ent, mask, cfg.aggregation, token_sum_norm=cfg.token_sum_norm)
+        loss = loss - entropy_coef * aggregate(ent, mask, cfg.aggregation, token_sum_norm=cfg.token_sum_norm,
+                                               group_mean_length=LBAR)
     loss.backward()
     return loss.detach(), hidden.grad, weight.grad, None if b is None else b.grad, logp.detach()
 
@@ -50,7 +52,8 @@ def fused(hidden, weight, b, targets, mask, adv, logp_old, cfg, logp_ref=None, e
           transform=None, chunk_size=4):
     hidden, weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     b = None if b is None else b.clone().requires_grad_()
-    objective = token_objective(cfg, logp_old, adv, mask, logp_ref=logp_ref, entropy_coef=entropy_coef)
+    objective = token_objective(cfg, logp_old, adv, mask, logp_ref=logp_ref, entropy_coef=entropy_coef,
+                                group_mean_length=LBAR)
     loss, logp, _ = fused_head_loss(hidden, weight, targets, objective, bias=b, temperature=temperature,
                                     chunk_size=chunk_size, with_entropy=bool(entropy_coef), transform=transform)
     (2.0 * loss).backward()  # the backward scales by the incoming gradient
@@ -103,8 +106,8 @@ def test_aggregation_weights_reproduce_aggregate():
     x = torch.randn(B, T, dtype=torch.float64)
     for aggregation in AGGREGATIONS:
         for kw in ({}, dict(num_tokens=40.0, num_seqs=9.0)):
-            a = aggregation_weights(mask, aggregation, token_sum_norm=10.0, **kw)
-            expected = aggregate(x, mask, aggregation, token_sum_norm=10.0, **kw)
+            a = aggregation_weights(mask, aggregation, token_sum_norm=10.0, group_mean_length=LBAR, **kw)
+            expected = aggregate(x, mask, aggregation, token_sum_norm=10.0, group_mean_length=LBAR, **kw)
             torch.testing.assert_close((a * x).sum(), expected, atol=1e-14, rtol=1e-14)
 
 

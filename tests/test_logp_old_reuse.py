@@ -65,6 +65,7 @@ def test_same_run_bit_for_bit(tiny_model, tmp_path, dense_task, schedule):
     (("algo.logp_old_from_update=false",), False),
     (("model.dropout=true",), False),
     (("algo.tis_cap=2",), False),
+    (("algo.rollout_is=seq-mean", "algo.rollout_is_mode=mask"), False),
     (("algo.fused_head=true",), False),
 ])
 def test_where_it_applies(tiny_model, tmp_path, extra, expected):

@@ -19,8 +19,9 @@ class AlgoConfig:
     the lower / upper half of DAPO's trust region)."""
     objective_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields of ``ObjectiveConfig`` to override, e.g. ``objective_overrides.eps_high_is=2.0``."""
-    advantage_estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    """Group-relative advantages: grpo, drgrpo, rloo."""
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "batch-std"] = "grpo"
+    """Group-relative advantages: grpo (R - group mean) / group std, drgrpo R - group mean, rloo
+    (leave-one-out mean), batch-std (R - group mean) / batch std (ScaleRL's batch-level normalisation)."""
     updates_per_batch: int = 16
     """K: the generation batch is split into K mini-batches, one optimizer step each
     (MiniMax-M1: 16). With K = 1 every objective is identical (r = 1)."""
@@ -45,12 +46,26 @@ class AlgoConfig:
     whole first epoch) from that update's own forward, detached, instead of a separate no-grad
     pass: it runs on the same weights over the same micro-batches, so the numbers are bitwise
     those of the separate pass, one forward fewer over 1/K of the batch. Applies only where
-    exact: not with dropout (``model.dropout``, ``model.lora_dropout``), ``fused_head``,
-    ``tis_cap`` or FSDP (``cispo.training.trainer.logp_old_from_update``). False: a separate pass over
-    every row."""
+    exact: not with dropout (``model.dropout``, ``model.lora_dropout``), ``fused_head``, a rollout
+    correction (``tis_cap``, ``rollout_is``) or FSDP (``cispo.training.trainer.logp_old_from_update``).
+    False: a separate pass over every row."""
     tis_cap: float | None = None
     """Truncated importance sampling for the rollout/trainer mismatch: each token's advantage
-    is multiplied by min(pi_old / pi_rollout, tis_cap) (Yao et al. 2025 use 2). None: off."""
+    is multiplied by min(pi_old / pi_rollout, tis_cap) (Yao et al. 2025 use 2). None: off. The same
+    as rollout_is=token, rollout_is_mode=truncate, rollout_is_upper=tis_cap (set one or the other)."""
+    rollout_is: Literal["token", "seq-mean", "seq-sum"] | None = None
+    """Rollout correction (cispo.rollout.correction): each token's advantage is multiplied by a
+    detached weight of rho = pi_old / pi_rollout taken per ``token`` or per response: ``seq-mean``
+    (the geometric mean, exp(mean_t log rho_t)) or ``seq-sum`` (the product, exp(sum_t log rho_t):
+    TRL's and verl's "sequence" level). None: off (unless tis_cap)."""
+    rollout_is_mode: Literal["truncate", "mask", "reject"] = "truncate"
+    """With rollout_is: ``truncate`` (weight clip(rho, lower, upper), TIS), ``mask`` (weight rho
+    inside [lower, upper], 0 outside: TRL's *_mask, IcePop) or ``reject`` (weight 1 inside, 0
+    outside: rejection without reweighting, verl's rollout_rs)."""
+    rollout_is_lower: float | None = None
+    """With rollout_is: the lower bound of rho (>= 0). None: none. IcePop (verl's defaults): 0.5."""
+    rollout_is_upper: float | None = 2.0
+    """With rollout_is: the upper bound of rho (> lower). None: none. IcePop (verl's defaults): 5."""
     fused_head: bool = False
     """Compute the LM head and the objective in one chunked pass in the updates
     (``cispo.objective.fused_head``): each chunk's gradient is formed in the forward while its logits

@@ -274,16 +274,28 @@ def _rollout_checks(cfg: TrainConfig) -> list[Check]:
 
 def _algo_checks(cfg: TrainConfig) -> list[Check]:
     """The schedule of updates: refuses fewer than one update, epoch or micro-batch row, more
-    updates than a batch has rows (a mini-batch would be empty) and a TIS cap that is not positive."""
+    updates than a batch has rows (a mini-batch would be empty); and the rollout correction's: a TIS
+    cap that is not positive, tis_cap next to rollout_is (one name for one correction), bounds that are
+    negative, not finite, out of order or both None."""
     a, r = cfg.algo, cfg.rollout
     rows = r.prompts_per_step * r.group_size
+    lower, upper = a.rollout_is_lower, a.rollout_is_upper
     return [
         ("algo.updates_per_batch", a.updates_per_batch >= 1, "must be >= 1"),
         ("algo.updates_per_batch", a.updates_per_batch <= rows,
          f"must be <= the rows of a batch, prompts_per_step * group_size = {rows}"),
         ("algo.epochs", a.epochs >= 1, "must be >= 1"),
         ("algo.micro_batch_size", a.micro_batch_size is None or a.micro_batch_size >= 1, "must be >= 1 or None"),
-        ("algo.tis_cap", a.tis_cap is None or a.tis_cap > 0, "must be > 0 or None"),
+        ("algo.tis_cap", a.tis_cap is None or 0 < a.tis_cap < math.inf, "must be > 0 and finite, or None"),
+        ("algo.tis_cap", a.tis_cap is None or a.rollout_is is None,
+         f"cannot be set with algo.rollout_is={a.rollout_is} (tis_cap is rollout_is=token, rollout_is_mode=truncate, "
+         "rollout_is_upper=tis_cap): set one or the other"),
+        ("algo.rollout_is_lower", lower is None or 0 <= lower < math.inf, "must be >= 0 and finite, or None"),
+        ("algo.rollout_is_upper", upper is None or 0 < upper < math.inf, "must be > 0 and finite, or None"),
+        ("algo.rollout_is_upper", lower is None or upper is None or lower < upper,
+         f"must be > algo.rollout_is_lower = {lower}"),
+        ("algo.rollout_is", a.rollout_is is None or lower is not None or upper is not None,
+         "needs a bound: algo.rollout_is_lower, algo.rollout_is_upper or both"),
     ]
 
 

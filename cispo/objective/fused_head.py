@@ -35,6 +35,7 @@ import torch
 from cispo.objective.logprobs import IDENTITY, LogitTransform, _check_inputs, _chunk_logits, _dtypes, _grad_head_input
 from cispo.objective.loss import (
                                   ObjectiveConfig,
+                                  _group_mean_length,
                                   signed_is_weight,
                                   kl_penalty,
                                   log_ratio,
@@ -48,12 +49,14 @@ TokenLoss = Callable[[torch.Tensor, "torch.Tensor | None", int, int], torch.Tens
 
 
 def aggregation_weights(response_mask: torch.Tensor, aggregation: str, num_tokens=None, num_seqs=None,
-                        token_sum_norm: float | None = None) -> torch.Tensor:
+                        token_sum_norm: float | None = None,
+                        group_mean_length: torch.Tensor | None = None) -> torch.Tensor:
     """a [B, T] with ``cispo.objective.loss.aggregate(x, mask, ...) == sum(a * x)`` for every x [B, T]:
 
         token-mean               a_it = M_it / num_tokens
         seq-mean-token-mean      a_it = M_it / (|o_i| num_seqs)
         seq-mean-token-sum-norm  a_it = M_it / (num_seqs token_sum_norm)
+        prompt-mean-token-mean   a_it = M_it / (Lbar_g(i) num_seqs)   (Lbar: ``group_mean_length`` [B])
 
     (M the response mask; the same defaults as ``aggregate``: local counts, the padded length T)."""
     mask = response_mask.bool()  # [B, T]
@@ -68,12 +71,15 @@ def aggregation_weights(response_mask: torch.Tensor, aggregation: str, num_token
     if aggregation == "seq-mean-token-sum-norm":
         norm = token_sum_norm if token_sum_norm is not None else mask.shape[-1]
         return m / (n_seq * norm)
+    if aggregation == "prompt-mean-token-mean":
+        return m / (_group_mean_length(group_mean_length, lengths, m.dtype)[:, None] * n_seq)
     raise ValueError(f"unknown aggregation {aggregation!r}")
 
 
 def token_objective(cfg: ObjectiveConfig, logp_old: torch.Tensor, advantages: torch.Tensor,
                     response_mask: torch.Tensor, num_tokens=None, num_seqs=None,
-                    logp_ref: torch.Tensor | None = None, entropy_coef: float = 0.0) -> TokenLoss:
+                    logp_ref: torch.Tensor | None = None, entropy_coef: float = 0.0,
+                    group_mean_length: torch.Tensor | None = None) -> TokenLoss:
     """``policy_loss``'s value as a sum of per-token terms, evaluable on any range of the flattened
     [B * T] tokens:  loss = sum_t a_t ( -sg(w_t) A_t logp_t M_t + kl_coef KL_t - entropy_coef H_t ).
 
@@ -86,7 +92,8 @@ def token_objective(cfg: ObjectiveConfig, logp_old: torch.Tensor, advantages: to
         raise ValueError("token_objective: cfg.kl_coef > 0 needs logp_ref")
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp_old)  # [B, T]
-    a = aggregation_weights(response_mask, cfg.aggregation, num_tokens, num_seqs, cfg.token_sum_norm).reshape(-1)
+    a = aggregation_weights(response_mask, cfg.aggregation, num_tokens, num_seqs, cfg.token_sum_norm,
+                            group_mean_length).reshape(-1)
     old, adv, mask = logp_old.reshape(-1), advantages.reshape(-1), response_mask.bool().reshape(-1)  # [N]
     ref = None if logp_ref is None else logp_ref.reshape(-1)  # [N]
 

@@ -33,7 +33,9 @@ named presets in `cispo.objective.presets`, torch-free, re-exported here):
    of it: ``ppo-low`` (only A < 0, r < 1 - eps_low dropped) or ``ppo-high`` (only A > 0,
    r > 1 + eps_high dropped);
 4. the aggregation — ``token-mean`` (DAPO's token-level loss, eq. 4's 1/sum_i|o_i|),
-   ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum-norm`` (Dr. GRPO, a constant length);
+   ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum-norm`` (Dr. GRPO, a constant length),
+   ``prompt-mean-token-mean`` (ScaleRL, arXiv 2510.13786: each prompt's G responses pooled, then a mean
+   over prompts);
 5. an optional KL penalty to a reference policy (k1 or k3 estimator), off by default.
 
 With a PPO mask and an unclipped weight, the gradient of eq. 6 equals the gradient of
@@ -208,14 +210,20 @@ def aggregate(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     token_sum_norm: float | None = None,
+    group_mean_length: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce per-token values [B, T] to a scalar, counting only response tokens.
 
     token-mean:               sum_{i,t} x_it / num_tokens              (num_tokens = sum_i |o_i|)
     seq-mean-token-mean:      sum_i (sum_t x_it / |o_i|) / num_seqs
     seq-mean-token-sum-norm:  sum_{i,t} x_it / (num_seqs * token_sum_norm)
+    prompt-mean-token-mean:   sum_i (sum_t x_it / Lbar_g(i)) / num_seqs
+                              = (1/P) sum_g (sum_{i in g, t} x_it / sum_{j in g} |o_j|)   (whole batch, P prompts
+                              of G rows, num_seqs = P G)
 
-    Pass the *global* ``num_tokens`` / ``num_seqs`` of the whole batch (all micro-batches, all
+    ``group_mean_length`` [B]: Lbar_g(i) = mean_{j in g(i)} |o_j|, the mean response length of row i's
+    group (prompt) over all its G responses, also those outside this call (``prompt-mean-token-mean``
+    only). Pass the *global* ``num_tokens`` / ``num_seqs`` of the whole batch (all micro-batches, all
     ranks) and the sum of the parts' results equals the full batch's. Defaults: the local
     counts (sequences with at least one response token).
     """
@@ -233,7 +241,23 @@ def aggregate(
     if aggregation == "seq-mean-token-sum-norm":
         norm = token_sum_norm if token_sum_norm is not None else values.shape[-1]
         return x.sum() / (num_seqs * norm)
+    if aggregation == "prompt-mean-token-mean":
+        lbar = _group_mean_length(group_mean_length, lengths, x.dtype)  # Lbar_g(i)   [B]
+        return (x.sum(-1) / lbar).sum() / num_seqs
     raise ValueError(f"unknown aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
+
+
+def _group_mean_length(group_mean_length: torch.Tensor | None, lengths: torch.Tensor,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Lbar_g(i) [B] for ``prompt-mean-token-mean``, checked to be given and of shape [B] (``lengths``: |o_i|);
+    1 where row i has no response token (such a row adds nothing)."""
+    if group_mean_length is None:
+        raise ValueError("aggregation 'prompt-mean-token-mean' needs group_mean_length: each row's mean response "
+                         "length over its prompt's G responses, [B]")
+    if group_mean_length.shape != lengths.shape:
+        raise ValueError(f"group_mean_length must be [B] = {tuple(lengths.shape)}, "
+                         f"got {tuple(group_mean_length.shape)}")
+    return torch.where(lengths > 0, group_mean_length.to(dtype), 1.0)  # [B]
 
 
 def kl_penalty(logp_new: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -256,6 +280,7 @@ def policy_loss(
     num_tokens: float | torch.Tensor | None = None,
     logp_ref: torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
+    group_mean_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ObjectiveStats]:
     """loss = -agg( sg(w_it) * A_it * log pi_theta(o_it) * M_it ) + kl_coef * agg(KL_it)   (eq. 6)
 
@@ -267,7 +292,9 @@ def policy_loss(
         cfg: the objective's settings, e.g. ``preset("cispo")``.
         num_tokens: global sum_i |o_i| for token-mean aggregation (default: local count).
         logp_ref: [B, T] log pi_ref, needed when cfg.kl_coef > 0.
-        num_seqs: global number of sequences for the seq-mean aggregations (default: local).
+        num_seqs: global number of sequences for the seq-mean and prompt-mean aggregations (default: local).
+        group_mean_length: [B] each row's mean response length over its prompt's G responses
+            (``prompt-mean-token-mean`` only; see ``aggregate``).
     Returns:
         (loss, stats): the scalar loss to minimise and detached ``ObjectiveStats``.
     """
@@ -287,12 +314,14 @@ def policy_loss(
 
     logp = torch.where(mask, logp_new, 0.0)  # padding never reaches the graph   [B, T]
     per_token = weight * advantages * logp * mask_it  # eq. 6 term    [B, T]
-    pg_loss = -aggregate(per_token, mask, cfg.aggregation, num_tokens, num_seqs, cfg.token_sum_norm)
+    agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, token_sum_norm=cfg.token_sum_norm,
+               group_mean_length=group_mean_length)
+    pg_loss = -aggregate(per_token, mask, cfg.aggregation, **agg)
 
     kl = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
     if logp_ref is not None and cfg.kl_coef > 0:
         kl_tokens = kl_penalty(logp, torch.where(mask, logp_ref, 0.0), cfg.kl_estimator)  # [B, T]
-        kl = aggregate(kl_tokens, mask, cfg.aggregation, num_tokens, num_seqs, cfg.token_sum_norm)
+        kl = aggregate(kl_tokens, mask, cfg.aggregation, **agg)
     loss = pg_loss + cfg.kl_coef * kl
 
     stats = _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, logp_old, mask, cfg)

@@ -17,7 +17,7 @@ from cispo.foundations.suggest import did_you_mean, other_name_hint
 
 RATIO_LEVELS = ("token", "sequence")
 MASK_RULES = ("none", "ppo", "ppo-low", "ppo-high")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "prompt-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k3")
 
 
@@ -61,7 +61,9 @@ class ObjectiveConfig:
     aggregation: str = "token-mean"
     """How per-token terms become a scalar: ``token-mean`` (sum / total tokens),
     ``seq-mean-token-mean`` (mean over sequences of per-sequence means),
-    ``seq-mean-token-sum-norm`` (sum / (num_seqs * token_sum_norm), Dr. GRPO)."""
+    ``seq-mean-token-sum-norm`` (sum / (num_seqs * token_sum_norm), Dr. GRPO),
+    ``prompt-mean-token-mean`` (mean over prompts of the mean over their G responses' tokens, ScaleRL;
+    needs each row's group mean length)."""
     token_sum_norm: float | None = None
     """Constant length for ``seq-mean-token-sum-norm`` (e.g. max new tokens).
     None: the padded length T of the batch (then split batches are not exact)."""
@@ -119,9 +121,26 @@ PRESETS: dict[str, ObjectiveConfig] = {
 }
 
 
+_DR_GRPO = ("Dr. GRPO is a recipe, not an objective preset: it sets the advantages too "
+            "(algo.advantage_estimator=drgrpo, R - group mean); `cispo train recipe=dr_grpo` (cispo.config.recipes). "
+            "Its loss alone: preset('ppo', aggregation='seq-mean-token-sum-norm', token_sum_norm=<the longest "
+            "response>)")
+RECIPE_NAMES: dict[str, str] = {
+    "dr_grpo": _DR_GRPO, "drgrpo": _DR_GRPO, "dr-grpo": _DR_GRPO,
+    "scalerl": "ScaleRL is a recipe, not an objective preset: it sets the advantages, the sampling and the head's "
+               "precision too; `cispo train recipe=scalerl` (cispo.config.recipes). Its loss alone: "
+               "preset('cispo', aggregation='prompt-mean-token-mean')",
+}
+"""Names of papers whose settings span sections (`cispo.config.recipes`), each with the answer `preset` gives
+for it: a recipe, never a near preset (``dr_grpo`` is not ``grpo``)."""
+
+
 def preset(name: str, **overrides) -> ObjectiveConfig:
     """The named preset (``cispo``, ``ppo``, ``grpo``, ``dapo``, ``gspo``, ``reinforce``, ``cispo_lowmask``,
-    ``cispo_highmask``), with any field replaced by ``overrides`` (e.g. ``preset("cispo", eps_high_is=2.0)``)."""
+    ``cispo_highmask``), with any field replaced by ``overrides`` (e.g. ``preset("cispo", eps_high_is=2.0)``).
+    A recipe's name (``dr_grpo``, ``scalerl``: `RECIPE_NAMES`) is refused with the recipe to use."""
+    if name in RECIPE_NAMES:
+        raise ValueError(f"unknown objective preset {name!r}: {RECIPE_NAMES[name]}")
     if name not in PRESETS:
         raise ValueError(f"unknown objective preset {name!r}{did_you_mean(name, PRESETS)}; known: {', '.join(PRESETS)}")
     fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}

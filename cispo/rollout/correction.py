@@ -2,23 +2,139 @@
 
 A fast rollout engine (vLLM: other kernels, bf16 logits, its own sampler) does not compute exactly the
 probabilities the trainer computes for the same weights, so the responses are in fact sampled from a
-slightly different policy pi_rollout, not from pi_old. Truncated importance sampling (TIS; Yao et al. 2025,
-"Your Efficient RL Framework Secretly Brings You Off-Policy RL Training") reweights every token by the
-ratio of the two, capped:
+slightly different policy pi_rollout, not from pi_old. Importance sampling against that gap reweights
+every response token by a function of the ratio of the two, computed once per generation batch from
+the trainer's recomputed log pi_old and the sampler's own log-probs:
 
-    w_it = min( pi_old(o_it) / pi_rollout(o_it), C )  = min( exp(logp_old - logp_rollout), C )
+    log rho_it = logp_old_it - logp_rollout_it                    log(pi_old / pi_rollout)
 
-and multiplies it into the policy-gradient term of that token (a constant: no gradient flows through it).
-In this library that is the advantage: ``A_it <- w_it * A_it`` before ``cispo.objective.loss.policy_loss``
-(which accepts [B, T] advantages). ``w_it > 0``, so the sign of the advantage, and with it PPO's mask
-rule, is unchanged.
+    level      token             rho_it                                        (each token its own)
+               seq-mean          rho_i = exp( mean_t log rho_it )              (the geometric mean over o_i:
+                                                                                GSPO's length normalisation,
+                                                                                verl's seq_mean_k1 "Geo")
+               seq-sum           rho_i = exp( sum_t log rho_it )               (the product: TRL's and verl's
+                                                                                "sequence" level)
+    mode       truncate          c = clip(rho, lower, upper)                   (TIS: Yao et al. 2025)
+               mask              c = rho * 1[lower <= rho <= upper]            (MIS; IcePop's M(k), Ring-1T,
+                                                                                arXiv 2510.18855)
+               reject            c = 1[lower <= rho <= upper]                  (rejection, no reweighting:
+                                                                                verl's rollout_rs)
+
+(a bound that is None is absent: no clip, no mask on that side). The weight c_it is a constant (no
+gradient flows through it) that the trainer multiplies into the policy-gradient term of that token:
+``A_it <- c_it * A_it`` before ``cispo.objective.loss.policy_loss`` (which accepts [B, T] advantages).
+``c_it >= 0``, so the sign of an advantage, and with it PPO's mask rule, is unchanged; a masked token
+(c = 0) still counts in the aggregation's token / sequence counts (as in TRL and verl).
+
+``truncated_is_weights`` is the token / truncate case with only an upper bound, ``algo.tis_cap``.
+
+Departures, in plain words:
+
+1. The log-ratio (after the level's mean or sum) is clamped to +-``max_log_ratio`` (20) before ``exp``,
+   as verl's ``SAFETY_BOUND``: finite weights; inside that range nothing changes. The bounds are compared
+   in log space, before the clamp.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+IS_LEVELS = ("token", "seq-mean", "seq-sum")
+IS_MODES = ("truncate", "mask", "reject")
+
+
+@dataclass(frozen=True)
+class RolloutWeights:
+    """The correction of one generation batch: ``weight`` c_it [B, T] (detached, 0 at padding) and the
+    per-token flags behind its metrics, response tokens only: ``masked`` [B, T] bool (rho outside
+    [lower, upper] under ``mask`` / ``reject``: c = 0) and ``truncated`` [B, T] bool (rho clipped to a
+    bound under ``truncate``)."""
+
+    weight: torch.Tensor
+    masked: torch.Tensor
+    truncated: torch.Tensor
+
+    def metrics(self, response_mask: torch.Tensor) -> dict[str, float]:
+        """``rollout/is_weight_mean``, ``rollout/is_masked``, ``rollout/is_truncated``: the mean weight and
+        the shares of response tokens masked / truncated (NaN with no response token)."""
+        mask = response_mask.bool()  # [B, T]
+        n = int(mask.sum())
+        if n == 0:
+            return {"rollout/is_weight_mean": math.nan, "rollout/is_masked": math.nan, "rollout/is_truncated": math.nan}
+        return {"rollout/is_weight_mean": float(self.weight[mask].double().mean()),
+                "rollout/is_masked": float(self.masked.sum()) / n,
+                "rollout/is_truncated": float(self.truncated.sum()) / n}
+
+
+def _check_bound(name: str, value: float | None, positive: bool) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+        value > 0 if positive else value >= 0)
+    if not ok:
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'} or None, got {value!r}")
+
+
+def rollout_is_weights(
+    logp_old: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str = "token",
+    mode: str = "truncate",
+    lower: float | None = None,
+    upper: float | None = 2.0,
+    max_log_ratio: float = 20.0,
+) -> RolloutWeights:
+    """c_it = f(rho) of the module docstring, rho = pi_old / pi_rollout at ``level``, f the ``mode`` with the
+    bounds ``[lower, upper]`` (None: no bound on that side).   -> RolloutWeights, weight float32 [B, T]
+
+    Args:
+        logp_old: [B, T] the trainer's log-probs of the sampled tokens before the updates (``Experience.logp_old``).
+        logp_rollout: [B, T] the rollout engine's log-probs of the same tokens (``RolloutBatch.logp_rollout``).
+        response_mask: [B, T] 1 at response tokens, 0 at padding.
+        level: ``token``, ``seq-mean`` (geometric mean) or ``seq-sum`` (product).
+        mode: ``truncate``, ``mask`` or ``reject``.
+        lower, upper: the bounds, 0 <= lower < upper; at least one of them.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"level must be one of {IS_LEVELS}, got {level!r}")
+    if mode not in IS_MODES:
+        raise ValueError(f"mode must be one of {IS_MODES}, got {mode!r}")
+    _check_bound("lower", lower, positive=False)
+    _check_bound("upper", upper, positive=True)
+    if lower is None and upper is None:
+        raise ValueError("a rollout correction needs a bound: lower, upper or both")
+    if lower is not None and upper is not None and not lower < upper:
+        raise ValueError(f"lower must be < upper, got lower={lower}, upper={upper}")
+    if logp_old.shape != logp_rollout.shape or logp_old.shape != response_mask.shape:
+        raise ValueError(
+            f"shape mismatch: logp_old {tuple(logp_old.shape)}, logp_rollout {tuple(logp_rollout.shape)}, "
+            f"response_mask {tuple(response_mask.shape)}"
+        )
+    mask = response_mask.bool()  # [B, T]
+    log_rho = torch.where(mask, logp_old.detach().double() - logp_rollout.detach().double(), 0.0)  # log rho_it  [B, T]
+    if level != "token":
+        log_seq = log_rho.sum(-1, keepdim=True)  # sum_t log rho_it   [B, 1]
+        if level == "seq-mean":
+            log_seq = log_seq / mask.sum(-1, keepdim=True).clamp(min=1)  # mean_t log rho_it   [B, 1]
+        log_rho = log_seq.expand_as(log_rho)  # log rho_i, shared by the tokens of o_i   [B, T]
+    below = mask & (log_rho < math.log(lower)) if lower else torch.zeros_like(mask)  # rho < lower    [B, T]
+    above = mask & (log_rho > math.log(upper)) if upper is not None else torch.zeros_like(mask)  # rho > upper  [B, T]
+    rho = log_rho.clamp(-max_log_ratio, max_log_ratio).exp()  # rho   [B, T]
+    outside = below | above  # [B, T]
+    if mode == "truncate":
+        weight = rho.clamp(min=lower, max=upper)  # clip(rho, lower, upper)   [B, T]
+    elif mode == "mask":
+        weight = torch.where(outside, 0.0, rho)  # rho * 1[lower <= rho <= upper]   [B, T]
+    else:
+        weight = (~outside).double()  # 1[lower <= rho <= upper]   [B, T]
+    weight = torch.where(mask, weight, 0.0).float()  # c_it, 0 at padding   [B, T]
+    masked = outside if mode != "truncate" else torch.zeros_like(mask)
+    truncated = outside if mode == "truncate" else torch.zeros_like(mask)
+    return RolloutWeights(weight, masked, truncated)
 
 
 def truncated_is_weights(
@@ -27,7 +143,8 @@ def truncated_is_weights(
     response_mask: torch.Tensor,
     cap: float = 2.0,
 ) -> torch.Tensor:
-    """TIS weights ``min(exp(logp_old - logp_rollout), cap)`` per token, detached.   -> float32 [B, T]
+    """TIS weights ``min(exp(logp_old - logp_rollout), cap)`` per token, detached (``rollout_is_weights`` at
+    level ``token``, mode ``truncate``, ``upper = cap``; ``algo.tis_cap``).   -> float32 [B, T]
 
     Args:
         logp_old: [B, T] the trainer's log-probs of the sampled tokens before the updates (``Experience.logp_old``).
@@ -36,16 +153,8 @@ def truncated_is_weights(
         cap: C > 0, the truncation (Yao et al. use 2; verl's ``tis_imp_ratio_cap`` defaults to 2).
 
     Returns:
-        The weights, 0 at padding. The log-ratio is clamped at log(cap) before ``exp``, which is the same
-        function (``exp`` is increasing) and never overflows.
+        The weights, 0 at padding; finite however large the ratio.
     """
     if not (cap > 0 and math.isfinite(cap)):
         raise ValueError(f"cap must be a finite number > 0, got {cap!r}")
-    if logp_old.shape != logp_rollout.shape or logp_old.shape != response_mask.shape:
-        raise ValueError(
-            f"shape mismatch: logp_old {tuple(logp_old.shape)}, logp_rollout {tuple(logp_rollout.shape)}, "
-            f"response_mask {tuple(response_mask.shape)}"
-        )
-    mask = response_mask.bool()  # [B, T]
-    log_ratio = (logp_old.detach().float() - logp_rollout.detach().float()).clamp(max=math.log(cap))  # [B, T]
-    return torch.where(mask, log_ratio.exp(), 0.0)  # [B, T]
+    return rollout_is_weights(logp_old, logp_rollout, response_mask, "token", "truncate", None, cap).weight

@@ -50,6 +50,14 @@ def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x * y).sum() / denom) if denom > 0 else float("nan")
 
 
+def mismatch_kl(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor) -> float:
+    """k3 estimate of KL(pi_rollout || pi_old) on the sampled response tokens: mean of rho - 1 - log rho,
+    rho = pi_old / pi_rollout (the tokens are samples of pi_rollout; verl's ``rollout_corr/k3_kl``), log rho
+    clamped to +-20 (finite, as the correction's weights); NaN with no token."""
+    log_rho = (logp_old.double() - logp_rollout.double())[mask].clamp(-20.0, 20.0)  # log rho   [n]
+    return float((log_rho.exp() - 1.0 - log_rho).mean()) if log_rho.numel() else math.nan
+
+
 def reports_accuracy(task) -> bool:
     """Whether ``task``'s reward mean is an accuracy (``rollout/accuracy``, ``eval/accuracy...``): its
     ``accuracy`` flag — a built-in task's reward, or a built-in 0/1 verifier (``math``, ``exact_match``,
@@ -104,6 +112,7 @@ def rollout_metrics(groups, exp: Experience, report: FillReport, used_fork, accu
         "rollout/repetition_stops": float(sum(c.finish_reason == "repetition" for c in flat)),
         "rollout/logp_corr": pearson(exp.logp_rollout[mask], exp.logp_old[mask]),
         "rollout/logp_abs_diff": float((exp.logp_rollout - exp.logp_old)[mask].abs().mean()),
+        "rollout/mismatch_kl": mismatch_kl(exp.logp_old, exp.logp_rollout, mask),
         "rollout/rounds": float(report.rounds),
         "rollout/groups_sampled": float(report.groups_sampled),
         "rollout/groups_kept": float(report.groups_kept),

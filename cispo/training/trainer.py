@@ -10,7 +10,8 @@ One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penal
        rows of the first update come from that update's own forward, detached, where that is
        exact (``logp_old_from_update``);
        with a KL penalty (``kl_coef > 0``) also log pi_ref of the frozen reference model;
-       the sampler's own log-probs are kept to measure the train / rollout mismatch;
+       the sampler's own log-probs are kept to measure the train / rollout mismatch and, with a
+       rollout correction (``algo.tis_cap``, ``algo.rollout_is``), to weight each token's advantage;
     4. split the batch into K mini-batches (or, with ``algo.minibatch_policy=fixed_size``, into
        mini-batches of the configured size: fewer when the batch is short; ``cispo.training.batching``);
        for each, one optimizer step on the unified
@@ -38,11 +39,11 @@ from cispo.foundations.distributed import DistInfo, all_reduce_sum, any_rank, is
 from cispo.foundations.experience import Completion, Experience, collate, is_informative
 from cispo.foundations.forks import ForkTokens
 from cispo.models.policy import Policy, policy_fused_loss, policy_logprobs
-from cispo.objective.advantages import group_advantages
+from cispo.objective.advantages import batch_std, group_advantages
 from cispo.objective.fused_head import token_objective
 from cispo.objective.loss import ObjectiveConfig, ObjectiveStats, policy_loss
 from cispo.records.samples import add_token_counts, start_token_counts
-from cispo.rollout import SamplingConfig, truncated_is_weights
+from cispo.rollout import SamplingConfig, rollout_is_weights
 from cispo.training.batching import micro_batches, minibatches
 from cispo.training.metrics import (fork_metrics, fork_rollout_metrics, fork_sums, frac_ppo_dropped_fork,
                                     reports_accuracy, rollout_metrics, update_metrics)
@@ -95,13 +96,31 @@ def sample_groups(
     return groups
 
 
-def build_experience(groups: list[list[Completion]], policy: Policy, group_size: int, estimator: str) -> Experience:
-    """Group-relative advantages (``estimator``: ``algo.advantage_estimator``), then padded
-    tensors on the policy's device."""
+def build_experience(groups: list[list[Completion]], policy: Policy, group_size: int, estimator: str,
+                     batch_scale: torch.Tensor | None = None) -> Experience:
+    """Group-relative advantages (``estimator``: ``algo.advantage_estimator``; ``batch_scale``: ``batch-std``'s
+    std of the whole batch, `advantage_scale`), then padded tensors on the policy's device, with each row's
+    group mean response length in ``extras["group_mean_length"]`` (``prompt-mean-token-mean``)."""
     flat = [c for group in groups for c in group]
     rewards = torch.tensor([c.reward for c in flat])  # R_i   [B]
-    advantages = group_advantages(rewards, group_size, estimator)  # A_i   [B]
-    return collate(flat, advantages, policy.pad_id).to(policy.device)
+    advantages = group_advantages(rewards, group_size, estimator, batch_scale=batch_scale)  # A_i   [B]
+    exp = collate(flat, advantages, policy.pad_id).to(policy.device)
+    lengths = exp.response_mask.sum(-1).reshape(-1, group_size)  # |o_i|   [num_groups, G]
+    exp.extras["group_mean_length"] = lengths.mean(-1).repeat_interleave(group_size)  # Lbar_g(i)   [B]
+    return exp
+
+
+def advantage_scale(groups: list[list[Completion]], policy: Policy, group_size: int, estimator: str,
+                    dist_info: DistInfo) -> torch.Tensor | None:
+    """Under data parallelism with ``batch-std`` advantages, std_batch over every rank's rows (each rank
+    joins the sum, also one that kept no group); else None (`group_advantages` takes its own batch's)."""
+    if estimator != "batch-std" or not dist_info.enabled:
+        return None
+    rewards = torch.tensor([c.reward for group in groups for c in group])  # R_k   [B]
+    centred = group_advantages(rewards, group_size, "drgrpo").double() if groups else rewards.double()  # Ahat_k
+    sums = torch.stack([centred.square().sum(), torch.tensor(float(len(rewards)), dtype=torch.float64)])
+    sums = all_reduce_sum(sums.to(policy.device), dist_info).cpu()  # sum_k Ahat_k^2, N   over ranks
+    return batch_std(sums[0], sums[1])
 
 
 # ---------------------------------------------------------------------------------------
@@ -159,10 +178,21 @@ def logp_old_from_update(cfg, policy: Policy) -> bool:
     the weights that logp_old is taken at, over the same micro-batches, deterministically: not
     with dropout in the passes (``model.dropout``, ``model.lora_dropout``: two passes draw
     different masks), not with the fused head (its objective needs logp_old before its forward),
-    nor truncated IS (``algo.tis_cap``: the weights of every row are formed before the first
-    update), nor FSDP (not tested sharded)."""
+    nor a rollout correction (``algo.tis_cap``, ``algo.rollout_is``: the weights of every row are formed
+    before the first update), nor FSDP (not tested sharded)."""
     return (cfg.algo.logp_old_from_update and not cfg.model.dropout and not cfg.model.lora_dropout
-            and not cfg.algo.fused_head and not cfg.algo.tis_cap and not is_sharded(policy.model))
+            and not cfg.algo.fused_head and rollout_correction(cfg.algo) is None and not is_sharded(policy.model))
+
+
+def rollout_correction(algo) -> dict | None:
+    """``rollout_is_weights``' settings of ``algo`` (``tis_cap`` is the token / truncate case with that upper
+    bound); None: no rollout correction."""
+    if algo.tis_cap:
+        return dict(level="token", mode="truncate", lower=None, upper=algo.tis_cap)
+    if algo.rollout_is is None:
+        return None
+    return dict(level=algo.rollout_is, mode=algo.rollout_is_mode, lower=algo.rollout_is_lower,
+                upper=algo.rollout_is_upper)
 
 
 @torch.no_grad()
@@ -283,8 +313,9 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, params: lis
 def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg, num_tokens, num_seqs,
                      old_from_new: bool = False) -> tuple[torch.Tensor, ObjectiveStats]:
     """One micro-batch's share of the mini-batch objective (normalised by the mini-batch's
-    global ``num_tokens`` / ``num_seqs``) and its statistics. The advantages carry the
-    truncated-IS weight (``tis``) when there is one; ``logp_ref`` the KL term's pi_ref.
+    global ``num_tokens`` / ``num_seqs``) and its statistics. The advantages carry the rollout
+    correction's weight (``tis``, ``rollout_correction``) when there is one; ``logp_ref`` the KL term's
+    pi_ref; ``group_mean_length`` each row's group mean length (``prompt-mean-token-mean``).
 
     ``algo.fused_head``: the LM head and the objective in one pass (``policy_fused_loss``,
     the gradient formed in the forward); the statistics are ``policy_loss``'s on its detached
@@ -295,8 +326,9 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
     forward, detached, as the separate pass would have computed them (the ratio is then 1)."""
     T = sub.response_mask.shape[1]
     advantages = sub.advantages  # [b]
-    if "tis" in sub.extras:  # per-token truncated IS weight   [b, T]
+    if "tis" in sub.extras:  # c_it, the rollout correction's weight   [b, T]
         advantages = advantages[:, None] * sub.extras["tis"][:, :T]
+    lbar = sub.extras.get("group_mean_length")  # Lbar_g(i)   [b]
     logp_ref = sub.extras.get("logp_ref")  # [b, T] log pi_ref, with a KL penalty
     if logp_ref is not None:
         logp_ref = logp_ref[:, :T]
@@ -309,13 +341,16 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
             sub.logp_old = logp_new.detach().float() * sub.response_mask
             sub.extras["entropy"] = out[1].detach().float() * sub.response_mask
         args = (sub.logp_old, advantages, sub.response_mask)
-        return policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
+        return policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs,
+                           group_mean_length=lbar)
     args = (sub.logp_old, advantages, sub.response_mask)
-    objective = token_objective(obj, *args, num_tokens=num_tokens, num_seqs=num_seqs, logp_ref=logp_ref)
+    objective = token_objective(obj, *args, num_tokens=num_tokens, num_seqs=num_seqs, logp_ref=logp_ref,
+                                group_mean_length=lbar)
     with policy.compute():
         loss, logp_new = policy_fused_loss(policy.model, sub, objective, cfg.rollout.temperature,
                                            cfg.model.fp32_lm_head, body=policy.train_body)
-    _, stats = policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs)
+    _, stats = policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs,
+                           group_mean_length=lbar)
     return loss, stats
 
 
@@ -376,8 +411,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         return {"rollout/groups_kept": 0.0, "rollout/rounds": float(rollout.report.rounds), "optim/step_updates": 0.0,
                 "optim/updates": float(update_count), "perf/step_s": t1 - t0,
                 "rollout/reward_errors": float(len(rollout.errors))}, update_count
-    exp, first_order, from_update = prepare_experience(policy, groups, cfg, forks, generators, dist_info,
-                                                       count_tokens=on_samples is not None)
+    exp, first_order, from_update, correction = prepare_experience(policy, groups, cfg, forks, generators, dist_info,
+                                                                   count_tokens=on_samples is not None)
     t2 = time.perf_counter()
     updates_before = update_count
     stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, forks,
@@ -390,6 +425,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     elif on_samples is not None:  # this rank kept no group: the ones it dropped
         on_samples(rollout.sampled, None)
     metrics = step_metrics(rollout, exp, stats, task, forks)
+    if correction is not None and groups:
+        metrics.update(correction.metrics(exp.response_mask))  # rollout/is_weight_mean, is_masked, is_truncated
     tokens = float(exp.response_mask.sum())
     metrics.update({
         "optim/lr": lr_at(update_count - 1, cfg.optim),
@@ -445,14 +482,18 @@ def sample_step(policy: Policy, stream: PromptStream, task, cfg, sampling: Sampl
 
 
 def prepare_experience(policy: Policy, groups, cfg, forks, generators, dist_info: DistInfo, count_tokens: bool):
-    """Steps 2-3: the batch with its advantages, fork positions and log pi_old (and, with
-    ``algo.tis_cap``, the truncated IS weights). Returns ``(exp, first_order, from_update)``: the first
-    epoch's row order, drawn here so the logp_old pass can run the first mini-batch as the first update
-    will, and whether that update fills its own rows of logp_old (``logp_old_from_update``)."""
+    """Steps 2-3: the batch with its advantages, fork positions and log pi_old (and, with a rollout
+    correction, ``algo.tis_cap`` or ``algo.rollout_is``, its weights in ``extras["tis"]``). Returns
+    ``(exp, first_order, from_update, correction)``: the first epoch's row order, drawn here so the logp_old
+    pass can run the first mini-batch as the first update will, whether that update fills its own rows of
+    logp_old (``logp_old_from_update``), and the correction (`cispo.rollout.correction.RolloutWeights`, for
+    its metrics) or None."""
+    G, estimator = cfg.rollout.group_size, cfg.algo.advantage_estimator
+    scale = advantage_scale(groups, policy, G, estimator, dist_info)
     if not groups:  # this rank has nothing, but it must join the other ranks' updates
         exp = empty_experience(policy)
     else:
-        exp = build_experience(groups, policy, cfg.rollout.group_size, cfg.algo.advantage_estimator)
+        exp = build_experience(groups, policy, G, estimator, scale)
         if count_tokens:
             start_token_counts(exp)
     if forks is not None:  # where each tracked string starts, for the metrics of every update   [B, T]
@@ -464,9 +505,11 @@ def prepare_experience(policy: Policy, groups, cfg, forks, generators, dist_info
     first_rows = minibatches(first_order, cfg.algo, full_rows(cfg), kept_rows(exp, dist_info))[0]
     from_update = logp_old_from_update(cfg, policy)
     exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info, first_rows, from_update)
-    if cfg.algo.tis_cap:  # truncated IS: the trainer's pi_old vs the sampler's own probabilities
-        exp.extras["tis"] = truncated_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, cfg.algo.tis_cap)
-    return exp, first_order, from_update
+    settings, correction = rollout_correction(cfg.algo), None
+    if settings is not None:  # the trainer's pi_old vs the sampler's own probabilities: c_it   [B, T]
+        correction = rollout_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, **settings)
+        exp.extras["tis"] = correction.weight
+    return exp, first_order, from_update, correction
 
 
 def step_metrics(rollout: StepRollout, exp: Experience, stats: list[dict], task, forks) -> dict:
@@ -529,7 +572,8 @@ def sharded_sampling(policy: Policy, sampling: SamplingConfig, dist_info: DistIn
 def empty_experience(policy: Policy) -> Experience:
     """A batch of zero rows (a data-parallel rank whose groups were all dropped)."""
     z = torch.zeros(0, 1, device=policy.device)
-    return Experience(z.long(), z.long(), z, z, torch.zeros(0, device=policy.device), logp_old=z)
+    return Experience(z.long(), z.long(), z, z, torch.zeros(0, device=policy.device), logp_old=z,
+                      extras={"group_mean_length": torch.zeros(0, device=policy.device)})
 
 
 def tracked_fork(task):
