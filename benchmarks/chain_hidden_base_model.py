@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from cispo.models.builtin import ensure_builtin_model, read_checksums
+from cispo.models.builtin import ensure_builtin_model
+from cispo.models.cache import read_checksums
 from cispo.models.chain_probe import probe
 from cispo.models.loading import load_policy
 from cispo.models.pretrain import measure_chain_model

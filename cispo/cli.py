@@ -31,7 +31,7 @@ from pathlib import Path
 INPUT_ERRORS = ("cispo.config.engine.ConfigError", "cispo.data.datasets.DataError", "cispo.data.rewards.RewardSpecError",
                 "builtins.FileExistsError", "cispo.data.tasks.UnknownTaskError")
 """Bad input: one line on stderr, exit status 2, no traceback."""
-RUN_ERRORS = ("cispo.training.checkpoint.CheckpointError", "cispo.models.builtin.ChecksumError")
+RUN_ERRORS = ("cispo.training.checkpoint.CheckpointError", "cispo.models.cache.ChecksumError")
 """A run that cannot go on (its checkpoints, a shipped model that fails its checksums): one line, exit status 1."""
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.yaml", "curves.png", "checkpoints/")
 """What the closing line of `cispo train` lists of its run folder (those that exist)."""

@@ -23,11 +23,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import cispo.models.builtin as builtin
+import cispo.models.cache as model_cache
 import cispo.models.packaged as packaged
 import cispo.models.pretrain
 from cispo.data.tasks import get_task
-from cispo.models.builtin import (CACHE_RECORD, CHECKSUMS, ModelCacheError, builtin_model_path, cache_problem,
-                                  ensure_builtin_model, file_sha256, read_checksums, verify_checksums)
+from cispo.models.builtin import builtin_model_path, ensure_builtin_model
+from cispo.models.cache import CACHE_RECORD, CHECKSUMS, ModelCacheError, cache_problem, file_sha256, read_checksums, verify_checksums
 from cispo.models.loading import build_model, build_tokenizer, save_policy
 from cispo.models.pretrain import PretrainConfig
 
@@ -168,8 +169,8 @@ def test_a_folder_is_hashed_once_per_process(monkeypatch, tmp_path):
     folder in the same process costs a stat per file."""
     cache = Cache("packaged", monkeypatch, tmp_path)
     cache.ensure()
-    hashed, real = [], builtin.file_sha256
-    monkeypatch.setattr(builtin, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
+    hashed, real = [], model_cache.file_sha256
+    monkeypatch.setattr(model_cache, "file_sha256", lambda p: hashed.append(Path(p).name) or real(p))
     cache.ensure()
     assert "model.safetensors" in hashed
     n = len(hashed)
@@ -224,7 +225,7 @@ def test_a_damaged_folder_that_cannot_be_removed_is_one_line_naming_it(cache, mo
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(builtin.tempfile, "mkdtemp", read_only)
+    monkeypatch.setattr(model_cache.tempfile, "mkdtemp", read_only)
     with pytest.raises(ModelCacheError, match=rf"^{folder}: cannot be removed \(Read-only file system\)"):
         cache.ensure()
     assert f"{folder}: damaged (model.safetensors is" in capsys.readouterr().err and cache.calls == [1]
@@ -253,7 +254,7 @@ def _read_only(tmp, monkeypatch):
     def refused(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(builtin.tempfile, "mkdtemp", refused)
+    monkeypatch.setattr(model_cache.tempfile, "mkdtemp", refused)
     return tmp / "cache" / "models", "cannot write into the model cache (Read-only file system)"
 
 
@@ -328,7 +329,7 @@ def test_temporary_folders_of_dead_conversions_are_removed_at_the_next(cache):
     an older cispo that did not name the owner): once untouched for 24 hours."""
     models = cache.folder.parent
     models.mkdir(parents=True)
-    stem, host, old = f".{cache.folder.name}", builtin._host(), time.time() - 25 * 3600
+    stem, host, old = f".{cache.folder.name}", model_cache._host(), time.time() - 25 * 3600
     made = {
         f"{stem}.tmp-{host}-{_dead_pid()}-abcdefgh": False,  # dead here: removed
         f"{stem}.tmp-{host}-{os.getpid()}-abcdefgh": True,  # a live process's: kept
@@ -352,7 +353,7 @@ def test_a_held_temporary_folder_is_kept(cache):
     holds the folder's flock: kept."""
     models = cache.folder.parent
     models.mkdir(parents=True)
-    held = models / f".{cache.folder.name}.tmp-{builtin._host()}-{_dead_pid()}-abcdefgh"
+    held = models / f".{cache.folder.name}.tmp-{model_cache._host()}-{_dead_pid()}-abcdefgh"
     held.mkdir()
     fd = os.open(held, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -379,7 +380,7 @@ def test_a_conversion_killed_by_sigkill_leaves_a_folder_the_next_one_removes(mon
     child = subprocess.Popen([sys.executable, "-c", KILLED, str(cache.folder)], stdout=subprocess.PIPE, text=True)
     tmp = Path(child.stdout.readline().strip())
     assert tmp.parent == cache.folder.parent and (tmp / "model.safetensors").is_file()
-    assert builtin.remove_dead_temps(cache.folder) == []  # alive: kept
+    assert model_cache.remove_dead_temps(cache.folder) == []  # alive: kept
     child.kill()
     child.wait()
     child.stdout.close()

@@ -308,7 +308,8 @@ def test_chain_corpus_masks_and_reflection_rate():
 @pytest.mark.parametrize("name,prompt,params", [("addition", "12+34=", 335_712), ("chain", "12+34+5=", 335_904),
                                                ("chain_hidden", "12+34+5=", 335_904)])
 def test_shipped_weights_load_and_match_their_checksums(name, prompt, params, tmp_path, monkeypatch):
-    from cispo.models.builtin import SHIPPED_ROOT, ensure_builtin_model, read_checksums, verify_checksums
+    from cispo.models.builtin import SHIPPED_ROOT, ensure_builtin_model
+    from cispo.models.cache import read_checksums, verify_checksums
     from cispo.models.loading import load_policy
 
     monkeypatch.setenv("CISPO_CACHE", str(tmp_path))           # an empty cache: nothing to fall back on
@@ -327,7 +328,8 @@ def test_shipped_weights_load_and_match_their_checksums(name, prompt, params, tm
 def test_a_changed_shipped_file_fails_its_checksum(tmp_path):
     import shutil
 
-    from cispo.models.builtin import SHIPPED_ROOT, ChecksumError, verify_checksums
+    from cispo.models.builtin import SHIPPED_ROOT
+    from cispo.models.cache import ChecksumError, verify_checksums
 
     copy = tmp_path / "addition"
     shutil.copytree(SHIPPED_ROOT / "addition", copy)

@@ -377,7 +377,8 @@ def base_model_id(c: TrainConfig) -> str:
     (which weights the run started from), else ``model.path``."""
     if c.model.path is not None:
         return str(c.model.path)
-    from cispo.models.builtin import CHECKSUMS, ensure_builtin_model, file_sha256
+    from cispo.models.builtin import ensure_builtin_model
+    from cispo.models.cache import CHECKSUMS, file_sha256
 
     return "builtin:" + file_sha256(ensure_builtin_model(c.data.task, progress=False) / CHECKSUMS)[:12]
 

@@ -98,7 +98,7 @@ def compile_cache_dir() -> str:
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current and current != _torch_default_cache_dir():
         return current
-    from cispo.models.builtin import cache_root
+    from cispo.models.cache import cache_root
 
     path = str((cache_root() / "torch-compile").absolute())
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path

@@ -24,14 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cispo.config.train import ConfigError
-from cispo.models.builtin import (
-    SHIPPED_ROOT,
-    cache_root,
-    cached_model,
-    file_sha256,
-    install_cache_folder,
-    staging_folder,
-)
+from cispo.models.builtin import SHIPPED_ROOT
+from cispo.models.cache import cache_root, cached_model, file_sha256, install_cache_folder, staging_folder
 
 PREFIX = "builtin:"
 MARKER = "cispo-packaged.json"
@@ -156,7 +150,7 @@ def save_tiny_smollm2(folder, seed: int = 0, max_positions: int = 512) -> Path:
     string fork tokens, the chat template and its EOS, without the 135M model (tests, smoke runs)."""
     from transformers import AutoTokenizer
 
-    from cispo.models.builtin import ChecksumError, read_checksums
+    from cispo.models.cache import ChecksumError, read_checksums
     from cispo.models.loading import build_model, save_policy
 
     for name, digest in read_checksums(TOKENIZER_DIR).items():

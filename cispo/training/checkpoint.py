@@ -78,7 +78,7 @@ def check_model_folder(path) -> None:
 
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
-        from cispo.models.builtin import safetensors_problem
+        from cispo.models.cache import safetensors_problem
 
         problem = safetensors_problem(folder, sorted(p.name for p in folder.glob("*.safetensors")))
         if problem:  # e.g. a copy cut short: one line here, not safetensors' error from inside from_pretrained

@@ -206,7 +206,7 @@ HEAD_TOLERANCE = 1e-3  # nats; float32 rounding gives ~1e-6
 def check_weights(model, path) -> None:
     """ConfigError naming the first parameter of ``model`` (loaded from ``path``) that holds NaN or
     inf: training would only spread it, and the head check would misread it as a model it does not know."""
-    from cispo.models.builtin import nonfinite_tensors
+    from cispo.models.cache import nonfinite_tensors
 
     bad = nonfinite_tensors(model.named_parameters())
     if bad:
