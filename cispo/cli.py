@@ -28,7 +28,7 @@ from pathlib import Path
 # Start-up imports nothing heavy: `cispo --help`, `cispo train --help` and a config error answer
 # before torch, transformers or pandas would have loaded (each command imports what it runs).
 
-INPUT_ERRORS = ("cispo.config.engine.ConfigError", "cispo.data.datasets.DataError", "cispo.data.rewards.RewardSpecError",
+INPUT_ERRORS = ("cispo.config.yaml_input.ConfigError", "cispo.data.datasets.DataError", "cispo.data.rewards.RewardSpecError",
                 "builtins.FileExistsError", "cispo.data.tasks.UnknownTaskError")
 """Bad input: one line on stderr, exit status 2, no traceback."""
 RUN_ERRORS = ("cispo.training.checkpoint.CheckpointError", "cispo.models.cache.ChecksumError")
