@@ -115,6 +115,18 @@ def eval_records(set_name: str, mode: str, groups: list[list[Completion]], answe
             for g, group in enumerate(groups) for j, c in enumerate(group)]
 
 
+def rows_up_to(path: Path, step: int) -> list[dict]:
+    """The rows of a run's step file (``metrics.jsonl``, ``samples.jsonl``) of steps <= ``step``, as a resume
+    keeps them: torn, NUL-filled or unreadable lines dropped (`parse_step_lines`) with one warning naming
+    them when ``step >= 0`` (a resume; a fresh start clears the file silently)."""
+    rows, bad, _ = parse_step_lines(path)
+    if bad and step >= 0:
+        lines = "; ".join(f"line {n}: {what}" for n, what in bad)
+        warnings.warn(f"cispo: {path}: dropped {len(bad)} unreadable line(s) on resume ({lines})",
+                      RuntimeWarning, stacklevel=3)
+    return [r for r in rows if r["step"] <= step]
+
+
 def check_run_file(path: Path) -> None:
     """ConfigError when a run's file (``metrics.jsonl``, ``samples.jsonl``) exists but is not a regular
     file (a folder, a FIFO): resuming would otherwise fail on it with a library traceback."""
@@ -165,13 +177,8 @@ class SampleFile:
         check_run_file(self.path)
         if not self.path.exists():
             return
-        rows, bad, _ = parse_step_lines(self.path)
-        if bad and step >= 0:
-            lines = "; ".join(f"line {n}: {what}" for n, what in bad)
-            warnings.warn(f"cispo: {self.path}: dropped {len(bad)} unreadable line(s) on resume ({lines})",
-                          RuntimeWarning, stacklevel=2)
-        replace_atomically(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows
-                                              if r["step"] <= step))
+        replace_atomically(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                              for r in rows_up_to(self.path, step)))
 
 
 def markdown_table(records: list[dict], fields: tuple[str, ...] = SAMPLE_FIELDS[1:]) -> str:

@@ -36,9 +36,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-from cispo.config.train import SINK_KINDS, check_sink_kinds
+from cispo.config.train import SINK_KINDS, check_sink_kinds  # noqa: F401 - SINK_KINDS: the names make_sinks takes
 from cispo.foundations.jsonl import jsonl_path, parse_step_lines
-from cispo.foundations.suggest import did_you_mean
 
 # cispo.records.samples (it imports torch) is imported where it is used: cispo.config.train imports this module
 # to check sink names, and a config is checked without loading torch.
@@ -115,7 +114,7 @@ class JsonlSink:
         """Keep the rows of steps <= ``step`` (the ones a checkpoint of ``step`` committed; a
         resumed run logs the others again); drop torn or NUL-filled lines with a warning
         naming them. The file is replaced atomically."""
-        from cispo.records.samples import check_run_file, parse_step_lines, replace_atomically  # deferred: it loads torch
+        from cispo.records.samples import check_run_file, replace_atomically, rows_up_to  # deferred: it loads torch
 
         check_run_file(self.path)
         self.end = None  # rewritten below: the next row starts a fresh watch
@@ -125,12 +124,7 @@ class JsonlSink:
                               f"step {step} committed, are lost; the run continues from step {step + 1} and the "
                               f"file holds only the steps from there", RuntimeWarning, stacklevel=2)
             return
-        rows, bad, _ = parse_step_lines(self.path)
-        if bad and step >= 0:
-            lines = "; ".join(f"line {n}: {what}" for n, what in bad)
-            warnings.warn(f"cispo: {self.path}: dropped {len(bad)} unreadable line(s) on resume ({lines})",
-                          RuntimeWarning, stacklevel=2)
-        kept = [r for r in rows if r["step"] <= step]
+        kept = rows_up_to(self.path, step)
         lost = sorted(set(range(step + 1)) - {r["step"] for r in kept})
         if lost:
             warnings.warn(f"cispo: {self.path}: the rows of steps {lost} are missing although the checkpoint "
