@@ -13,6 +13,7 @@ import math
 import operator
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -104,7 +105,13 @@ class RolloutBatch:
 
     finish_reason: list[str]
     """Per row, why it stopped: "eos" (emitted a stop token: EOS or another of the sampler's stop ids,
-    `stop_ids`), "length" (hit max_new_tokens) or "repetition" (repetition early stop)."""
+    `stop_ids`; in a multi-turn rollout: the environment ended the episode), "length" (hit max_new_tokens)
+    or "repetition" (repetition early stop)."""
+
+    env_mask: torch.Tensor | None = None
+    """float32 [B, T] in a multi-turn rollout (``generate(..., episodes=...)``): 1 at the environment's
+    tokens (observations fed into the context, never sampled: log-prob 0), 0 at the policy's tokens and
+    padding; ``response_mask`` is 1 at both. None: every response token is the policy's."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -123,6 +130,19 @@ class RolloutBatch:
     def num_truncated(self) -> int:
         """How many rows hit max_new_tokens without emitting EOS."""
         return self.finish_reason.count("length")
+
+
+class Episodes(Protocol):
+    """A batch's environment in a multi-turn rollout, token in, token out (one episode per row; built by
+    ``cispo.data.environments``). The sampler calls it; it never sees text."""
+
+    def pauses(self, row: int, segment_ids: list[int]) -> bool:
+        """Whether row ``row``'s policy segment (the ids it sampled since the prompt or its last
+        observation, newest last) ends here by one of the environment's stop strings."""
+
+    def respond(self, rows: list[int], segments: list[list[int]], by_stop_token: list[bool]) -> list:
+        """Each paused row's observation (token ids fed into its context, not trained on), or None: the
+        episode ends and the row's response is final. ``by_stop_token``: the segment ended with a stop id."""
 
 
 class Sampler:
@@ -150,8 +170,11 @@ class Sampler:
         prompt_ids: list[list[int]],
         cfg: SamplingConfig,
         generator: torch.Generator | None = None,
+        episodes: Episodes | None = None,
     ) -> RolloutBatch:
-        """Sample one response per prompt (prompts are lists of token ids, non-empty, of any lengths)."""
+        """Sample one response per prompt (prompts are lists of token ids, non-empty, of any lengths);
+        with ``episodes``, a multi-turn response per prompt (policy segments and the environment's
+        observations, ``RolloutBatch.env_mask``)."""
         raise NotImplementedError(f"{type(self).__name__}.generate")
 
     def update_weights(self, model) -> int:

@@ -80,10 +80,13 @@ class StaticDecoder:
             else from the model's ``lm_head`` cast to float32.
         layer_stack: runs :func:`layer_stack` (same arguments; e.g. ``cispo.models.compile.CompiledLayerStack``,
             which compiles it); None: :func:`layer_stack` itself, eager.
+        cache_rows: [B] the cache row each batch row starts from, when the prefill ran each distinct prompt
+            once (``cispo.rollout.torch_sampler.shared_rows``); None: the cache has the B rows.
     """
 
     def __init__(self, model: torch.nn.Module, cache, prompt_mask: torch.Tensor, positions: torch.Tensor,
-                 max_new_tokens: int, fp32_head: bool, layer_stack: Callable | None = None) -> None:
+                 max_new_tokens: int, fp32_head: bool, layer_stack: Callable | None = None,
+                 cache_rows: torch.Tensor | None = None) -> None:
         self.model, self.fp32_head = model, fp32_head
         self.layer_stack = layer_stack
         self.body = decoder(model)
@@ -97,7 +100,9 @@ class StaticDecoder:
         self.P, L = P, P + max_new_tokens
         self.keys, self.values = [], []  # per layer [b, kv_heads, L, head_dim], written in place
         for layer in cache.layers:
-            k, v = layer.keys, layer.values  # [B, kv_heads, P, head_dim]
+            k, v = layer.keys, layer.values  # [B, kv_heads, P, head_dim] ([U, ...] with cache_rows)
+            if cache_rows is not None:
+                k, v = k.index_select(0, cache_rows), v.index_select(0, cache_rows)  # [B, kv_heads, P, head_dim]
             kb = k.new_empty(B, k.shape[1], L, k.shape[3])
             vb = v.new_empty(B, v.shape[1], L, v.shape[3])
             kb[:, :, :P], vb[:, :, :P] = k, v

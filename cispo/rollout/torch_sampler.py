@@ -17,12 +17,11 @@ import torch.nn.functional as F
 from cispo.foundations.distributed import sharded_call
 from cispo.models.policy import decoder, lm_head
 from cispo.objective.logprobs import lm_logits, logit_transform
-from cispo.rollout.base import FINISH_REASONS, RolloutBatch, Sampler, SamplingConfig, stop_ids
+from cispo.rollout.base import FINISH_REASONS, Episodes, RolloutBatch, Sampler, SamplingConfig, stop_ids
+from cispo.rollout.decoding import DecodeRows
 from cispo.rollout.static_cache import StaticDecoder, layer_stack, matmul_attention, unsupported_reason
 
 DECODE_MODES = ("auto", "static", "hf")
-
-_LENGTH, _EOS, _REPETITION = (FINISH_REASONS.index(r) for r in ("length", "eos", "repetition"))
 
 
 def _multinomial(probs: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor | None = None,
@@ -37,6 +36,22 @@ def _multinomial(probs: torch.Tensor, generator: torch.Generator | None, rows: t
     if rows is not None:
         q = q.index_select(0, rows)  # [b, V]
     return (probs / q).argmax(-1)  # [b]
+
+
+def shared_rows(prompts: Sequence[Sequence[int]], device=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The distinct prompts of a batch, for a prefill that runs each once (a group's G rows share
+    their prompt): ``(first, copies)`` with ``first`` [U] the first row of each distinct prompt, in
+    order, and ``copies`` [B] the position in ``first`` of every row's prompt, so that
+    ``x[first][copies]`` is ``x`` for any per-row tensor of the prompt. ``(None, None)`` when every
+    prompt is distinct (nothing to share)."""
+    index: dict[tuple[int, ...], int] = {}
+    copies = [index.setdefault(tuple(p), len(index)) for p in prompts]  # [B]
+    if len(index) == len(prompts):
+        return None, None
+    first = [0] * len(index)
+    for row, u in reversed(list(enumerate(copies))):
+        first[u] = row
+    return torch.tensor(first, device=device), torch.tensor(copies, device=device)
 
 
 class TorchSampler(Sampler):
@@ -69,6 +84,10 @@ class TorchSampler(Sampler):
             (``cispo.models.compile.CompiledLayerStack``: compiled in the first decode step, reused by every
             later ``generate``; eager after a compile error). Log-probs within float32 rounding of
             the eager decode's (tested); ignored where the forward path decodes.
+        share_prefill: prefill each distinct prompt of a batch once and give its logits and KV cache to
+            every row that has it (a group's G rows; ``shared_rows``): the prefill costs ~1/G of one
+            per row, with the same tokens and log-probs up to float rounding (tested). False: one
+            prefill row per batch row (the reference).
 
     Of the optional capabilities of :class:`Sampler` it has ``lock_step``: under it the decode loop
     runs until every rank's rows have stopped (stopped rows only get padding), and sampling runs
@@ -78,13 +97,14 @@ class TorchSampler(Sampler):
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int | Sequence[int], pad_token_id: int,
                  autocast: torch.dtype | None = None, fp32_head: bool = False, decode: str = "auto",
-                 compile_step: bool = False) -> None:
+                 compile_step: bool = False, share_prefill: bool = True) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         if decode == "static" and (why := unsupported_reason(model)) is not None:
             raise ValueError(f"decode='static' cannot decode {type(model).__name__}: {why}; use decode='hf'")
         self.decode = decode
         self.compile_step = compile_step
+        self.share_prefill = share_prefill
         self._layer_stack = None  # the compiled decode step, built at the first static decode
         self.model = model
         self.autocast = autocast
@@ -112,13 +132,15 @@ class TorchSampler(Sampler):
         prompt_ids: Sequence[Sequence[int]],
         cfg: SamplingConfig,
         generator: torch.Generator | None = None,
+        episodes: Episodes | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt; see :class:`RolloutBatch` for the result's layout.
 
         Rows stop at a stop id ("eos"; ``stop_token_ids``), at ``cfg.max_new_tokens`` ("length") or at the repetition early stop
         ("repetition"); a stopped row gets pad tokens with mask 0, and the loop ends when every row has
         stopped. ``generator`` (on the model's device) makes sampling reproducible; greedy decoding
-        (temperature 0) draws no random numbers.
+        (temperature 0) draws no random numbers. ``episodes``: a multi-turn rollout, each row's
+        observations fed through its KV cache (:mod:`cispo.rollout.decoding`).
         """
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids is empty: need at least one prompt")
@@ -130,12 +152,12 @@ class TorchSampler(Sampler):
         try:
             with (torch.inference_mode() if self._all_ranks_done is None else torch.no_grad(),
                   torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)):
-                *tensors, reasons = self._sample(prompt_ids, cfg, generator)
+                *tensors, reasons = self._sample(prompt_ids, cfg, generator, episodes)
         finally:
             for m, training in modes:
                 m.training = training
         # Clone outside inference mode: inference tensors cannot be saved for backward by the trainer.
-        prompt, prompt_mask, response, response_mask, logp = (t.clone() for t in tensors)
+        prompt, prompt_mask, response, response_mask, logp, env_mask = (t.clone() for t in tensors)
         return RolloutBatch(
             prompt_ids=prompt,
             prompt_mask=prompt_mask,
@@ -143,6 +165,7 @@ class TorchSampler(Sampler):
             response_mask=response_mask,
             logp_rollout=logp,
             finish_reason=[FINISH_REASONS[r] for r in reasons.tolist()],
+            env_mask=None if episodes is None else env_mask,
         )
 
     def _lean(self, total_len: int) -> bool:
@@ -196,36 +219,19 @@ class TorchSampler(Sampler):
                 tok = _multinomial(probs, generator, rows, batch)  # [b]
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
-    def _sample(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, generator):
+    def _sample(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, generator, episodes: Episodes | None):
         dev, pad, n_new = self.device, self.pad_token_id, cfg.max_new_tokens
         B, P = len(prompts), max(len(p) for p in prompts)
-        rows = [[pad] * (P - len(p)) + list(p) for p in prompts]
-        prompt = torch.tensor(rows, dtype=torch.long, device=dev)  # [B, P]
+        prompt = torch.tensor([[pad] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=dev)  # [B, P]
         lens = torch.tensor([len(p) for p in prompts], device=dev)  # [B]
         prompt_mask = (torch.arange(P, device=dev) >= P - lens[:, None]).long()  # [B, P]
         # Every generated column is attended: a stopped row's trailing pads come after all its real tokens.
         attn = torch.cat([prompt_mask, prompt_mask.new_ones(B, n_new)], dim=1)  # [B, P + n_new]
-
-        response = torch.full((B, n_new), pad, dtype=torch.long, device=dev)  # [B, n_new]
-        response_mask = torch.zeros(B, n_new, dtype=torch.float32, device=dev)  # [B, n_new]
-        logp_out = torch.zeros(B, n_new, dtype=torch.float32, device=dev)  # [B, n_new]
-        finished = torch.zeros(B, dtype=torch.bool, device=dev)  # [B]
-        reason = torch.full((B,), _LENGTH, dtype=torch.long, device=dev)  # [B]
-        confident_run = torch.zeros(B, dtype=torch.long, device=dev)  # [B] consecutive tokens with p > thr
         stops = torch.tensor(self.stop_token_ids, dtype=torch.long, device=dev)  # [S]
-
+        out = DecodeRows(B, n_new, pad, stops, cfg, episodes, dev)
         pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
-        logits, cache = self._forward(prompt, prompt_mask, pos, None, cfg.use_cache)  # [B, V]
+        logits, cache, lean = self._prefill(prompts, prompt, prompt_mask, pos, cfg)  # [B, V]
         next_pos = pos[:, -1:] + 1  # [B, 1]
-        lean = None
-        if cfg.use_cache and n_new > 1 and self._lean(P + n_new):
-            positions = torch.cat([pos, next_pos + torch.arange(n_new, device=dev)], dim=1)  # [B, P + n_new]
-            if self.compile_step and self._layer_stack is None:
-                from cispo.models.compile import CompiledLayerStack
-
-                self._layer_stack = CompiledLayerStack(layer_stack, matmul_attention)
-            lean = StaticDecoder(self.model, cache, prompt_mask, positions, n_new, self.fp32_head, self._layer_stack)
-            cache = None
         rows = None  # [b] the rows the logits belong to (None: all B)
         T = n_new
         for t in range(n_new):
@@ -233,21 +239,8 @@ class TorchSampler(Sampler):
             if rows is not None:  # back to [B]; dropped rows have stopped, their values are masked below
                 tok = torch.full((B,), pad, dtype=tok.dtype, device=dev).index_copy_(0, rows, tok)  # [B]
                 tok_logp = torch.zeros(B, dtype=tok_logp.dtype, device=dev).index_copy_(0, rows, tok_logp)  # [B]
-            alive = ~finished  # [B]
-            response[:, t] = tok.masked_fill(finished, pad)
-            logp_out[:, t] = tok_logp.masked_fill(finished, 0.0)
-            response_mask[:, t] = alive.float()
-            stop_eos = alive & torch.isin(tok, stops)  # [B]
-            stop = stop_eos
-            if cfg.repetition_stop_tokens is not None:
-                confident = tok_logp.exp() > cfg.repetition_stop_prob  # [B]
-                confident_run = torch.where(confident, confident_run + 1, 0)  # [B]
-                stop_rep = alive & ~stop_eos & (confident_run >= cfg.repetition_stop_tokens)  # [B]
-                reason = reason.masked_fill(stop_rep, _REPETITION)
-                stop = stop | stop_rep
-            reason = reason.masked_fill(stop_eos, _EOS)
-            finished = finished | stop
-            done = bool(finished.all())
+            out.record(t, tok, tok_logp)
+            done = bool(out.finished.all())
             if self._all_ranks_done is not None:
                 done = self._all_ranks_done(done)
             if t == n_new - 1 or done:
@@ -255,13 +248,38 @@ class TorchSampler(Sampler):
                 break
             seen = P + t + 1  # tokens so far, incl. the one just sampled
             if lean is not None:
-                logits = lean.step(response[:, t], finished, t)  # [b, V]
+                logits = lean.step(out.response[:, t], out.finished, t)  # [b, V]
                 rows = None if len(lean.rows) == B else lean.rows
             elif cfg.use_cache:
-                logits, cache = self._forward(response[:, t : t + 1], attn[:, :seen], next_pos, cache, True)
+                logits, cache = self._forward(out.response[:, t : t + 1], attn[:, :seen], next_pos, cache, True)
             else:  # reference: recompute the whole sequence
                 mask = attn[:, :seen]  # [B, seen]
-                ids = torch.cat([prompt, response[:, : t + 1]], dim=1)  # [B, seen]
+                ids = torch.cat([prompt, out.response[:, : t + 1]], dim=1)  # [B, seen]
                 logits, _ = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), None, False)
             next_pos = next_pos + 1
-        return prompt, prompt_mask, response[:, :T], response_mask[:, :T], logp_out[:, :T], reason
+        return prompt, prompt_mask, *out.outputs(T)
+
+    def _prefill(self, prompts, prompt: torch.Tensor, prompt_mask: torch.Tensor, pos: torch.Tensor,
+                 cfg: SamplingConfig):
+        """Run the left-padded prompts [B, P] (each distinct one once, ``share_prefill``): the logits of
+        their last position [B, V], and either the model's cache over the B rows or a
+        :class:`StaticDecoder` holding it (``(logits, None, decoder)``) where the lean decode applies."""
+        dev, n_new = prompt.device, cfg.max_new_tokens
+        first, copies = shared_rows(prompts, dev) if cfg.use_cache and self.share_prefill else (None, None)  # [U], [B]
+        if first is None:
+            logits, cache = self._forward(prompt, prompt_mask, pos, None, cfg.use_cache)  # [B, V]
+        else:  # each distinct prompt prefilled once; its rows share the logits and the cache
+            logits, cache = self._forward(prompt[first], prompt_mask[first], pos[first], None, True)  # [U, V]
+            logits = logits.index_select(0, copies)  # [B, V]
+        if cfg.use_cache and n_new > 1 and self._lean(prompt.shape[1] + n_new):
+            positions = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(n_new, device=dev)], dim=1)  # [B, P + n_new]
+            if self.compile_step and self._layer_stack is None:
+                from cispo.models.compile import CompiledLayerStack
+
+                self._layer_stack = CompiledLayerStack(layer_stack, matmul_attention)
+            lean = StaticDecoder(self.model, cache, prompt_mask, positions, n_new, self.fp32_head, self._layer_stack,
+                                 cache_rows=copies)
+            return logits, None, lean
+        if copies is not None:
+            cache.reorder_cache(copies)  # every layer's keys and values index_select-ed: [U, ...] -> [B, ...]
+        return logits, cache, None
