@@ -28,10 +28,18 @@ class Completion:
     reward_error: str | None = None  # why the reward failed (then task_reward = 0)
     reward_parts: dict = field(default_factory=dict)  # each data.reward's value by name (None: it abstained)
     reward_extras: tuple = ()  # (key, number) pairs the reward calls reported besides their rewards
+    env_mask: torch.Tensor | None = None  # [T_i] 1 at the environment's tokens (multi-turn); None: all the policy's
+    episode: dict | None = None  # the environment's record of the episode (segments, tool calls), for samples.jsonl
 
     @property
     def length(self) -> int:
+        """Tokens of the response, the environment's observations included."""
         return int(self.response_ids.numel())
+
+    @property
+    def policy_length(self) -> int:
+        """Tokens the policy sampled (what the loss, the overlong penalty and the length metrics count)."""
+        return self.length if self.env_mask is None else int((self.env_mask == 0).sum())
 
 
 Group = list[Completion]  # the G responses to one prompt
@@ -44,11 +52,16 @@ def is_informative(group: Group) -> bool:
 
 @dataclass
 class Experience:
-    """A padded batch of B rows = prompt (left-padded, P columns) + response (T columns)."""
+    """A padded batch of B rows = prompt (left-padded, P columns) + response (T columns).
+
+    In a multi-turn rollout a response holds the environment's observations between the policy's
+    segments: ``attention_mask`` is 1 at every real token (the model sees them all), ``response_mask``
+    only at the policy's (the loss, ``logp_old``, the KL term, the token counts and every token
+    statistic read it), so observations are context the gradient never flows from."""
 
     input_ids: torch.Tensor  # [B, P + T]
-    attention_mask: torch.Tensor  # [B, P + T]
-    response_mask: torch.Tensor  # [B, T] float, 1 = generated token
+    attention_mask: torch.Tensor  # [B, P + T] 1 = a real token (prompt, policy or environment)
+    response_mask: torch.Tensor  # [B, T] float, 1 = a token the policy generated
     logp_rollout: torch.Tensor  # [B, T] the sampler's log-probs
     advantages: torch.Tensor  # [B]
     logp_old: torch.Tensor | None = None  # [B, T] the trainer's log-probs before the updates
@@ -57,6 +70,15 @@ class Experience:
     @property
     def response_ids(self) -> torch.Tensor:
         return self.input_ids[:, -self.response_mask.shape[1]:]  # [B, T]
+
+    @property
+    def response_spans(self) -> torch.Tensor:
+        """LongTensor [B]: the columns each row's loss needs, up to its last policy token (the number of
+        response tokens when every one is the policy's; observations before it included, those after it
+        not: they predict nothing trained on)."""
+        T = self.response_mask.shape[1]
+        cols = torch.arange(1, T + 1, device=self.response_mask.device)  # [T]
+        return (self.response_mask.gt(0) * cols).amax(-1) if T else self.response_mask.sum(-1).long()
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -78,7 +100,7 @@ class Experience:
         """Rows ``rows``, trimmed to their own longest prompt and response."""
         T_full = self.response_mask.shape[1]
         mask = self.response_mask[rows]  # [b, T]
-        T = max(int(mask.sum(-1).max()), 1) if len(rows) else 1
+        T = max(int(self.response_spans[rows].max()), 1) if len(rows) else 1
         prompt_mask = self.attention_mask[rows, : -T_full]  # [b, P]
         live = prompt_mask.any(0).nonzero()
         p0 = int(live[0]) if len(live) else 0
@@ -97,7 +119,7 @@ class Experience:
 
 
 def collate(completions: list[Completion], advantages: torch.Tensor, pad_id: int, device=None) -> Experience:
-    """Left-pad prompts, right-pad responses, stack."""
+    """Left-pad prompts, right-pad responses, stack (``response_mask`` 0 at the environment's tokens)."""
     B = len(completions)
     P = max(len(c.prompt_ids) for c in completions)
     T = max(max(c.length for c in completions), 1)
@@ -110,7 +132,7 @@ def collate(completions: list[Completion], advantages: torch.Tensor, pad_id: int
         input_ids[i, P - n_p : P] = torch.tensor(c.prompt_ids, dtype=torch.long)
         input_ids[i, P : P + n_r] = c.response_ids
         attention_mask[i, P - n_p : P + n_r] = 1
-        response_mask[i, :n_r] = 1
+        response_mask[i, :n_r] = 1 if c.env_mask is None else 1 - c.env_mask.float()
         logp_rollout[i, :n_r] = c.logp_rollout
     exp = Experience(input_ids, attention_mask, response_mask, logp_rollout, advantages.float())
     return exp if device is None else exp.to(device)

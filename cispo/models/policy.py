@@ -38,6 +38,8 @@ class Policy:
     ref_model: torch.nn.Module | None = None  # pi_ref of the KL penalty, run under the same ``compute()``
     train_body: Callable | None = None  # the decoder of the trainer's passes (``model.compile``); None: decoder(model)
     grad_scaler: torch.amp.GradScaler | None = None  # float16 autocast: dynamic loss scaling (`loss_scaler`)
+    environment: object | None = None  # multi-turn rollouts: ``start(samples) -> Episodes`` (cispo.data.environments)
+    tools: list[dict] | None = None  # the tools' JSON schemas the chat template renders into the prompt
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward`` on: times the loss scale S under float16 autocast (so
@@ -52,13 +54,15 @@ class Policy:
         """Prompt token ids. With ``chat_template``: the sample's whole chat message list (system, user
         and earlier assistant turns), or its text prompt as one user message, after a system message
         ``system_prompt`` unless the messages start with their own, rendered by the tokenizer's template
-        with the assistant turn opened (``add_generation_prompt=True``). Without: the text ``prompt``
+        with the assistant turn opened (``add_generation_prompt=True``) and the ``tools``' schemas
+        where there are tools. Without: the text ``prompt``
         (for a chat-message row, its last user message: ``cispo.data.datasets``)."""
         if self.chat_template:
             messages = sample.get("messages") or [{"role": "user", "content": sample["prompt"]}]
             if self.system_prompt is not None and messages[0].get("role") != "system":
                 messages = [{"role": "system", "content": self.system_prompt}, *messages]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            tools = {"tools": self.tools} if self.tools else {}
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **tools)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return self.tokenizer.encode(sample["prompt"], add_special_tokens=True)
 

@@ -91,9 +91,22 @@ def sample_records(step: int, groups: list[list[Completion]], exp: Experience | 
             "ppo_dropped_tokens": counts[1][i],
             "reward_error": c.reward_error,
             "templated_prompt": _cut(decode(c.prompt_ids), max_chars) if decode else None,
+            **episode_fields(c, max_chars),
         }
         for i, c in enumerate(flat)
     ]
+
+
+def episode_fields(c: Completion, max_chars: int) -> dict:
+    """A multi-turn completion's ``policy_length`` (its own tokens; ``length`` counts the observations
+    too), ``tool_calls``, ``tool_errors``, ``calls`` (name, arguments, error, seconds of each) and
+    ``segments`` (each with its ``role``, ``policy`` or ``tool``, and ``text``); nothing for a single-turn one."""
+    if c.episode is None:
+        return {}
+    segments = [{**seg, "text": _cut(str(seg.get("text", "")), max_chars)} for seg in c.episode.get("segments", [])]
+    return {"policy_length": c.policy_length, "tool_calls": c.episode.get("tool_calls", 0),
+            "tool_errors": c.episode.get("tool_errors", 0), "calls": c.episode.get("calls", []),
+            "segments": segments}
 
 
 HELD_OUT = "held_out"

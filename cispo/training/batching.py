@@ -69,7 +69,7 @@ def length_micro_batches(exp: Experience, rows: torch.Tensor, max_rows: int | No
     if len(rows) == 0:
         return []
     T_full = exp.response_mask.shape[1]
-    resp = exp.response_mask.sum(-1)[rows].long().cpu()  # [b]
+    resp = exp.response_spans[rows].long().cpu()  # [b] (observations before the last policy token take columns too)
     prompt = exp.attention_mask[:, :-T_full].sum(-1)[rows].long().cpu()  # [b]
     order = torch.argsort(resp * (int(prompt.max()) + 1) + prompt, stable=True)
     rows = rows[order.to(rows.device)]

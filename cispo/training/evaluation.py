@@ -70,7 +70,7 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
             out["eval/accuracy_with_fork"] = sum(c.task_reward for c in fork) / len(fork) if fork else float("nan")
             out["eval/accuracy_without_fork"] = sum(c.task_reward for c in rest) / len(rest) if rest else float("nan")
         out.update(reward_metrics(flat, "eval/"))
-        out["eval/response_length"] = sum(c.length for c in flat) / len(flat)
+        out["eval/response_length"] = sum(c.policy_length for c in flat) / len(flat)
         out["eval/truncated"] = sum(c.finish_reason == "length" for c in flat) / len(flat)  # cut at max_new_tokens
     out["eval/reward_errors"] = float(len(errors))  # greedy and sampled calls together
     if errors:

@@ -97,7 +97,7 @@ def rollout_metrics(groups, exp: Experience, report: FillReport, used_fork, accu
     ``rollout/accuracy`` only where ``accuracy`` (`reports_accuracy`)."""
     flat = [c for group in groups for c in group]
     mask = exp.response_mask.bool()
-    lengths = torch.tensor([c.length for c in flat], dtype=torch.float)
+    lengths = torch.tensor([c.policy_length for c in flat], dtype=torch.float)
     forked = [used_fork(c.text) for c in flat] if used_fork else []
     reward_mean, reward_std = mean_std([c.reward for c in flat])
     return {
@@ -117,6 +117,24 @@ def rollout_metrics(groups, exp: Experience, report: FillReport, used_fork, accu
         "rollout/groups_sampled": float(report.groups_sampled),
         "rollout/groups_kept": float(report.groups_kept),
         "objective/entropy": float(exp.extras["entropy"][mask].mean()),
+        **episode_metrics(flat, "rollout/"),
+    }
+
+
+def episode_metrics(completions, prefix: str) -> dict:
+    """Multi-turn rollouts (completions with an ``episode`` record): ``<prefix>tool_calls`` per response,
+    ``tool_call_rate`` (the share of responses that call a tool at least once), ``tool_errors`` per
+    response and ``env_tokens`` (the environment's tokens per response). Nothing for single-turn ones."""
+    records = [c.episode for c in completions if c.episode is not None]
+    if not records:
+        return {}
+    calls = [r.get("tool_calls", 0) for r in records]
+    env_tokens = [c.length - c.policy_length for c in completions if c.episode is not None]
+    return {
+        f"{prefix}tool_calls": sum(calls) / len(records),
+        f"{prefix}tool_call_rate": sum(n > 0 for n in calls) / len(records),
+        f"{prefix}tool_errors": sum(r.get("tool_errors", 0) for r in records) / len(records),
+        f"{prefix}env_tokens": sum(env_tokens) / len(records),
     }
 
 

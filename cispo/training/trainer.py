@@ -72,12 +72,19 @@ def sample_groups(
     (`cispo.data.rewards.score_completions`: user rewards in worker processes, each call
     killed past ``reward_timeout_s``; several rewards summed with their weights). A reward that fails
     scores 0 and the failure is recorded on the completion (``reward_error``), with each reward's
-    value (``reward_parts``) and the numbers the calls reported (``reward_extras``)."""
+    value (``reward_parts``) and the numbers the calls reported (``reward_extras``).
+
+    With an environment (``policy.environment``) each response is an episode: the policy's segments and
+    the environment's observations (``env_mask``), recorded on the completion (``episode``); the reward
+    reads the whole transcript, the overlong penalty the policy's tokens."""
     prompt_ids = [policy.encode(s) for s in samples]
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
-    batch = policy.sampler.generate(rows, sampling, generator=generator)
+    episodes = None if policy.environment is None else \
+        policy.environment.start([samples[i // group_size] for i in range(len(rows))])
+    batch = policy.sampler.generate(rows, sampling, generator=generator, **({"episodes": episodes} if episodes else {}))
     lengths = batch.response_lengths.tolist()
     response_ids = [batch.response_ids[i, : lengths[i]].cpu() for i in range(len(rows))]
+    env_masks = [None if batch.env_mask is None else batch.env_mask[i, : lengths[i]].cpu() for i in range(len(rows))]
     texts = [policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
     calls = [(samples[i // group_size]["prompt"], texts[i],
               {k: v for k, v in samples[i // group_size].items() if k != "prompt"}) for i in range(len(rows))]
@@ -87,11 +94,12 @@ def sample_groups(
         group = []
         for i in range(g * group_size, (g + 1) * group_size):
             task_reward, error, parts, extras = scored[i]
-            reward = shaped_reward(task_reward, lengths[i], sampling.max_new_tokens, overlong_buffer, overlong_scope)
-            group.append(
-                Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
-                           batch.finish_reason[i], texts[i], task_reward, reward, error, parts, extras)
-            )
+            c = Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
+                           batch.finish_reason[i], texts[i], task_reward, 0.0, error, parts, extras, env_masks[i],
+                           None if episodes is None else episodes.record(i))
+            c.reward = shaped_reward(task_reward, c.policy_length, sampling.max_new_tokens, overlong_buffer,
+                                     overlong_scope)
+            group.append(c)
         groups.append(group)
     return groups
 
