@@ -7,6 +7,7 @@
     cispo train --resume run_name=cispo__addition__seed0 steps=120   # its saved config.yaml, run longer
     cispo pretrain seed=1 --measure 2000
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model
+    cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model "eval.pass_at_k=[1,4]"  # at each k
     cispo compare --quick                         # GRPO vs DAPO vs CISPO, 3 seeds
     cispo sweep ks=[1,4,16]                       # the gap vs the number of off-policy updates K
     cispo compare arms=[dapo,cispo,cispo_seqmean] # named arms: presets, ablations, arm_defs.NAME...
@@ -129,9 +130,12 @@ def cmd_eval(args) -> int:
     from cispo.training.evaluation import evaluate, evaluate_sets
     from cispo.training.metrics import reports_accuracy
     from cispo.training.run_policy import check_model, load_policy_for, resolve_chat_template, resolve_device
-    from cispo.training.setup import default_max_new_tokens
+    from cispo.training.evaluation import answers_per_prompt
+    from cispo.training.progress import evaluation_progress, interactive
+    from cispo.training.setup import default_max_new_tokens, eval_defaults
     from cispo.training.trainer import tracked_fork
 
+    cfg = eval_defaults(cfg)  # data.num_eval_prompts / eval.num_samples: the task's where unset
     check_model(cfg)  # before the data is loaded
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)
@@ -146,13 +150,15 @@ def cmd_eval(args) -> int:
         policy = load_policy_for(cfg, task, resolve_device(cfg.model.device))
         samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
         max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
-        metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg.eval, max_new, seed=cfg.seed,
-                           answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s,
-                           on_groups=functools.partial(on_groups, HELD_OUT), accuracy=reports_accuracy(task))
-        metrics.update(evaluate_sets(policy, named_sets, task.reward, tracked_fork(task), cfg.eval, max_new,
-                                     seed=cfg.seed, answer_fn=task.extract_answer,
-                                     reward_timeout_s=cfg.data.reward_timeout_s, on_groups=on_groups,
-                                     accuracy=reports_accuracy(task)))
+        prompts = len(samples) + sum(map(len, named_sets.values()))
+        common = dict(seed=cfg.seed, answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s,
+                      accuracy=reports_accuracy(task))
+        bar = interactive(cfg.progress)
+        with evaluation_progress(prompts, answers_per_prompt(cfg.eval), "evaluation", bar) as tick:
+            metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg.eval, max_new,
+                               on_groups=functools.partial(on_groups, HELD_OUT), on_progress=tick, **common)
+            metrics.update(evaluate_sets(policy, named_sets, task.reward, tracked_fork(task), cfg.eval, max_new,
+                                         on_groups=on_groups, on_progress=tick, **common))
     print(json.dumps(json_safe(metrics), indent=2, allow_nan=False))  # NaN (undefined) -> null, as metrics.jsonl
     if args.samples:
         print(f"cispo eval: completions written to {args.samples}", file=sys.stderr)

@@ -16,10 +16,15 @@ RUN = ["model.device=cpu", "progress=false", "steps=1", "prompts_per_step=2", "g
        "num_train_prompts=8", "num_eval_prompts=2", "eval.every=0", "threads=1"]
 
 
+def error_lines(err: str) -> str:
+    """stderr less the lines that say the model's phase (``cispo: model: loading ...``, said before it loads)."""
+    return "\n".join(line for line in err.strip().splitlines() if not line.startswith("cispo: model: "))
+
+
 def train_error(tmp_path, capsys, *overrides) -> str:
     """`cispo train` with ``overrides``: its one error line (exit status 2 asserted)."""
     code = main(["train", *RUN, f"out_dir={tmp_path / 'runs'}", *overrides])
-    err = capsys.readouterr().err.strip()
+    err = error_lines(capsys.readouterr().err)
     assert code == 2, err[-2000:]
     assert "Traceback" not in err and len(err.splitlines()) == 1, err[-2000:]
     return err
@@ -78,7 +83,7 @@ def test_a_damaged_shipped_model_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(builtin, "SHIPPED_ROOT", shipped)
     monkeypatch.setenv("CISPO_CACHE", str(tmp_path / "cache"))
     code = main(["train", *RUN, f"out_dir={tmp_path / 'runs'}"])
-    err = capsys.readouterr().err.strip()
+    err = error_lines(capsys.readouterr().err)
     assert code == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err[-2000:]
     assert "model.safetensors" in err
 

@@ -93,7 +93,7 @@ def test_run_without_any_update_warns_and_fails(tiny_model, tmp_path, monkeypatc
 
 
 def test_progress_line_says_no_update():
-    from cispo.training.runner import _advance
+    from cispo.training.progress import StepProgress
 
     class Bar:
         def set_postfix(self, shown, refresh):
@@ -103,7 +103,7 @@ def test_progress_line_says_no_update():
             pass
 
     bar = Bar()
-    _advance(bar, {"optim/step_updates": 0.0, "rollout/fork_rate": math.nan})
+    StepProgress(bar, 1).advance(1, {"optim/step_updates": 0.0, "rollout/fork_rate": math.nan}, no_update="why")
     assert bar.shown["updates"].startswith("0") and "fork" not in bar.shown
 
 

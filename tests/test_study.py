@@ -74,8 +74,10 @@ def study(tmp_path_factory):
                     "seed": seed, "lr": 1e-4}, 360.0)
     plain = root / "extra" / "cispo__addition__seed0"  # a `cispo train` folder: config.yaml, no study.json
     _write_run(plain, [0.1, 0.2, 0.3, 0.4, 0.5], None)
-    save_yaml(apply_overrides(TrainConfig(), ["seed=0", "updates_per_batch=4", "objective_overrides.eps_high_is=2"]),
-              plain / "config.yaml")
+    from cispo.training.setup import eval_defaults  # as `cispo train` saves it: the task's evaluation sizes filled in
+
+    save_yaml(eval_defaults(apply_overrides(TrainConfig(), ["seed=0", "updates_per_batch=4",
+                                                            "objective_overrides.eps_high_is=2"])), plain / "config.yaml")
     # a run still going (no summary.json): its half curve must not enter the data
     _write_run(root / "main" / "cispo__chain__K16__seed3", [0.0, 0.9, 0.9, 0.9, 0.9],
                {**base, "role": "eval", "arm": "cispo", "spec": "cispo", "objective": "cispo", "seed": 3, "lr": 1e-4},

@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["DataConfig", "EvalSetConfig"]
+__all__ = ["DataConfig", "EvalSetConfig", "FILE_EVAL_PROMPTS"]
+
+FILE_EVAL_PROMPTS = 200
+"""``data.num_eval_prompts`` of a prompt file (``data.path``) where it is None."""
 
 
 @dataclass
@@ -41,8 +44,10 @@ class DataConfig:
     2^31 - 1, as ``seed``."""
     num_train_prompts: int = 20000
     """Size of the training prompt set drawn from the task's train split; at most 10^8 (held in memory)."""
-    num_eval_prompts: int = 200
-    """Held-out prompts used by the periodic evaluation; at most 10^8."""
+    num_eval_prompts: int | None = None
+    """Held-out prompts used by the periodic evaluation; at most 10^8. None: the built-in task's own
+    (``Task.num_eval_prompts``: 200; ``wordmath`` and ``wordmath_working``, whose model is a real one: 100);
+    with ``data.path``, 200 (at most 1/5 of the file when there is no ``eval_path``)."""
     path: str | None = None
     """Prompt file instead of the built-in task: JSONL, Parquet or a ``datasets`` folder."""
     eval_path: str | None = None
@@ -95,3 +100,10 @@ class DataConfig:
     and ``file.py:function``."""
     reward_workers: int | None = None
     """Worker processes of a ``process`` reward (1 to 1024). None: min(8, CPU count)."""
+
+    def __post_init__(self) -> None:
+        """A prompt file's held-out count is known now (`FILE_EVAL_PROMPTS`), so every reader of a file's
+        ``num_eval_prompts`` (the held-out slice, the reward's field check) gets a number; a built-in
+        task's stays None until the run reads it from the task (`cispo.training.setup.eval_defaults`)."""
+        if self.path is not None and self.num_eval_prompts is None:
+            self.num_eval_prompts = FILE_EVAL_PROMPTS

@@ -33,8 +33,8 @@ from cispo.foundations.suggest import (OTHER_SECTIONS, OtherName, describe, did_
                                        read_line)
 
 __all__ = ["ConfigError", "MAX_ALIAS_NODES", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_INT_CHARS", "MAX_PROBLEMS",
-           "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml", "rename_key", "save_yaml",
-           "short_repr", "to_dict"]
+           "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml", "note_values", "rename_key",
+           "save_yaml", "short_repr", "to_dict"]
 T = TypeVar("T")
 KeyPath = tuple  # field names (str) and list indices (int), as in pydantic's error locations
 
@@ -120,12 +120,21 @@ def _problem(cls: type, err: dict) -> str:
         return f"{key + ': ' if key else ''}{err['ctx']['error']}"
     if err["type"] == "literal_error" and tp is not None:  # Literal[...] or Literal[...] | None
         choices = [c for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
-        hint = did_you_mean(got, choices) if isinstance(got, str) and len(got) <= 200 else ""
+        note = _VALUE_NOTES.get(cls, {}).get(key, {}).get(got) if isinstance(got, str) else None
+        hint = f" ({note})" if note else did_you_mean(got, choices) if isinstance(got, str) and len(got) <= 200 else ""
         return f"{key}: expected one of {', '.join(map(repr, choices))}, got {short_repr(got)}{hint}"
     return f"{key}: expected {_type_name(tp)}, got {short_repr(got)}" if tp else f"{key}: {err['msg']}, got {short_repr(got)}"
 
 
 _RENAMED: dict[type, dict[KeyPath, tuple[KeyPath, Callable[[Any], Any]]]] = {}
+_VALUE_NOTES: dict[type, dict[str, dict[str, str]]] = {}
+
+
+def note_values(cls: type, key: str, notes: dict[str, str]) -> None:
+    """Answer a value of ``Literal`` field ``key`` (dotted) of config ``cls`` that is one of ``notes``
+    with its note instead of the nearest choice: a name that means something else than its nearest
+    spelling (``algo.objective=dr_grpo`` is a recipe, not ``grpo``)."""
+    _VALUE_NOTES.setdefault(cls, {}).setdefault(key, {}).update(notes)
 
 
 def rename_key(cls: type, old: str, new: str, convert: Callable[[Any], Any] = lambda value: value) -> None:

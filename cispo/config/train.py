@@ -21,7 +21,7 @@ from typing import Iterable
 from cispo.config.algo import AlgoConfig, OptimConfig
 from cispo.config.data import DataConfig, EvalSetConfig
 from cispo.config.engine import (ConfigError, apply_overrides, field_docs, format_help, from_dict, load_yaml,
-                                 rename_key, save_yaml, to_dict)
+                                 note_values, rename_key, save_yaml, to_dict)
 from cispo.config.model import ModelConfig
 from cispo.config.rollout import OWNED_ARGUMENTS, RolloutConfig, check_vllm_kwargs  # noqa: F401 - still a name here
 from cispo.foundations.suggest import did_you_mean
@@ -39,11 +39,17 @@ class EvalConfig:
 
     every: int = 10
     """Evaluate every this many steps (and before the first and after the last). 0: only then."""
-    num_samples: int = 4
+    num_samples: int | None = None
     """k: samples per prompt for the mean accuracy (the analogue of avg@k), at most 10^6. 0: greedy only
-    (half the time or less; ``eval/accuracy`` is then the greedy accuracy)."""
+    (half the time or less; ``eval/accuracy`` is then the greedy accuracy). None: the built-in task's own
+    (``Task.eval_num_samples``: 4; ``wordmath`` and ``wordmath_working``: 0), 4 for a prompt file; at least
+    the largest of ``pass_at_k``."""
     temperature: float = 1.0
     """Temperature of the k samples (greedy accuracy is also reported)."""
+    pass_at_k: list[int] | None = None
+    """pass@k and maj@k also at each of these k (``eval/accuracy_pass_at_<k>``, ...), from the ``num_samples``
+    samples per prompt: pass@k by the unbiased estimator (Chen et al. 2021, the expected best of k drawn
+    from them), maj@k over the first k. Each k in [1, num_samples]. None: at k = num_samples only."""
 
 
 SINK_KINDS = ("jsonl", "tensorboard", "wandb", "mlflow")
@@ -96,7 +102,10 @@ class TrainConfig:
     """torch CPU threads, at most 1024. None: picked by load (``cispo.foundations.threads.pick_threads``: 2 when another
     core is idle, else 1; docs/performance.md)."""
     progress: bool = True
-    """Show a progress bar."""
+    """Progress bars at a terminal: the steps', with the newest held-out accuracy, and each evaluation's own.
+    false, or where stderr is no terminal (a log file, a pipe, a batch job): one plain line per step
+    (``cispo: step N: reward ..., eval_acc ...; 3.2 s (N/steps)``) and a line when step 0's evaluation
+    starts and ends. The start-up phases (reward workers, the model) say a line each either way."""
     max_bad_steps: int = 3
     """Stop (with a checkpoint of the last good weights) after this many consecutive steps
     whose every update had a non-finite gradient (under float16 loss scaling: once the loss
@@ -208,7 +217,8 @@ def _data_checks(cfg: TrainConfig) -> list[Check]:
     d = cfg.data
     return [
         ("data.num_train_prompts", d.num_train_prompts >= 1, "must be >= 1"),
-        ("data.num_eval_prompts", d.num_eval_prompts >= 0, "must be >= 0"),
+        ("data.num_eval_prompts", d.num_eval_prompts is None or d.num_eval_prompts >= 0,
+         "must be >= 0 or None (the task's own)"),
         ("data.reward_timeout_s", d.reward_timeout_s is None or d.reward_timeout_s > 0, "must be > 0 or None (off)"),
         ("data.reward_workers", d.reward_workers is None or d.reward_workers >= 1, "must be >= 1 or None (auto)"),
         *_reward_list_checks(d),
@@ -322,12 +332,20 @@ def _optim_checks(cfg: TrainConfig) -> list[Check]:
 
 
 def _eval_checks(cfg: TrainConfig) -> list[Check]:
-    """The periodic evaluation: refuses a negative interval, sample count or temperature."""
-    e = cfg.eval
+    """The periodic evaluation: refuses a negative interval, sample count or temperature, and a pass@k
+    at a k below 1 or above the samples drawn per prompt."""
+    e, ks = cfg.eval, cfg.eval.pass_at_k or []
     return [
         ("eval.every", e.every >= 0, "must be >= 0 (0: only before the first and after the last step)"),
-        ("eval.num_samples", e.num_samples >= 0, "must be >= 0 (0: greedy only)"),
+        ("eval.num_samples", e.num_samples is None or e.num_samples >= 0,
+         "must be >= 0 (0: greedy only) or None (the task's own)"),
         ("eval.temperature", e.temperature >= 0, "must be >= 0"),
+        ("eval.pass_at_k", all(k >= 1 for k in ks), f"must hold numbers >= 1, got {ks}"),
+        ("eval.pass_at_k", e.num_samples is None or all(k <= e.num_samples for k in ks),
+         f"asks for k = {max(ks, default=0)}, more than the eval.num_samples={e.num_samples} samples drawn per "
+         "prompt: raise eval.num_samples (or leave it unset: the largest k)"),
+        ("eval.pass_at_k", all(k <= UPPER_BOUNDS["eval.num_samples"][0] for k in ks),
+         f"must hold numbers <= {UPPER_BOUNDS['eval.num_samples'][0]:,} (the samples are held in memory)"),
     ]
 
 
@@ -442,5 +460,14 @@ def check_objective(cfg: TrainConfig) -> None:
             raise ValueError(f"{name} {why}")
 
 
+def _recipe_names() -> dict[str, str]:
+    """`cispo.objective.presets.RECIPE_NAMES`: a recipe's names, each with the answer that says to use the recipe."""
+    from cispo.objective.presets import RECIPE_NAMES
+
+    return RECIPE_NAMES
+
+
 # run folders written before a key was renamed still load (their config.yaml, ``--resume``)
 rename_key(TrainConfig, "data.fork_token", "data.fork_tokens", lambda word: [word])  # one string, then a list
+# a paper's recipe typed as an objective (algo.objective=dr_grpo) is answered with the recipe, not the nearest preset
+note_values(TrainConfig, "algo.objective", _recipe_names())

@@ -240,14 +240,29 @@ def split_lora_state(state: dict[str, torch.Tensor], model: torch.nn.Module,
 def save_adapter(model: torch.nn.Module, adapter: dict[str, torch.Tensor], path, adapter_name: str = "default") -> Path:
     """Write ``adapter`` (from :func:`split_lora_state`) and the model's LoRA config in peft's format:
     ``adapter_model.safetensors`` + ``adapter_config.json``, which ``peft.PeftModel.from_pretrained(base,
-    path)`` loads on top of the base model."""
+    path)`` loads on top of the base model. The config names that base model and its kind
+    (``base_model_name_or_path``: the folder or hub id the model was loaded from; ``task_type``: ``CAUSAL_LM``),
+    so that ``peft.AutoPeftModelForCausalLM.from_pretrained(path)`` loads both (injecting the adapters in place,
+    `apply_lora`, leaves peft's own fields None)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _unwrap(model).peft_config[adapter_name].save_pretrained(str(path))
+    config = copy.copy(_unwrap(model).peft_config[adapter_name])
+    if not config.base_model_name_or_path:
+        config.base_model_name_or_path = base_model_name(model)
+    if config.task_type is None:  # every policy is a causal LM
+        config.task_type = "CAUSAL_LM"
+    config.save_pretrained(str(path))
     save_file({k: v.detach().cpu().contiguous() for k, v in adapter.items()}, str(path / ADAPTER_WEIGHTS))
     return path
+
+
+def base_model_name(model: torch.nn.Module) -> str | None:
+    """The folder or hub id ``model`` was loaded from (Hugging Face's ``name_or_path``), or None (a model built
+    in memory)."""
+    name = getattr(_unwrap(model), "name_or_path", None)
+    return str(name) if name else None
 
 
 def load_adapter_state(path, model: torch.nn.Module, adapter_name: str = "default",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,8 @@ def ensure_packaged(name: str, cache_dir=None, progress: bool = False) -> Path:
     if digest != PACKAGED[name].sha256:
         raise PackagedModelError(f"{source}: SHA-256 {digest} differs from the recorded "
                                  f"{PACKAGED[name].sha256}; reinstall it: {PACKAGED[name].install}")
+    print(f"cispo: model: converting {PREFIX}{name} from {source.name} into {folder} (once: 4-7 minutes on a "
+          "2-core CPU; later runs load the converted folder)", file=sys.stderr, flush=True)
     convert_gguf(source, folder, {"name": name, "source": str(source), "source_sha256": digest,
                                   "hub_id": PACKAGED[name].hub_id, "license": PACKAGED[name].license})
     return folder

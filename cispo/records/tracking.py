@@ -36,7 +36,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-from cispo.config.train import SINK_KINDS, check_sink_kinds  # noqa: F401 - SINK_KINDS: the names make_sinks takes
+from cispo.config.train import SINK_KINDS, ConfigError, check_sink_kinds  # noqa: F401 - SINK_KINDS: make_sinks' names
 from cispo.foundations.jsonl import jsonl_path, parse_step_lines
 
 # cispo.records.samples (it imports torch) is imported where it is used: cispo.config.train imports this module
@@ -82,6 +82,67 @@ def _require(module: str, extra: str, what: str):
             f"the {what} sink needs the {extra!r} package, which is not installed: "
             f"pip install 'cispo[{extra}]'  ({e})"
         ) from e
+
+
+SINK_PACKAGES = {"tensorboard": ("tensorboard", "TensorBoard"), "wandb": ("wandb", "W&B"),
+                 "mlflow": ("mlflow", "MLflow")}
+"""sink -> (the package it needs, which is also its pip extra; its name)."""
+
+
+def check_sinks(kinds: Iterable[str], env=None) -> None:
+    """What would stop the sinks ``kinds`` at their creation, said before a run loads any weights, as one
+    `ConfigError` line: a package that is not installed (the pip extra named), or an MLflow store that MLflow
+    refuses (`mlflow_store_problem`). ``env``: the environment (default ``os.environ``)."""
+    env = os.environ if env is None else env
+    for kind in dict.fromkeys(kinds):
+        if kind in SINK_PACKAGES and not _installed(SINK_PACKAGES[kind][0]):
+            package, name = SINK_PACKAGES[kind]
+            raise ConfigError(f"trackers: the {name} sink needs the {package!r} package, which is not installed: "
+                              f"pip install 'cispo[{package}]'")
+    if "mlflow" in kinds:
+        problem = mlflow_store_problem(env.get("MLFLOW_TRACKING_URI"), _allows_file_store(env))
+        if problem:
+            raise ConfigError(problem)
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported (found without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, a broken parent package
+        return False
+
+
+def mlflow_store_problem(uri: str | None, allow_file_store: bool) -> str | None:
+    """Why MLflow would refuse the tracking store ``uri`` (``MLFLOW_TRACKING_URI``), or None: a file store (a
+    ``file:`` URI or a plain path), which MLflow 3 refuses, "in maintenance mode", unless
+    ``allow_file_store`` (``MLFLOW_ALLOW_FILE_STORE=true``, or an MLflow from before the refusal). None
+    (unset): cispo's own SQLite store, ``<out_dir>/mlflow.db``."""
+    from urllib.parse import urlparse
+
+    if not uri or allow_file_store:
+        return None
+    scheme = urlparse(uri).scheme
+    if scheme not in ("", "file") and not (len(scheme) == 1 and os.name == "nt"):  # C:\... is a path on Windows
+        return None
+    return (f"trackers: mlflow: the tracking store {uri} (MLFLOW_TRACKING_URI) is a file store, which MLflow refuses "
+            "(its filesystem backend is in maintenance mode): use a database, e.g. "
+            "MLFLOW_TRACKING_URI=sqlite:///mlflow.db (or leave it unset: cispo keeps <out_dir>/mlflow.db), a server "
+            "http(s)://..., or set MLFLOW_ALLOW_FILE_STORE=true")
+
+
+def _allows_file_store(env) -> bool:
+    """Whether MLflow accepts a file store here: ``MLFLOW_ALLOW_FILE_STORE`` is true (as MLflow reads it:
+    ``true`` or ``1``), or the installed MLflow has no such switch (it predates the refusal)."""
+    if str(env.get("MLFLOW_ALLOW_FILE_STORE", "")).strip().lower() in ("true", "1"):
+        return True
+    try:
+        from mlflow import environment_variables
+    except ImportError:  # not installed: check_sinks has said so
+        return True
+    return not hasattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE")
 
 
 class JsonlSink:
@@ -464,6 +525,9 @@ def make_sinks(
             elif kind == "mlflow":
                 uri = (mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
                        or f"sqlite:///{run_dir.resolve().parent / 'mlflow.db'}")
+                problem = mlflow_store_problem(uri, _allows_file_store(os.environ))
+                if problem:  # one line now, not MLflow's traceback
+                    raise ConfigError(problem)
                 sink = MLflowSink(mlflow_experiment, run_name, config_dict, tracking_uri=uri,
                                   run_id=ids.get("mlflow_run_id"))
                 _save_id(run_dir, "mlflow_run_id", sink.run_id)

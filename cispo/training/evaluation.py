@@ -8,6 +8,7 @@ rollout and scoring as training) with no update; ``cispo train`` calls it every
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from typing import TYPE_CHECKING
 
@@ -23,33 +24,56 @@ if TYPE_CHECKING:
     from cispo.config.train import EvalConfig
 
 
+DEFAULT_NUM_SAMPLES = 4
+"""``eval.num_samples`` where it is None and no task says otherwise (a prompt file, a bare `evaluate` call)."""
+CHUNK = 256
+"""Prompts sampled at once: the batches, and so the random draws, of an evaluation (fixed: a change would change
+the sampled answers)."""
+
+
+def sample_count(eval_cfg: EvalConfig, default: int = DEFAULT_NUM_SAMPLES) -> int:
+    """k, the sampled answers per held-out prompt: ``eval.num_samples``, else ``default`` (the task's own,
+    ``Task.eval_num_samples``) raised to the largest k of ``eval.pass_at_k``."""
+    if eval_cfg.num_samples is not None:
+        return eval_cfg.num_samples
+    return max([default, *(eval_cfg.pass_at_k or [])])
+
+
+def answers_per_prompt(eval_cfg: EvalConfig) -> int:
+    """Responses an evaluation samples per held-out prompt: the greedy one and k (`sample_count`)."""
+    return 1 + sample_count(eval_cfg)
+
+
 @torch.no_grad()
 def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg: EvalConfig, max_new_tokens: int,
              seed: int, answer_fn=None, reward_timeout_s: float | None = None, on_groups=None,
-             accuracy: bool = True) -> dict:
+             accuracy: bool = True, on_progress=None) -> dict:
     """Held-out accuracy: greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
-    ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``; k = 0: greedy
-    only, and ``eval/accuracy``, the fork rate, the length and ``eval/truncated`` (the share cut at
-    ``max_new_tokens``) are the greedy answers';
+    ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``; at each k of
+    ``eval.pass_at_k`` too, `pass_at`; k = 0: greedy only, and ``eval/accuracy``, the fork rate, the
+    length and ``eval/truncated`` (the share cut at ``max_new_tokens``) are the greedy answers';
     ``answer_fn(completion)`` gives the answer maj@k votes on). Each reward call is killed past
     ``reward_timeout_s`` (``data.reward_timeout_s``). ``on_groups(mode, groups)``, if given, gets
     the scored completions of each mode (``"greedy"``, ``"sampled"``; a group per prompt). Each
     ``data.reward``'s mean and std (``eval/rewards/<name>/...``) and the calls' extras
     (``eval/reward_extra/<key>``) are over the completions ``eval/accuracy`` is. ``accuracy=False``
     (`cispo.training.metrics.reports_accuracy`: the reward is no 0/1 verifier) says every accuracy as
-    a reward (`reward_named`)."""
+    a reward (`reward_named`). ``on_progress(n)``, if given, is told of each ``n`` answers scored (a chunk
+    of `CHUNK` prompts at a time), of `answers_per_prompt` per prompt in all."""
     if not samples:
         return {}
     generator = torch.Generator(device=policy.device).manual_seed(seed)
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=eval_cfg.temperature)
-    out, errors = {}, []
-    modes = [("greedy", greedy, 1)] + [("sampled", sampled, eval_cfg.num_samples)] * (eval_cfg.num_samples > 0)
+    out, errors, num_samples = {}, [], sample_count(eval_cfg)
+    modes = [("greedy", greedy, 1)] + [("sampled", sampled, num_samples)] * (num_samples > 0)
     for name, sampling, k in modes:
         groups = []
-        for start in range(0, len(samples), 256):
-            groups += sample_groups(policy, samples[start : start + 256], k, sampling, reward_fn, generator,
+        for start in range(0, len(samples), CHUNK):
+            groups += sample_groups(policy, samples[start : start + CHUNK], k, sampling, reward_fn, generator,
                                     reward_timeout_s=reward_timeout_s)
+            if on_progress is not None:
+                on_progress(k * len(samples[start : start + CHUNK]))
         if on_groups is not None:
             on_groups(name, groups)
         flat = [c for g in groups for c in g]
@@ -62,6 +86,8 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
         else:
             out[f"eval/accuracy_mean_at_{k}"] = acc
             out.update({f"eval/accuracy_{m}_at_{k}": v for m, v in group_accuracies(groups, answer_fn).items()})
+            for j in sorted(set(eval_cfg.pass_at_k or []) - {k}):  # eval.pass_at_k: the other k
+                out.update({f"eval/accuracy_{m}_at_{j}": v for m, v in group_accuracies(groups, answer_fn, j).items()})
         out["eval/accuracy"] = acc  # mean@k; greedy when k = 0 (eval.num_samples=0)
         if used_fork:
             fork = [c for c in flat if used_fork(c.text)]
@@ -93,14 +119,15 @@ def reward_named(metrics: dict) -> dict:
 
 def evaluate_sets(policy: Policy, sets: dict[str, list[dict]], reward_fn, used_fork, eval_cfg: EvalConfig,
                   max_new_tokens: int, seed: int, answer_fn=None, reward_timeout_s: float | None = None,
-                  on_groups=None, accuracy: bool = True) -> dict:
+                  on_groups=None, accuracy: bool = True, on_progress=None) -> dict:
     """`evaluate` on each named set (``data.eval_sets``), its metrics renamed
-    ``eval/<metric>`` -> ``eval/<name>/<metric>``; ``on_groups(name, mode, groups)`` as `evaluate`'s."""
+    ``eval/<metric>`` -> ``eval/<name>/<metric>``; ``on_groups(name, mode, groups)`` and ``on_progress`` as
+    `evaluate`'s."""
     out = {}
     for name, samples in sets.items():
         hook = None if on_groups is None else functools.partial(on_groups, name)
         metrics = evaluate(policy, samples, reward_fn, used_fork, eval_cfg, max_new_tokens, seed, answer_fn,
-                           reward_timeout_s, hook, accuracy)
+                           reward_timeout_s, hook, accuracy, on_progress)
         out.update(set_metrics(metrics, name))
     return out
 
@@ -110,17 +137,32 @@ def set_metrics(metrics: dict, name: str) -> dict:
     return {f"eval/{name}/{key.removeprefix('eval/')}": v for key, v in metrics.items()}
 
 
-def group_accuracies(groups: list[list[Completion]], answer_fn=None) -> dict[str, float]:
-    """Over prompts (one group of k samples each), the mean of
-    pass@k = max_j R_j (for 0/1 verifiers: at least one of the k is right), and
-    maj@k  = R of the most frequent answer (``answer_fn(text)``, default the stripped text;
-    None answers do not vote; a tie goes to the answer seen first; no answer at all: 0)."""
+def pass_at(rewards: list[float], k: int) -> float:
+    """The expected best reward of k answers drawn without replacement from the n = ``len(rewards)`` given:
+    sum_i r_(i) C(i-1, k-1) / C(n, k) over the rewards sorted up (i = 1..n). For 0/1 rewards it is the
+    unbiased pass@k estimator, 1 - C(n-c, k) / C(n, k) with c right (Chen et al. 2021); at k = n, the max."""
+    n = len(rewards)
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n = {n} answers, got k = {k}")
+    if k == n:
+        return max(rewards)
+    total = math.comb(n, k)  # int / int: a correctly rounded float however large the counts
+    return sum(r * (math.comb(i, k - 1) / total) for i, r in enumerate(sorted(rewards)))
+
+
+def group_accuracies(groups: list[list[Completion]], answer_fn=None, k: int | None = None) -> dict[str, float]:
+    """Over prompts (one group of n samples each), the mean of
+    pass@k = `pass_at` (for 0/1 verifiers: at least one of k is right; at k = n: max_j R_j), and
+    maj@k  = R of the most frequent answer among the group's first k (``answer_fn(text)``, default the
+    stripped text; None answers do not vote; a tie goes to the answer seen first; no answer at all: 0).
+    ``k``: None, the whole group."""
     answer_fn = answer_fn or str.strip
     pass_k, maj_k = [], []
     for group in groups:
-        pass_k.append(max(c.task_reward for c in group))
+        size = len(group) if k is None else k
+        pass_k.append(pass_at([c.task_reward for c in group], size))
         votes: dict[str, list[Completion]] = {}
-        for c in group:
+        for c in group[:size]:
             answer = answer_fn(c.text)
             if answer is not None:
                 votes.setdefault(answer, []).append(c)

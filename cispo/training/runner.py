@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -32,35 +32,28 @@ import torch
 from cispo.config.train import TrainConfig, to_dict
 from cispo.data.prompts import PromptStream
 from cispo.data.rewards import closing_reward_pools, start_reward_workers
-from cispo.data.rewards.loading import check_reward_fields
+from cispo.data.rewards.loading import check_reward_fields, members_of
 from cispo.foundations.distributed import (DistInfo, any_rank, barrier, broadcast_parameters, gather_objects,
                                            init_distributed, rank_seed, shard_model)
-from cispo.foundations.nan import is_nan
 from cispo.foundations.threads import auto_threads
 from cispo.models.policy import Policy
 from cispo.objective.presets import ObjectiveConfig
 from cispo.records.runfolder import (SUMMARY, check_resume, keep_resolved, prepare_run_dir, run_dir_of, run_lock,
                                      run_name, save_config, saved_config)
 from cispo.records.samples import SampleFile, sample_records
-from cispo.records.tracking import make_sinks, read_metrics
+from cispo.records.tracking import check_sinks, make_sinks, read_metrics
 from cispo.rollout import SamplingConfig
 from cispo.training.checkpoint import (check_trainer_state, fsync_file, gather_full_state, load_latest_checkpoint,
                                        nonfinite_parameters, save_checkpoint)
-from cispo.training.evaluation import evaluate, evaluate_sets
+from cispo.training.evaluation import answers_per_prompt, evaluate, evaluate_sets
 from cispo.training.metrics import reduce_over_ranks, reports_accuracy
 from cispo.training.run_policy import (check_model, load_policy_for, load_reference, model_folder, resolve_chat_template,
                                        resolve_device)
-from cispo.training.setup import (absolute_paths, default_max_new_tokens, fit_prompts, fork_matcher, fsdp_settings,
-                                  make_objective, make_optimizer, sampling_config)
+from cispo.training.progress import (evaluation_count, evaluation_done_line, evaluation_plan, evaluation_progress,
+                                     interactive, model_line, reward_workers_line, say, step_progress)
+from cispo.training.setup import (absolute_paths, default_max_new_tokens, eval_defaults, fit_prompts, fork_matcher,
+                                  fsdp_settings, make_objective, make_optimizer, sampling_config)
 from cispo.training.trainer import StepInterrupted, rl_step, tracked_fork
-
-PROGRESS_KEYS = {  # metric -> short label on the progress bar
-    "rollout/reward_mean": "reward",
-    "rollout/fork_rate": "fork",
-    "objective/frac_capped": "capped",
-    "eval/accuracy": "eval_acc",
-    "eval/reward_mean": "eval_reward",  # in place of eval/accuracy where the reward is no 0/1 verifier's
-}
 
 
 @dataclass
@@ -173,6 +166,7 @@ class Run:
     sample_file: SampleFile | None  # samples.jsonl (rank 0 only)
     update_count: int = 0
     saved_step: int | None = None
+    last_eval: dict = field(default_factory=dict)  # the newest held-out metrics (this invocation's)
 
     @property
     def main(self) -> bool:
@@ -185,20 +179,36 @@ class Run:
     def generator_states(self) -> dict[str, torch.Tensor]:
         return {n: g.get_state() for n, g in self.generators.items()}
 
+    @property
+    def eval_prompts(self) -> int:
+        """Prompts of one held-out evaluation: the held-out set's and every named set's."""
+        return len(self.eval_samples) + sum(map(len, self.eval_sets.values()))
+
     def evaluate(self, step: int) -> dict:
         """Held-out evaluation at ``step`` (``eval/...``; ``data.eval_sets``: ``eval/<name>/...``). Sharded
-        weights: every rank runs the model with rank 0, which alone gets the metrics."""
+        weights: every rank runs the model with rank 0, which alone gets the metrics. At a terminal it has
+        a progress bar of its own; elsewhere step 0's says it started (`evaluation_progress`)."""
         cfg, out = self.cfg, {}
         if self.main or self.sharded:
             common = dict(seed=cfg.seed + step, answer_fn=self.task.extract_answer,
                           reward_timeout_s=cfg.data.reward_timeout_s, accuracy=reports_accuracy(self.task))
             fork = tracked_fork(self.task)
-            out = evaluate(self.policy, self.eval_samples, self.task.reward, fork, cfg.eval,
-                           self.sampling.max_new_tokens, **common)
-            out.update(evaluate_sets(self.policy, self.eval_sets, self.task.reward, fork, cfg.eval,
-                                     self.sampling.max_new_tokens, **common))
+            with self._eval_progress(step) as tick:
+                out = evaluate(self.policy, self.eval_samples, self.task.reward, fork, cfg.eval,
+                               self.sampling.max_new_tokens, on_progress=tick, **common)
+                out.update(evaluate_sets(self.policy, self.eval_sets, self.task.reward, fork, cfg.eval,
+                                         self.sampling.max_new_tokens, on_progress=tick, **common))
         barrier(self.dist_info)
+        self.last_eval = out
         return out
+
+    def _eval_progress(self, step: int):
+        """`evaluation_progress` for the evaluation at ``step`` on the main rank (a bar at a terminal; a line at
+        step 0 elsewhere), or a context that says nothing."""
+        prompts, bar = self.eval_prompts, interactive(self.cfg.progress)
+        if not (self.main and prompts and (bar or step == 0)):
+            return contextlib.nullcontext(None)
+        return evaluation_progress(prompts, answers_per_prompt(self.cfg.eval), f"step-{step} evaluation", bar)
 
     def checkpoint(self, step: int) -> None:
         """Save the weights, optimizer, every rank's prompt stream and generators, and the counters
@@ -232,13 +242,15 @@ def set_up(cfg: TrainConfig, resume: bool, overwrite: bool) -> Run:
     run_dir = run_dir_of(cfg)  # run_name checked before any work
     cfg = absolute_paths(cfg)  # config.yaml then works from any folder (cispo eval, --resume)
     saved = saved_config(run_dir) if resume else None
+    cfg = eval_defaults(cfg, saved)  # data.num_eval_prompts / eval.num_samples: the task's where unset
+    check_sinks(cfg.trackers)  # a missing package, a store MLflow refuses: said now, not after the model loads
     if saved is not None:  # a resumed run is the same run (a config saved with relative paths: as read from here)
         check_resume(absolute_paths(saved), cfg, run_dir)
         cfg = keep_resolved(saved, cfg)  # model.chat_template=auto: what the run resolved at its start
     torch.set_num_threads(auto_threads(cfg.threads if saved is None else run_threads(cfg.threads, run_dir)))
     torch.manual_seed(cfg.seed)
     device, dist_info = set_up_devices(cfg)
-    cfg, task, named_sets, sampling, obj = set_up_data(cfg)
+    cfg, task, named_sets, sampling, obj = set_up_data(cfg, dist_info.is_main)
     run_dir = prepare_run_dir(cfg, resume, overwrite) if dist_info.is_main else run_dir
     policy, optimizer = set_up_policy(cfg, task, obj, device, dist_info)
     # each rank samples whole groups from its own shard of the prompts, with its own seeds
@@ -275,9 +287,10 @@ def set_up_devices(cfg: TrainConfig) -> tuple[torch.device, DistInfo]:
     return device, dist_info
 
 
-def set_up_data(cfg: TrainConfig):
+def set_up_data(cfg: TrainConfig, main: bool = True):
     """The task (prompts, reward), the named eval sets, the sampling settings and the objective, all
-    checked before any model is loaded; the reward workers start here, while the model loads. Returns
+    checked before any model is loaded; the reward workers start here, while the model loads (the ``main``
+    rank says so). Returns
     ``(cfg, task, named_sets, sampling, obj)``, ``cfg`` with ``rollout.max_new_tokens`` and
     ``model.chat_template`` resolved."""
     from cispo.data.prompts import load_eval_sets, load_source
@@ -287,6 +300,9 @@ def set_up_data(cfg: TrainConfig):
     named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
     cfg = resolve_chat_template(cfg, task, named_sets)  # model.chat_template=auto: by the prompts read
     check_reward_fields(task, cfg.data, named_sets)  # before any model is loaded or sampled from
+    workers = reward_workers_line(members_of(task.reward))
+    if main and workers:
+        say(workers)
     start_reward_workers(task.reward)  # they start while the model loads, not in the first step
     sampling = sampling_config(cfg.rollout, default_max_new_tokens(task))
     cfg = replace(cfg, rollout=replace(cfg.rollout, max_new_tokens=sampling.max_new_tokens))
@@ -296,11 +312,15 @@ def set_up_data(cfg: TrainConfig):
 def set_up_policy(cfg: TrainConfig, task, obj: ObjectiveConfig, device: torch.device, dist_info: DistInfo):
     """The policy on every rank (rank 0 converts or builds the model folder first), its reference model
     when the KL penalty is on, FSDP2 sharding, and the optimizer over what this rank holds."""
+    began = time.monotonic()
     if dist_info.is_main:
+        say(f"model: loading {cfg.model.path or task.model or f'the built-in {task.name} base model'} ...")
         model_folder(cfg, task)  # the built-in model, or a packaged one converted: once, before the other ranks
     barrier(dist_info)
     sharded = cfg.model.fsdp and dist_info.enabled
     policy = load_policy_for(cfg, task, device, torch.device("cpu") if sharded else None, dist_info)
+    if dist_info.is_main:
+        say(model_line(policy.model, time.monotonic() - began))
     broadcast_parameters(policy.model, dist_info)
     if obj.kl_coef > 0:  # every rank holds the whole reference (config refuses FSDP with it)
         policy.ref_model = load_reference(cfg, task, device, policy.tokenizer)
@@ -331,8 +351,15 @@ def resume_or_start(run: Run, resume: bool) -> int:
         run.sink.truncate_after(-1)
         run.sample_file.truncate_after(-1)
         write_run_info(run.run_dir, run.cfg, run.sampling, run.obj, run.policy.sampler.info())
+        plan = evaluation_plan(run.cfg, run.eval_prompts, answers_per_prompt(run.cfg.eval), run.sampling.max_new_tokens)
+        if plan:
+            say(plan)
+    began = time.monotonic()
     row = run.evaluate(0)
     if run.main:
+        if row:
+            remaining = evaluation_count(run.cfg.steps, run.cfg.eval.every) - 1
+            say(evaluation_done_line(0, time.monotonic() - began, row, remaining))
         run.sink.log(0, row)
     return 0
 
@@ -364,10 +391,13 @@ def step_loop(run: Run, start: int) -> dict:
     evaluation when due, its metrics logged, a checkpoint when due. A stop signal checkpoints and
     raises KeyboardInterrupt; weights gone non-finite, or ``max_bad_steps`` steps of only skipped
     updates, raise FloatingPointError. Returns the last step's metrics."""
-    cfg, stop, bar = run.cfg, StopRequest(), _progress(run.cfg, start) if run.main else None
+    cfg, stop = run.cfg, StopRequest()
+    progress = step_progress(cfg.progress, cfg.steps, start) if run.main else None
+    if progress is not None:
+        progress.keep(run.last_eval)  # step 0's held-out numbers, shown until the next evaluation
     templated = run.policy.tokenizer.decode if run.policy.chat_template else None  # samples.jsonl: templated prompts
     bad_steps, metrics = 0, {}
-    with stop.installed(), (run.sink if run.sink is not None else contextlib.nullcontext()), _closing(bar):
+    with stop.installed(), (run.sink if run.sink is not None else contextlib.nullcontext()), _closing(progress):
         for step in range(start + 1, cfg.steps + 1):
             metrics = one_step(run, step, stop, templated)
             bad_steps = bad_steps + 1 if all_skipped(metrics, cfg, run.policy) else 0
@@ -385,9 +415,9 @@ def step_loop(run: Run, start: int) -> dict:
                     f"check the reward / data.")
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
                 run.checkpoint(step)
-            _advance(bar, metrics)
-            if run.main and bar is None and metrics.get("optim/step_updates") == 0:
-                print(f"cispo: step {step}: no update ({no_update_reason(metrics)})", file=sys.stderr)
+            if progress is not None:  # a bar, or a line per step (no terminal, progress=false)
+                progress.advance(step, metrics, no_update_reason(metrics) if metrics.get("optim/step_updates") == 0
+                                 else None)
             if stop.requested:
                 raise KeyboardInterrupt(f"stopped by {stop.signal_name} after step {step}; checkpoint saved, "
                                         f"continue with --resume")
@@ -535,33 +565,14 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines + [f"  {k:32s} {fmt(b)} -> {fmt(a)}" for k, b, a in rows])
 
 
-def _progress(cfg: TrainConfig, start: int):
-    if not cfg.progress:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=cfg.steps, initial=start, desc="cispo train", unit="step", dynamic_ncols=True)
-
-
 @contextlib.contextmanager
-def _closing(bar):
+def _closing(progress):
     """Close the progress bar however the loop ends (a clean end, a stop, an error)."""
     try:
-        yield bar
+        yield progress
     finally:
-        if bar is not None:
-            bar.close()
-
-
-def _advance(bar, metrics: dict) -> None:
-    if bar is None:
-        return
-    shown = {label: f"{metrics[k]:.3f}" for k, label in PROGRESS_KEYS.items()
-             if k in metrics and not is_nan(metrics[k])}
-    if metrics.get("optim/step_updates") == 0:
-        shown["updates"] = "0 (no update this step)"
-    bar.set_postfix(shown, refresh=False)
-    bar.update(1)
+        if progress is not None:
+            progress.close()
 
 
 def _plot(run_dir: Path, cfg: TrainConfig) -> None:

@@ -146,6 +146,30 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     return replace(cfg, data=data, model=model)
 
 
+def eval_defaults(cfg: TrainConfig, saved: TrainConfig | None = None) -> TrainConfig:
+    """``cfg`` with the held-out evaluation's unset sizes filled in, so ``config.yaml`` records what the run
+    does: ``data.num_eval_prompts`` and ``eval.num_samples`` where None, from ``saved`` (the config a resumed
+    run started with), else from the built-in task (``Task.num_eval_prompts``, ``Task.eval_num_samples``:
+    a real model's task evaluates fewer prompts, greedy only), else a prompt file's (200, 4). Values the
+    user set are kept."""
+    from cispo.config.data import FILE_EVAL_PROMPTS
+    from cispo.training.evaluation import DEFAULT_NUM_SAMPLES, sample_count
+
+    prompts, samples = cfg.data.num_eval_prompts, cfg.eval.num_samples
+    if saved is not None:
+        prompts = saved.data.num_eval_prompts if prompts is None else prompts
+        samples = saved.eval.num_samples if samples is None else samples
+    task_prompts, task_samples = FILE_EVAL_PROMPTS, DEFAULT_NUM_SAMPLES
+    if cfg.data.path is None:
+        from cispo.data.tasks import get_task
+
+        task = get_task(cfg.data.task)
+        task_prompts, task_samples = task.num_eval_prompts, task.eval_num_samples
+    prompts = task_prompts if prompts is None else prompts
+    samples = sample_count(replace(cfg.eval, num_samples=samples), task_samples)
+    return replace(cfg, data=replace(cfg.data, num_eval_prompts=prompts), eval=replace(cfg.eval, num_samples=samples))
+
+
 def default_max_new_tokens(task) -> int:
     """The response budget when ``rollout.max_new_tokens`` is unset: 1.25 x the task's own."""
     return math.ceil(1.25 * task.max_new_tokens)

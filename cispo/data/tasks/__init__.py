@@ -69,6 +69,12 @@ class Task:
     """The reward's mean is reported as an accuracy (``rollout/accuracy``, ``eval/accuracy...``): every
     built-in task's reward is a 0/1 verifier's, but `chain_hidden_graded`'s, a grade in [0, 1] whose
     mean keeps the name the studies read."""
+    num_eval_prompts: int = 200
+    """Held-out prompts of each evaluation where ``data.num_eval_prompts`` is None: sized to the task's model
+    (the toy models' 200 take seconds; a real model's 100 greedy answers take minutes on a CPU)."""
+    eval_num_samples: int = 4
+    """Sampled answers per held-out prompt (k of mean@k, pass@k, maj@k) where ``eval.num_samples`` is None;
+    0: greedy only."""
 
 
 def _addition(digits: tuple[int, ...], name: str) -> Task:
@@ -137,6 +143,10 @@ def _wordmath(name: str = wordmath.NAME, reward: Callable[..., float] = wordmath
         corpus=_no_corpus,
         model="builtin:smollm2-135m",
         chat=True,
+        # the example's held-out set (examples/smollm2-wordmath.yaml): 100 greedy answers, ~1-2 min on a CPU,
+        # where 200 prompts x (greedy + 4 samples) took ~20 min before and after every run
+        num_eval_prompts=100,
+        eval_num_samples=0,
     )
 
 
