@@ -41,6 +41,21 @@ class AlgoConfig:
     most ``micro_batch_size`` rows and trimmed to its longest row. The mini-batches and the
     gradient are unchanged (up to float summation order). None: rows in random order, cut only
     by ``micro_batch_size``."""
+    minibatch_order: Literal["random", "by_group"] = "random"
+    """How an epoch's rows are dealt into the K mini-batches: ``random`` (a random permutation of the
+    rows, so a mini-batch holds ~G/K rows of each prompt) or ``by_group`` (a random permutation of the
+    groups, each group's G rows kept together, verl's layout: with ``share_prompts`` a mini-batch then
+    runs each of its prompts once for all G rows, ~3x faster updates on SmolLM2's 62-token prompts,
+    docs/performance.md). Each row is in exactly one mini-batch either way; what changes is which rows
+    share an optimizer step."""
+    share_prompts: bool = True
+    """Run each prompt once for the rows of a forward/backward call that share it (a group's G
+    responses), in the logp_old pass and the updates (``cispo.models.shared_prefix``): the responses
+    attend to the prompt's keys and values, kept in the graph, so the log-probs and the gradient
+    are the plain forward's up to float rounding while the prompt's compute is paid once per group
+    and call. Llama / Qwen2 / Qwen3 / Mistral without a window; other models, ``model.compile``,
+    gradient checkpointing and ``model.fsdp`` run the plain forward (one log line). False: always
+    the plain forward."""
     logp_old_from_update: bool = True
     """Take logp_old of the first update's rows (the first of the K mini-batches; with K = 1 the
     whole first epoch) from that update's own forward, detached, instead of a separate no-grad

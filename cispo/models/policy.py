@@ -16,6 +16,7 @@ import torch
 
 from cispo.foundations.distributed import sharded_call
 from cispo.foundations.experience import Experience
+from cispo.models.shared_prefix import shared_prefix_hidden, shared_prompts
 from cispo.objective.fused_head import TokenLoss, fused_head_loss
 from cispo.objective.logprobs import lm_logits, logit_transform, token_logprobs
 
@@ -40,6 +41,7 @@ class Policy:
     grad_scaler: torch.amp.GradScaler | None = None  # float16 autocast: dynamic loss scaling (`loss_scaler`)
     environment: object | None = None  # multi-turn rollouts: ``start(samples) -> Episodes`` (cispo.data.environments)
     tools: list[dict] | None = None  # the tools' JSON schemas the chat template renders into the prompt
+    share_prompts: bool = False  # the trainer's passes run each shared prompt once (cispo.models.shared_prefix)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward`` on: times the loss scale S under float16 autocast (so
@@ -96,6 +98,7 @@ def policy_logprobs(
     with_entropy: bool = False,
     chunk_size: int = 4096,
     body: Callable | None = None,
+    share_prompts: bool = False,
 ):
     """log pi(o_it | q, o_i<t) / temperature-scaled, for every response token of ``exp``.
 
@@ -107,15 +110,19 @@ def policy_logprobs(
     On a model sharded with FSDP2 it runs inside the root's forward hooks (``sharded_call``),
     which gather the embeddings and the LM head it uses. ``body``: the decoder to run
     (``Policy.train_body``, e.g. compiled by ``cispo.models.compile``); None: ``decoder(model)``.
+    ``share_prompts``: each distinct prompt run once for the rows that share it (``cispo.models.shared_prefix``).
     """
     return sharded_call(model, lambda: _policy_logprobs(model, exp, temperature, fp32_head, with_entropy, chunk_size,
-                                                        body))
+                                                        body, share_prompts))
 
 
-def _response_hidden(model, exp: Experience, body: Callable | None = None) -> torch.Tensor:
+def _response_hidden(model, exp: Experience, body: Callable | None = None, share_prompts: bool = False) -> torch.Tensor:
     """The decoder's states that predict the response tokens of ``exp`` (one forward over
     prompt + response, the last token left out: it predicts nothing), from ``body`` (None:
-    ``decoder(model)``).  -> [B, T, H]"""
+    ``decoder(model)``). ``share_prompts``: rows that share a prompt run it once
+    (``cispo.models.shared_prefix``; the caller checked the model is covered).  -> [B, T, H]"""
+    if share_prompts and (rows := shared_prompts(exp)) is not None:
+        return shared_prefix_hidden(body or decoder(model), exp, rows)
     T = exp.response_mask.shape[1]
     P = exp.input_ids.shape[1] - T
     attention_mask = exp.attention_mask  # [B, P+T]
@@ -130,8 +137,8 @@ def _response_hidden(model, exp: Experience, body: Callable | None = None) -> to
 
 
 def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool, with_entropy: bool,
-                     chunk_size: int, body: Callable | None = None):
-    hidden = _response_hidden(model, exp, body)  # [B, T, H]
+                     chunk_size: int, body: Callable | None = None, share_prompts: bool = False):
+    hidden = _response_hidden(model, exp, body, share_prompts)  # [B, T, H]
     head = lm_head(model)
     return token_logprobs(
         hidden,
@@ -147,15 +154,15 @@ def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool
 
 
 def policy_fused_loss(model, exp: Experience, token_loss: TokenLoss, temperature: float = 1.0,
-                      fp32_head: bool = True, chunk_size: int = 4096, body: Callable | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      fp32_head: bool = True, chunk_size: int = 4096, body: Callable | None = None,
+                      share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder forward of ``policy_logprobs``, then the LM head and the objective
     ``token_loss`` (``cispo.objective.fused_head.token_objective``) in one chunked pass whose gradients
-    are formed in the forward (``cispo.objective.fused_head.fused_head_loss``); ``body`` as there.
+    are formed in the forward (``cispo.objective.fused_head.fused_head_loss``); ``body`` and ``share_prompts`` as there.
     -> (loss [], logp [B, T] detached, the log-probs ``policy_logprobs`` returns)"""
     def run():
         head = lm_head(model)
-        loss, logp, _ = fused_head_loss(_response_hidden(model, exp, body), head.weight, exp.response_ids, token_loss,
+        loss, logp, _ = fused_head_loss(_response_hidden(model, exp, body, share_prompts), head.weight, exp.response_ids, token_loss,
                                         bias=getattr(head, "bias", None), temperature=temperature,
                                         fp32_head=fp32_head, chunk_size=chunk_size,
                                         transform=logit_transform(model.config))

@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from cispo.config.train import AlgoConfig
 
 
+def row_order(n_rows: int, group_size: int, algo: AlgoConfig, generator: torch.Generator) -> torch.Tensor:
+    """An epoch's shuffled rows [n_rows]: a random permutation (``algo.minibatch_order=random``), or the
+    groups in a random order with each group's ``group_size`` rows together (``by_group``; the batch's
+    rows are whole groups, laid out group by group, ``cispo.training.trainer.build_experience``)."""
+    if algo.minibatch_order == "by_group" and n_rows % group_size == 0:
+        groups = torch.randperm(n_rows // group_size, generator=generator)  # [n_groups]
+        return (groups[:, None] * group_size + torch.arange(group_size)).flatten()  # [n_rows]
+    return torch.randperm(n_rows, generator=generator)
+
+
 def minibatches(order: torch.Tensor, algo: AlgoConfig, full_rows: int, kept_rows: int) -> list[torch.Tensor]:
     """The epoch's mini-batches: ``order`` (this rank's rows, shuffled) cut into K_eff parts.
 
@@ -36,30 +46,39 @@ def minibatches(order: torch.Tensor, algo: AlgoConfig, full_rows: int, kept_rows
     return list(order.tensor_split(k))
 
 
-def micro_batches(exp: Experience, rows: torch.Tensor, algo: AlgoConfig) -> list[torch.Tensor]:
+def micro_batches(exp: Experience, rows: torch.Tensor, algo: AlgoConfig, share: bool = False) -> list[torch.Tensor]:
     """The forward/backward calls over ``rows`` of ``exp``: length-sorted micro-batches cut where
     a cut saves more than ``algo.micro_batch_split_cost`` padded positions, each of at most
     ``algo.micro_batch_size`` rows; with the split cost None, consecutive chunks of
-    ``micro_batch_size`` rows (all of them when None); [] when ``rows`` is empty."""
+    ``micro_batch_size`` rows (all of them when None); [] when ``rows`` is empty. ``share``: the
+    passes run each distinct prompt of a call once (``Policy.share_prompts``), which the cut's cost counts."""
     size, split_cost = algo.micro_batch_size, algo.micro_batch_split_cost
     if len(rows) == 0:
         return []
     if split_cost is None:
         return [rows] if not size else list(rows.split(size))
-    return length_micro_batches(exp, rows, size, split_cost)
+    return length_micro_batches(exp, rows, size, split_cost, share)
+
+
+def _prompt_keys(exp: Experience, rows: torch.Tensor) -> list[int]:
+    """For each of ``rows``, an id of its prompt (equal ids: the same prompt ids in the same columns)."""
+    P = exp.input_ids.shape[1] - exp.response_mask.shape[1]
+    prompts = exp.input_ids[rows, :P].masked_fill(exp.attention_mask[rows, :P] == 0, -1)  # [m, P]
+    return torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
 
 
 MAX_CUT_POINTS = 128  # candidate cuts considered by ``length_micro_batches``: bounds its time
 
 
 def length_micro_batches(exp: Experience, rows: torch.Tensor, max_rows: int | None = None,
-                         split_cost: float = 0.0) -> list[torch.Tensor]:
+                         split_cost: float = 0.0, share: bool = False) -> list[torch.Tensor]:
     """``rows`` of ``exp`` sorted by length and cut into micro-batches of similar lengths.
 
     Rows are sorted by response length, then prompt length (a stable sort: ties keep the order
     of ``rows``). A micro-batch of n rows whose longest prompt and response are P and T costs
-    n x (P + T - 1) decoder positions once ``Experience.select`` has trimmed it, plus
-    ``split_cost`` positions for the call itself (the fixed cost of one more forward/backward).
+    n x (P + T - 1) decoder positions once ``Experience.select`` has trimmed it (with ``share``, each of
+    its U distinct prompts once: U x P + n x (T - 1)), plus ``split_cost`` positions for the call
+    itself (the fixed cost of one more forward/backward).
     The cuts minimise the total over the places where the response length changes (at most
     ``MAX_CUT_POINTS`` of them, spread evenly over the rows when there are more), by dynamic
     programming; a part of more than ``max_rows`` rows (None: no limit) is then cut into
@@ -80,14 +99,19 @@ def length_micro_batches(exp: Experience, rows: torch.Tensor, max_rows: int | No
         bounds = sorted({bounds[round(k * (len(bounds) - 1) / MAX_CUT_POINTS)] for k in range(MAX_CUT_POINTS + 1)})
     longest_response = [int(t[b - 1]) for b in bounds[1:]]  # of each block (t is sorted)
     longest_prompt = [int(p[a:b].max()) for a, b in zip(bounds, bounds[1:])]
+    prompt_of = _prompt_keys(exp, rows) if share else None  # [m] which distinct prompt each sorted row has
     d = len(bounds) - 1
     best, start = [0.0] + [math.inf] * d, [0] * (d + 1)  # cost of blocks 0..j-1; where its last part starts
     for j in range(1, d + 1):
-        width = 0
+        prompt_len, prompts = 0, set()
         for i in range(j - 1, -1, -1):  # the last part: blocks i .. j-1
-            width = max(width, longest_prompt[i] + longest_response[j - 1] - 1)
+            prompt_len = max(prompt_len, longest_prompt[i])
             n = bounds[j] - bounds[i]
-            part = (-(-n // max_rows) if max_rows else 1) * split_cost + n * width
+            if prompt_of is not None:
+                prompts.update(prompt_of[bounds[i] : bounds[i + 1]])
+            runs = len(prompts) if prompt_of is not None else n  # prompt rows each call runs
+            part = ((-(-n // max_rows) if max_rows else 1) * split_cost + runs * prompt_len
+                    + n * (longest_response[j - 1] - 1))
             if part >= best[j]:  # best[i] >= 0 and part only grows as i decreases
                 break
             if best[i] + part < best[j]:

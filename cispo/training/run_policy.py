@@ -169,10 +169,25 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
         sampler = TorchSampler(model, stops, tokenizer.pad_token_id, autocast=autocast,
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
                                compile_step=compile_wanted(cfg.model.compile, device, cfg.steps, cfg.model.fsdp))
+    body = train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps)
     return Policy(model, tokenizer, sampler, device, chat_template=templated,
-                  system_prompt=cfg.data.system_prompt, autocast=autocast,
-                  train_body=train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps),
-                  grad_scaler=loss_scaler(autocast, device))
+                  system_prompt=cfg.data.system_prompt, autocast=autocast, train_body=body,
+                  grad_scaler=loss_scaler(autocast, device), share_prompts=share_prompts(cfg, model, body))
+
+
+def share_prompts(cfg: TrainConfig, model, body) -> bool:
+    """Whether the trainer's passes run each shared prompt once (``algo.share_prompts``): where asked and
+    the model is covered (``cispo.models.shared_prefix.unsupported_reason``), not compiled
+    (``model.compile``) nor sharded (``model.fsdp``); else the plain forward, said in one line."""
+    from cispo.models.shared_prefix import unsupported_reason
+
+    if not cfg.algo.share_prompts:
+        return False
+    why = ("model.compile runs the plain forward" if body is not None else
+           "model.fsdp is not tested with it" if cfg.model.fsdp else unsupported_reason(model))
+    if why is not None:
+        print(f"cispo: algo.share_prompts: each row runs its own prompt ({why})", file=sys.stderr)
+    return why is None
 
 
 def load_reference(cfg: TrainConfig, task, device: torch.device, tokenizer) -> torch.nn.Module:

@@ -44,7 +44,7 @@ from cispo.objective.fused_head import token_objective
 from cispo.objective.loss import ObjectiveConfig, ObjectiveStats, policy_loss
 from cispo.records.samples import add_token_counts, start_token_counts
 from cispo.rollout import SamplingConfig, rollout_is_weights
-from cispo.training.batching import micro_batches, minibatches
+from cispo.training.batching import micro_batches, minibatches, row_order
 from cispo.training.metrics import (fork_metrics, fork_rollout_metrics, fork_sums, frac_ppo_dropped_fork,
                                     reports_accuracy, rollout_metrics, update_metrics)
 
@@ -155,10 +155,10 @@ def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo =
     logp_ref = torch.zeros_like(exp.logp_rollout) if policy.ref_model is not None else None
     all_rows = torch.arange(len(exp), device=exp.input_ids.device)
     if first_rows is None:
-        first, rest = [], micro_batches(exp, all_rows, cfg.algo)
+        first, rest = [], micro_batches(exp, all_rows, cfg.algo, policy.share_prompts)
     else:
-        first = micro_batches(exp, first_rows, cfg.algo)
-        rest = micro_batches(exp, all_rows[~torch.isin(all_rows, first_rows)], cfg.algo)
+        first = micro_batches(exp, first_rows, cfg.algo, policy.share_prompts)
+        rest = micro_batches(exp, all_rows[~torch.isin(all_rows, first_rows)], cfg.algo, policy.share_prompts)
     policy_micros = rest if from_update else first + rest
     for _ in range(idle_passes(len(policy_micros), policy, dist_info)):
         idle_pass(policy, cfg, backward=False)
@@ -166,7 +166,7 @@ def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo =
         sub = exp.select(rows)
         with policy.compute():
             lp, ent = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head, True,
-                                      body=policy.train_body)
+                                      body=policy.train_body, share_prompts=policy.share_prompts)
         t = lp.shape[1]
         logp_old[rows, :t] = lp.float()
         entropy[rows, :t] = ent.float()
@@ -208,7 +208,8 @@ def reference_logprobs(policy: Policy, exp: Experience, cfg) -> torch.Tensor:
     """log pi_ref of every response token of ``exp`` from the frozen reference model, under the
     policy's autocast and LM-head precision.  -> [B, t] float32"""
     with policy.compute():
-        lp = policy_logprobs(policy.ref_model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head)
+        lp = policy_logprobs(policy.ref_model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head,
+                             share_prompts=policy.share_prompts)
     return lp.float()
 
 
@@ -253,7 +254,7 @@ def update_policy(
     stats, kept = [], kept_rows(exp, dist_info)
     for epoch in range(cfg.algo.epochs):
         order = first_order if epoch == 0 and first_order is not None else \
-            torch.randperm(len(exp), generator=generator).to(device)
+            row_order(len(exp), cfg.rollout.group_size, cfg.algo, generator).to(device)
         for k, rows in enumerate(minibatches(order, cfg.algo, full_rows(cfg), kept)):
             fill = fill_logp_old and epoch == 0 and k == 0
             mask = exp.response_mask[rows]  # [b, T]
@@ -280,7 +281,7 @@ def accumulate_gradients(policy: Policy, exp: Experience, rows: torch.Tensor, ob
     run idle passes so every rank joins each collective. ``fill``: this forward supplies the rows'
     logp_old and entropy. Returns each micro-batch's ``(stats, fork sums)``."""
     parts = []
-    micros = micro_batches(exp, rows, cfg.algo)
+    micros = micro_batches(exp, rows, cfg.algo, policy.share_prompts)
     for _ in range(idle_passes(len(micros), policy, dist_info)):
         idle_pass(policy, cfg, backward=True)
     for micro in micros:  # the same gradient whatever the split
@@ -343,7 +344,8 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
     if not cfg.algo.fused_head:
         with policy.compute():
             out = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head,
-                                  with_entropy=old_from_new, body=policy.train_body)
+                                  with_entropy=old_from_new, body=policy.train_body,
+                                  share_prompts=policy.share_prompts)
         logp_new = out[0] if old_from_new else out  # [b, T]
         if old_from_new:  # as compute_logp_old stores them
             sub.logp_old = logp_new.detach().float() * sub.response_mask
@@ -356,7 +358,8 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
                                 group_mean_length=lbar)
     with policy.compute():
         loss, logp_new = policy_fused_loss(policy.model, sub, objective, cfg.rollout.temperature,
-                                           cfg.model.fp32_lm_head, body=policy.train_body)
+                                           cfg.model.fp32_lm_head, body=policy.train_body,
+                                           share_prompts=policy.share_prompts)
     _, stats = policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs,
                            group_mean_length=lbar)
     return loss, stats
@@ -509,7 +512,7 @@ def prepare_experience(policy: Policy, groups, cfg, forks, generators, dist_info
     if cfg.rollout.vllm_sleep:  # free the inference engine's memory for the updates (no-op for torch)
         policy.sampler.sleep()
     # the same draw the update would make (same stream), so the logp_old pass knows the first mini-batch
-    first_order = torch.randperm(len(exp), generator=generators["shuffle"]).to(exp.input_ids.device)
+    first_order = row_order(len(exp), G, cfg.algo, generators["shuffle"]).to(exp.input_ids.device)
     first_rows = minibatches(first_order, cfg.algo, full_rows(cfg), kept_rows(exp, dist_info))[0]
     from_update = logp_old_from_update(cfg, policy)
     exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info, first_rows, from_update)
