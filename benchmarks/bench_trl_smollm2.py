@@ -5,6 +5,7 @@ update passes' FLOP rate as a share of this machine's measured fp32 and bf16 mat
     python benchmarks/bench_trl_smollm2.py        # needs trl and builtin:smollm2-135m; the defaults below
     python benchmarks/bench_trl_smollm2.py --pairs 3 --steps 2 --prompts 4 --group 8 --max-new-tokens 64 --updates 4
     python benchmarks/bench_trl_smollm2.py --bf16-steps 1 --bf16-repeats 1    # also cispo under bf16 autocast
+    python benchmarks/bench_trl_smollm2.py --cispo-set 'algo.minibatch_order=by_group'   # cispo with other settings
     python benchmarks/bench_trl_smollm2.py --pairs 1 --steps 1 --prompts 2 --group 2 --max-new-tokens 8 --updates 1
 
 The workload, the same on both sides: the model ``--model`` (default ``builtin:smollm2-135m``, cispo's
@@ -99,7 +100,7 @@ def worker_cispo(a, bf16: bool) -> dict:
     s = ours_setup(group_size=a.group, updates=a.updates, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                    seed=a.seed, suppress_eos=a.eos == "suppressed", model_path=a.model, task="wordmath",
                    samples=samples, extra=(f"lr={a.lr}", "warmup_updates=0", "rollout.repetition_stop_tokens=0",
-                                           *(["model.dtype=bfloat16"] if bf16 else [])))
+                                           *(["model.dtype=bfloat16"] if bf16 else []), *a.cispo_set.split()))
     policy = s["policy"]
     steps = a.bf16_steps if bf16 else a.steps
     rows = ours_steps(s, 1 + steps)
@@ -202,6 +203,8 @@ def main(argv=None) -> None:
     p.add_argument("--mm-repeats", type=int, default=5, help="timed matmul calls per matmul rate")
     p.add_argument("--mm-shape", type=lambda v: tuple(int(x) for x in v.split(",")), default=MATMUL_SHAPE,
                    metavar="M,K,N", help="the matmul timed: [M, K] x [N, K]^T (default %(default)s)")
+    p.add_argument("--cispo-set", default="", metavar="'KEY=VALUE ...'",
+                   help="cispo settings on top of the workload's, space-separated (e.g. 'algo.minibatch_order=by_group')")
     p.add_argument("--in-process", action="store_true", help="run every worker in this process (tests)")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -234,6 +237,8 @@ def main(argv=None) -> None:
           f"optimizer steps of {B // a.updates} rows, L = {a.max_new_tokens} tokens, EOS {a.eos}; {a.pairs} pair(s) x "
           f"{a.steps} measured step(s) per worker (TRL first in even pairs); threads {threads}; cispo sampling: "
           f"{cispo['decode']}")
+    if a.cispo_set:
+        print(f"cispo settings on top of the workload's: {a.cispo_set}")
     print("prompt tokens per step (median): " + ", ".join(f"{k} {v:.0f}" for k, v in prompt_tokens.items()))
     report({side: [w["steps"] for w in results[side]] for side in ("cispo", "TRL")}, "cispo", "TRL")
     m, k, n = a.mm_shape

@@ -30,7 +30,7 @@ def _run(tiny_model, out, name, *extra):
     trainer.policy_logprobs = counting
     try:
         cfg = small_config(tiny_model, out, f"run_name={name}", "model.compile=off", "eval.every=0",
-                           "checkpoint_every=0", *extra)
+                           "checkpoint_every=0", "threads=1", *extra)  # one thread: bitwise, whatever the load
         result = train(cfg)
     finally:
         trainer.policy_logprobs = real

@@ -56,13 +56,28 @@ class AlgoConfig:
     and call. Llama / Qwen2 / Qwen3 / Mistral without a window; other models, ``model.compile``,
     gradient checkpointing and ``model.fsdp`` run the plain forward (one log line). False: always
     the plain forward."""
+    logp_old: Literal["recompute", "rollout"] = "recompute"
+    """Where log pi_old, the anchor of the importance ratio r = pi_theta / pi_old, comes from. ``recompute``:
+    the trainer's own no-grad pass over the batch, in train mode, after sampling (its first update's rows
+    from that update's forward: ``logp_old_from_update``). ``rollout``: the sampler's own log-probs of the
+    tokens it drew (``logp_rollout``, under the same softmax(logits / temperature), before top-p), so no
+    pass runs (verl's ``rollout_correction.bypass_mode``; a SmolLM2 step at K = 4 in 0.90x the time,
+    docs/performance.md; nothing saved at K = 1, where the first update already gives every row's).
+    Only where the sampler is the trainer's own policy, so the two agree to float32 rounding (~1e-5 nats
+    per token): refused with ``rollout.engine=vllm`` (another engine), ``model.dropout`` or
+    ``model.lora_dropout`` (the sampler runs without), a low-precision ``model.dtype``, a rollout correction
+    (``tis_cap``, ``rollout_is``: with pi_old = pi_rollout its weights are all 1) and ``model.fsdp`` (not
+    tested sharded); a model saved in bfloat16 / float16 (``model.dtype`` unset) recomputes, said in one
+    line (``cispo.training.logp_old``). ``objective/entropy`` and the ``rollout/logp_*`` mismatch metrics
+    then come from the first update's forward, on its rows (1/K of the batch). The reference pass of a KL
+    term runs either way."""
     logp_old_from_update: bool = True
     """Take logp_old of the first update's rows (the first of the K mini-batches; with K = 1 the
     whole first epoch) from that update's own forward, detached, instead of a separate no-grad
     pass: it runs on the same weights over the same micro-batches, so the numbers are bitwise
     those of the separate pass, one forward fewer over 1/K of the batch. Applies only where
     exact: not with dropout (``model.dropout``, ``model.lora_dropout``), ``fused_head``, a rollout
-    correction (``tis_cap``, ``rollout_is``) or FSDP (``cispo.training.trainer.logp_old_from_update``).
+    correction (``tis_cap``, ``rollout_is``) or FSDP (``cispo.training.logp_old.logp_old_from_update``).
     False: a separate pass over every row."""
     tis_cap: float | None = None
     """Truncated importance sampling for the rollout/trainer mismatch: each token's advantage

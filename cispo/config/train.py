@@ -309,6 +309,34 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
     ]
 
 
+def _logp_old_checks(cfg: TrainConfig) -> list[Check]:
+    """``algo.logp_old=rollout`` (pi_old := the sampler's log-probs) only where the sampler is the trainer's
+    own policy at float32: refuses another engine (vLLM), dropout in the trainer's passes (the sampler
+    runs without), a low-precision ``model.dtype``, a rollout correction (pi_old / pi_rollout = 1: every
+    weight 1) and FSDP (not tested sharded). Greedy sampling is refused for every run (`_rollout_checks`);
+    what the config cannot tell (a model saved in low precision) `cispo.training.logp_old` checks at the run."""
+    a, m, engine = cfg.algo, cfg.model, cfg.rollout.engine
+    if a.logp_old != "rollout":
+        return []
+    head = "=rollout (the sampler's log-probs as pi_old) cannot be combined with"
+    fix = "use algo.logp_old=recompute"
+    return [
+        ("algo.logp_old", engine != "vllm", f"{head} rollout.engine={engine}: another engine's log-probs are not the "
+         f"trainer's (its kernels and precision); {fix}, with algo.tis_cap or algo.rollout_is for the mismatch"),
+        ("algo.logp_old", not m.dropout, f"{head} model.dropout=true: the trainer's passes drop units the sampler "
+         f"keeps, so pi_old is not the distribution sampled from; {fix}"),
+        ("algo.logp_old", not m.lora_dropout, f"{head} model.lora_dropout={m.lora_dropout}: the trainer's passes "
+         f"drop adapter inputs the sampler keeps; {fix}"),
+        ("algo.logp_old", m.dtype not in ("bfloat16", "float16"), f"{head} model.dtype={m.dtype}: the sampler's "
+         f"decode and the trainer's forward differ by its rounding, which the recomputed pass sees; {fix} or "
+         "model.dtype=float32"),
+        ("algo.logp_old", a.tis_cap is None and a.rollout_is is None, f"{head} a rollout correction (algo.tis_cap="
+         f"{a.tis_cap}, algo.rollout_is={a.rollout_is}): with pi_old = pi_rollout every correction weight "
+         f"pi_old / pi_rollout is 1; drop the correction or {fix}"),
+        ("algo.logp_old", not m.fsdp, f"{head} model.fsdp=true yet (not tested sharded); {fix}"),
+    ]
+
+
 MAX_LR = 1.0
 """The largest ``optim.lr`` accepted: AdamW moves each weight by about ``lr`` per update."""
 
@@ -404,8 +432,8 @@ def _bound_checks(cfg: TrainConfig) -> list[Check]:
 
 
 _SETTING_CHECKS = (_schedule_checks, _model_checks, _vllm_engine_checks, _sharding_checks, _data_checks,
-                  _prompt_file_checks, _rollout_checks, _algo_checks, _optim_checks, _eval_checks, _samples_checks,
-                  _bound_checks)
+                  _prompt_file_checks, _rollout_checks, _algo_checks, _logp_old_checks, _optim_checks, _eval_checks,
+                  _samples_checks, _bound_checks)
 """`TrainConfig`'s checks of plain settings, in the order their problems are reported."""
 
 

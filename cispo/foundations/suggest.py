@@ -406,6 +406,11 @@ OTHER_NAMES: dict[str, OtherName] = {
     "algorithm.filter_groups.max_num_gen_batches": OtherName(
         "verl", ("rollout.max_sampling_rounds",), "generation rounds per RL step, in both",
         _at_least_one("verl's 0 samples until the batch is full; cispo's rounds are capped (at most 10^4)"), (10, 10)),
+    "algorithm.rollout_correction.bypass_mode": OtherName(
+        "verl", ("algo.logp_old",),
+        "true -> rollout (pi_old is the sampler's log-probs, not recomputed), false -> recompute; cispo takes them only "
+        "from its own torch sampler at float32, without dropout or a rollout correction beside it",
+        _values({True: "rollout", False: "recompute"}), (True, "rollout")),
     "custom_reward_function.path": OtherName(
         "verl", ("data.reward",), "cispo names the file and the function together: data.reward=PATH:NAME"),
     "custom_reward_function.name": OtherName(

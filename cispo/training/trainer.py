@@ -8,7 +8,8 @@ One step (MiniMax-M1 section 3; DAPO for dynamic sampling and the overlong penal
     3. log pi_old of every response token, recomputed once in train mode (``logp_old``;
        dropout is off unless ``model.dropout``, so this is the sampler's distribution); the
        rows of the first update come from that update's own forward, detached, where that is
-       exact (``logp_old_from_update``);
+       exact (``logp_old_from_update``); with ``algo.logp_old=rollout``, where the sampler is
+       the same policy, the sampler's own log-probs instead, and no pass (``cispo.training.logp_old``);
        with a KL penalty (``kl_coef > 0``) also log pi_ref of the frozen reference model;
        the sampler's own log-probs are kept to measure the train / rollout mismatch and, with a
        rollout correction (``algo.tis_cap``, ``algo.rollout_is``), to weight each token's advantage;
@@ -45,6 +46,8 @@ from cispo.objective.loss import ObjectiveConfig, ObjectiveStats, policy_loss
 from cispo.records.samples import add_token_counts, start_token_counts
 from cispo.rollout import SamplingConfig, rollout_is_weights
 from cispo.training.batching import micro_batches, minibatches, row_order
+from cispo.training.logp_old import (MEASURED, logp_old_from_update, measured_metrics, reference_logprobs,
+                                     rollout_as_old, rollout_correction, start_measuring)
 from cispo.training.metrics import (fork_metrics, fork_rollout_metrics, fork_sums, frac_ppo_dropped_fork,
                                     reports_accuracy, rollout_metrics, update_metrics)
 
@@ -138,7 +141,8 @@ def advantage_scale(groups: list[list[Completion]], policy: Policy, group_size: 
 
 @torch.no_grad()
 def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo = DistInfo(),
-                     first_rows: torch.Tensor | None = None, from_update: bool = False) -> torch.Tensor:
+                     first_rows: torch.Tensor | None = None, from_update: bool = False,
+                     from_rollout: bool = False) -> torch.Tensor:
     """log pi_old of every response token, in train mode, once per generation batch. Also
     stores the per-token entropy in ``exp.extras["entropy"]`` and, when the policy has a
     reference model, log pi_ref in ``exp.extras["logp_ref"]`` (same micro-batches).  -> [B, T]
@@ -147,7 +151,10 @@ def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo =
     update will use (``micro_batches``: a row's log-prob depends on its micro-batch's shape by
     float rounding), the other rows as micro-batches of their own. ``from_update``: leave
     those rows' log-probs and entropy at 0 for the first update to fill in from its own forward
-    (``logp_old_from_update``: bitwise the same numbers); their pi_ref is still computed here."""
+    (``logp_old_from_update``: bitwise the same numbers); their pi_ref is still computed here.
+    ``from_rollout``: log pi_old is the sampler's ``exp.logp_rollout`` (``algo.logp_old=rollout``,
+    ``rollout_as_old``) and no row runs the policy here; its entropy and the trainer's own log pi_old
+    are NaN until the first update measures its rows (``start_measuring``); pi_ref is still computed."""
     policy.model.train()
     T = exp.response_mask.shape[1]
     logp_old = torch.zeros_like(exp.logp_rollout)
@@ -159,7 +166,7 @@ def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo =
     else:
         first = micro_batches(exp, first_rows, cfg.algo, policy.share_prompts)
         rest = micro_batches(exp, all_rows[~torch.isin(all_rows, first_rows)], cfg.algo, policy.share_prompts)
-    policy_micros = rest if from_update else first + rest
+    policy_micros = [] if from_rollout else rest if from_update else first + rest
     for _ in range(idle_passes(len(policy_micros), policy, dist_info)):
         idle_pass(policy, cfg, backward=False)
     for rows in policy_micros:
@@ -175,42 +182,11 @@ def compute_logp_old(policy: Policy, exp: Experience, cfg, dist_info: DistInfo =
             sub = exp.select(rows)
             logp_ref[rows, :sub.response_mask.shape[1]] = reference_logprobs(policy, sub, cfg)
     exp.extras["entropy"] = entropy * exp.response_mask
+    if from_rollout:
+        start_measuring(exp)
     if logp_ref is not None:
         exp.extras["logp_ref"] = logp_ref[:, :T] * exp.response_mask
-    return logp_old[:, :T] * exp.response_mask
-
-
-def logp_old_from_update(cfg, policy: Policy) -> bool:
-    """Whether the first update's detached log-probs can stand in for its rows' logp_old pass
-    (``algo.logp_old_from_update``, issue 13 item 4). Exact (bitwise) when that update runs on
-    the weights that logp_old is taken at, over the same micro-batches, deterministically: not
-    with dropout in the passes (``model.dropout``, ``model.lora_dropout``: two passes draw
-    different masks), not with the fused head (its objective needs logp_old before its forward),
-    nor a rollout correction (``algo.tis_cap``, ``algo.rollout_is``: the weights of every row are formed
-    before the first update), nor FSDP (not tested sharded)."""
-    return (cfg.algo.logp_old_from_update and not cfg.model.dropout and not cfg.model.lora_dropout
-            and not cfg.algo.fused_head and rollout_correction(cfg.algo) is None and not is_sharded(policy.model))
-
-
-def rollout_correction(algo) -> dict | None:
-    """``rollout_is_weights``' settings of ``algo`` (``tis_cap`` is the token / truncate case with that upper
-    bound); None: no rollout correction."""
-    if algo.tis_cap:
-        return dict(level="token", mode="truncate", lower=None, upper=algo.tis_cap)
-    if algo.rollout_is is None:
-        return None
-    return dict(level=algo.rollout_is, mode=algo.rollout_is_mode, lower=algo.rollout_is_lower,
-                upper=algo.rollout_is_upper)
-
-
-@torch.no_grad()
-def reference_logprobs(policy: Policy, exp: Experience, cfg) -> torch.Tensor:
-    """log pi_ref of every response token of ``exp`` from the frozen reference model, under the
-    policy's autocast and LM-head precision.  -> [B, t] float32"""
-    with policy.compute():
-        lp = policy_logprobs(policy.ref_model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head,
-                             share_prompts=policy.share_prompts)
-    return lp.float()
+    return (exp.logp_rollout if from_rollout else logp_old)[:, :T] * exp.response_mask
 
 
 def lr_at(update: int, optim: OptimConfig) -> float:
@@ -230,15 +206,16 @@ def update_policy(
     forks: ForkTokens | None,
     dist_info: DistInfo = DistInfo(),
     first_order: torch.Tensor | None = None,
-    fill_logp_old: bool = False,
+    first_fill: str | None = None,
 ) -> tuple[list[dict], int]:
     """K optimizer steps (per epoch) on random mini-batches of ``exp``. Returns the per-step
     stats and the new optimizer-step count.
 
     ``first_order``: the first epoch's row order (drawn from ``generator`` by the caller, before
-    the logp_old pass). ``fill_logp_old``: the first mini-batch's logp_old and entropy are taken
-    from its own forward (detached) and written into ``exp`` (``compute_logp_old(...,
-    from_update=True)`` left them out).
+    the logp_old pass). ``first_fill``: what the first mini-batch's forward, on pi_old's weights, writes
+    into ``exp`` (detached; ``micro_batch_loss``): ``"logp_old"``, its rows' logp_old and entropy
+    (``compute_logp_old(..., from_update=True)`` left them out); ``"measure"``, their entropy and the
+    trainer's log pi_old beside the sampler's (``extras["logp_trainer"]``; ``algo.logp_old=rollout``).
 
     Each mini-batch runs as micro-batches (``micro_batches``: by default its rows sorted by
     length and cut into length-homogeneous parts, each trimmed to its own longest row); the
@@ -256,7 +233,7 @@ def update_policy(
         order = first_order if epoch == 0 and first_order is not None else \
             row_order(len(exp), cfg.rollout.group_size, cfg.algo, generator).to(device)
         for k, rows in enumerate(minibatches(order, cfg.algo, full_rows(cfg), kept)):
-            fill = fill_logp_old and epoch == 0 and k == 0
+            fill = first_fill if epoch == 0 and k == 0 else None
             mask = exp.response_mask[rows]  # [b, T]
             num_tokens = all_reduce_sum(mask.sum(), dist_info)  # sum_i |o_i|, whole mini-batch
             num_seqs = all_reduce_sum((mask.sum(-1) > 0).sum(), dist_info)
@@ -275,21 +252,25 @@ def update_policy(
 
 
 def accumulate_gradients(policy: Policy, exp: Experience, rows: torch.Tensor, obj: ObjectiveConfig, cfg,
-                         forks: ForkTokens | None, dist_info: DistInfo, num_tokens, num_seqs, fill: bool) -> list:
+                         forks: ForkTokens | None, dist_info: DistInfo, num_tokens, num_seqs,
+                         fill: str | None = None) -> list:
     """One mini-batch's gradient, accumulated over its micro-batches (``micro_batches``), each loss
     normalised by the whole mini-batch's ``num_tokens`` / ``num_seqs``; ranks with fewer micro-batches
-    run idle passes so every rank joins each collective. ``fill``: this forward supplies the rows'
-    logp_old and entropy. Returns each micro-batch's ``(stats, fork sums)``."""
+    run idle passes so every rank joins each collective. ``fill``: what this forward supplies for the rows
+    (``update_policy``'s ``first_fill``). Returns each micro-batch's ``(stats, fork sums)``."""
     parts = []
     micros = micro_batches(exp, rows, cfg.algo, policy.share_prompts)
     for _ in range(idle_passes(len(micros), policy, dist_info)):
         idle_pass(policy, cfg, backward=True)
     for micro in micros:  # the same gradient whatever the split
         sub = exp.select(micro)
-        loss, s = micro_batch_loss(policy, sub, obj, cfg, num_tokens, num_seqs, old_from_new=fill)
-        if fill:  # the logp_old pass left these rows to this forward
+        loss, s = micro_batch_loss(policy, sub, obj, cfg, num_tokens, num_seqs, fill=fill)
+        if fill is not None:  # the logp_old pass left these rows to this forward
             t = sub.response_mask.shape[1]
-            exp.logp_old[micro, :t] = sub.logp_old
+            if fill == "logp_old":
+                exp.logp_old[micro, :t] = sub.logp_old
+            else:
+                exp.extras[MEASURED][micro, :t] = sub.extras[MEASURED]
             exp.extras["entropy"][micro, :t] = sub.extras["entropy"]
         policy.scaled(loss).backward()
         add_token_counts(exp, micro, s)  # per-row counts for samples.jsonl
@@ -320,7 +301,7 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, params: lis
 
 
 def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg, num_tokens, num_seqs,
-                     old_from_new: bool = False) -> tuple[torch.Tensor, ObjectiveStats]:
+                     fill: str | None = None) -> tuple[torch.Tensor, ObjectiveStats]:
     """One micro-batch's share of the mini-batch objective (normalised by the mini-batch's
     global ``num_tokens`` / ``num_seqs``) and its statistics. The advantages carry the rollout
     correction's weight (``tis``, ``rollout_correction``) when there is one; ``logp_ref`` the KL term's
@@ -330,9 +311,11 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
     the gradient formed in the forward); the statistics are ``policy_loss``'s on its detached
     log-probs, so both paths log the same numbers.
 
-    ``old_from_new``: ``sub`` runs on the weights logp_old is taken at (the first update, see
-    ``logp_old_from_update``): its ``logp_old`` and ``extras["entropy"]`` are set from this
-    forward, detached, as the separate pass would have computed them (the ratio is then 1)."""
+    ``fill``: ``sub`` runs on the weights logp_old is taken at (the first update), and this forward,
+    detached, gives what the separate pass would have: ``"logp_old"`` (``logp_old_from_update``) sets
+    its ``logp_old`` (the ratio is then 1) and ``extras["entropy"]``; ``"measure"`` (``algo.logp_old=rollout``:
+    logp_old is the sampler's) sets ``extras["logp_trainer"]`` and ``extras["entropy"]`` (under the fused
+    head, which gives no entropy, the former only)."""
     T = sub.response_mask.shape[1]
     advantages = sub.advantages  # [b]
     if "tis" in sub.extras:  # c_it, the rollout correction's weight   [b, T]
@@ -344,11 +327,15 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
     if not cfg.algo.fused_head:
         with policy.compute():
             out = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head,
-                                  with_entropy=old_from_new, body=policy.train_body,
+                                  with_entropy=fill is not None, body=policy.train_body,
                                   share_prompts=policy.share_prompts)
-        logp_new = out[0] if old_from_new else out  # [b, T]
-        if old_from_new:  # as compute_logp_old stores them
-            sub.logp_old = logp_new.detach().float() * sub.response_mask
+        logp_new = out[0] if fill is not None else out  # [b, T]
+        if fill is not None:  # as compute_logp_old stores them
+            old = logp_new.detach().float() * sub.response_mask  # log pi_old   [b, T]
+            if fill == "logp_old":
+                sub.logp_old = old
+            else:
+                sub.extras[MEASURED] = old
             sub.extras["entropy"] = out[1].detach().float() * sub.response_mask
         args = (sub.logp_old, advantages, sub.response_mask)
         return policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -360,6 +347,8 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
         loss, logp_new = policy_fused_loss(policy.model, sub, objective, cfg.rollout.temperature,
                                            cfg.model.fp32_lm_head, body=policy.train_body,
                                            share_prompts=policy.share_prompts)
+    if fill == "measure":
+        sub.extras[MEASURED] = logp_new.detach().float() * sub.response_mask
     _, stats = policy_loss(logp_new, *args, obj, logp_ref=logp_ref, num_tokens=num_tokens, num_seqs=num_seqs,
                            group_mean_length=lbar)
     return loss, stats
@@ -422,12 +411,12 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         return {"rollout/groups_kept": 0.0, "rollout/rounds": float(rollout.report.rounds), "optim/step_updates": 0.0,
                 "optim/updates": float(update_count), "perf/step_s": t1 - t0,
                 "rollout/reward_errors": float(len(rollout.errors))}, update_count
-    exp, first_order, from_update, correction = prepare_experience(policy, groups, cfg, forks, generators, dist_info,
-                                                                   count_tokens=on_samples is not None)
+    exp, first_order, fill, correction = prepare_experience(policy, groups, cfg, forks, generators, dist_info,
+                                                            count_tokens=on_samples is not None)
     t2 = time.perf_counter()
     updates_before = update_count
     stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, forks,
-                                        dist_info, first_order, fill_logp_old=from_update)
+                                        dist_info, first_order, first_fill=fill)
     t3 = time.perf_counter()
     policy.sampler.update_weights(policy.model)  # a separate inference engine samples the next batch
     t4 = time.perf_counter()
@@ -436,6 +425,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     elif on_samples is not None:  # this rank kept no group: the ones it dropped
         on_samples(rollout.sampled, None)
     metrics = step_metrics(rollout, exp, stats, task, forks)
+    if fill == "measure" and groups:  # logp_old was the sampler's: the mismatch as the first update saw it
+        metrics.update(measured_metrics(exp))
     if correction is not None and groups:
         metrics.update(correction.metrics(exp.response_mask))  # rollout/is_weight_mean, is_masked, is_truncated
     tokens = float(exp.response_mask.sum())
@@ -448,7 +439,7 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         "perf/update_s": t3 - t2,
         "perf/weight_sync_s": t4 - t3,  # the push to a separate engine (vLLM; its wake-up included); ~0 for torch
         "perf/step_s": t4 - t0,
-        "perf/tokens_per_s": tokens * (1 + cfg.algo.epochs) / max(t3 - t1, 1e-9),
+        "perf/tokens_per_s": tokens * (cfg.algo.epochs + (fill != "measure")) / max(t3 - t1, 1e-9),  # + the pass
     })
     return metrics, update_count
 
@@ -495,10 +486,11 @@ def sample_step(policy: Policy, stream: PromptStream, task, cfg, sampling: Sampl
 def prepare_experience(policy: Policy, groups, cfg, forks, generators, dist_info: DistInfo, count_tokens: bool):
     """Steps 2-3: the batch with its advantages, fork positions and log pi_old (and, with a rollout
     correction, ``algo.tis_cap`` or ``algo.rollout_is``, its weights in ``extras["tis"]``). Returns
-    ``(exp, first_order, from_update, correction)``: the first epoch's row order, drawn here so the logp_old
-    pass can run the first mini-batch as the first update will, whether that update fills its own rows of
-    logp_old (``logp_old_from_update``), and the correction (`cispo.rollout.correction.RolloutWeights`, for
-    its metrics) or None."""
+    ``(exp, first_order, fill, correction)``: the first epoch's row order, drawn here so the logp_old
+    pass can run the first mini-batch as the first update will; what that update fills in (``update_policy``'s
+    ``first_fill``): ``"logp_old"``, its own rows of logp_old (``logp_old_from_update``), ``"measure"``, the
+    trainer's log pi_old beside the sampler's, which is logp_old (``algo.logp_old=rollout``, ``rollout_as_old``:
+    no pass), or None; and the correction (`cispo.rollout.correction.RolloutWeights`, for its metrics) or None."""
     G, estimator = cfg.rollout.group_size, cfg.algo.advantage_estimator
     scale = advantage_scale(groups, policy, G, estimator, dist_info)
     if not groups:  # this rank has nothing, but it must join the other ranks' updates
@@ -514,13 +506,14 @@ def prepare_experience(policy: Policy, groups, cfg, forks, generators, dist_info
     # the same draw the update would make (same stream), so the logp_old pass knows the first mini-batch
     first_order = row_order(len(exp), G, cfg.algo, generators["shuffle"]).to(exp.input_ids.device)
     first_rows = minibatches(first_order, cfg.algo, full_rows(cfg), kept_rows(exp, dist_info))[0]
-    from_update = logp_old_from_update(cfg, policy)
-    exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info, first_rows, from_update)
+    from_rollout = rollout_as_old(cfg, policy)
+    from_update = not from_rollout and logp_old_from_update(cfg, policy)
+    exp.logp_old = compute_logp_old(policy, exp, cfg, dist_info, first_rows, from_update, from_rollout)
     settings, correction = rollout_correction(cfg.algo), None
     if settings is not None:  # the trainer's pi_old vs the sampler's own probabilities: c_it   [B, T]
         correction = rollout_is_weights(exp.logp_old, exp.logp_rollout, exp.response_mask, **settings)
         exp.extras["tis"] = correction.weight
-    return exp, first_order, from_update, correction
+    return exp, first_order, "measure" if from_rollout else "logp_old" if from_update else None, correction
 
 
 def step_metrics(rollout: StepRollout, exp: Experience, stats: list[dict], task, forks) -> dict:

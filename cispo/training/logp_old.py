@@ -1,0 +1,135 @@
+"""Where log pi_old of the importance ratio comes from, and what stands beside it.
+
+* ``algo.logp_old=recompute`` (default): the trainer's own pass over the batch, in train mode
+  (``cispo.training.trainer.compute_logp_old``), the first update's rows taken from that update's
+  forward where that is exact (`logp_old_from_update`);
+* ``algo.logp_old=rollout``: the sampler's own log-probs, ``logp_rollout`` (verl's bypass mode), where
+  the sampler is the same policy (`rollout_as_old`): no pass; the first update's forward, which runs
+  on pi_old's weights, measures the train / rollout mismatch and the entropy on its rows
+  (`measured_metrics`).
+
+Also the reference model's pass of a KL term (`reference_logprobs`, run either way) and the rollout
+correction's settings (`rollout_correction`: the weights of pi_old / pi_rollout).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from cispo.foundations.distributed import is_sharded
+from cispo.foundations.experience import Experience
+from cispo.models.policy import Policy, policy_logprobs
+from cispo.training.metrics import mismatch_kl, pearson
+
+MEASURED = "logp_trainer"
+"""``Experience.extras`` key of the trainer's own log pi_old of the rows the first update measured
+(``algo.logp_old=rollout``)   [B, T]; NaN where nothing was measured."""
+
+
+def logp_old_from_update(cfg, policy: Policy) -> bool:
+    """Whether the first update's detached log-probs can stand in for its rows' logp_old pass
+    (``algo.logp_old_from_update``, issue 13 item 4). Exact (bitwise) when that update runs on
+    the weights that logp_old is taken at, over the same micro-batches, deterministically: not
+    with dropout in the passes (``model.dropout``, ``model.lora_dropout``: two passes draw
+    different masks), not with the fused head (its objective needs logp_old before its forward),
+    nor a rollout correction (``algo.tis_cap``, ``algo.rollout_is``: the weights of every row are formed
+    before the first update), nor FSDP (not tested sharded)."""
+    return (cfg.algo.logp_old_from_update and not cfg.model.dropout and not cfg.model.lora_dropout
+            and not cfg.algo.fused_head and rollout_correction(cfg.algo) is None and not is_sharded(policy.model))
+
+
+def rollout_correction(algo) -> dict | None:
+    """``rollout_is_weights``' settings of ``algo`` (``tis_cap`` is the token / truncate case with that upper
+    bound); None: no rollout correction."""
+    if algo.tis_cap:
+        return dict(level="token", mode="truncate", lower=None, upper=algo.tis_cap)
+    if algo.rollout_is is None:
+        return None
+    return dict(level=algo.rollout_is, mode=algo.rollout_is_mode, lower=algo.rollout_is_lower,
+                upper=algo.rollout_is_upper)
+
+
+@torch.no_grad()
+def reference_logprobs(policy: Policy, exp: Experience, cfg) -> torch.Tensor:
+    """log pi_ref of every response token of ``exp`` from the frozen reference model, under the
+    policy's autocast and LM-head precision.  -> [B, t] float32"""
+    with policy.compute():
+        lp = policy_logprobs(policy.ref_model, exp, cfg.rollout.temperature, cfg.model.fp32_lm_head,
+                             share_prompts=policy.share_prompts)
+    return lp.float()
+
+
+# ---------------------------------------------------------------------------------------
+# algo.logp_old=rollout
+# ---------------------------------------------------------------------------------------
+
+
+def not_same_policy(policy: Policy) -> str | None:
+    """Why the sampler's ``logp_rollout`` is not the trainer's log pi_old to float32 rounding, in what the
+    config cannot tell (`cispo.config.train` refuses the rest: vLLM, dropout, a low-precision
+    ``model.dtype``, a rollout correction, FSDP); None: it is.
+
+    The same policy means: the sampler draws from ``policy.model`` itself (not another engine's copy)
+    under the trainer's autocast, and every pass computes in float32 (a model saved in bfloat16 or
+    float16 with ``model.dtype`` unset runs under autocast: the sampler's KV-cached decode and the
+    trainer's forward then differ by that dtype's rounding, which the recomputed pass exists to see).
+    In float32 the LM head's code path (``model.fp32_lm_head``'s chunked head or the model's own) is the
+    same arithmetic. Both take log_softmax(logits / temperature), before top-p truncation."""
+    sampler = policy.sampler
+    if getattr(sampler, "model", None) is not policy.model:
+        return f"the sampler ({type(sampler).__name__}) does not sample from the trainer's model"
+    if getattr(sampler, "autocast", None) != policy.autocast:
+        return f"the sampler computes under autocast {sampler.autocast}, the trainer under {policy.autocast}"
+    low = policy.autocast or next((p.dtype for p in policy.model.parameters() if p.dtype != torch.float32), None)
+    if low is not None:
+        return f"the passes compute in {low} (the model's saved dtype; model.dtype=float32 computes in float32)"
+    return None
+
+
+_SAID: set[tuple[int, str]] = set()
+
+
+def rollout_as_old(cfg, policy: Policy) -> bool:
+    """Whether logp_old is the sampler's ``logp_rollout`` this step: ``algo.logp_old=rollout`` and the
+    sampler is the same policy (`not_same_policy`). Otherwise the recomputed pass, said in one line
+    per policy (not once per step)."""
+    if cfg.algo.logp_old != "rollout":
+        return False
+    why = not_same_policy(policy)
+    if why is not None and (id(policy.model), why) not in _SAID:
+        _SAID.add((id(policy.model), why))
+        print(f"cispo: algo.logp_old=rollout: logp_old is recomputed instead ({why})", file=sys.stderr)
+    return why is None
+
+
+def start_measuring(exp: Experience) -> None:
+    """``algo.logp_old=rollout``: no pass ran, so the trainer's log pi_old (`MEASURED`) and entropy are
+    unknown (NaN) until the first update's forward writes its rows'."""
+    exp.extras[MEASURED] = torch.full_like(exp.logp_rollout, math.nan)  # [B, T]
+    exp.extras["entropy"] = torch.full_like(exp.logp_rollout, math.nan)  # [B, T]
+
+
+def measured_metrics(exp: Experience) -> dict:
+    """The metrics the recomputed pass would give, over the tokens the first update measured (its
+    mini-batch: 1/K of the batch, all of it at K = 1), as ``rollout_metrics`` defines them with
+    logp_old = the trainer's log pi_old there:
+
+        objective/entropy       mean_t H_t
+        rollout/logp_corr       pearson(log pi_rollout, log pi_old)
+        rollout/logp_abs_diff   mean_t |log pi_rollout - log pi_old|
+        rollout/mismatch_kl     mean_t rho - 1 - log rho,  rho = pi_old / pi_rollout
+
+    NaN with no measured token (the entropy also under ``algo.fused_head``, whose forward gives none)."""
+    old = exp.extras[MEASURED]  # [B, T]
+    mask = exp.response_mask.bool() & ~old.isnan()  # measured response tokens   [B, T]
+    entropy = exp.extras["entropy"][mask]  # [n]
+    rollout, trainer = exp.logp_rollout[mask], old[mask]  # [n]
+    return {
+        "objective/entropy": float(entropy.mean()) if mask.any() else math.nan,
+        "rollout/logp_corr": pearson(rollout, trainer) if mask.any() else math.nan,
+        "rollout/logp_abs_diff": float((rollout - trainer).abs().mean()) if mask.any() else math.nan,
+        "rollout/mismatch_kl": mismatch_kl(old, exp.logp_rollout, mask),
+    }
