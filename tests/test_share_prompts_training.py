@@ -32,7 +32,9 @@ def _run(tiny_model, out, name, *extra):
 @pytest.mark.parametrize("order", ["random", "by_group"])
 def test_a_shared_run_learns_what_the_plain_run_learns(tiny_model, tmp_path, dense_task, order, monkeypatch):
     import cispo.models.policy as policy
+    import cispo.models.shared_prefix as shared_prefix
 
+    monkeypatch.setattr(shared_prefix, "MIN_SAVING", 0.0)  # the toy's prompts are short: share every call anyway
     shared_calls = []
     real = policy.shared_prefix_hidden
     monkeypatch.setattr(policy, "shared_prefix_hidden", lambda *a: shared_calls.append(1) or real(*a))
@@ -74,3 +76,4 @@ def test_the_micro_batch_cut_counts_a_shared_prompt_once():
     plain = length_micro_batches(exp, torch.arange(8), split_cost=0.0)
     shared = length_micro_batches(exp, torch.arange(8), split_cost=0.0, share=True)
     assert len(plain) == 2 and len(shared) == 1
+

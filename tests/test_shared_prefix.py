@@ -50,6 +50,14 @@ def loss_grads(model, exp, share: bool, fp32_head: bool):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.fixture(autouse=True)
+def share_every_call(monkeypatch):
+    """Share wherever rows share a prompt (the default shares only where it saves a quarter of a call)."""
+    import cispo.models.shared_prefix as shared_prefix
+
+    monkeypatch.setattr(shared_prefix, "MIN_SAVING", 0.0)
+
+
 def test_rows_sharing_a_prompt_are_found():
     exp = grouped_batch()
     first, copies = shared_prompts(exp)
@@ -85,3 +93,16 @@ def test_shared_prompts_give_the_plain_forwards_logps_and_gradient(kind, fp32_he
 def test_a_model_it_does_not_cover_says_why():
     cfg = transformers.GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     assert "gpt2" in unsupported_reason(transformers.GPT2LMHeadModel(cfg))
+
+
+def test_a_call_shares_only_where_it_saves_a_quarter_of_its_positions():
+    """G = 4 rows of one prompt of P tokens with responses of T: saves 3P of 4(P + T - 1)."""
+    def exp(P, T):
+        rows = [Completion({"prompt": ""}, list(range(2, 2 + P)), torch.full((T,), 5), torch.zeros(T), "eos", "")
+                for _ in range(4)]
+        return collate(rows, torch.zeros(4), PAD)
+
+    assert shared_prompts(exp(62, 64), min_saving=0.25) is not None  # SmolLM2's chat prompts: 37 % saved
+    assert shared_prompts(exp(6, 34), min_saving=0.25) is None  # the built-in addition task: 11 %
+    assert shared_prompts(exp(6, 34), min_saving=0.0) is not None
+

@@ -50,14 +50,23 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def shared_prompts(exp: Experience) -> tuple[torch.Tensor, torch.Tensor] | None:
+MIN_SAVING = 0.25
+"""A call shares its prompts only where that saves at least this share of its decoder positions:
+(B - U) x P of B x (P + T - 1). Below it, one call more (the prompt's) costs about what it saves, and
+the plain forward keeps the result bitwise as it was (the built-in tasks' prompts are a few tokens)."""
+
+
+def shared_prompts(exp: Experience, min_saving: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(first, copies)`` for the rows of ``exp`` that share a prompt (the same ids in the same
     left-padded columns): ``first`` [U] one row per distinct prompt, ``copies`` [B] the position in
-    ``first`` of each row's prompt. None when every prompt is distinct."""
-    P = exp.input_ids.shape[1] - exp.response_mask.shape[1]
+    ``first`` of each row's prompt. None when every prompt is distinct, or when running each once
+    saves less than ``min_saving`` of the call's decoder positions (None: ``MIN_SAVING``)."""
+    T = exp.response_mask.shape[1]
+    P = exp.input_ids.shape[1] - T
     prompts = exp.input_ids[:, :P].masked_fill(exp.attention_mask[:, :P] == 0, -1)  # [B, P] pads as -1
     unique, copies = torch.unique(prompts, dim=0, return_inverse=True)  # [U, P], [B]
-    if len(unique) == len(prompts):
+    B, U = len(prompts), len(unique)
+    if U == B or (B - U) * P < (MIN_SAVING if min_saving is None else min_saving) * B * (P + T - 1):
         return None
     first = torch.full((len(unique),), len(prompts), dtype=torch.long, device=copies.device)
     first = first.scatter_reduce(0, copies, torch.arange(len(prompts), device=copies.device), "amin")  # [U]
