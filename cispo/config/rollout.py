@@ -43,6 +43,10 @@ def check_vllm_kwargs(extra: dict[str, Any], key: str = "rollout.vllm_kwargs") -
         raise ValueError(f"{key}.hf_overrides.head_dtype: cispo sets it from model.fp32_lm_head (true: float32)")
 
 
+MAX_TURNS = 1000
+"""The largest ``rollout.max_turns``: each turn is at least a call and an observation of the same response."""
+
+
 @dataclass
 class RolloutConfig:
     """Sampling the generation batch."""
@@ -71,6 +75,10 @@ class RolloutConfig:
     missing); then train on what was kept. DAPO's recipe samples until the batch is full: set it
     high (e.g. 20) with ``algo.minibatch_policy=fixed_size``. At most 10^4 (on a task whose groups all
     tie, a higher cap would not end)."""
+    max_turns: int = 4
+    """Tool turns per response in a multi-turn rollout (``data.tools``; 1 to 1000): after this many
+    observations the next tool call ends the episode (TRL's ``max_tool_calling_iterations``; a chat turn
+    may carry several calls)."""
     overlong_buffer: int | None = None
     """DAPO's soft overlong penalty: the last ``overlong_buffer`` tokens before
     max_new_tokens are penalised linearly down to -1. None: off."""
@@ -112,3 +120,10 @@ class RolloutConfig:
     """More ``vllm.LLM`` arguments, e.g. ``vllm_kwargs.kv_cache_dtype=fp8``. Not those cispo sets
     (the fields above, model, seed, logprobs_mode, ...: an error names the setting to use);
     ``hf_overrides`` is merged with the FP32 head's."""
+
+    def __post_init__(self) -> None:
+        """``rollout.max_turns`` refused outside 1 to 1000 (`MAX_TURNS`), naming the field."""
+        turns = self.max_turns
+        if isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= MAX_TURNS:
+            raise ValueError(f"rollout.max_turns must be an int from 1 to {MAX_TURNS} (tool turns per response), "
+                             f"got {self.max_turns!r}")

@@ -243,6 +243,13 @@ OTHER_NAMES: dict[str, OtherName] = {
         "TRL's are callables or reward-model ids; cispo's name module:function files (a list too, summed with "
         "data.reward_weights; a reward model is rm:FOLDER)"),
     "reward_weights": OtherName("TRL", ("data.reward_weights",), "", _same, ([1.0, 0.5], [1.0, 0.5])),
+    "tools": OtherName(
+        "TRL", ("data.tools",),
+        "TRL's are the functions, passed to GRPOTrainer; cispo's name them: file.py:f,g or module:f (a list too; "
+        "built-in calculator and python)", _same, (["my_tools.py:add"], ["my_tools.py:add"])),
+    "max_tool_calling_iterations": OtherName(
+        "TRL", ("rollout.max_turns",), "tool-calling turns per response in both",
+        _at_least_one("cispo's rollout.max_turns is a count >= 1 (TRL's None leaves the turns unbounded)"), (3, 3)),
     "warmup_steps": OtherName(
         "TRL", ("optim.warmup_updates",), "optimizer steps in both",
         _at_least_one("TRL reads a warmup_steps below 1 as a share of all steps; cispo counts optimizer steps"),

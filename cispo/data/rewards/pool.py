@@ -35,6 +35,10 @@ trainer. Here every call runs in a worker process of a `RewardPool`:
    file before its writes fail (``RLIMIT_FSIZE``, POSIX);
 6. the arguments are pickled into the worker: a reward that mutates them changes its own copy.
 
+The same machinery runs other code that must not hurt the run: a pool's ``job`` (`RewardPool`;
+default `reward_job`, the reward) is loaded once per worker from the spec, and its calls return an
+`Outcome`: the tools of a multi-turn rollout (``cispo.data.tools.ToolRunner``) run so.
+
 Workers start with the ``spawn`` method: a fresh interpreter, never a fork of a process that
 holds CUDA or torch's threads, and no fork server (a process in the trainer's group: a
 SIGTERM to the group would kill it, and every worker it started would be taken for dead).
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import os
 import pickle
 import threading
@@ -63,7 +68,7 @@ from cispo.data.rewards import Outcome, describe_error, reward_outcome
 from cispo.data.rewards.processes import (OUTPUT_LIMIT_BYTES, OUTPUT_TAIL_CHARS, OutputCapture, signal_name,
                                           ignore_sigterm, worker_context)
 
-__all__ = ["RewardPool", "pool_for", "shutdown_pools", "OUTPUT_TAIL_CHARS", "OUTPUT_LIMIT_BYTES"]
+__all__ = ["RewardPool", "pool_for", "reward_job", "shutdown_pools", "OUTPUT_TAIL_CHARS", "OUTPUT_LIMIT_BYTES"]
 
 AHEAD_S = 0.05
 """A worker is sent as many calls ahead (waiting in its pipe while it runs one) as it runs in
@@ -84,38 +89,45 @@ open)."""
 # ---------------------------------------------------------------------------------------
 
 
+def reward_job(spec: str):
+    """The reward pool's job, loaded once in each worker: the reward of ``spec`` (the trainer's load tried
+    it), as ``call(prompt, completion, sample) -> Outcome`` (`reward_outcome`)."""
+    from cispo.data.rewards.loading import load_reward
+
+    return functools.partial(reward_outcome, load_reward(spec, isolation="main", trial=False))
+
+
 class _Worker:
-    """A worker's reward (loaded once) and its captured output."""
+    """A worker's job (loaded once from its spec by ``job(spec)``) and its captured output."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, job, what: str) -> None:
         self.output = OutputCapture()
-        self.reward, self.load_error = None, None
+        self.call, self.load_error = None, None
         try:
-            from cispo.data.rewards.loading import load_reward
-
-            self.reward = load_reward(spec, isolation="main", trial=False)  # the trainer's load tried it
+            self.call = job(spec)
         except BaseException as e:  # noqa: BLE001 - reported with every call
-            self.load_error = f"loading the reward in its worker failed: {describe_error(e)}"
+            self.load_error = f"loading the {what} in its worker failed: {describe_error(e)}"
 
 
-_WORKERS: dict[str, _Worker] = {}
+_WORKERS: dict[tuple, _Worker] = {}
 
 
-def start_worker(spec: str) -> None:
-    """SIGTERM ignored (`ignore_sigterm`), then the reward loaded (a load error is kept and
-    reported with every call)."""
+def start_worker(spec: str, job=reward_job, what: str = "reward") -> None:
+    """SIGTERM ignored (`ignore_sigterm`), then the job loaded (a load error is kept and reported
+    with every call)."""
     ignore_sigterm()
-    _WORKERS[spec] = _Worker(spec)
+    _WORKERS[(spec, job)] = _Worker(spec, job, what)
 
 
-def score_call(spec: str, prompt, completion, sample: dict) -> Outcome:
-    """Runs in a worker: the call's `Outcome` (`reward_outcome`: its reward, or None where it
-    abstained, and its extras), or ``(0.0, message)``; never raises."""
-    worker = _WORKERS.get(spec) or _WORKERS.setdefault(spec, _Worker(spec))
+def score_call(spec: str, *args, job=reward_job, what: str = "reward") -> Outcome:
+    """Runs in a worker: the call's `Outcome` (a reward's: `reward_outcome`, its reward, or None where
+    it abstained, and its extras; another job's: what its call returned), or ``(0.0, message)``;
+    never raises."""
+    worker = _WORKERS.get((spec, job)) or _WORKERS.setdefault((spec, job), _Worker(spec, job, what))
     outcome = Outcome(0.0, worker.load_error)
     if worker.load_error is None:
         try:
-            outcome = reward_outcome(worker.reward, prompt, completion, sample)
+            outcome = worker.call(*args)
         except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, ...: one failed call
             outcome = Outcome(0.0, describe_error(e))
     tail = worker.output.take()
@@ -124,12 +136,12 @@ def score_call(spec: str, prompt, completion, sample: dict) -> Outcome:
     return outcome
 
 
-def worker_main(spec: str, conn) -> None:
-    """A worker process: load the reward, send its pid (ready), then for each pickled call it
-    receives send None (started), score it and send ``(reward, error, seconds, extras)``, until the
+def worker_main(spec: str, conn, job=reward_job, what: str = "reward") -> None:
+    """A worker process: load the job, send its pid (ready), then for each pickled call it
+    receives send None (started), run it and send ``(value, error, seconds, extras)``, until the
     pool closes the pipe."""
-    os.set_inheritable(conn.fileno(), False)  # programs the reward runs do not hold the pipe
-    start_worker(spec)
+    os.set_inheritable(conn.fileno(), False)  # programs the job runs do not hold the pipe
+    start_worker(spec, job, what)
     conn.send(os.getpid())
     while True:
         try:
@@ -139,7 +151,7 @@ def worker_main(spec: str, conn) -> None:
         conn.send(None)
         started = time.perf_counter()
         try:
-            value, error, extras = score_call(spec, *pickle.loads(call))
+            value, error, extras = score_call(spec, *pickle.loads(call), job=job, what=what)
         except BaseException as e:  # noqa: BLE001 - e.g. an argument whose class cannot be imported here
             value, error, extras = 0.0, f"could not run in a worker process: {describe_error(e)}", ()
         conn.send((value, error, time.perf_counter() - started, extras))
@@ -183,10 +195,11 @@ class _Proc:
     """A worker process, the trainer's end of its pipe, and the calls sent to it, in order (the
     first one runs)."""
 
-    def __init__(self, spec: str, call_time: _CallTime) -> None:
-        self.call_time = call_time
+    def __init__(self, spec: str, call_time: _CallTime, job=reward_job, what: str = "reward") -> None:
+        self.call_time, self.what = call_time, what
         self.conn, theirs = worker_context().Pipe()
-        self.process = worker_context().Process(target=worker_main, args=(spec, theirs), name="cispo-reward-worker")
+        self.process = worker_context().Process(target=worker_main, args=(spec, theirs, job, what),
+                                                name=f"cispo-{what}-worker")
         self.process.start()
         theirs.close()
         self.ready, self.calls = False, collections.deque()
@@ -228,7 +241,8 @@ class _Proc:
         unstarted = []
         for call in calls:
             if call.started or call.sends >= MAX_SENDS:
-                call.future.set_result(Outcome(0.0, outcome if call.started and outcome else _death(self.process.exitcode)))
+                why = outcome if call.started and outcome else _death(self.process.exitcode, self.what)
+                call.future.set_result(Outcome(0.0, why))
             else:
                 unstarted.append(call)
         return unstarted
@@ -238,15 +252,20 @@ def _how(exitcode: int) -> str:
     return f"killed by {signal_name(-exitcode)}" if exitcode < 0 else f"exit status {exitcode}"
 
 
-def _death(exitcode: int) -> str:
-    return f"the reward's worker process died ({_how(exitcode)}); it was replaced"
+def _death(exitcode: int, what: str = "reward") -> str:
+    return f"the {what}'s worker process died ({_how(exitcode)}); it was replaced"
 
 
 class RewardPool:
-    """Worker processes for one reward spec; `score` runs a batch of calls in them."""
+    """Worker processes for one reward spec; `score` runs a batch of calls in them.
 
-    def __init__(self, spec: str, workers: int) -> None:
-        self.spec, self.workers = spec, workers
+    ``job`` (default: the reward, `reward_job`) generalises the pool to other code that must not hurt
+    the run: a picklable module-level function ``job(spec) -> call``, run once in each worker, whose
+    ``call(*args)`` returns an `Outcome` (the tools of ``cispo.data.tools`` run so); ``what`` names it
+    in the pool's messages ("the tool's worker process died")."""
+
+    def __init__(self, spec: str, workers: int, job=reward_job, what: str = "reward") -> None:
+        self.spec, self.workers, self.job, self.what = spec, workers, job, what
         self._lock = threading.Lock()
         self._queue: collections.deque[_Call] = collections.deque()
         self._wake_read, self._wake_write = worker_context().Pipe(duplex=False)
@@ -291,9 +310,12 @@ class RewardPool:
     def _start_locked(self) -> None:
         if self._dispatcher is None:
             self._closing, self._start_failed = False, False
-            self._procs = [_Proc(self.spec, self._call_time) for _ in range(self.workers)]
+            self._procs = [self._new_proc() for _ in range(self.workers)]
             self._dispatcher = threading.Thread(target=self._dispatch, name="cispo-reward-pool", daemon=True)
             self._dispatcher.start()
+
+    def _new_proc(self) -> _Proc:
+        return _Proc(self.spec, self._call_time, self.job, self.what)
 
     def _wake(self) -> None:
         """Make the dispatcher look at the queue (or at ``_closing``) now. Never silenced: with every
@@ -304,7 +326,7 @@ class RewardPool:
         """Until closed: keep `workers` processes, send queued calls to idle ready ones, read
         what they send, end the dead and the timed out. On any failure of its own, every call
         fails with the reason (no caller waits forever)."""
-        reason = "the reward pool was closed before this call finished"
+        reason = f"the {self.what} pool was closed before this call finished"
         try:
             while not self._closing:
                 self._top_up()
@@ -316,7 +338,7 @@ class RewardPool:
                 self._collect(set(ready))
                 self._expire()
         except BaseException as e:  # noqa: BLE001 - reported on every call
-            reason = f"the reward pool failed: {describe_error(e)}"
+            reason = f"the {self.what} pool failed: {describe_error(e)}"
         finally:
             with self._lock:
                 queued, self._dispatcher = list(self._queue), None
@@ -334,7 +356,7 @@ class RewardPool:
 
     def _top_up(self) -> None:
         if not self._start_failed or self._queue:  # a worker died while starting: wait for work
-            self._procs += [_Proc(self.spec, self._call_time) for _ in range(self.workers - len(self._procs))]
+            self._procs += [self._new_proc() for _ in range(self.workers - len(self._procs))]
 
     def _send_calls(self) -> None:
         """Queued calls to ready workers: one to each, then a second to each, ... up to
@@ -383,7 +405,7 @@ class RewardPool:
                 self._start_failed = True
                 if not any(p.ready for p in self._procs):
                     how = _how(proc.process.exitcode)
-                    self._fail_queued(f"the reward's worker process died while starting ({how})")
+                    self._fail_queued(f"the {self.what}'s worker process died while starting ({how})")
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -403,20 +425,20 @@ class RewardPool:
             call.future.set_result(Outcome(0.0, reason))
 
 
-_POOLS: dict[tuple[str, int], RewardPool] = {}
+_POOLS: dict[tuple, RewardPool] = {}
 
 
-def pool_for(spec: str, workers: int) -> RewardPool:
-    """The pool for ``spec`` (created on first use, its workers started by `RewardPool.start` or the
-    first call; kept until `shutdown_pools`)."""
-    key = (spec, workers)
+def pool_for(spec: str, workers: int, job=reward_job, what: str = "reward") -> RewardPool:
+    """The pool for ``spec`` (and ``job``: `RewardPool`), created on first use, its workers started by
+    `RewardPool.start` or the first call; kept until `shutdown_pools`."""
+    key = (spec, workers, job, what)
     if key not in _POOLS:
-        _POOLS[key] = RewardPool(spec, workers)
+        _POOLS[key] = RewardPool(spec, workers, job, what)
     return _POOLS[key]
 
 
 def shutdown_pools() -> None:
-    """Stop every reward pool (also at interpreter exit), killing calls still running and the
+    """Stop every worker pool, rewards' and tools' (also at interpreter exit), killing calls still running and the
     processes they started (SIGKILL to each worker's process group)."""
     while _POOLS:
         _POOLS.popitem()[1].close()

@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
 
-from cispo.data.tasks import arithmetic, chain, wordmath
+from cispo.data.tasks import arithmetic, chain, wordmath, wordmath_calc
 
-__all__ = ["Task", "UnknownTaskError", "get_task", "list_tasks", "arithmetic", "chain", "wordmath"]
+__all__ = ["Task", "UnknownTaskError", "get_task", "list_tasks", "arithmetic", "chain", "wordmath", "wordmath_calc"]
 
 
 class UnknownTaskError(ValueError):
@@ -150,6 +150,15 @@ def _wordmath(name: str = wordmath.NAME, reward: Callable[..., float] = wordmath
     )
 
 
+def _wordmath_calc() -> Task:
+    """wordmath's problems with the inline calculator (`wordmath_calc`: its prompt, reward and fork string)."""
+    return replace(_wordmath(wordmath_calc.NAME, wordmath_calc.reward), fork_tokens=wordmath_calc.FORK_TOKENS,
+                   max_new_tokens=wordmath_calc.MAX_NEW_TOKENS, used_fork=wordmath_calc.used_fork,
+                   train_samples=partial(wordmath_calc.samples, split="train"),
+                   eval_samples=partial(wordmath_calc.samples, split="eval"),
+                   extract_answer=wordmath_calc.extract_answer)
+
+
 _REGISTRY: dict[str, Callable[[], Task]] = {
     "addition": partial(_addition, arithmetic.DIGITS, "addition"),
     "addition4": partial(_addition, (4,), "addition4"),
@@ -174,6 +183,8 @@ _REGISTRY: dict[str, Callable[[], Task]] = {
     "wordmath": _wordmath,
     # the same problems and instruction; the answer pays only after a line of true working that ends in it
     "wordmath_working": partial(_wordmath, "wordmath_working", wordmath.reward_working),
+    # the same problems with an inline calculator (<calc>2+3</calc> -> <result>5</result>); scored on the policy's text
+    "wordmath_calc": _wordmath_calc,
 }
 
 

@@ -1,0 +1,469 @@
+"""The environment of a multi-turn, tool-using rollout, token in, token out.
+
+A response is a sequence of **policy segments** (what the policy samples) and **observations** (what
+the environment inserts into its context, never trained on). The sampler (``cispo.rollout``) calls
+an `Episodes` — one per ``generate`` batch, made by `ToolEnvironment.start` — with token ids only:
+`Episodes.pauses` after every sampled token, `Episodes.respond` when segments end, and the trainer
+reads `Episodes.record` for ``samples.jsonl``. The environment decodes a segment's ids only to read
+them; the ids trained on are exactly the ids sampled, and an observation is returned as token ids
+(the text the environment chose, tokenized with ``add_special_tokens=False``).
+
+Two tool formats (``data.tool_format``; `resolve_tool_format`):
+
+* ``chat`` (TRL's convention, for chat templates that render tools, e.g. Qwen2.5): the prompt
+  carries the tools' JSON schemas (`render_prompt`); a segment that ends with a stop token (EOS,
+  ``<|im_end|>``) is read for Hermes-style calls, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  (one or several, `parse_tool_calls`). None: the episode ends. Else every call runs, and the
+  observation is the chat template's own rendering of the tool turn(s) and of the next assistant
+  turn's opening: the text by which rendering ``[user, assistant, tool...]`` with the generation
+  prompt extends rendering ``[user, assistant]`` (TRL's minimal conversation), after the end of the
+  assistant turn the policy sampled (``"\\n"`` after ``<|im_end|>`` in ChatML; `chat_observation`).
+* ``inline`` (ToRL / ReTool, any template): generation pauses when a segment's text ends with a stop
+  string ``</tag>`` — the stop string completed by the segment's last token, whose text may run on
+  past it (SmolLM2 spells ``</calc>.`` as ``</``, ``calc``, ``>.``); the call is the text between the
+  last ``<tag>`` and that ``</tag>``, passed as the tool's first argument (the calculator's tag is
+  ``calc``: `INLINE_TAGS`; any other tool's is its name). The observation is
+  ``<result>OUTPUT</result>`` with every ``<`` of the output written ``&lt;`` (`inline_observation`),
+  so an observation never holds a tag; a failed call's is ``<result>error: ...</result>``. A segment
+  that ends with a stop token ends the episode.
+
+Every observation is at most ``max_observation_tokens`` tokens: a longer output is cut (with a
+``[cut]`` note) so the observation keeps its closing text (`fit_observation`). After ``max_turns``
+observations (``rollout.max_turns``; a chat turn may carry several calls), the next call ends the
+episode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from cispo.data.tasks import wordmath_calc
+from cispo.data.tools import (Tool, ToolCall, ToolResult, ToolRunner, ToolSpecError, as_tool, check_python_tool,
+                              load_tools, policy_error, tool_schema)
+
+__all__ = ["ToolEnvironment", "Episodes", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "resolve_tool_format",
+           "template_takes_tools", "render_prompt", "prompt_messages", "parse_tool_calls", "inline_call",
+           "inline_observation", "chat_observation", "fit_observation", "build_environment",
+           "environment_from_config"]
+
+TOOL_FORMATS = ("auto", "chat", "inline")
+INLINE_TAGS = {"calculator": "calc"}
+"""A tool's inline tag where it is not the tool's name (``<calc>2+3</calc>`` calls ``calculator``)."""
+TASK_TOOLS = {wordmath_calc.NAME: (wordmath_calc.TOOLS, wordmath_calc.TOOL_FORMAT)}
+"""A built-in task's own tools and format, used where ``data.tools`` is None / ``data.tool_format`` auto."""
+CUT_NOTE = " [cut]"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts and formats
+# ---------------------------------------------------------------------------------------
+
+
+def prompt_messages(sample: dict, system_prompt: str | None = None) -> list[dict]:
+    """The sample's chat messages (its text prompt as one user message), after a system message
+    ``system_prompt`` unless they start with their own: what ``Policy.encode`` renders."""
+    messages = list(sample.get("messages") or [{"role": "user", "content": sample["prompt"]}])
+    if system_prompt is not None and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return messages
+
+
+def render_prompt(tokenizer, sample: dict, tools: list[dict] | None = None,
+                  system_prompt: str | None = None) -> list[int]:
+    """A sample's prompt ids through the chat template, the assistant turn opened, with the tools' JSON
+    schemas (`ToolEnvironment.schemas`) where there are any (``chat`` format)."""
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(prompt_messages(sample, system_prompt), add_generation_prompt=True,
+                                        tokenize=True, **extra)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+_PROBE_SCHEMA = {"type": "function", "function": {"name": "cispo_probe_tool", "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+
+
+def template_takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders tools (a tool's name appears in the prompt) and
+    a tool turn after an assistant turn that calls it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=[_PROBE_SCHEMA], tokenize=False,
+                                             add_generation_prompt=True)
+        call = {"name": "cispo_probe_tool", "arguments": {}}
+        chat_observation(tokenizer, [call], [_tool_message("cispo_probe_tool", "ok")], "")
+    except Exception:  # noqa: BLE001 - a template that cannot render tools, for whatever reason
+        return False
+    return "cispo_probe_tool" in text
+
+
+def resolve_tool_format(tokenizer, tool_format: str = "auto", task: str | None = None) -> str:
+    """``chat`` or ``inline`` for ``data.tool_format``: ``auto`` is a built-in task's own (`TASK_TOOLS`:
+    ``wordmath_calc``'s prompt teaches the inline calculator), else ``chat`` where the template takes
+    tools (`template_takes_tools`), else ``inline``. ``chat`` with a template that takes none is refused."""
+    if tool_format not in TOOL_FORMATS:
+        raise ToolSpecError(f"data.tool_format must be one of {', '.join(TOOL_FORMATS)}, got {tool_format!r}")
+    if tool_format == "auto":
+        if task in TASK_TOOLS:
+            return TASK_TOOLS[task][1]
+        return "chat" if template_takes_tools(tokenizer) else "inline"
+    if tool_format == "chat" and not template_takes_tools(tokenizer):
+        raise ToolSpecError("data.tool_format=chat: the tokenizer's chat template renders no tools (or no tool turn): "
+                            "use data.tool_format=inline, or a model whose template takes tools (Qwen2.5, Llama 3.1)")
+    return tool_format
+
+
+def parse_tool_calls(text: str) -> list[ToolCall | str]:
+    """The Hermes / Qwen2.5 tool calls in ``text``, in order: each ``<tool_call>`` block's JSON object as a
+    `ToolCall` (``arguments``, or ``parameters``; a JSON string of them is read too), or, where a block
+    is no such object, the error message saying why. [] when there is no block."""
+    out: list[ToolCall | str] = []
+    for block in _tool_call_blocks(text):
+        try:
+            call = json.loads(block.strip())
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise ValueError('expected {"name": ..., "arguments": {...}}')
+            arguments = call.get("arguments", call.get("parameters", {}))
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            out.append(ToolCall(call["name"], arguments if arguments is not None else {}))
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            out.append(f"the tool call is not valid JSON of a call: {e}")
+    return out
+
+
+def _tool_call_blocks(text: str) -> list[str]:
+    """The text inside each ``<tool_call>...</tool_call>``, in order (linear in the length: an opening
+    without a closing ends the scan)."""
+    blocks, i = [], 0
+    while (start := text.find(TOOL_CALL_OPEN, i)) >= 0:
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        if end < 0:
+            break
+        blocks.append(text[start + len(TOOL_CALL_OPEN) : end])
+        i = end + len(TOOL_CALL_CLOSE)
+    return blocks
+
+
+def inline_call(text: str, tags: dict[str, str]) -> tuple[str, str | None]:
+    """``(tool name, argument text)`` of the inline call that ``text`` ends with (the ``</tag>`` that ends
+    last, the text after the last ``<tag>`` before it; ``tags``: tag -> tool name), the argument None
+    where no ``<tag>`` opens it. ``("", None)`` where no ``</tag>`` is in ``text``."""
+    best = ("", -1, "")
+    for tag, name in tags.items():
+        end = text.rfind(f"</{tag}>")
+        if end > best[1]:
+            best = (name, end, tag)
+    name, end, tag = best
+    if end < 0:
+        return "", None
+    start = text.rfind(f"<{tag}>", 0, end)
+    return name, None if start < 0 else text[start + len(tag) + 2 : end].strip()
+
+
+def inline_observation(text: str) -> str:
+    """``<result>text</result>``, every ``<`` of ``text`` written ``&lt;`` (an observation holds no tag)."""
+    return f"<result>{text.replace('<', '&lt;')}</result>"
+
+
+def _assistant(content: str, calls: list[dict]) -> dict:
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+    return message
+
+
+def _tool_message(name: str, content: str) -> dict:
+    return {"role": "tool", "name": name, "content": content}
+
+
+def chat_observation(tokenizer, calls: list[dict], tool_messages: list[dict], stop_text: str) -> str:
+    """The observation text of a chat tool turn: what the template puts after the assistant turn's end
+    (``stop_text``, the stop token the policy sampled: ``"\\n"`` after ``<|im_end|>``; nothing where
+    ``stop_text`` is not in the rendering), then the tool turn(s) and the next assistant turn's opening
+    — the text by which ``history + [assistant] + tool_messages`` rendered with the generation prompt
+    extends ``history + [assistant]``, the assistant turn making ``calls`` (TRL's ``_get_tool_suffix_ids``:
+    a minimal history, one user message, so that no template renders it differently once a tool turn
+    follows). ValueError where it does not extend it."""
+    messages = [{"role": "user", "content": "dummy"}, _assistant("", calls)]
+    before = tokenizer.apply_chat_template(messages, tokenize=False)
+    after = tokenizer.apply_chat_template([*messages, *tool_messages], tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError("the chat template renders the assistant turn differently once a tool turn follows it")
+    end = before.rfind(stop_text) if stop_text else -1
+    closing = before[end + len(stop_text):] if end >= 0 else ""
+    return closing + after[len(before):]
+
+
+def fit_observation(tokenizer, render: Callable[[list[str]], str], contents: list[str], cap: int) -> list[int]:
+    """The ids of ``render(contents)``, at most ``cap`` of them: where it is longer, each content is cut to
+    an equal share of what the rendering's own text leaves (its first tokens, then `CUT_NOTE`; smaller
+    where the rendering grows it), so the closing text stays; where even that is too long, the ids are
+    cut at ``cap``."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = encode(render(contents))
+    if len(ids) <= cap:
+        return ids
+    n = max(1, len(contents))
+    share = max(0, (cap - len(encode(render([CUT_NOTE] * len(contents))))) // n)
+    for _ in range(8):  # the rendering may grow a content (escaping): shrink the share by what is over
+        cut = [tokenizer.decode(encode(c)[:share]) + CUT_NOTE if len(encode(c)) > share else c for c in contents]
+        ids = encode(render(cut))
+        if len(ids) <= cap or share == 0:
+            break
+        share = max(0, share - max(1, math.ceil((len(ids) - cap) / n)))
+    return ids if len(ids) <= cap else ids[:cap]
+
+
+# ---------------------------------------------------------------------------------------
+# The environment and its episodes
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    """One episode: the record's segments and calls, turns taken, and the policy segment the sampler
+    showed last (`Episodes.pauses`) that no `Episodes.respond` took yet."""
+
+    segments: list[dict] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)
+    turns: int = 0
+    pending: list[int] | None = None
+
+
+@dataclass
+class _Plan:
+    """A paused row's turn: its calls (each a `ToolCall`, or the message of one that could not be read),
+    the tool each names (None: unread), and (``chat``) the text of the stop token that ended it."""
+
+    calls: list
+    names: list
+    stop_text: str = ""
+
+
+class ToolEnvironment:
+    """Tools as an environment (module docstring).
+
+    Args:
+        tokenizer: the policy's (Hugging Face) tokenizer. tools: `Tool` s or plain functions.
+        tool_format: ``chat``, ``inline`` or ``auto`` (`resolve_tool_format`). max_turns: observations per
+            response (``rollout.max_turns``). runner: the `ToolRunner` that runs the calls.
+        max_observation_tokens: the longest observation (`fit_observation`). system_prompt: the system
+            message ``Policy.encode`` puts first (`render_prompt`).
+    """
+
+    def __init__(self, tokenizer, tools: list, tool_format: str, max_turns: int, runner: ToolRunner,
+                 max_observation_tokens: int = 256, system_prompt: str | None = None) -> None:
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ToolSpecError(f"rollout.max_turns must be an int >= 1, got {max_turns!r}")
+        if max_observation_tokens < 8:
+            raise ToolSpecError(f"max_observation_tokens must be >= 8, got {max_observation_tokens!r}")
+        self.tokenizer, self.runner, self.max_turns = tokenizer, runner, max_turns
+        self.tools: list[Tool] = [as_tool(t) for t in tools]
+        self.tool_format = resolve_tool_format(tokenizer, tool_format)
+        self.max_observation_tokens, self.system_prompt = max_observation_tokens, system_prompt
+        self.tags = {INLINE_TAGS.get(t.name, t.name): t.name for t in self.tools}
+        if self.tool_format == "inline":
+            for tool in self.tools:
+                tool.argument  # noqa: B018 - refuses a tool that takes no argument, now
+        self._may_end: dict[int, bool] = {}
+        self._specials = tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if len(t) > 1)
+        self.schemas: list[dict] = [tool_schema(t) for t in self.tools] if self.tool_format == "chat" else []
+        """The tools' JSON schemas the prompt renders (``chat``; `render_prompt`); [] inline."""
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The strings that pause a segment (``inline``: each tool's ``</tag>``; ``chat``: none)."""
+        return tuple(f"</{tag}>" for tag in self.tags) if self.tool_format == "inline" else ()
+
+    def defuse(self, text: str) -> str:
+        """``text`` with every special token's spelling (``<|im_end|>``) broken by a zero-width space after its
+        first character, so that a tool's output cannot end a turn or open one when tokenized (``chat``; an
+        inline observation has no ``<`` at all)."""
+        for special in self._specials:
+            if special in text:
+                text = text.replace(special, f"{special[0]}\u200b{special[1:]}")
+        return text
+
+    def may_end_stop(self, token_id: int) -> bool:
+        """Whether token ``token_id``'s text holds the last character of a stop string (so it may complete
+        one), remembered per token; always True for a stop string ending in a non-ASCII character (a
+        byte-level token may hold part of it)."""
+        hit = self._may_end.get(token_id)
+        if hit is None:
+            ends = {s[-1] for s in self.stop_strings}
+            text = self.tokenizer.decode([token_id])
+            hit = self._may_end[token_id] = any(c in text for c in ends) or not all(c.isascii() for c in ends)
+        return hit
+
+    def start(self, samples: list[dict]) -> Episodes:
+        """The `Episodes` of one ``generate`` batch: row i is ``samples[i]``'s episode."""
+        return Episodes(self, samples)
+
+    def render_prompt(self, sample: dict) -> list[int]:
+        """The sample's prompt ids with this environment's tools (`render_prompt`)."""
+        return render_prompt(self.tokenizer, sample, self.schemas or None, self.system_prompt)
+
+    def close(self) -> None:
+        """Stop the tools' worker processes."""
+        self.runner.close()
+
+
+class Episodes:
+    """One ``generate`` batch's episodes; row i is ``samples[i]`` (the sampler's protocol,
+    ``cispo.rollout.base.Episodes``). Not thread-safe: the sampler calls it from one thread."""
+
+    def __init__(self, env: ToolEnvironment, samples: list[dict]) -> None:
+        self.env, self.tokenizer = env, env.tokenizer
+        self.stop_strings = env.stop_strings
+        self._tail = max((len(s) for s in self.stop_strings), default=0) + 2  # tokens: each spells >= 1 character
+        self._rows = [_Row() for _ in samples]
+
+    def pauses(self, row: int, segment_ids: list[int]) -> bool:
+        """True when the policy segment (the ids the policy sampled since the prompt or the last
+        observation, newest last) now ends with one of the environment's stop strings (inline tools,
+        e.g. ``</calc>``): the string completed by its last token, whose text may run on past it.
+        Called after every sampled token of a live row, so it decodes only a tail of the ids (the
+        longest stop string's length + 2 tokens), and only where the last token's text holds a stop
+        string's last character (`ToolEnvironment.may_end_stop`). ``chat``: always False (its segments end
+        with a stop token). Keeps the segment for `record`, where no `respond` takes it (a row cut by the length)."""
+        self._rows[row].pending = segment_ids
+        if not self.stop_strings or not segment_ids or not self.env.may_end_stop(segment_ids[-1]):
+            return False
+        tail = segment_ids[-self._tail:]
+        text, before = self.tokenizer.decode(tail), self.tokenizer.decode(tail[:-1])
+        return any(text.find(s, max(0, len(before) - len(s) + 1)) >= 0 for s in self.stop_strings)
+
+    def respond(self, rows: list[int], segments: list[list[int]], by_stop_token: list[bool]) -> list[list[int] | None]:
+        """For each paused row (its segment ended by a stop string, or by a stop token such as
+        EOS / ``<|im_end|>`` when ``by_stop_token``), the observation's token ids to insert into its
+        context (not trained on), or None: the episode ends and the row's response is final. Runs
+        every tool call of this batch of rows at once, in parallel (`ToolRunner.run`). None once a row
+        has had ``max_turns`` observations; an observation is at most ``max_observation_tokens`` ids."""
+        plans = [self._plan(r, seg, tok) for r, seg, tok in zip(rows, segments, by_stop_token)]
+        calls = [c for plan in plans if plan is not None for c in plan.calls if isinstance(c, ToolCall)]
+        results = iter(self.env.runner.run(calls))
+        out = []
+        for r, plan in zip(rows, plans):
+            if plan is None:
+                out.append(None)
+                continue
+            done = [next(results) if isinstance(c, ToolCall) else ToolResult(policy_error(c), c, 0.0)
+                    for c in plan.calls]
+            out.append(self._observe(r, plan, done))
+        return out
+
+    def record(self, row: int) -> dict:
+        """What ``samples.jsonl`` shows of the row's episode: ``{"segments": [{"role": "policy" | "tool",
+        "text": ...}, ...], "tool_calls": n, "tool_errors": n, "calls": [{"name", "arguments", "error",
+        "seconds"}, ...]}`` (a segment's text decoded without special tokens; an observation's as inserted)."""
+        state = self._rows[row]
+        segments = list(state.segments)
+        if state.pending:
+            segments.append({"role": "policy", "text": self.tokenizer.decode(state.pending, skip_special_tokens=True)})
+        return {"segments": segments, "tool_calls": len(state.calls),
+                "tool_errors": sum(c["error"] is not None for c in state.calls), "calls": list(state.calls)}
+
+    # -- one row ---------------------------------------------------------------------
+
+    def _plan(self, row: int, segment: list[int], by_stop_token: bool) -> _Plan | None:
+        """Record the row's segment; the `_Plan` of its observation, or None where its episode ends."""
+        state = self._rows[row]
+        state.pending = None
+        text = self.tokenizer.decode(segment, skip_special_tokens=True)
+        state.segments.append({"role": "policy", "text": text})
+        if self.env.tool_format == "inline":
+            plan = None if by_stop_token else self._inline_plan(text)
+        else:
+            plan = self._chat_plan(segment, by_stop_token)
+        return None if plan is None or state.turns >= self.env.max_turns else plan
+
+    def _inline_plan(self, text: str) -> _Plan | None:
+        name, argument = inline_call(text, self.env.tags)
+        if not name:
+            return None
+        if argument is None:
+            tag = next(t for t, n in self.env.tags.items() if n == name)
+            return _Plan([f"the call has no opening <{tag}>"], [name])
+        tool = next(t for t in self.env.tools if t.name == name)
+        return _Plan([ToolCall(name, {tool.argument: argument})], [name])
+
+    def _chat_plan(self, segment: list[int], by_stop_token: bool) -> _Plan | None:
+        raw = self.tokenizer.decode(segment)
+        stop_text = self.tokenizer.decode(segment[-1:]) if by_stop_token else ""
+        body = raw[: len(raw) - len(stop_text)] if stop_text and raw.endswith(stop_text) else raw
+        calls = parse_tool_calls(body)
+        if not calls:
+            return None
+        return _Plan(calls, [c.name if isinstance(c, ToolCall) else None for c in calls], stop_text)
+
+    def _observe(self, row: int, plan: _Plan, results: list[ToolResult]) -> list[int]:
+        """The row's observation ids for ``results``; the calls and the observation recorded."""
+        state = self._rows[row]
+        for call, name, result in zip(plan.calls, plan.names, results):
+            state.calls.append({"name": name, "arguments": call.arguments if isinstance(call, ToolCall) else None,
+                                "error": result.error, "seconds": round(result.seconds, 4)})
+        texts = [r.text for r in results]
+        if self.env.tool_format == "inline":
+            ids = fit_observation(self.tokenizer, lambda t: inline_observation(t[0]), texts,
+                                  self.env.max_observation_tokens)
+        else:
+            ids = self._chat_ids(plan, texts)
+        state.turns += 1
+        state.segments.append({"role": "tool", "text": self.tokenizer.decode(ids)})
+        return ids
+
+    def _chat_ids(self, plan: _Plan, texts: list[str]) -> list[int]:
+        """The chat observation's ids (`chat_observation`, fitted)."""
+        names = [n or "unknown" for n in plan.names]
+        calls = [{"name": n, "arguments": c.arguments if isinstance(c, ToolCall) else {}}
+                 for n, c in zip(names, plan.calls)]
+        texts = [self.env.defuse(t) for t in texts]
+
+        def render(contents: list[str]) -> str:
+            return chat_observation(self.tokenizer, calls, [_tool_message(n, t) for n, t in zip(names, contents)],
+                                    plan.stop_text)
+
+        return fit_observation(self.tokenizer, render, texts, self.env.max_observation_tokens)
+
+
+# ---------------------------------------------------------------------------------------
+# From the config
+# ---------------------------------------------------------------------------------------
+
+
+def build_environment(tokenizer, tools=None, tool_format: str = "auto", max_turns: int = 4, timeout_s: float = 5.0,
+                      task: str | None = None, system_prompt: str | None = None, workers: int | None = None,
+                      isolation: str = "process", max_observation_tokens: int = 256) -> ToolEnvironment | None:
+    """The run's `ToolEnvironment`, or None where it has no tools. ``tools``: ``data.tools`` (specs, or
+    `Tool` s / functions); None: the built-in ``task``'s own (`TASK_TOOLS`: ``wordmath_calc``'s
+    calculator), else none; ``[]``: none. The ``python`` tool is refused where the code sandbox does not run
+    (`check_python_tool`). The tools' worker processes are started now (`ToolRunner.start`)."""
+    if tools is None:
+        tools = list(TASK_TOOLS[task][0]) if task in TASK_TOOLS else []
+    specs = [tools] if isinstance(tools, str) else list(tools)
+    if not specs:
+        return None
+    loaded = [t for s in specs for t in (load_tools(s) if isinstance(s, str) else [as_tool(s)])]
+    if any(t.builtin and t.name == "python" for t in loaded):
+        check_python_tool()
+    fmt = resolve_tool_format(tokenizer, tool_format, task)
+    runner = ToolRunner(loaded, timeout_s=timeout_s, workers=workers, isolation=isolation)
+    env = ToolEnvironment(tokenizer, loaded, fmt, max_turns, runner, max_observation_tokens, system_prompt)
+    runner.start()
+    return env
+
+
+def environment_from_config(tokenizer, data_cfg, rollout_cfg) -> ToolEnvironment | None:
+    """`build_environment` from ``data.tools``, ``data.tool_format``, ``data.tool_timeout_s``,
+    ``data.task`` (a built-in task's own tools where ``data.path`` is None), ``data.system_prompt`` and
+    ``rollout.max_turns``."""
+    task = data_cfg.task if data_cfg.path is None else None
+    return build_environment(tokenizer, data_cfg.tools, data_cfg.tool_format, rollout_cfg.max_turns,
+                             data_cfg.tool_timeout_s, task=task, system_prompt=data_cfg.system_prompt)

@@ -1,0 +1,99 @@
+"""``wordmath_calc``: the ``wordmath`` word problems with an inline calculator (issue 45).
+
+The same problems as ``wordmath`` (its generator, seeds and split: a seed gives the same problems in
+both tasks), with a prompt that tells the model about the calculator: ``<calc>2+3</calc>`` pauses
+generation and the environment (``cispo.data.environments``, inline format) inserts
+``<result>5</result>``; generation goes on in the same turn. The task's tools are ``calculator``
+(`TOOLS`, used where ``data.tools`` is None) in the inline format (`TOOL_FORMAT`: the prompt teaches
+it, whatever the chat template can do). The fork diagnostics track the string ``<calc>`` (`FORK_TOKENS`):
+the token where the policy decides to call the tool.
+
+**The reward reads the policy's own text only.** The completion the trainer scores is the whole
+transcript (the policy's segments and the observations, decoded together); `policy_text` takes the
+observations out and the verifier is ``wordmath``'s (`wordmath.reward`) on what is left. So the
+calculator is worth what it does to the policy's words and nothing else: an answer that appears
+only in a result (``#### <calc>3+4</calc><result>7</result>``) states none, an echo of a result
+without an answer marker states none, a result after the stated answer neither hedges it nor
+restates it, and a wrong result the policy copies is the policy's wrong answer. (Scoring the
+transcript instead would let a tool's output — a ``python`` program printing ``#### 7`` — state
+the answer for the policy.)
+
+`policy_text` relies on what the inline environment guarantees: an observation is inserted only right
+after the token that completed a ``</calc>`` (whose text may run on a few characters past it:
+``>.``, ``><``), it is ``<result>...</result>``, and its text holds no ``<`` (written ``&lt;``). So the
+observation after a ``</calc>`` is the first ``<result>`` within `MAX_TOKEN_CHARS` characters, up to the
+first ``</result>``, with no ``<`` between. A ``<result>`` the policy writes itself anywhere else stays
+(the verifier reads it); one right after a ``</calc>`` cannot be the policy's unless a single token of
+the vocabulary spells both the end of ``</calc>`` and ``<result>`` (none of SmolLM2's does).
+"""
+
+from __future__ import annotations
+
+from cispo.data.tasks import wordmath
+from cispo.foundations.forks import used_any
+
+NAME = "wordmath_calc"
+TOOLS = ("calculator",)
+"""The task's tools where ``data.tools`` is None."""
+TOOL_FORMAT = "inline"
+"""The task's tool format where ``data.tool_format`` is auto: the prompt teaches the inline calculator."""
+FORK_TOKENS = ("<calc>",)
+"""The fork diagnostics' string: the opening of a calculator call."""
+CALL_OPEN, CALL_CLOSE, RESULT_OPEN, RESULT_CLOSE = "<calc>", "</calc>", "<result>", "</result>"
+SYSTEM_PROMPT = wordmath.SYSTEM_PROMPT
+INSTRUCTION = ("You have a calculator: write <calc>2+3</calc> and it gives <result>5</result>. Use it for the "
+               "arithmetic, then write the final answer as: #### <number>")
+"""Appended to each problem in the user turn (where SmolLM2-135M follows wordmath's instruction more often)."""
+MAX_NEW_TOKENS = 160
+"""wordmath's 96 and room for a few calls and their results (an observation counts against the length)."""
+MAX_TOKEN_CHARS = 32
+"""The most characters one token's text runs on past the ``</calc>`` it completes (`policy_text`)."""
+
+
+def samples(seed: int, n: int, split: str = "train") -> list[dict]:
+    """``wordmath.samples`` (the same problems, answers and split) with the calculator's prompt:
+    ``{"prompt", "messages", "answer", "solution"}``."""
+    out = []
+    for s in wordmath.samples(seed, n, split):
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": f"{s['prompt']}\n{INSTRUCTION}"}]
+        out.append({**s, "messages": messages})
+    return out
+
+
+def policy_text(transcript: str) -> str:
+    """``transcript`` without the environment's observations (module docstring): after each
+    ``</calc>``, the first ``<result>`` within `MAX_TOKEN_CHARS` characters up to the first
+    ``</result>`` after it, where no ``<`` lies between the two, is taken out. Linear in the length."""
+    out, i = [], 0
+    while True:
+        close = transcript.find(CALL_CLOSE, i)
+        if close < 0:
+            break
+        after = close + len(CALL_CLOSE)
+        start = transcript.find(RESULT_OPEN, after, after + MAX_TOKEN_CHARS + len(RESULT_OPEN))
+        end = transcript.find("<", start + len(RESULT_OPEN)) if start >= 0 else -1  # the next tag: </result>?
+        if end < 0 or not transcript.startswith(RESULT_CLOSE, end):
+            out.append(transcript[i:after])
+            i = after
+            continue
+        out.append(transcript[i:start])
+        i = end + len(RESULT_CLOSE)
+    out.append(transcript[i:])
+    return "".join(out)
+
+
+def reward(prompt, completion: str, answer=None, **sample) -> float:
+    """``wordmath.reward`` on the policy's own text (`policy_text`): 1.0 iff its stated final answer equals
+    ``answer`` and no other number follows it."""
+    return wordmath.reward(prompt, policy_text(completion), answer)
+
+
+def extract_answer(completion: str) -> str | None:
+    """``wordmath.extract_answer`` on the policy's own text (what maj@k votes on)."""
+    return wordmath.extract_answer(policy_text(completion))
+
+
+def used_fork(completion: str) -> bool:
+    """Whether the policy called the calculator (``<calc>``)."""
+    return used_any(FORK_TOKENS, completion)
