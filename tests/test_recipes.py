@@ -226,7 +226,8 @@ def test_scalerl_recipe_settings():
     assert cfg.algo.advantage_estimator == "batch-std"
     assert (cfg.rollout.dynamic_sampling, cfg.rollout.max_sampling_rounds) == (True, 1)  # filtered, not resampled
     assert cfg.model.fp32_lm_head
-    assert RECIPES["scalerl"].missing.startswith("No-Positive-Resampling")
+    assert cfg.data.retire_pass_rate == 0.9  # No-Positive-Resampling
+    assert RECIPES["scalerl"].missing.startswith("PipelineRL")
 
 
 def test_cli_reads_recipes(capsys):

@@ -89,6 +89,11 @@ class DataConfig:
     token and token sequence of the vocabulary that spells it (docs/metrics.md). None: the task's own
     (``wordmath``: an English list; ``addition``, ``chain``: ``[W]``; prompt files: none); ``[]``: none.
     ``data.fork_token=Wait``, its old name (one string), still reads as ``[Wait]``."""
+    retire_pass_rate: float | None = None
+    """ScaleRL's No-Positive-Resampling (arXiv 2510.13786): a training prompt whose group's pass rate
+    (the mean task reward of its G responses) reaches this is not sampled again (in (0, 1]; ScaleRL:
+    0.9; ``recipe=scalerl`` sets it). Kept across a resume; once every prompt is retired the stream
+    samples them all again (said once). None: off."""
     reward_timeout_s: float | None = 60.0
     """Per-call reward timeout; a reward that hangs, raises or returns a non-number scores 0
     and is counted in ``rollout/reward_errors``. Applies to rewards in worker processes
@@ -100,6 +105,19 @@ class DataConfig:
     and ``file.py:function``."""
     reward_workers: int | None = None
     """Worker processes of a ``process`` reward (1 to 1024). None: min(8, CPU count)."""
+    tools: str | list[str] | None = None
+    """Tools of a multi-turn rollout (issue 45; ``cispo.data.tools``): ``calculator``, ``python`` (the code
+    sandbox), ``module:function``, ``file.py:function`` or ``file.py:add,multiply`` (TRL-style functions:
+    typed arguments and a docstring), or a list of them. None: the built-in task's own
+    (``wordmath_calc``: ``calculator``), else none; ``[]``: none."""
+    tool_format: Literal["auto", "chat", "inline"] = "auto"
+    """How the policy calls a tool: ``chat`` (the chat template's tool calls and tool turns, TRL's),
+    ``inline`` (``<calc>2+3</calc>`` pauses generation and ``<result>5</result>`` is inserted in the same
+    turn), ``auto``: the built-in task's own (``wordmath_calc``: inline), else chat where the model's chat
+    template takes tools, else inline."""
+    tool_timeout_s: float = 5.0
+    """Per-call tool timeout (> 0): a call past it has its worker process killed and replaced, and the
+    policy is shown a short error."""
 
     def __post_init__(self) -> None:
         """A prompt file's held-out count is known now (`FILE_EVAL_PROMPTS`), so every reader of a file's
@@ -107,3 +125,15 @@ class DataConfig:
         task's stays None until the run reads it from the task (`cispo.training.setup.eval_defaults`)."""
         if self.path is not None and self.num_eval_prompts is None:
             self.num_eval_prompts = FILE_EVAL_PROMPTS
+        check_tools(self.tools, self.tool_timeout_s)
+
+
+def check_tools(tools, timeout_s) -> None:
+    """ValueError naming the field for ``data.tools`` entries that are no non-empty strings and a
+    ``data.tool_timeout_s`` that is not a finite number > 0 (the names themselves are checked when loaded)."""
+    items = [tools] if isinstance(tools, str) else tools or []
+    if any(not isinstance(t, str) or not t.strip() or t.strip().endswith(":") for t in items):
+        raise ValueError(f"data.tools: each entry must name a tool ('calculator', 'python', 'module:function', "
+                         f"'file.py:f,g'), got {tools!r}")
+    if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < float("inf")):
+        raise ValueError(f"data.tool_timeout_s must be a number > 0, got {timeout_s!r}")

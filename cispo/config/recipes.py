@@ -44,9 +44,10 @@ RECIPES: dict[str, Recipe] = {
     "scalerl": Recipe(
         ("algo.objective=cispo", "algo.objective_overrides.eps_high_is=4.0",
          "algo.objective_overrides.aggregation=prompt-mean-token-mean", "algo.advantage_estimator=batch-std",
-         "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=1", "model.fp32_lm_head=true"),
+         "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=1", "model.fp32_lm_head=true",
+         "data.retire_pass_rate=0.9"),
         "ScaleRL, Khatri et al. 2025, 'The Art of Scaling Reinforcement Learning Compute for LLMs', arXiv 2510.13786",
-        "No-Positive-Resampling (prompts with a historical pass rate >= 0.9 no longer sampled), PipelineRL-8 "
+        "PipelineRL-8 "
         "(asynchronous generation; cispo alternates: algo.updates_per_batch updates per generation batch), forced "
         "length interruptions; its IS ratio is anchored on the generator's log-probs, cispo's on the recomputed "
         "logp_old (docs/objective.md)",

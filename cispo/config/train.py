@@ -220,6 +220,8 @@ def _data_checks(cfg: TrainConfig) -> list[Check]:
         ("data.num_eval_prompts", d.num_eval_prompts is None or d.num_eval_prompts >= 0,
          "must be >= 0 or None (the task's own)"),
         ("data.reward_timeout_s", d.reward_timeout_s is None or d.reward_timeout_s > 0, "must be > 0 or None (off)"),
+        ("data.retire_pass_rate", d.retire_pass_rate is None or 0 < d.retire_pass_rate <= 1,
+         "must be in (0, 1] or None (off)"),
         ("data.reward_workers", d.reward_workers is None or d.reward_workers >= 1, "must be >= 1 or None (auto)"),
         *_reward_list_checks(d),
     ]

@@ -12,6 +12,7 @@ on the number of generation rounds.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -36,24 +37,42 @@ class PromptStream:
         self.epoch = 0
         self.index = 0
         self._order = self._permutation(0)
+        self.retired: set[int] = set()  # samples no longer taken (`retire`)
+        self._position = {id(s): i for i, s in enumerate(self.samples)}
+
+    def retire(self, sample: dict) -> bool:
+        """Take ``sample`` (one this stream handed out) no more (ScaleRL's No-Positive-Resampling);
+        True if it was not retired yet. Once every sample is retired, ``take`` hands them all out again."""
+        i = self._position.get(id(sample))
+        if i is None or i in self.retired:
+            return False
+        self.retired.add(i)
+        return True
 
     def _permutation(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.samples), generator=g).tolist()
 
     def take(self, n: int) -> list[dict]:
-        """The next ``n`` samples (crossing epoch boundaries as needed)."""
+        """The next ``n`` samples (crossing epoch boundaries as needed), retired ones skipped."""
+        if len(self.retired) == len(self.samples):
+            print(f"cispo: data.retire_pass_rate: all {len(self.samples)} training prompts retired; "
+                  "sampling them all again", file=sys.stderr)
+            self.retired.clear()
         out = []
         while len(out) < n:
             if self.index == len(self._order):
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-            out.append(self.samples[self._order[self.index]])
+            i = self._order[self.index]
             self.index += 1
+            if i not in self.retired:
+                out.append(self.samples[i])
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_samples": len(self.samples)}
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_samples": len(self.samples),
+                "retired": sorted(self.retired)}
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_samples"] != len(self.samples) or state["seed"] != self.seed:
@@ -63,6 +82,7 @@ class PromptStream:
             )
         self.epoch, self.index = state["epoch"], state["index"]
         self._order = self._permutation(self.epoch)
+        self.retired = set(state.get("retired", []))  # a checkpoint from before retirement existed: none
 
 
 @dataclass

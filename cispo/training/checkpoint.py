@@ -318,8 +318,11 @@ def check_trainer_state(path: Path, state: dict, tensors: dict[str, torch.Tensor
         raise CheckpointError(f"checkpoint file {state_file}: streams is {str(streams)[:80]!r}, not one prompt-stream "
                               f"state per process ({world_size})")
     stream = streams[rank]
-    wrong = [k for k in stream_state if not _is_count(stream.get(k)) or
-             (k in ("seed", "num_samples") and stream[k] != stream_state[k])]
+    wrong = [k for k in stream_state if k != "retired" and (not _is_count(stream.get(k)) or
+             (k in ("seed", "num_samples") and stream[k] != stream_state[k]))]
+    retired = stream.get("retired", [])  # absent in checkpoints from before data.retire_pass_rate
+    if not isinstance(retired, list) or not all(_is_count(i) and i < stream_state["num_samples"] for i in retired):
+        wrong.append("retired")
     if wrong:
         raise CheckpointError(f"checkpoint file {state_file}: streams[{rank}] has {', '.join(f'{k}={stream.get(k)!r}' for k in wrong)}"
                               f"; this run's prompt stream has {', '.join(f'{k}={stream_state[k]!r}' for k in wrong)}")

@@ -429,6 +429,8 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         metrics.update(measured_metrics(exp))
     if correction is not None and groups:
         metrics.update(correction.metrics(exp.response_mask))  # rollout/is_weight_mean, is_masked, is_truncated
+    if cfg.data.retire_pass_rate is not None:  # ScaleRL's No-Positive-Resampling, cumulative
+        metrics["rollout/prompts_retired"] = float(len(stream.retired))
     tokens = float(exp.response_mask.sum())
     metrics.update({
         "optim/lr": lr_at(update_count - 1, cfg.optim),
@@ -467,6 +469,7 @@ def sample_step(policy: Policy, stream: PromptStream, task, cfg, sampling: Sampl
         groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
                                cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s, cfg.rollout.overlong_scope)
         errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
+        retire_solved(stream, groups, cfg.data.retire_pass_rate)
         if keep_all:
             sampled.extend(groups)
         return groups
@@ -481,6 +484,16 @@ def sample_step(policy: Policy, stream: PromptStream, task, cfg, sampling: Sampl
         **sharded_sampling(policy, sampling, dist_info),
     )
     return StepRollout(groups, report, errors, sampled)
+
+
+def retire_solved(stream: PromptStream, groups, pass_rate: float | None) -> None:
+    """ScaleRL's No-Positive-Resampling: retire from ``stream`` each prompt whose group's mean task reward
+    reached ``pass_rate`` (``data.retire_pass_rate``; None: nothing)."""
+    if pass_rate is None:
+        return
+    for group in groups:
+        if sum(c.task_reward for c in group) / len(group) >= pass_rate:
+            stream.retire(group[0].sample)
 
 
 def prepare_experience(policy: Policy, groups, cfg, forks, generators, dist_info: DistInfo, count_tokens: bool):
