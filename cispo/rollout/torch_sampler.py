@@ -280,6 +280,9 @@ class TorchSampler(Sampler):
             lean = StaticDecoder(self.model, cache, prompt_mask, positions, n_new, self.fp32_head, self._layer_stack,
                                  cache_rows=copies)
             return logits, None, lean
-        if copies is not None:
+        if copies is not None and not hasattr(cache, "reorder_cache"):  # a cache we cannot expand: one row each
+            self.share_prefill = False
+            logits, cache = self._forward(prompt, prompt_mask, pos, None, True)  # [B, V]
+        elif copies is not None:
             cache.reorder_cache(copies)  # every layer's keys and values index_select-ed: [U, ...] -> [B, ...]
         return logits, cache, None

@@ -170,9 +170,31 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
                                compile_step=compile_wanted(cfg.model.compile, device, cfg.steps, cfg.model.fsdp))
     body = train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps)
+    environment = run_environment(cfg, tokenizer, templated)
     return Policy(model, tokenizer, sampler, device, chat_template=templated,
                   system_prompt=cfg.data.system_prompt, autocast=autocast, train_body=body,
-                  grad_scaler=loss_scaler(autocast, device), share_prompts=share_prompts(cfg, model, body))
+                  grad_scaler=loss_scaler(autocast, device), share_prompts=share_prompts(cfg, model, body),
+                  environment=environment, tools=(environment.schemas or None) if environment else None)
+
+
+def run_environment(cfg: TrainConfig, tokenizer, templated: bool):
+    """The run's tool environment (``data.tools``, or a built-in task's own: ``cispo.data.environments``),
+    its worker processes started; None without tools. Chat-format tools need chat-templated prompts."""
+    from cispo.data.environments import environment_from_config
+
+    environment = environment_from_config(tokenizer, cfg.data, cfg.rollout)
+    if environment is not None and cfg.rollout.engine == "vllm":
+        environment.close()
+        raise ConfigError("tools (data.tools, or the task's own) run with the torch sampler only: the vLLM sampler "
+                          "does not run multi-turn episodes yet (set rollout.engine=torch)")
+    if environment is not None and environment.tool_format == "chat" and not templated:
+        environment.close()
+        raise ConfigError("data.tool_format=chat: the tools are declared through the chat template, but the prompts "
+                          "are not templated: set model.chat_template=true (or data.tool_format=inline)")
+    if environment is not None:
+        print(f"cispo: tools: {', '.join(t.name for t in environment.tools)} ({environment.tool_format} format, "
+              f"at most {cfg.rollout.max_turns} turns per response)", file=sys.stderr)
+    return environment
 
 
 def share_prompts(cfg: TrainConfig, model, body) -> bool:
