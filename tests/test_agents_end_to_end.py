@@ -96,5 +96,7 @@ def test_a_run_on_wordmath_calc_logs_tools_and_segments(tmp_path):
     rows = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
     step = [r for r in rows if r.get("step") == 1 and "rollout/tool_calls" in r]
     assert step and {"rollout/tool_call_rate", "rollout/tool_errors", "rollout/env_tokens"} <= step[0].keys()
+    evals = [r for r in rows if "eval/tool_call_rate" in r]  # the held-out evaluation runs episodes too
+    assert evals and {"eval/tool_calls", "eval/tool_errors", "eval/env_tokens"} <= evals[0].keys()
     samples = [json.loads(line) for line in (run.run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and all("segments" in s and s["segments"][0]["role"] == "policy" for s in samples)

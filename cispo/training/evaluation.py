@@ -17,7 +17,7 @@ import torch
 from cispo.foundations.experience import Completion
 from cispo.models.policy import Policy
 from cispo.rollout import SamplingConfig
-from cispo.training.metrics import reward_metrics
+from cispo.training.metrics import episode_metrics, reward_metrics
 from cispo.training.trainer import sample_groups
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
             out["eval/accuracy_with_fork"] = sum(c.task_reward for c in fork) / len(fork) if fork else float("nan")
             out["eval/accuracy_without_fork"] = sum(c.task_reward for c in rest) / len(rest) if rest else float("nan")
         out.update(reward_metrics(flat, "eval/"))
+        out.update(episode_metrics(flat, "eval/"))  # tool calls, with an environment
         out["eval/response_length"] = sum(c.policy_length for c in flat) / len(flat)
         out["eval/truncated"] = sum(c.finish_reason == "length" for c in flat) / len(flat)  # cut at max_new_tokens
     out["eval/reward_errors"] = float(len(errors))  # greedy and sampled calls together
