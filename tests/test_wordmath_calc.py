@@ -10,6 +10,7 @@ import pytest
 
 from cispo.data.environments import build_environment
 from cispo.data.rewards.pool import shutdown_pools
+from cispo.data.environments import TASK_TOOLS
 from cispo.data.tasks import get_task, wordmath, wordmath_calc
 from cispo.data.tasks.wordmath_calc import policy_text, reward
 from test_wordmath import Q, VERDICTS
@@ -37,6 +38,23 @@ def test_the_task_is_registered_with_its_fork_string():
     assert task.used_fork("so <calc>2+3</calc>") and not task.used_fork("2 + 3 = 5")
     assert task.extract_answer("<calc>30+21</calc><result>51</result>\n#### 51") == "51"
     assert task.extract_answer("#### <calc>30+21</calc><result>51</result>") is None
+
+
+def test_the_example_variant_teaches_the_calculator_in_the_system_prompt():
+    """Amendment 1 of the agents search: the same problems, a worked example in the system message and
+    wordmath's own instruction in the user turn; the same tools, reward and fork string."""
+    task, plain = get_task("wordmath_calc_example"), get_task("wordmath_calc")
+    example, calc = task.eval_samples(0, 20), plain.eval_samples(0, 20)
+    assert [(s["prompt"], s["answer"]) for s in example] == [(s["prompt"], s["answer"]) for s in calc]
+    system, user = (m["content"] for m in example[0]["messages"])
+    assert system.startswith(wordmath.SYSTEM_PROMPT) and "<calc>12+7</calc><result>19</result>" in system
+    assert user == f"{example[0]['prompt']}\n{wordmath.INSTRUCTION}" and "<calc>" not in user
+    assert not any("cups" in s["prompt"] or "Zoe" in s["prompt"] for s in wordmath.samples(0, 500))  # the example is no task problem
+    assert (task.reward, task.fork_tokens, task.max_new_tokens) == (plain.reward, plain.fork_tokens,
+                                                                    plain.max_new_tokens)
+    assert TASK_TOOLS["wordmath_calc_example"] == TASK_TOOLS["wordmath_calc"]
+    with pytest.raises(ValueError, match="prompt must be one of"):
+        wordmath_calc.samples(0, 1, prompt="system")
 
 
 @pytest.mark.parametrize("transcript, own", [

@@ -150,12 +150,12 @@ def _wordmath(name: str = wordmath.NAME, reward: Callable[..., float] = wordmath
     )
 
 
-def _wordmath_calc() -> Task:
+def _wordmath_calc(name: str = wordmath_calc.NAME, prompt: str = "user") -> Task:
     """wordmath's problems with the inline calculator (`wordmath_calc`: its prompt, reward and fork string)."""
-    return replace(_wordmath(wordmath_calc.NAME, wordmath_calc.reward), fork_tokens=wordmath_calc.FORK_TOKENS,
+    return replace(_wordmath(name, wordmath_calc.reward), fork_tokens=wordmath_calc.FORK_TOKENS,
                    max_new_tokens=wordmath_calc.MAX_NEW_TOKENS, used_fork=wordmath_calc.used_fork,
-                   train_samples=partial(wordmath_calc.samples, split="train"),
-                   eval_samples=partial(wordmath_calc.samples, split="eval"),
+                   train_samples=partial(wordmath_calc.samples, split="train", prompt=prompt),
+                   eval_samples=partial(wordmath_calc.samples, split="eval", prompt=prompt),
                    extract_answer=wordmath_calc.extract_answer)
 
 
@@ -185,6 +185,8 @@ _REGISTRY: dict[str, Callable[[], Task]] = {
     "wordmath_working": partial(_wordmath, "wordmath_working", wordmath.reward_working),
     # the same problems with an inline calculator (<calc>2+3</calc> -> <result>5</result>); scored on the policy's text
     "wordmath_calc": _wordmath_calc,
+    # the same, the calculator taught by a worked example in the system prompt, wordmath's instruction in the user turn
+    "wordmath_calc_example": partial(_wordmath_calc, wordmath_calc.EXAMPLE_NAME, "system_example"),
 }
 
 

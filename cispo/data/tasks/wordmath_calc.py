@@ -33,6 +33,9 @@ from cispo.data.tasks import wordmath
 from cispo.foundations.forks import used_any
 
 NAME = "wordmath_calc"
+EXAMPLE_NAME = "wordmath_calc_example"
+"""The same task with the calculator taught by a worked example in the system prompt (`samples`'
+``prompt="system_example"``; the agents search's amendment 1, docs/results/agents/search-plan.md)."""
 TOOLS = ("calculator",)
 """The task's tools where ``data.tools`` is None."""
 TOOL_FORMAT = "inline"
@@ -44,19 +47,33 @@ SYSTEM_PROMPT = wordmath.SYSTEM_PROMPT
 INSTRUCTION = ("You have a calculator: write <calc>2+3</calc> and it gives <result>5</result>. Use it for the "
                "arithmetic, then write the final answer as: #### <number>")
 """Appended to each problem in the user turn (where SmolLM2-135M follows wordmath's instruction more often)."""
+SYSTEM_EXAMPLE = (f"{SYSTEM_PROMPT} You have a calculator: write a sum between <calc> and </calc> and its "
+                  "value appears between <result> and </result>. Example.\n"
+                  "Question: A shelf holds 12 cups. Zoe puts 7 more cups on it. How many cups are on the shelf?\n"
+                  "Answer: 12 + 7 = <calc>12+7</calc><result>19</result>\n#### 19")
+"""``prompt="system_example"``'s system message: wordmath's, and the calculator shown on one worked problem
+(not one of the task's: no template of `wordmath` has cups or a Zoe), so that the user turn can carry wordmath's
+own instruction (`wordmath.INSTRUCTION`) instead of the calculator's, which the 135M model copies (stage 0)."""
+PROMPTS = ("user", "system_example")
 MAX_NEW_TOKENS = 160
 """wordmath's 96 and room for a few calls and their results (an observation counts against the length)."""
 MAX_TOKEN_CHARS = 32
 """The most characters one token's text runs on past the ``</calc>`` it completes (`policy_text`)."""
 
 
-def samples(seed: int, n: int, split: str = "train") -> list[dict]:
+def samples(seed: int, n: int, split: str = "train", prompt: str = "user") -> list[dict]:
     """``wordmath.samples`` (the same problems, answers and split) with the calculator's prompt:
-    ``{"prompt", "messages", "answer", "solution"}``."""
+    ``{"prompt", "messages", "answer", "solution"}``. ``prompt="user"``: wordmath's system message and the
+    problem followed by `INSTRUCTION`; ``"system_example"``: `SYSTEM_EXAMPLE` and the problem followed by
+    wordmath's own instruction."""
+    if prompt not in PROMPTS:
+        raise ValueError(f"prompt must be one of {PROMPTS}, got {prompt!r}")
+    system, instruction = ((SYSTEM_PROMPT, INSTRUCTION) if prompt == "user"
+                           else (SYSTEM_EXAMPLE, wordmath.INSTRUCTION))
     out = []
     for s in wordmath.samples(seed, n, split):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": f"{s['prompt']}\n{INSTRUCTION}"}]
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"{s['prompt']}\n{instruction}"}]
         out.append({**s, "messages": messages})
     return out
 
