@@ -245,7 +245,7 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     import torch
 
     import cispo.training.setup as setup_mod
-    import cispo.training.trainer as trainer_mod
+    import cispo.training.sampling as sampling_mod
     from cispo.config.train import TrainConfig, apply_overrides
     from cispo.data.prompts import PromptStream
     from cispo.data.tasks import get_task
@@ -278,9 +278,9 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     sampling = setup_mod.sampling_config(cfg.rollout, setup_mod.default_max_new_tokens(the_task))
     if suppress_eos:
         sampling = dataclasses.replace(sampling, repetition_stop_tokens=None)
-    score = trainer_mod.score_completions
+    score = sampling_mod.score_completions
     if not isinstance(score, Stopwatch):  # rl_step -> sample_groups -> score_completions: dispatch + verifier
-        score = trainer_mod.score_completions = Stopwatch(score)
+        score = sampling_mod.score_completions = Stopwatch(score)
     return {
         "policy": policy, "cfg": cfg, "task": the_task, "sampling": sampling, "score": score,
         "optimizer": setup_mod.make_optimizer(model, cfg.optim),

@@ -4,7 +4,7 @@
     python benchmarks/bench_rewards.py --tiny
     python benchmarks/bench_rewards.py --batch 1024 --workers 1 2 4 8
 
-One batch = one step's reward calls, as `cispo.training.trainer.sample_groups` makes them: ``B``
+One batch = one step's reward calls, as `cispo.training.sampling.sample_groups` makes them: ``B``
 ``(prompt, completion, sample)`` triples scored by one `cispo.data.rewards.score_rewards` call. Two
 rewards, each loaded from a file spec like a user's (``file.py:fn``):
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cispo.training.sampling as sampling
 import cispo.training.trainer as trainer
 from cispo.config.train import AlgoConfig
 from cispo.training.batching import minibatches
@@ -46,14 +47,14 @@ def test_a_run_with_a_short_batch_updates_on_full_minibatches(tiny_model, dense_
         return real(policy, sub, *args, **kwargs)
 
     kept = {"n": 1}
-    real_fill = trainer.fill_groups
+    real_fill = sampling.fill_groups
 
     def fill_one(*args, **kwargs):  # keep only the first informative group: a batch 1/4 full
         groups, report = real_fill(*args, **kwargs)
         return groups[: kept["n"]], report
 
     monkeypatch.setattr(trainer, "micro_batch_loss", spy)
-    monkeypatch.setattr(trainer, "fill_groups", fill_one)
+    monkeypatch.setattr(sampling, "fill_groups", fill_one)
     for policy, want in (("fixed_size", [4]), ("fixed_updates", [1, 1, 1, 1])):
         seen.clear()
         cfg = small_config(tiny_model, tmp_path / policy, "steps=1", "eval.every=0", "dynamic_sampling=false",

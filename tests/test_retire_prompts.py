@@ -10,7 +10,7 @@ from cispo.config.train import ConfigError, apply_overrides, TrainConfig
 from cispo.data.prompts import PromptStream
 from cispo.foundations.experience import Completion
 from cispo.training.runner import train
-from cispo.training.trainer import retire_solved
+from cispo.training.sampling import retire_solved
 
 from conftest import small_config
 

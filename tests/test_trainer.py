@@ -98,7 +98,7 @@ def test_sample_groups_applies_the_overlong_scope():
     """The trainer's sampling step passes ``rollout.overlong_scope`` through: an unpaid group of a
     random tiny model's answers (most run to the limit) gets penalties under ``all``, none under ``paid``."""
     from cispo.rollout import SamplingConfig
-    from cispo.training.trainer import sample_groups
+    from cispo.training.sampling import sample_groups
 
     policy = _ragged_setup(torch.float32)[0]
     sampling = SamplingConfig(max_new_tokens=8)

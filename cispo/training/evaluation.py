@@ -1,6 +1,6 @@
 """Held-out evaluation: greedy and sampled accuracy, pass@k and maj@k.
 
-Runs the policy's sampler on held-out prompts (``cispo.training.trainer.sample_groups``, the same
+Runs the policy's sampler on held-out prompts (``cispo.training.sampling.sample_groups``, the same
 rollout and scoring as training) with no update; ``cispo train`` calls it every
 ``eval.every`` steps, ``cispo eval`` once.
 """
@@ -18,7 +18,7 @@ from cispo.foundations.experience import Completion
 from cispo.models.policy import Policy
 from cispo.rollout import SamplingConfig
 from cispo.training.metrics import episode_metrics, reward_metrics
-from cispo.training.trainer import sample_groups
+from cispo.training.sampling import sample_groups
 
 if TYPE_CHECKING:
     from cispo.config.train import EvalConfig

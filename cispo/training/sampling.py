@@ -1,0 +1,128 @@
+"""Step 1 of the RL loop (``cispo.training.trainer``): sample P prompts x G responses with the policy
+(``cispo.rollout``), score them, and refill while dynamic sampling drops groups whose rewards are all
+equal (``cispo.data.prompts.fill_groups``); ScaleRL's No-Positive-Resampling retires solved prompts.
+The held-out evaluation (``cispo.training.evaluation``) samples through `sample_groups` too.
+
+With an environment (``policy.environment``, ``cispo.data.environments``) each response is an episode: the
+policy's segments and the environment's observations, the latter masked out of training (``env_mask``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cispo.data.prompts import PromptStream, fill_groups
+from cispo.data.rewards import score_completions, shaped_reward
+from cispo.foundations.distributed import DistInfo, any_rank, is_sharded
+from cispo.foundations.experience import Completion, is_informative
+from cispo.models.policy import Policy
+from cispo.rollout import SamplingConfig
+
+
+def sample_groups(
+    policy: Policy,
+    samples: list[dict],
+    group_size: int,
+    sampling: SamplingConfig,
+    reward_fn,
+    generator: torch.Generator,
+    overlong_buffer: int | None = None,
+    reward_timeout_s: float | None = None,
+    overlong_scope: str = "all",
+) -> list[list[Completion]]:
+    """G responses to each sample's prompt, decoded and scored, the whole batch at once
+    (`cispo.data.rewards.score_completions`: user rewards in worker processes, each call
+    killed past ``reward_timeout_s``; several rewards summed with their weights). A reward that fails
+    scores 0 and the failure is recorded on the completion (``reward_error``), with each reward's
+    value (``reward_parts``) and the numbers the calls reported (``reward_extras``).
+
+    With an environment (``policy.environment``) each response is an episode: the policy's segments and
+    the environment's observations (``env_mask``), recorded on the completion (``episode``); the reward
+    reads the whole transcript, the overlong penalty the policy's tokens."""
+    prompt_ids = [policy.encode(s) for s in samples]
+    rows = [ids for ids in prompt_ids for _ in range(group_size)]
+    episodes = None if policy.environment is None else \
+        policy.environment.start([samples[i // group_size] for i in range(len(rows))])
+    batch = policy.sampler.generate(rows, sampling, generator=generator, **({"episodes": episodes} if episodes else {}))
+    lengths = batch.response_lengths.tolist()
+    response_ids = [batch.response_ids[i, : lengths[i]].cpu() for i in range(len(rows))]
+    env_masks = [None if batch.env_mask is None else batch.env_mask[i, : lengths[i]].cpu() for i in range(len(rows))]
+    texts = [policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
+    calls = [(samples[i // group_size]["prompt"], texts[i],
+              {k: v for k, v in samples[i // group_size].items() if k != "prompt"}) for i in range(len(rows))]
+    scored = score_completions(reward_fn, calls, reward_timeout_s)  # [Scored(task reward, error, ...)]   [B]
+    groups: list[list[Completion]] = []
+    for g, sample in enumerate(samples):
+        group = []
+        for i in range(g * group_size, (g + 1) * group_size):
+            task_reward, error, parts, extras = scored[i]
+            c = Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
+                           batch.finish_reason[i], texts[i], task_reward, 0.0, error, parts, extras, env_masks[i],
+                           None if episodes is None else episodes.record(i))
+            c.reward = shaped_reward(task_reward, c.policy_length, sampling.max_new_tokens, overlong_buffer,
+                                     overlong_scope)
+            group.append(c)
+        groups.append(group)
+    return groups
+
+
+@dataclass
+class StepRollout:
+    """A step's sampling: the informative ``groups`` it keeps, the refill's ``report``, every reward
+    call's error, and (when asked) every group ``sampled``, kept or dropped."""
+
+    groups: list[list[Completion]]
+    report: object
+    errors: list[str]
+    sampled: list[list[Completion]]
+
+
+def sample_step(policy: Policy, stream: PromptStream, task, cfg, sampling: SamplingConfig, generators,
+                dist_info: DistInfo, keep_all: bool) -> StepRollout:
+    """Step 1: this rank's ``prompts_per_step / world_size`` groups, sampled and scored, refilled while
+    dynamic sampling drops uninformative ones (``cispo.data.prompts.fill_groups``). ``keep_all``: keep
+    every group sampled, for ``samples.jsonl``."""
+    errors: list[str] = []
+    sampled: list = []
+
+    def generate(samples):
+        groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
+                               cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s, cfg.rollout.overlong_scope)
+        errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
+        retire_solved(stream, groups, cfg.data.retire_pass_rate)
+        if keep_all:
+            sampled.extend(groups)
+        return groups
+
+    groups, report = fill_groups(
+        stream.take,
+        generate,
+        is_informative,
+        cfg.rollout.prompts_per_step // dist_info.world_size,
+        cfg.rollout.max_sampling_rounds,
+        filter_groups=cfg.rollout.dynamic_sampling,
+        **sharded_sampling(policy, sampling, dist_info),
+    )
+    return StepRollout(groups, report, errors, sampled)
+
+
+def retire_solved(stream: PromptStream, groups, pass_rate: float | None) -> None:
+    """ScaleRL's No-Positive-Resampling: retire from ``stream`` each prompt whose group's mean task reward
+    reached ``pass_rate`` (``data.retire_pass_rate``; None: nothing)."""
+    if pass_rate is None:
+        return
+    for group in groups:
+        if sum(c.task_reward for c in group) / len(group) >= pass_rate:
+            stream.retire(group[0].sample)
+
+
+def sharded_sampling(policy: Policy, sampling: SamplingConfig, dist_info: DistInfo) -> dict:
+    """``fill_groups``' arguments for weights sharded across ranks (FSDP): every rank takes
+    part in every generation round, a rank with enough groups with a throw-away greedy one."""
+    if not (dist_info.enabled and is_sharded(policy.model)):
+        return {}
+    greedy = SamplingConfig(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
+    return {"any_rank": lambda flag: any_rank(flag, dist_info),
+            "idle": lambda: policy.sampler.generate([[policy.eos_id]], greedy)}
