@@ -16,12 +16,16 @@ the statistics and the mechanism gate, never the report.
   figures (steps of 11–40 with the paper's case; the mean positive-fork and other-token mass
   shares above 1 + eps_high over steps 1–40), then mean ± 95% t half-width over the arm's
   runs. Descriptive: no verdict, no test.
+* **The compute–performance fit** (``--compute-fit``; ScaleRL, arXiv 2510.13786, eq. 1), per arm:
+  R0, A, B and C_mid of `compute_fit.fit_arm` with their bootstrap intervals over seeds.
+  Descriptive: no test.
 """
 
 from __future__ import annotations
 
 import math
 
+from cispo.experiments.compute_fit import B_MAX, C_MID_MAX, ArmFit
 from cispo.experiments.stats import mean_band, paired_t, wilson
 
 Steps = dict[int, tuple[float, bool]]
@@ -188,4 +192,51 @@ def drop_table(cells: list[tuple[str, int, str, dict[int, dict[int, float]]]], f
     lines += ["", "**Post hoc** (chosen after seeing this part's curves; not in the protocol, no decision rests on it): a "
               f"drop is an evaluation below half the run's peak held-out accuracy so far, once that peak is >= {floor:g}; "
               "unlike the protocol's collapse, the run may recover. Wilson 95% intervals out of the arm's runs."]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# The compute–performance fit (ScaleRL eq. 1)
+# --------------------------------------------------------------------------------------
+
+
+AXIS_WORDS = {"steps": ("RL steps", 1), "step_seconds": ("cumulative seconds of the training steps (`perf/step_s`, "
+                                                          "evaluation left out)", 0)}
+"""`compute_fit.AXES` -> (what C is, C_mid's decimals)."""
+
+
+def _at_bound(v: float, lo: float, hi: float) -> str:
+    """``*`` when `v` sits at `lo` or `hi` (to 1e-6 of the larger bound's size), else nothing."""
+    return "*" if min(abs(v - lo), abs(v - hi)) <= 1e-6 * max(1.0, abs(hi)) else ""
+
+
+def _interval(lo_hi: tuple[float, float], p: int) -> str:
+    return f"[{lo_hi[0]:.{p}f}, {lo_hi[1]:.{p}f}]"
+
+
+def compute_fit_table(cells: list[tuple[str, int, str, ArmFit | str]], axis: str, n_boot: int) -> str:
+    """One row per (task, K, arm) of `cells` = [(task, K, arm, `compute_fit.fit_runs`)]: R0, A, B and
+    C_mid with their 95% bootstrap intervals, rmse, points, seeds and failed refits; ``*`` marks an
+    estimate at a bound of the fit; an arm that could not be fitted gets the reason."""
+    words, p = AXIS_WORDS[axis]
+    lines = ["| task | K | arm | seeds | R0 | A | 95% CI | B | 95% CI | C_mid | 95% CI | rmse | points | failed refits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for task, k, arm, a in cells:
+        if isinstance(a, str):
+            lines.append(f"| {task} | {k} | {arm} | | | no fit: {a} | | | | | | | | |")
+            continue
+        f, b = a.fit, a.boot
+        lines.append(f"| {task} | {k} | {arm} | {a.seeds} | {f.R0:.3f} | {f.A:.3f}{_at_bound(f.A, f.R0, 1.0)} "
+                     f"| {_interval(b.A, 3)} | {f.B:.2f}{_at_bound(f.B, 0.0, B_MAX)} | {_interval(b.B, 2)} "
+                     f"| {f.C_mid:.{p}f}{_at_bound(f.C_mid, 0.0, C_MID_MAX * f.C_max)} | {_interval(b.C_mid, p)} "
+                     f"| {f.rmse:.3f} | {f.n_points} | {b.failed}/{b.n_boot} |")
+    lines += ["", f"**Descriptive** (no test, no decision rests on it): ScaleRL's compute–performance curve (arXiv "
+              f"2510.13786, eq. 1), R(C) − R0 = (A − R0) / (1 + (C_mid / C)^B), R the held-out accuracy, C the {words}. "
+              "Per arm, least squares on the pooled points of all its seeds with C > 0; R0 = the mean step-0 held-out "
+              f"accuracy of its runs, fixed; A in [R0, 1], B in (0, {B_MAX:g}], C_mid in (0, {C_MID_MAX:g} × the largest "
+              "C]; `*`: the estimate sits at one of these bounds (a limit of the fit, not a measurement). rmse over the "
+              f"fitted points. 95% percentile bootstrap intervals over seeds ({n_boot} resamples of the seeds with "
+              "replacement, generator seed 0, R0 fixed; failed refits left out). A, B and C_mid trade off against each "
+              "other (a higher A with a smaller B can fit the same points), so one parameter's interval is not a "
+              "comparison of two curves; overlapping intervals show no difference."]
     return "\n".join(lines)
