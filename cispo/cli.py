@@ -264,7 +264,7 @@ def cmd_study_report(args) -> int:
     from cispo.experiments.study_report import Settings, check_doc, report, update_doc
 
     given = {k: v for k, v in vars(args).items() if k in ("reference", "contrast", "floor", "final_evals", "tune_score",
-                                                          "tune_tie") and v is not None}
+                                                          "tune_tie", "compute_fit") and v is not None}
     try:
         out = report(args.data, args.output, Settings(**given))
     except (FileNotFoundError, ValueError) as e:
@@ -373,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--final-evals", type=int, help="final accuracy = mean of the last N evaluations (default 2)")
     p.add_argument("--tune-score", choices=["mean_accuracy", "final_accuracy"], help="default mean_accuracy")
     p.add_argument("--tune-tie", type=float, help="tuning scores within this of the best tie (default 0.005)")
+    p.add_argument("--compute-fit", choices=["steps", "step_seconds"], help="also fit ScaleRL's compute-performance "
+                   "curve (arXiv 2510.13786, eq. 1) per arm, against RL steps or cumulative perf/step_s seconds, with "
+                   "bootstrap intervals over seeds: compute_fit_PART.md (descriptive; off by default)")
     p.add_argument("--check-doc", metavar="MD", help="check the values quoted in this markdown file")
     p.add_argument("--update-doc", metavar="MD", help="rewrite the values quoted in this markdown file")
     p.set_defaults(fn=cmd_study_report)

@@ -28,6 +28,7 @@ has ``{step: R}``). Pure functions; scipy is imported on first use.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 AXES = ("steps", "step_seconds")
 """The compute axes `compute_curve` knows."""
 B_MAX = 10.0
+"""B's upper bound."""
 C_MID_MAX = 10.0
 """C_mid's upper bound, in units of the largest C fitted."""
 _TINY = 1e-6
@@ -100,10 +102,11 @@ def fit_curve(C, R, R0: float, label: str = "curve") -> Fit:
     B in (0, 10], C_mid in (0, 10 · max C]. C is scaled by its largest value for the fit (all three
     parameters of order 1) and C_mid scaled back. ValueError naming `label` with fewer than 3
     distinct C > 0, with non-finite values, with R0 outside [0, 1), or when the fit does not converge."""
-    from scipy.optimize import curve_fit
+    from scipy.optimize import OptimizeWarning, curve_fit
 
     C, R = np.asarray(C, dtype=float), np.asarray(R, dtype=float)
-    C, R = C[C > 0], R[C > 0]
+    keep = C > 0  # the points at C = 0 are R0's
+    C, R = C[keep], R[keep]
     if not (np.isfinite(C).all() and np.isfinite(R).all() and math.isfinite(R0)):
         raise ValueError(f"{label}: non-finite compute or accuracy values")
     if np.unique(C).size < 3:
@@ -116,8 +119,10 @@ def fit_curve(C, R, R0: float, label: str = "curve") -> Fit:
     lower, upper = (R0, _TINY, _TINY), (1.0, B_MAX, C_MID_MAX)
     p0 = np.clip([A0, B0, mid0 / scale], lower, upper)
     try:
-        (A, B, mid), _ = curve_fit(lambda c, a, b, m: sigmoid_curve(c, a, b, m, R0), C / scale, R, p0=p0,
-                                   bounds=(lower, upper), maxfev=10_000, xtol=1e-12, ftol=1e-12, gtol=1e-12)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OptimizeWarning)  # about the covariance, which is not used
+            (A, B, mid), _ = curve_fit(lambda c, a, b, m: sigmoid_curve(c, a, b, m, R0), C / scale, R, p0=p0,
+                                       bounds=(lower, upper), maxfev=10_000, xtol=1e-12, ftol=1e-12, gtol=1e-12)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{label}: the fit of eq. 1 did not converge ({e})") from None
     rmse = float(np.sqrt(np.mean((sigmoid_curve(C / scale, A, B, mid, R0) - R) ** 2)))

@@ -47,6 +47,10 @@ Statistics:
 * **tuning** (``role = tune``): per (part, task, K, arm) and rate, the score averaged over the
   tuning seeds; the choice (`stats.pick_lr`: near ties within `tune_tie` to the smaller
   rate) and whether it sits at the grid's edge;
+* **the compute–performance fit** (only with ``Settings.compute_fit``, ``--compute-fit``):
+  ScaleRL's eq. 1, R(C) − R0 = (A − R0) / (1 + (C_mid / C)^B), per arm on the held-out curves of
+  all its seeds, C in steps or cumulative ``perf/step_s`` seconds, with 95% bootstrap intervals
+  over seeds (`compute_fit`; descriptive);
 * **compute**: wall hours per part (``wall_s``; a run without it counts the sum of its
   ``perf/step_s``, which leaves out evaluation time — the table says how many did).
 """
@@ -60,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cispo.experiments.compute_fit import fit_runs
 from cispo.experiments.doc_quotes import MARKER, check_doc, update_doc  # noqa: F401  (the report's doc check)
 from cispo.experiments.mechanism_gate import gate
 from cispo.experiments.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, collapsed, fieller_ratio, final_accuracy,
@@ -67,8 +72,9 @@ from cispo.experiments.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, co
                                      steps_to_own_fraction, wilson)
 from cispo.experiments.study_runs import Groups, RunData, group_eval_runs, load_study
 from cispo.experiments.study_tables import ci as _ci
-from cispo.experiments.study_tables import (comparison_values, count_values, drop_table, tally, has_mechanism_log,
-                                            mechanism_level_table, paired_steps, paired_steps_table, steps_per_seed_table)
+from cispo.experiments.study_tables import (comparison_values, compute_fit_table, count_values, drop_table, tally,
+                                            has_mechanism_log, mechanism_level_table, paired_steps, paired_steps_table,
+                                            steps_per_seed_table)
 from cispo.experiments.study_tables import pm as _pm
 
 
@@ -140,6 +146,10 @@ class Settings:
     reference: the primary test" sentence."""
     posthoc_drops: tuple[str, ...] = ("v3_chain",)
     """Parts that get the post hoc ``drops/PART`` table (`study_tables.drop_steps`)."""
+    compute_fit: str | None = None
+    """``compute_fit/PART`` per part on this compute axis (`compute_fit.AXES`); None: not made."""
+    fit_boot: int = 1000
+    """Bootstrap resamples of the seeds for the compute fit's intervals."""
     lend: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=lambda: {
         "ablation": ("main", ("cispo",)), "explore_lr1e4": ("main", ("dapo",))})
     """PART -> (OTHER, ARMS): where PART has no runs of its own of an arm of ARMS at a task and
@@ -505,7 +515,8 @@ def compute_table(runs: list[RunData]) -> tuple[str, dict[str, float]]:
 def report(csv_path: str | Path | list[str | Path], out_dir: str | Path | None = None, st: Settings = Settings()) -> dict[str, str]:
     """name -> text of every table (``summary/PART``, ``mechanism/PART``, ``comparisons/PART``,
     ``q1/PART``, ``slope/PART``, ``collapse/PART``, ``steps/PART``, ``steps_paired/PART``,
-    ``mechanism_check/PART``, ``drops/PART`` (post hoc), ``tuning/PART``, ``compute``) and quoted
+    ``mechanism_check/PART``, ``drops/PART`` (post hoc), ``compute_fit/PART`` (with
+    ``st.compute_fit``), ``tuning/PART``, ``compute``) and quoted
     value (``target/PART/TASK/K16``; ``ratio/PART/TASK/K16/ARM`` "0.52 [0.41, 0.66]";
     ``diff/PART/TASK/K16/MEASURE/A-B``, ``never/...`` and ``collapsed/PART/TASK/K16/ARM`` (`study_tables`);
     ``q1/PART/TASK/K16/ARM`` yes / no / unclear; ``slope/PART/TASK/ARM``; ``hours/PART``,
@@ -546,6 +557,10 @@ def report(csv_path: str | Path | list[str | Path], out_dir: str | Path | None =
             out.update(steps_outputs(groups, part, st))
             if level := mechanism_level(groups, part):
                 out[f"mechanism_check/{part}"] = level
+            if st.compute_fit:  # ScaleRL's eq. 1 per arm, descriptive (`compute_fit`)
+                out[f"compute_fit/{part}"] = compute_fit_table([(task, k, _arm_label(arm, runs, part), fit_runs(
+                    runs, st.compute_fit, f"{part}/{task}/K{k}/{arm}", st.fit_boot)) for task, k, arms
+                    in _groups_of(groups, part) for arm, runs in arms.items()], st.compute_fit, st.fit_boot)
             if out_dir is not None:
                 plot_curves(groups, part, Path(out_dir) / f"curves_{part}.png")
                 plot_gaps(groups, part, st.contrast, Path(out_dir) / f"gaps_{part}.png")

@@ -218,6 +218,8 @@ def compute_fit_table(cells: list[tuple[str, int, str, ArmFit | str]], axis: str
     """One row per (task, K, arm) of `cells` = [(task, K, arm, `compute_fit.fit_runs`)]: R0, A, B and
     C_mid with their 95% bootstrap intervals, rmse, points, seeds and failed refits; ``*`` marks an
     estimate at a bound of the fit; an arm that could not be fitted gets the reason."""
+    if axis not in AXIS_WORDS:
+        raise ValueError(f"unknown compute axis {axis!r}: one of {', '.join(AXIS_WORDS)}")
     words, p = AXIS_WORDS[axis]
     lines = ["| task | K | arm | seeds | R0 | A | 95% CI | B | 95% CI | C_mid | 95% CI | rmse | points | failed refits |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -238,5 +240,5 @@ def compute_fit_table(cells: list[tuple[str, int, str, ArmFit | str]], axis: str
               f"fitted points. 95% percentile bootstrap intervals over seeds ({n_boot} resamples of the seeds with "
               "replacement, generator seed 0, R0 fixed; failed refits left out). A, B and C_mid trade off against each "
               "other (a higher A with a smaller B can fit the same points), so one parameter's interval is not a "
-              "comparison of two curves; overlapping intervals show no difference."]
+              "comparison of two curves; where two arms' intervals overlap, the fit does not show them to differ."]
     return "\n".join(lines)
