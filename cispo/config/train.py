@@ -339,6 +339,25 @@ def _logp_old_checks(cfg: TrainConfig) -> list[Check]:
     ]
 
 
+def _async_checks(cfg: TrainConfig) -> list[Check]:
+    """``rollout.async_steps=1`` (docs/async.md): the torch sampler only, and an anchor that sees the
+    staleness — ``algo.logp_old=rollout`` (the behaviour policy's log-probs) or a rollout correction beside
+    the recomputed pass (its weight is then pi_proximal / pi_behaviour, AReaL's decoupled objective)."""
+    a, r = cfg.algo, cfg.rollout
+    if r.async_steps == 0:
+        return []
+    corrected = a.tis_cap is not None or a.rollout_is is not None
+    return [
+        ("rollout.async_steps", r.engine == "torch", f"=1 needs rollout.engine=torch (the vLLM engine's overlap "
+         f"is not built yet), got {r.engine}"),
+        ("rollout.async_steps", a.logp_old == "rollout" or corrected, "=1 with algo.logp_old=recompute and no "
+         "rollout correction: the sampler's staleness would enter neither the ratio (pi_old recomputed with the "
+         "trainer's weights) nor a correction weight, which leaves CISPO's cap inert on it; set "
+         "algo.logp_old=rollout (the behaviour policy's anchor, docs/async.md) or a correction "
+         "(algo.rollout_is=token algo.rollout_is_upper=2, or algo.tis_cap=2)"),
+    ]
+
+
 MAX_LR = 1.0
 """The largest ``optim.lr`` accepted: AdamW moves each weight by about ``lr`` per update."""
 
@@ -434,8 +453,8 @@ def _bound_checks(cfg: TrainConfig) -> list[Check]:
 
 
 _SETTING_CHECKS = (_schedule_checks, _model_checks, _vllm_engine_checks, _sharding_checks, _data_checks,
-                  _prompt_file_checks, _rollout_checks, _algo_checks, _logp_old_checks, _optim_checks, _eval_checks,
-                  _samples_checks, _bound_checks)
+                  _prompt_file_checks, _rollout_checks, _algo_checks, _logp_old_checks, _async_checks, _optim_checks,
+                  _eval_checks, _samples_checks, _bound_checks)
 """`TrainConfig`'s checks of plain settings, in the order their problems are reported."""
 
 

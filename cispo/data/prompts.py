@@ -40,6 +40,13 @@ class PromptStream:
         self.retired: set[int] = set()  # samples no longer taken (`retire`)
         self._position = {id(s): i for i, s in enumerate(self.samples)}
 
+    def index_of(self, sample: dict) -> int:
+        """The position of ``sample`` (one this stream handed out) in ``samples``."""
+        i = self._position.get(id(sample))
+        if i is None:
+            raise KeyError("not a sample of this stream")
+        return i
+
     def retire(self, sample: dict) -> bool:
         """Take ``sample`` (one this stream handed out) no more (ScaleRL's No-Positive-Resampling);
         True if it was not retired yet. Once every sample is retired, ``take`` hands them all out again."""

@@ -119,6 +119,13 @@ class TorchSampler(Sampler):
         # Only the last position's logits are needed: skip the LM head elsewhere when the model allows.
         self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
 
+    def for_model(self, model: torch.nn.Module) -> TorchSampler:
+        """A sampler with these settings over another module (`cispo.training.prefetch`: the asynchronous
+        sampler's own copy of the weights)."""
+        return TorchSampler(model, self.stop_token_ids, self.pad_token_id, autocast=self.autocast,
+                            fp32_head=self.fp32_head, decode=self.decode, compile_step=self.compile_step,
+                            share_prefill=self.share_prefill)
+
     def lock_step(self, all_ranks_done: Callable[[bool], bool] | None) -> None:
         """Decode until ``all_ranks_done(done)`` says every rank's rows have stopped (None: alone)."""
         self._all_ranks_done = all_ranks_done

@@ -53,6 +53,7 @@ from cispo.training.progress import (evaluation_count, evaluation_done_line, eva
                                      interactive, model_line, reward_workers_line, say, step_progress)
 from cispo.training.setup import (absolute_paths, default_max_new_tokens, eval_defaults, fit_prompts, fork_matcher,
                                   fsdp_settings, make_objective, make_optimizer, sampling_config)
+from cispo.training.prefetch import Prefetch, load_rollout, rollout_state, set_up_prefetch
 from cispo.training.trainer import StepInterrupted, rl_step, tracked_fork
 
 
@@ -140,7 +141,11 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     run = set_up(cfg, resume, overwrite)
     start = resume_or_start(run, resume)
     first_update_count = run.update_count
-    last = step_loop(run, start)
+    try:
+        last = step_loop(run, start)
+    finally:
+        if run.prefetch is not None:  # its thread is idle between steps: nothing is lost
+            run.prefetch.close()
     return finish(run, start, run.update_count - first_update_count, last)
 
 
@@ -167,6 +172,7 @@ class Run:
     update_count: int = 0
     saved_step: int | None = None
     last_eval: dict = field(default_factory=dict)  # the newest held-out metrics (this invocation's)
+    prefetch: Prefetch | None = None  # rollout.async_steps=1: the behaviour policy and the batch it holds
 
     @property
     def main(self) -> bool:
@@ -221,6 +227,8 @@ class Run:
             fsync_file(self.run_dir / "metrics.jsonl")  # its rows up to `step` are committed by this checkpoint
             state = {"step": step, "update_count": self.update_count, "streams": streams,
                      "world_size": self.dist_info.world_size}
+            if self.prefetch is not None and self.prefetch.held is not None:  # sampled for the next step
+                state["prefetched"] = rollout_state(self.prefetch.held, self.stream)
             if self.policy.grad_scaler is not None:  # float16's loss scale, so a resume continues with it
                 state["grad_scaler"] = self.policy.grad_scaler.state_dict()
             tensors = {f"generator/{n}/{r}": t for r, g in enumerate(gens) for n, t in g.items()}
@@ -270,6 +278,7 @@ def set_up(cfg: TrainConfig, resume: bool, overwrite: bool) -> Run:
         forks=fork_matcher(policy.tokenizer, task),
         sink=make_sinks(cfg.trackers, run_dir, run_name(cfg), to_dict(cfg)) if main else None,
         sample_file=SampleFile(run_dir / "samples.jsonl", cfg.samples_max_mb) if main else None,
+        prefetch=set_up_prefetch(cfg, policy, device, dist_info),
     )
 
 
@@ -373,6 +382,11 @@ def restore(run: Run, ckpt: Path, state: dict, tensors: dict) -> int:
         run.policy.grad_scaler.load_state_dict(state["grad_scaler"])
     run.policy.sampler.update_weights(run.policy.model)  # a separate inference engine (vLLM) takes them
     run.stream.load_state_dict(state["streams"][rank])
+    if "prefetched" in state and run.prefetch is not None:  # the batch sampled for the step after it
+        run.prefetch.held = load_rollout(state["prefetched"], run.stream)
+    elif "prefetched" in state and run.main:
+        print("cispo: the checkpoint holds a batch sampled ahead (rollout.async_steps=1); with async_steps=0 it "
+              "is not trained on and the run samples anew", file=sys.stderr)
     for name, gen in run.generators.items():
         gen.set_state(tensors[f"generator/{name}/{rank}"])
     if run.main:
@@ -413,6 +427,8 @@ def step_loop(run: Run, start: int) -> dict:
                     f"{bad_steps} consecutive steps had only non-finite gradients (step {step}); "
                     f"the last good weights are checkpointed in {run.run_dir / 'checkpoints'}. Lower optim.lr or "
                     f"check the reward / data.")
+            if stop.requested and run.prefetch is not None:  # a batch sampled ahead, failed by the stop: not kept
+                run.prefetch.drop_failed(run.stream, run.generators["sample"])
             if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop.requested:
                 run.checkpoint(step)
             if progress is not None:  # a bar, or a line per step (no terminal, progress=false)
@@ -434,7 +450,7 @@ def one_step(run: Run, step: int, stop: StopRequest, templated) -> dict:
             run.policy, run.optimizer, run.stream, run.task, run.cfg, run.obj, run.sampling, run.generators,
             run.update_count, run.forks, run.dist_info,
             on_samples=samples_logger(run.cfg, step, run.task, run.sample_file, run.sink, templated),
-            stop_requested=lambda: stop.requested)
+            stop_requested=lambda: stop.requested, prefetch=run.prefetch)
     except StepInterrupted as e:  # not committed: the last complete step is checkpointed instead
         run.stream.load_state_dict(before[0])
         for name, gen in run.generators.items():

@@ -52,6 +52,7 @@ from cispo.training.sampling import StepRollout, sample_step
 
 if TYPE_CHECKING:
     from cispo.config.algo import OptimConfig
+    from cispo.training.prefetch import Prefetch
 
 
 # ---------------------------------------------------------------------------------------
@@ -338,7 +339,7 @@ class StepInterrupted(Exception):
 
 
 def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, generators, update_count, forks,
-            dist_info: DistInfo = DistInfo(), on_samples=None, stop_requested=None):
+            dist_info: DistInfo = DistInfo(), on_samples=None, stop_requested=None, prefetch: Prefetch | None = None):
     """Steps 1-4 of the module docstring. Returns (metrics, new optimizer-step count).
     Under data parallelism this rank's share is ``prompts_per_step / world_size`` groups.
     ``on_samples(groups, exp)``, if given, is called after the updates with this rank's batch
@@ -346,30 +347,46 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
     group, with every group it sampled (all dropped) and ``exp=None``. ``stop_requested()``,
     if given, says whether a stop signal has come: true once the rewards are scored, with a
     failed call on any rank, raises `StepInterrupted` before the updates (the weights, the
-    optimizer and the update count unchanged; the prompt stream and the generators advanced)."""
+    optimizer and the update count unchanged; the prompt stream and the generators advanced).
+    ``prefetch`` (``rollout.async_steps=1``, `cispo.training.prefetch`): train on the batch it holds (sampled
+    during the last step; the first step samples its own) while its thread samples the next one, joined
+    before this returns."""
     t0 = time.perf_counter()
-    rollout = sample_step(policy, stream, task, cfg, sampling, generators, dist_info, keep_all=on_samples is not None)
+    keep_all = on_samples is not None
+    stale = prefetch is not None and prefetch.held is not None
+    rollout = prefetch.take() if stale else sample_step(policy, stream, task, cfg, sampling, generators, dist_info,
+                                                        keep_all)
     if stop_requested is not None and any_rank(bool(rollout.errors) and stop_requested(), dist_info):
+        if stale:  # not trained on: held again, so the checkpoint of the step before keeps it
+            prefetch.held = rollout
         raise StepInterrupted(f"{len(rollout.errors)} of its reward calls failed while the signal was pending"
                               + (f" (first: {rollout.errors[0]})" if rollout.errors else " on another rank"))
     if rollout.errors:
         print(f"cispo: {len(rollout.errors)} reward call(s) failed and scored 0 (first: {rollout.errors[0]})",
               file=sys.stderr)
+    pending = None if prefetch is None else prefetch.start(
+        policy, lambda behaviour: sample_step(behaviour, stream, task, cfg, sampling, generators, dist_info, keep_all),
+        stream, generators["sample"])
     t1 = time.perf_counter()
-    groups = rollout.groups
-    if not groups and not dist_info.enabled:  # every group uninformative, every round: nothing to learn
+    groups, exp, stats, updates_before = rollout.groups, None, [], update_count
+    fill = correction = None
+    try:
+        if groups or dist_info.enabled:
+            exp, first_order, fill, correction = prepare_experience(policy, groups, cfg, forks, generators, dist_info,
+                                                                    count_tokens=keep_all)
+            t2 = time.perf_counter()
+            stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count,
+                                                forks, dist_info, first_order, first_fill=fill)
+    finally:
+        if pending is not None:  # the next batch, held for the next step
+            prefetch.join(pending)
+    t3 = time.perf_counter()
+    if exp is None:  # every group uninformative, every round: nothing to learn
         if on_samples is not None:  # what was sampled and dropped: when a user most needs to see it
             on_samples(rollout.sampled, None)
         return {"rollout/groups_kept": 0.0, "rollout/rounds": float(rollout.report.rounds), "optim/step_updates": 0.0,
-                "optim/updates": float(update_count), "perf/step_s": t1 - t0,
-                "rollout/reward_errors": float(len(rollout.errors))}, update_count
-    exp, first_order, fill, correction = prepare_experience(policy, groups, cfg, forks, generators, dist_info,
-                                                            count_tokens=on_samples is not None)
-    t2 = time.perf_counter()
-    updates_before = update_count
-    stats, update_count = update_policy(policy, optimizer, exp, obj, cfg, generators["shuffle"], update_count, forks,
-                                        dist_info, first_order, first_fill=fill)
-    t3 = time.perf_counter()
+                "optim/updates": float(update_count), "perf/step_s": t3 - t0,
+                "rollout/reward_errors": float(len(rollout.errors)), **async_metrics(prefetch, stale)}, update_count
     policy.sampler.update_weights(policy.model)  # a separate inference engine samples the next batch
     t4 = time.perf_counter()
     if on_samples is not None and groups:
@@ -394,8 +411,19 @@ def rl_step(policy, optimizer, stream: PromptStream, task, cfg, obj, sampling, g
         "perf/weight_sync_s": t4 - t3,  # the push to a separate engine (vLLM; its wake-up included); ~0 for torch
         "perf/step_s": t4 - t0,
         "perf/tokens_per_s": tokens * (cfg.algo.epochs + (fill != "measure")) / max(t3 - t1, 1e-9),  # + the pass
+        **async_metrics(prefetch, stale),
     })
     return metrics, update_count
+
+
+def async_metrics(prefetch: Prefetch | None, stale: bool) -> dict:
+    """``rollout.async_steps=1``: the batch's staleness (updates between the weights that sampled it and those
+    that train on it: 1, or 0 at the first step) and the trainer's wait for the next batch
+    (``perf/sample_wait_s``: 0 when sampling hid behind the updates; then ``perf/update_s`` includes it)."""
+    if prefetch is None:
+        return {}
+    return {"rollout/staleness": float(stale), "perf/sample_wait_s": prefetch.wait_s,
+            "perf/behaviour_sample_s": prefetch.sample_s}
 
 
 def prepare_experience(policy: Policy, groups, cfg, forks, generators, dist_info: DistInfo, count_tokens: bool):
