@@ -32,7 +32,8 @@ SCRIPTS = {  # script -> the string(s) its --tiny output must contain
     "bench_first_step.py": ("first-call", "step 1 / main's step 1"),
     "bench_shared_prompt.py": ("update by group", "speed-up"),
     "bench_logp_old.py": "recompute / rollout",
-    "bench_overlap_pilot.py": "sequential / overlap",
+    "bench_async.py": "sync / async",
+    "bench_startup.py": ("start-up / floor", "largest top-level imports"),
 }
 
 RUNNER = """

@@ -59,3 +59,56 @@ def test_the_errors_caught_by_name_exist():
     class Sub(ConfigError): ...
 
     assert is_one_of(Sub("x"), INPUT_ERRORS) and not is_one_of(ValueError("x"), INPUT_ERRORS)
+
+
+# --------------------------------------------------------------------------- the toy run's start-up (issue 47 item 5)
+
+
+def test_prompt_lengths_are_those_of_encode(tmp_path):
+    """`Policy.prompt_lengths` (one call of the tokenizers library) counts what `Policy.encode` gives sample by
+    sample; a tokenizer with truncation set on its backend takes the one-by-one path."""
+    import torch
+
+    from cispo.models.builtin import ensure_builtin_model
+    from cispo.models.loading import load_policy
+    from cispo.models.packaged import save_tiny_smollm2
+    from cispo.models.policy import Policy, batch_encoder
+
+    samples = [{"prompt": p} for p in ("12+34=", "", "Ünïcödé  spaces\n\ttabs", "<|endoftext|>a <|im_start|>", "9" * 300)]
+    for path in (ensure_builtin_model("addition"), save_tiny_smollm2(tmp_path / "smollm2")):
+        model, tokenizer = load_policy(path)
+        policy = Policy(model, tokenizer, sampler=None, device=torch.device("cpu"))
+        assert batch_encoder(tokenizer) is not None
+        assert policy.prompt_lengths(samples) == [len(policy.encode(s)) for s in samples]
+        tokenizer.backend_tokenizer.enable_truncation(3)
+        assert batch_encoder(tokenizer) is None
+        assert policy.prompt_lengths(samples) == [len(policy.encode(s)) for s in samples]
+
+
+def test_a_model_without_lora_does_not_import_peft():
+    probe = ("import sys, torch\nfrom cispo.models.lora import _unwrap, has_lora\nm = torch.nn.Linear(2, 2)\n"
+             "print(has_lora(m), _unwrap(m) is m, 'peft' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False", "True", "False"]
+
+
+def test_only_the_program_skips_the_exit_collection():
+    """`cispo.cli.main()` on ``sys.argv`` (the program, about to exit) freezes the collector's objects;
+    ``main([...])`` (a caller such as a test) leaves its collector alone."""
+    probe = ("import gc, sys\nfrom cispo.cli import main\nmain(['train', 'steps=0'])\nbefore = gc.get_freeze_count()\n"
+             "sys.argv = ['cispo', 'train', 'steps=0']\ncode = main()\nprint(before, gc.get_freeze_count() > 0, code)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["0", "True", "2"]
+
+
+def test_the_program_imports_with_the_collector_paused():
+    """`collector_paused`: for the program, the block runs with the collector off and what it made is frozen
+    after it, the collector on again; for any other caller, a plain block."""
+    probe = ("import gc\nfrom cispo.cli import collector_paused\nwith collector_paused(False):\n    import json\n"
+             "print(gc.isenabled(), gc.get_freeze_count())\nwith collector_paused(True):\n    off = not gc.isenabled()\n"
+             "    import email.parser\nprint(off, gc.isenabled(), gc.get_freeze_count() > 0)")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["True", "0", "True", "True", "True"]

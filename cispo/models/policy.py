@@ -68,6 +68,14 @@ class Policy:
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return self.tokenizer.encode(sample["prompt"], add_special_tokens=True)
 
+    def prompt_lengths(self, samples: list[dict]) -> list[int]:
+        """``len(self.encode(s))`` for each of ``samples``: in one call of the tokenizers library where that
+        gives the same ids (`batch_encoder`: 20 000 prompts in ~0.1 s instead of ~0.4 s), else one by one."""
+        encode_batch = None if self.chat_template else batch_encoder(self.tokenizer)
+        if encode_batch is None:
+            return [len(self.encode(s)) for s in samples]
+        return [len(e) for e in encode_batch([s["prompt"] for s in samples], add_special_tokens=True)]
+
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id
@@ -75,6 +83,29 @@ class Policy:
     @property
     def eos_id(self) -> int:
         return self.tokenizer.eos_token_id
+
+
+PLAIN_FAST_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""transformers' own fast-tokenizer classes, whose ``encode(text)`` is the tokenizers library's ``encode_batch([text])``
+once truncation and padding are off and special tokens set to split as the tokenizer says."""
+
+
+def batch_encoder(tokenizer):
+    """The tokenizers-library call that encodes a list of texts to the ids ``tokenizer.encode`` gives each
+    (``encode_batch_fast``: no character offsets), or None where that is not certain: a class other than
+    `PLAIN_FAST_TOKENIZERS` (a subclass may encode in its own way; a slow tokenizer has no backend), truncation
+    or padding set on the backend (``encode`` turns them off first), or special tokens split otherwise than
+    ``encode`` would set them."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(tokenizer).__name__ not in PLAIN_FAST_TOKENIZERS:
+        return None
+    if not type(tokenizer).__module__.startswith("transformers."):
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if getattr(backend, "encode_special_tokens", False) != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return getattr(backend, "encode_batch_fast", None) or backend.encode_batch
 
 
 def lm_head(model) -> torch.nn.Module:

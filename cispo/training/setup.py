@@ -32,7 +32,7 @@ def fit_prompts(policy: Policy, samples: list[dict], max_new_tokens: int, what: 
     context = getattr(policy.model.config, "max_position_embeddings", None)
     if not context or not samples:
         return samples
-    fits = [len(policy.encode(s)) + max_new_tokens <= context for s in samples]
+    fits = [n + max_new_tokens <= context for n in policy.prompt_lengths(samples)]
     kept = [s for s, ok in zip(samples, fits) if ok]
     if len(kept) < len(samples):
         first = fits.index(False)
