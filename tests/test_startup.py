@@ -85,12 +85,17 @@ def test_prompt_lengths_are_those_of_encode(tmp_path):
         assert policy.prompt_lengths(samples) == [len(policy.encode(s)) for s in samples]
 
 
+def run_probe(code: str) -> list[str]:
+    """Run ``code`` in a fresh interpreter; the words it printed."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.split()
+
+
 def test_a_model_without_lora_does_not_import_peft():
     probe = ("import sys, torch\nfrom cispo.models.lora import _unwrap, has_lora\nm = torch.nn.Linear(2, 2)\n"
              "print(has_lora(m), _unwrap(m) is m, 'peft' in sys.modules)")
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["False", "True", "False"]
+    assert run_probe(probe) == ["False", "True", "False"]
 
 
 def test_only_the_program_skips_the_exit_collection():
@@ -98,9 +103,7 @@ def test_only_the_program_skips_the_exit_collection():
     ``main([...])`` (a caller such as a test) leaves its collector alone."""
     probe = ("import gc, sys\nfrom cispo.cli import main\nmain(['train', 'steps=0'])\nbefore = gc.get_freeze_count()\n"
              "sys.argv = ['cispo', 'train', 'steps=0']\ncode = main()\nprint(before, gc.get_freeze_count() > 0, code)")
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split() == ["0", "True", "2"]
+    assert run_probe(probe) == ["0", "True", "2"]
 
 
 def test_the_program_imports_with_the_collector_paused():
