@@ -226,6 +226,13 @@ class InOrder:
         self.index += n
         return out
 
+    def state_dict(self) -> dict:
+        """Where the stream stands (what ``rollout.async_steps=1`` notes before sampling ahead)."""
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = state["index"]
+
 
 def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, prompts: int = 32,
                max_new_tokens: int = 57, seed: int = 0, suppress_eos: bool = False, extra: tuple = (),
