@@ -40,9 +40,10 @@ def run_args(model, out, *extra):
 
 def test_a_real_model_task_declares_its_own_held_out_defaults():
     """wordmath's model is a 135M one: the example's 100 greedy prompts; the toy tasks keep 200 x (greedy + 4)."""
-    for name in ("wordmath", "wordmath_working", "wordmath_calc", "wordmath_calc_example"):
+    for name in ("wordmath", "wordmath_working", "wordmath_calc", "wordmath_calc_example", "wordmath_large", "wordmath_calc_large"):
         assert (get_task(name).num_eval_prompts, get_task(name).eval_num_samples) == (100, 0)
-    for name in set(list_tasks()) - {"wordmath", "wordmath_working", "wordmath_calc", "wordmath_calc_example"}:
+    for name in set(list_tasks()) - {"wordmath", "wordmath_working", "wordmath_calc", "wordmath_calc_example", "wordmath_large",
+                                    "wordmath_calc_large"}:
         assert (get_task(name).num_eval_prompts, get_task(name).eval_num_samples) == (200, 4), name
 
 

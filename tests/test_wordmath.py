@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -215,6 +216,24 @@ def test_splits_are_disjoint_seeded_and_chat_shaped():
     ops = [sum(s["prompt"].count(w) for w in ("more", "gives", "gave", "loses", "packs", "shares", "bags", "boxes"))
            for s in held]
     assert max(ops) >= 2  # not only one-operation problems
+
+
+def test_large_numbers_are_the_same_templates_with_2_to_3_digit_operands():
+    """The agents search's amendment 2: operands a 135M model cannot work with in its head, from their own
+    seeded stream; the default stream is untouched; answers right by GSM8K's form, splits disjoint."""
+    train, held = wordmath.samples(0, 300, "train", "large"), wordmath.samples(0, 100, "eval", "large")
+    assert not {s["prompt"] for s in train} & {s["prompt"] for s in held}
+    assert wordmath.samples(0, 100, "eval", "large") == held and wordmath.samples(0, 100, "eval") != held
+    assert wordmath.samples(0, 20) == wordmath.samples(0, 20, numbers="small")
+    for s in train + held:
+        operands = [int(x) for x in re.findall(r"[0-9]+", s["prompt"])]
+        assert max(operands) >= 12 and int(s["answer"]) >= 1, s
+        assert wordmath.reward(s["prompt"], s["solution"], answer=s["answer"]) == 1.0
+    assert sum(max(int(x) for x in re.findall(r"[0-9]+", s["prompt"])) >= 100 for s in held) >= 30
+    assert {get_task("wordmath_large").eval_samples(0, 5)[i]["prompt"] for i in range(5)} \
+        == {s["prompt"] for s in held[:5]}
+    with pytest.raises(ValueError, match="numbers must be one of"):
+        wordmath.samples(0, 1, numbers="huge")
 
 
 def test_the_task_names_its_model_and_the_chat_template():

@@ -57,6 +57,19 @@ def test_the_example_variant_teaches_the_calculator_in_the_system_prompt():
         wordmath_calc.samples(0, 1, prompt="system")
 
 
+def test_the_large_variant_is_the_calculator_on_wordmaths_large_problems():
+    """Amendment 2's stage D: the calculator task and its no-calculator twin on the same 2-3 digit problems."""
+    calc, plain = get_task("wordmath_calc_large"), get_task("wordmath_large")
+    assert [(s["prompt"], s["answer"]) for s in calc.train_samples(1, 30)] \
+        == [(s["prompt"], s["answer"]) for s in plain.train_samples(1, 30)] \
+        == [(s["prompt"], s["answer"]) for s in wordmath.samples(1, 30, numbers="large")]
+    assert calc.eval_samples(0, 3)[0]["messages"][1]["content"].endswith(wordmath_calc.INSTRUCTION)
+    assert (calc.reward, calc.fork_tokens, calc.max_new_tokens) == (get_task("wordmath_calc").reward, ("<calc>",),
+                                                                    wordmath_calc.MAX_NEW_TOKENS)
+    assert plain.reward is get_task("wordmath").reward and "<calc>" not in str(plain.eval_samples(0, 3))
+    assert TASK_TOOLS["wordmath_calc_large"] == TASK_TOOLS["wordmath_calc"] and "wordmath_large" not in TASK_TOOLS
+
+
 @pytest.mark.parametrize("transcript, own", [
     ("<calc>30+21</calc><result>51</result>\n#### 51", "<calc>30+21</calc>\n#### 51"),
     ("a <calc>1+1</calc>.<result>2</result> b", "a <calc>1+1</calc>. b"),  # the completing token ran on ('>.')

@@ -53,7 +53,7 @@ TOOL_FORMATS = ("auto", "chat", "inline")
 INLINE_TAGS = {"calculator": "calc"}
 """A tool's inline tag where it is not the tool's name (``<calc>2+3</calc>`` calls ``calculator``)."""
 TASK_TOOLS = {name: (wordmath_calc.TOOLS, wordmath_calc.TOOL_FORMAT)
-              for name in (wordmath_calc.NAME, wordmath_calc.EXAMPLE_NAME)}
+              for name in (wordmath_calc.NAME, wordmath_calc.EXAMPLE_NAME, wordmath_calc.LARGE_NAME)}
 """A built-in task's own tools and format, used where ``data.tools`` is None / ``data.tool_format`` auto."""
 CUT_NOTE = " [cut]"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

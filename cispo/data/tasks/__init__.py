@@ -129,14 +129,15 @@ def _no_corpus(*args, **kwargs):
     raise ValueError("wordmath has no pretraining corpus: its model is a real pretrained one (builtin:smollm2-135m)")
 
 
-def _wordmath(name: str = wordmath.NAME, reward: Callable[..., float] = wordmath.reward) -> Task:
+def _wordmath(name: str = wordmath.NAME, reward: Callable[..., float] = wordmath.reward,
+              numbers: str = "small") -> Task:
     return Task(
         name=name,
         fork_tokens=wordmath.FORK_TOKENS,
         alphabet="",  # a real BPE vocabulary, not a built character set
         max_new_tokens=wordmath.MAX_NEW_TOKENS,
-        train_samples=partial(wordmath.samples, split="train"),
-        eval_samples=partial(wordmath.samples, split="eval"),
+        train_samples=partial(wordmath.samples, split="train", numbers=numbers),
+        eval_samples=partial(wordmath.samples, split="eval", numbers=numbers),
         reward=reward,
         used_fork=wordmath.used_fork,
         extract_answer=wordmath.extract_answer,
@@ -150,12 +151,12 @@ def _wordmath(name: str = wordmath.NAME, reward: Callable[..., float] = wordmath
     )
 
 
-def _wordmath_calc(name: str = wordmath_calc.NAME, prompt: str = "user") -> Task:
+def _wordmath_calc(name: str = wordmath_calc.NAME, prompt: str = "user", numbers: str = "small") -> Task:
     """wordmath's problems with the inline calculator (`wordmath_calc`: its prompt, reward and fork string)."""
     return replace(_wordmath(name, wordmath_calc.reward), fork_tokens=wordmath_calc.FORK_TOKENS,
                    max_new_tokens=wordmath_calc.MAX_NEW_TOKENS, used_fork=wordmath_calc.used_fork,
-                   train_samples=partial(wordmath_calc.samples, split="train", prompt=prompt),
-                   eval_samples=partial(wordmath_calc.samples, split="eval", prompt=prompt),
+                   train_samples=partial(wordmath_calc.samples, split="train", prompt=prompt, numbers=numbers),
+                   eval_samples=partial(wordmath_calc.samples, split="eval", prompt=prompt, numbers=numbers),
                    extract_answer=wordmath_calc.extract_answer)
 
 
@@ -187,6 +188,9 @@ _REGISTRY: dict[str, Callable[[], Task]] = {
     "wordmath_calc": _wordmath_calc,
     # the same, the calculator taught by a worked example in the system prompt, wordmath's instruction in the user turn
     "wordmath_calc_example": partial(_wordmath_calc, wordmath_calc.EXAMPLE_NAME, "system_example"),
+    # 2-3 digit operands, which a 135M model cannot add or multiply in its head: without and with the calculator
+    "wordmath_large": partial(_wordmath, "wordmath_large", numbers="large"),
+    "wordmath_calc_large": partial(_wordmath_calc, wordmath_calc.LARGE_NAME, numbers="large"),
 }
 
 

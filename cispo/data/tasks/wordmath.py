@@ -105,16 +105,50 @@ def _numbers(kind: str, rng: random.Random) -> tuple[int, ...] | None:
     raise KeyError(kind)
 
 
-def problem(rng: random.Random) -> tuple[str, int]:
-    """One problem and its answer."""
+def _large_numbers(kind: str, rng: random.Random) -> tuple[int, ...] | None:
+    """`_numbers` with 2-3 digit operands (at least one per template; divisors and multipliers of 1 digit
+    where the problem reads so): arithmetic SmolLM2-135M cannot do in its head, where a calculator pays (the
+    agents search's amendment 2, docs/results/agents/search-plan.md)."""
+    r = rng.randint
+    if kind == "add":
+        return r(100, 999), r(12, 99)
+    if kind == "sub":
+        a = r(100, 999)
+        return a, r(12, a - 1)
+    if kind == "mul":
+        return r(12, 99), r(12, 49)
+    if kind == "div":
+        b, q = r(3, 12), r(12, 99)
+        return b * q, b
+    if kind == "mul_sub":
+        a, b = r(12, 49), r(12, 49)
+        return a, b, r(12, a * b - 1)
+    if kind == "add_sub":
+        a, b = r(100, 999), r(12, 99)
+        return a, b, r(12, a + b - 1)
+    if kind == "add_mul":
+        return r(100, 999), r(3, 12), r(12, 49)
+    if kind == "mul_add_div":
+        a, b, d = r(3, 12), r(12, 49), r(3, 9)
+        return a, b, (-(a * b)) % d + d * r(1, 9), d
+    raise KeyError(kind)
+
+
+NUMBERS = {"small": _numbers, "large": _large_numbers}
+"""`samples`' operand sizes: ``small`` (the task's own) or ``large`` (2-3 digits)."""
+
+
+def problem(rng: random.Random, numbers: str = "small") -> tuple[str, int]:
+    """One problem and its answer, its operands drawn by ``NUMBERS[numbers]``."""
+    draw = NUMBERS[numbers]
     while True:
         kind = rng.choices(KINDS, weights=[WEIGHTS[TEMPLATES[k][0]] for k in KINDS])[0]
-        numbers = _numbers(kind, rng)
-        if numbers is None:
+        numbers_ = draw(kind, rng)
+        if numbers_ is None:
             continue
         _, text, answer = TEMPLATES[kind]
-        names = dict(zip("abcd", numbers))
-        return text.format(n=rng.choice(NAMES), x=rng.choice(ITEMS), **names), answer(*numbers)
+        names = dict(zip("abcd", numbers_))
+        return text.format(n=rng.choice(NAMES), x=rng.choice(ITEMS), **names), answer(*numbers_)
 
 
 def held_out(text: str) -> bool:
@@ -122,13 +156,16 @@ def held_out(text: str) -> bool:
     return hashlib.sha256(text.encode()).digest()[0] < 52
 
 
-def samples(seed: int, n: int, split: str = "train") -> list[dict]:
+def samples(seed: int, n: int, split: str = "train", numbers: str = "small") -> list[dict]:
     """``n`` distinct problems of ``split`` (``train`` / ``eval``), seeded: ``{"prompt", "messages",
-    "answer", "solution"}`` (``solution``: GSM8K's ``#### N`` form)."""
-    rng = random.Random(f"{NAME}/{split}/{seed}")
+    "answer", "solution"}`` (``solution``: GSM8K's ``#### N`` form). ``numbers``: the operands' size
+    (`NUMBERS`; ``large`` draws from its own seeded stream, ``small`` from the task's as always)."""
+    if numbers not in NUMBERS:
+        raise ValueError(f"numbers must be one of {sorted(NUMBERS)}, got {numbers!r}")
+    rng = random.Random(f"{NAME}/{split}/{seed}" if numbers == "small" else f"{NAME}/{numbers}/{split}/{seed}")
     out, seen = [], set()
     while len(out) < n:
-        text, answer = problem(rng)
+        text, answer = problem(rng, numbers)
         if held_out(text) != (split == "eval") or text in seen:
             continue
         seen.add(text)

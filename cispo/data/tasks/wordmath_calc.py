@@ -33,6 +33,9 @@ from cispo.data.tasks import wordmath
 from cispo.foundations.forks import used_any
 
 NAME = "wordmath_calc"
+LARGE_NAME = "wordmath_calc_large"
+"""The same task on problems with 2-3 digit operands (`wordmath.samples`' ``numbers="large"``; the agents
+search's amendment 2): arithmetic the 135M model cannot do in its head."""
 EXAMPLE_NAME = "wordmath_calc_example"
 """The same task with the calculator taught by a worked example in the system prompt (`samples`'
 ``prompt="system_example"``; the agents search's amendment 1, docs/results/agents/search-plan.md)."""
@@ -61,17 +64,17 @@ MAX_TOKEN_CHARS = 32
 """The most characters one token's text runs on past the ``</calc>`` it completes (`policy_text`)."""
 
 
-def samples(seed: int, n: int, split: str = "train", prompt: str = "user") -> list[dict]:
+def samples(seed: int, n: int, split: str = "train", prompt: str = "user", numbers: str = "small") -> list[dict]:
     """``wordmath.samples`` (the same problems, answers and split) with the calculator's prompt:
     ``{"prompt", "messages", "answer", "solution"}``. ``prompt="user"``: wordmath's system message and the
     problem followed by `INSTRUCTION`; ``"system_example"``: `SYSTEM_EXAMPLE` and the problem followed by
-    wordmath's own instruction."""
+    wordmath's own instruction. ``numbers``: `wordmath.samples`' operand size (``large``: 2-3 digits)."""
     if prompt not in PROMPTS:
         raise ValueError(f"prompt must be one of {PROMPTS}, got {prompt!r}")
     system, instruction = ((SYSTEM_PROMPT, INSTRUCTION) if prompt == "user"
                            else (SYSTEM_EXAMPLE, wordmath.INSTRUCTION))
     out = []
-    for s in wordmath.samples(seed, n, split):
+    for s in wordmath.samples(seed, n, split, numbers):
         messages = [{"role": "system", "content": system},
                     {"role": "user", "content": f"{s['prompt']}\n{instruction}"}]
         out.append({**s, "messages": messages})
