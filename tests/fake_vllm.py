@@ -15,6 +15,10 @@ tokens, finish reasons, ``load_weights`` by Hugging Face name) and checks what i
   ``vllm/v1/serial_utils.py``'s ``run_method``; the worker's ``reload_weights(weights_iterator=...,
   weights_path=..., is_checkpoint_format=...)`` is 0.33's (``old_reload=True``: the no-argument one of
   older versions, which re-reads the checkpoint);
+* ``SamplingParams(stop=[...], include_stop_str_in_output=...)`` needs ``detokenize=True`` (``_verify_args``); a stop
+  string is matched on the output text decoded with the engine's tokenizer (skipping special tokens) as
+  ``StopChecker.check_stop_strings`` does, after the length and stop-id checks: finish "stop", ``stop_reason`` the
+  string, the *text* cut after it (or before it), the *token ids* never cut (``vllm/v1/engine/detokenizer.py``);
 * ``sleep(level=2)`` discards the weights (here: filled with NaN) and keeps the buffers, which ``wake_up``
   restores (``Worker.sleep`` / ``wake_up``, ``vllm/v1/worker/gpu_worker.py``); level 1 keeps the weights.
 
@@ -124,9 +128,28 @@ class RequestOutput:
 
 class SamplingParams:
     def __init__(self, n=1, temperature=1.0, top_p=1.0, max_tokens=16, logprobs=None, seed=None,
-                 stop_token_ids=None, ignore_eos=False, detokenize=True):
+                 stop_token_ids=None, ignore_eos=False, detokenize=True, stop=None, include_stop_str_in_output=False):
         self.__dict__.update(locals())
         del self.__dict__["self"]
+        if stop and not detokenize:  # SamplingParams._verify_args
+            raise ValueError("stop strings are only supported when detokenize is True. "
+                             "Set detokenize=True to use stop.")
+
+
+def check_stop_strings(text: str, new_chars: int, stop: list, include_in_output: bool):
+    """vLLM's ``StopChecker.check_stop_strings``: (the stop string that ends in the last ``new_chars``
+    characters of ``text``, where to cut the text: -1 none), or None. The text is cut after the stop
+    string (``include_in_output``) or before it; the token ids are never cut."""
+    for s in stop:
+        at = text.find(s, 1 - new_chars - len(s))
+        if at == -1:
+            continue
+        if include_in_output:
+            at += len(s)
+            if at >= len(text):
+                return s, -1
+        return s, at
+    return None
 
 
 class EngineModel(torch.nn.Module):
@@ -210,6 +233,7 @@ class LLM:
         self.global_gen = torch.Generator().manual_seed(kwargs.get("seed", 0))
         self.calls: list = _LoggedCalls(self)
         self._saved_buffers: dict = {}
+        self._tokenizer = None  # loaded at the first detokenized request (stop strings)
         self.calls.log({"built": {k: v for k, v in self.kwargs.items() if k != "hf_overrides"},
                         "hf_overrides": self.kwargs.get("hf_overrides"), "env": self.env, "device": self.device,
                         "process_group": self.process_group})
@@ -241,18 +265,34 @@ class LLM:
         outs = []
         for prompt, sp in zip(prompts, sampling_params):
             gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self.global_gen
-            ids, toks, lps, reason = list(prompt["prompt_token_ids"]), [], [], None
-            eos = self.engine_model.hf.config.eos_token_id
+            ids, toks, lps, reason, stop_reason = list(prompt["prompt_token_ids"]), [], [], None, None
+            eos, text = self.engine_model.hf.config.eos_token_id, ""
             while reason is None:
                 tok, lp = self._step(ids + toks, sp, gen)
                 toks.append(tok)
                 lps.append({tok: Logprob(lp, rank=1)})
                 if len(toks) >= sp.max_tokens:  # vLLM checks the length first
                     reason = "length"
-                elif (not sp.ignore_eos and tok == eos) or tok in (sp.stop_token_ids or []):
+                elif tok in (sp.stop_token_ids or []):
+                    reason, stop_reason = "stop", tok
+                elif not sp.ignore_eos and tok == eos:
                     reason = "stop"
-            outs.append(RequestOutput(ids, [Completion(0, toks, lps, reason)]))
+                if sp.stop and reason != "stop":  # then the detokenizer's stop strings (on the output text only)
+                    text, reason, stop_reason = self._stop_strings(toks, text, sp, reason, stop_reason)
+            outs.append(RequestOutput(ids, [Completion(0, toks, lps, reason, stop_reason, text)]))
         return outs
+
+    def _stop_strings(self, toks, text, sp, reason, stop_reason):
+        """The output text after ``toks[-1]`` and, where it completes one of ``sp.stop`` (vLLM's
+        ``IncrementalDetokenizer.update``), finish "stop" with the string as ``stop_reason``, the text cut."""
+        if self._tokenizer is None:
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.kwargs.get("tokenizer") or
+                                                                             self.kwargs["model"]))
+        new = self._tokenizer.decode(toks, skip_special_tokens=True)
+        hit = check_stop_strings(new, len(new) - len(text), list(sp.stop or []), sp.include_stop_str_in_output)
+        if hit is None:
+            return new, reason, stop_reason
+        return (new if hit[1] == -1 else new[: hit[1]]), "stop", hit[0]
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         if isinstance(method, str):

@@ -134,7 +134,9 @@ class RolloutBatch:
 
 class Episodes(Protocol):
     """A batch's environment in a multi-turn rollout, token in, token out (one episode per row; built by
-    ``cispo.data.environments``). The sampler calls it; it never sees text."""
+    ``cispo.data.environments``). The sampler calls it; it never sees text. A sampler that cannot ask
+    ``pauses`` after every token (vLLM: ``cispo.rollout.vllm_episodes``) also reads its ``stop_strings``
+    (a tuple of str) where it has them, to stop the engine there; ``pauses`` still decides."""
 
     def pauses(self, row: int, segment_ids: list[int]) -> bool:
         """Whether row ``row``'s policy segment (the ids it sampled since the prompt or its last

@@ -50,6 +50,11 @@ piece relies on:
   thrown away, so the stop saves no rollout compute here (it still shapes the training data exactly as
   ``TorchSampler``'s stop does).
 
+* **Multi-turn episodes** (``generate(..., episodes=...)``, tool use): one ``LLM.generate`` per turn for
+  the rows still running, each request the row's prompt + response ids so far (re-prefilled from vLLM's
+  prefix cache) with ``max_tokens`` its remaining budget and the environment's stop strings; the segment's
+  end is read from the returned token ids, never from vLLM's text. See :mod:`cispo.rollout.vllm_episodes`.
+
 * **Weight push** (:meth:`VLLMSampler.update_weights`, after every optimizer step). The public path of
   vLLM 0.33: ``LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``, which runs the
   worker's ``reload_weights`` (``vllm/v1/worker/gpu_worker.py`` -> the model runner ->
@@ -86,9 +91,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from cispo.rollout.base import RolloutBatch, Sampler, SamplingConfig, stop_ids
+from cispo.rollout.base import Episodes, RolloutBatch, Sampler, SamplingConfig, stop_ids
 from cispo.rollout.vllm_engine import (RankPlacement, engine_accepts, engine_kwargs, set_rank_environment,
                                        supports_head_dtype, tokenizer_source)
+from cispo.rollout.vllm_episodes import pad_rollout, sample_episodes
 
 INSTALL_HINT = 'VLLMSampler needs vLLM: pip install "cispo[vllm]" (needs a CUDA GPU; see docs/install.md)'
 
@@ -158,36 +164,6 @@ def finalize_response(
             ids, lps = ids[:cut], lps[:cut]
             reason = "eos" if ids[-1] in stops else "repetition"
     return ids, lps, reason
-
-
-def pad_rollout(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[tuple[list[int], list[float], str]],
-    pad_token_id: int,
-    device: torch.device | str = "cpu",
-) -> RolloutBatch:
-    """Left-pad the prompts, right-pad the responses (as ``TorchSampler`` does) into a ``RolloutBatch``."""
-    B, P = len(prompts), max(len(p) for p in prompts)
-    T = max(len(ids) for ids, _, _ in responses)
-    prompt = torch.full((B, P), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros(B, P, dtype=torch.long)
-    response = torch.full((B, T), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros(B, T, dtype=torch.float32)
-    logp = torch.zeros(B, T, dtype=torch.float32)
-    for i, (p, (ids, lps, _)) in enumerate(zip(prompts, responses)):
-        prompt[i, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        prompt_mask[i, P - len(p):] = 1
-        response[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        response_mask[i, : len(ids)] = 1.0
-        logp[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
-    return RolloutBatch(
-        prompt_ids=prompt.to(device),
-        prompt_mask=prompt_mask.to(device),
-        response_ids=response.to(device),
-        response_mask=response_mask.to(device),
-        logp_rollout=logp.to(device),
-        finish_reason=[r for _, _, r in responses],
-    )
 
 
 def named_weights(model_or_weights) -> Iterable[tuple[str, torch.Tensor]]:
@@ -422,9 +398,10 @@ class VLLMSampler(Sampler):
             return "processed: log_softmax(logits / T) of the distribution sampled from (after top-p)"
         return "raw: log_softmax(logits), before temperature and top-p (vLLM < 0.10, V1 engine)"
 
-    def sampling_params(self, cfg: SamplingConfig, seed: int | None = None):
-        """The ``vllm.SamplingParams`` for ``cfg``."""
-        return self._SamplingParams(
+    def sampling_params(self, cfg: SamplingConfig, seed: int | None = None, **overrides):
+        """The ``vllm.SamplingParams`` for ``cfg``; ``overrides``: other values of its fields (an episode's turn:
+        ``max_tokens``, the stop strings; ``cispo.rollout.vllm_episodes.engine_turn``)."""
+        return self._SamplingParams(**dict(
             n=1,
             temperature=float(cfg.temperature),
             top_p=float(cfg.top_p),
@@ -434,19 +411,21 @@ class VLLMSampler(Sampler):
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=True,
             detokenize=False,
-        )
+        ) | overrides)
 
     def generate(
         self,
         prompt_ids: Sequence[Sequence[int]],
         cfg: SamplingConfig,
         generator: torch.Generator | None = None,
+        episodes: Episodes | None = None,
     ) -> RolloutBatch:
         """Sample one response per prompt; see :class:`~cispo.rollout.base.RolloutBatch` for the layout.
 
         With a ``generator``, each request gets a seed drawn from it (reproducible for the same batch; vLLM's
         numerics are not batch-invariant, so the same prompt in another batch may still differ). Without,
-        the engine's own seeded stream is used.
+        the engine's own seeded stream is used. ``episodes``: a multi-turn response per prompt, one engine
+        call per turn (:mod:`cispo.rollout.vllm_episodes`).
         """
         if len(prompt_ids) == 0:
             raise ValueError("prompt_ids is empty: need at least one prompt")
@@ -463,6 +442,8 @@ class VLLMSampler(Sampler):
                           f"temperature={cfg.temperature} and top_p={cfg.top_p}", stacklevel=2)
         if 0 < cfg.temperature < 0.01:
             warnings.warn(f"vLLM raises temperature {cfg.temperature} to 0.01", stacklevel=2)
+        if episodes is not None:  # multi-turn: one engine call per turn, the context re-sent as ids
+            return sample_episodes(self, prompt_ids, cfg, generator, episodes)
 
         B = len(prompt_ids)
         if generator is not None:

@@ -183,10 +183,6 @@ def run_environment(cfg: TrainConfig, tokenizer, templated: bool):
     from cispo.data.environments import environment_from_config
 
     environment = environment_from_config(tokenizer, cfg.data, cfg.rollout)
-    if environment is not None and cfg.rollout.engine == "vllm":
-        environment.close()
-        raise ConfigError("tools (data.tools, or the task's own) run with the torch sampler only: the vLLM sampler "
-                          "does not run multi-turn episodes yet (set rollout.engine=torch)")
     if environment is not None and environment.tool_format == "chat" and not templated:
         environment.close()
         raise ConfigError("data.tool_format=chat: the tools are declared through the chat template, but the prompts "
