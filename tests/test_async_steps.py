@@ -20,6 +20,7 @@ from conftest import small_config
 from test_trainer import final_weights, strip_perf
 
 ASYNC = ("rollout.async_steps=1", "algo.logp_old=rollout")
+VLLM_ASYNC = ("rollout.async_steps=1", "rollout.engine=vllm", "algo.tis_cap=2")  # vLLM's anchor: recompute + c
 
 
 # --------------------------------------------------------------------------- settings
@@ -31,8 +32,9 @@ def test_async_needs_an_anchor_that_sees_the_staleness():
     for ok in (ASYNC, ("rollout.async_steps=1", "algo.tis_cap=2"),
                ("rollout.async_steps=1", "algo.rollout_is=token", "algo.rollout_is_upper=2")):
         assert apply_overrides(TrainConfig(), list(ok)).rollout.async_steps == 1
-    with pytest.raises(ConfigError, match="rollout.engine=torch"):
-        apply_overrides(TrainConfig(), ["rollout.async_steps=1", "algo.tis_cap=2", "rollout.engine=vllm"])
+    assert apply_overrides(TrainConfig(), [*VLLM_ASYNC]).rollout.async_steps == 1
+    with pytest.raises(ConfigError, match="rollout.vllm_sleep=false"):  # it samples while the trainer updates
+        apply_overrides(TrainConfig(), [*VLLM_ASYNC, "rollout.vllm_sleep=true"])
     with pytest.raises(ConfigError, match="rollout.async_steps"):
         apply_overrides(TrainConfig(), ["rollout.async_steps=2", "algo.logp_old=rollout"])
 
@@ -168,3 +170,74 @@ def test_a_batch_sampled_ahead_whose_rewards_a_stop_failed_is_not_kept(tiny_mode
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r.get("rollout/reward_errors", 0) == 0 for r in rows)
     assert [r["rollout/staleness"] for r in rows[1:]] == [0.0, 0.0, 1.0]  # step 2 sampled anew after the resume
+
+
+# --------------------------------------------------------------------------- the vLLM engine as the behaviour policy
+
+
+@pytest.fixture
+def engine_log(monkeypatch):
+    """The stand-in vLLM (`fake_vllm`) installed, its sampler's calls logged: ("generate" | "push", the thread,
+    the number of generate calls in flight at that moment)."""
+    import fake_vllm
+
+    from cispo.rollout.vllm_sampler import VLLMSampler
+
+    fake_vllm.install(monkeypatch)
+    log, lock, in_flight = [], threading.Lock(), [0]
+    generate, push = VLLMSampler.generate, VLLMSampler.update_weights
+
+    def logged_generate(self, *args, **kwargs):
+        with lock:
+            in_flight[0] += 1
+            log.append(("generate", threading.current_thread().name, in_flight[0]))
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    def logged_push(self, model, *args, **kwargs):
+        with lock:
+            log.append(("push", threading.current_thread().name, in_flight[0]))
+        return push(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMSampler, "generate", logged_generate)
+    monkeypatch.setattr(VLLMSampler, "update_weights", logged_push)
+    return log
+
+
+def test_a_vllm_engine_samples_the_next_batch_with_the_weights_pushed_before_the_step(tiny_model, dense_task,
+                                                                                     engine_log, tmp_path):
+    """With ``rollout.engine=vllm`` the engine is the behaviour policy (no copy): after step 1 every batch is
+    sampled in the sampler thread while the trainer updates, the trainer's push comes only after that thread
+    is joined (never during a generate), and the batch trained on is one update old — the recomputed
+    log pi_old (the step's start) is then farther from the engine's log-probs than in the synchronous run,
+    where they differ by rounding only."""
+    sync = train(small_config(tiny_model, tmp_path / "sync", "rollout.engine=vllm", "algo.tis_cap=2",
+                              "eval.every=0"))
+    engine_log.clear()
+    off = train(small_config(tiny_model, tmp_path / "async", *VLLM_ASYNC, "eval.every=0"))
+    rows = [r for r in read_metrics(off.run_dir / "metrics.jsonl") if r["step"] > 0]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["optim/step_updates"] == 4 for r in rows)
+    pushes = [e for e in engine_log if e[0] == "push"]
+    assert len(pushes) == 3 and all(in_flight == 0 for _, _, in_flight in pushes)  # after the join, every step
+    ahead = [thread for kind, thread, _ in engine_log if kind == "generate" and thread.startswith("cispo-sampler")]
+    assert len(ahead) >= 3  # the batches of steps 2 and 3, and the one held at the end (refills: more calls)
+    stale_gap = [r["rollout/logp_abs_diff"] for r in rows[1:]]
+    sync_gap = [r["rollout/logp_abs_diff"] for r in read_metrics(sync.run_dir / "metrics.jsonl") if r["step"] > 0]
+    assert min(stale_gap) > 100 * max(sync_gap) and max(sync_gap) < 1e-5
+    assert rows[0]["rollout/logp_abs_diff"] < 1e-5  # step 1: sampled by the weights it starts from
+
+
+def test_resume_equals_uninterrupted_on_a_vllm_engine(tiny_model, dense_task, engine_log, tmp_path):
+    """The resumed run pushes the checkpoint's weights to the engine before its first step, as the
+    uninterrupted run pushed them at the end of that step: the same batches, to the last bit."""
+    full = train(small_config(tiny_model, tmp_path / "full", *VLLM_ASYNC, "steps=4"))
+    train(small_config(tiny_model, tmp_path / "cut", *VLLM_ASYNC, "steps=2"))
+    resumed = train(small_config(tiny_model, tmp_path / "cut", *VLLM_ASYNC, "steps=4"), resume=True)
+    assert strip_perf(read_metrics(full.run_dir / "metrics.jsonl")) == \
+        strip_perf(read_metrics(resumed.run_dir / "metrics.jsonl"))
+    wf, wr = final_weights(full.run_dir), final_weights(resumed.run_dir)
+    assert all(torch.equal(wf[k], wr[k]) for k in wf)

@@ -88,14 +88,15 @@ class RolloutConfig:
     (`cispo.data.rewards.shaped_reward`)."""
     async_steps: Literal[0, 1] = 0
     """Sampling beside training (docs/async.md): 0, sample a batch and then train on it; 1, one step off
-    policy — while the trainer updates on batch n, a second thread samples batch n+1 with its own copy of
-    the weights before that update (the trainer's at the step's start), so each batch is one update older
+    policy — while the trainer updates on batch n, a second thread samples batch n+1 with the weights before
+    that update (the torch sampler: its own copy, loaded at the step's start; vLLM: the engine's, pushed at
+    the end of the step before), so each batch is one update older
     than the weights that train on it (``rollout/staleness``). The importance weight's anchor is
     ``algo.logp_old``: ``rollout``, the behaviour policy's own log-probs (the staleness inside ``r``, where
     CISPO's cap bounds it), or ``recompute`` with a rollout correction (``algo.rollout_is`` / ``tis_cap``:
     AReaL's decoupled weight pi_proximal / pi_behaviour); ``recompute`` alone is refused (the staleness
-    would reach neither). The torch sampler only, one process (no vLLM, no torchrun yet); on a CPU the
-    torch threads are split between the two sides."""
+    would reach neither). One process (no torchrun yet); with vLLM the engine stays awake (no
+    ``vllm_sleep``); on a CPU the torch threads are split between the two sides."""
     engine: Literal["torch", "vllm"] = "torch"
     """Sampler: ``torch`` (the built-in KV-cache sampler) or ``vllm`` (needs a CUDA GPU and
     ``pip install "cispo[vllm]"``; weights are pushed to it after every step)."""

@@ -340,16 +340,17 @@ def _logp_old_checks(cfg: TrainConfig) -> list[Check]:
 
 
 def _async_checks(cfg: TrainConfig) -> list[Check]:
-    """``rollout.async_steps=1`` (docs/async.md): the torch sampler only, and an anchor that sees the
-    staleness — ``algo.logp_old=rollout`` (the behaviour policy's log-probs) or a rollout correction beside
+    """``rollout.async_steps=1`` (docs/async.md): a vLLM engine that stays awake (it samples while the trainer
+    updates), and an anchor that sees the staleness — ``algo.logp_old=rollout`` (the behaviour policy's log-probs) or a rollout correction beside
     the recomputed pass (its weight is then pi_proximal / pi_behaviour, AReaL's decoupled objective)."""
     a, r = cfg.algo, cfg.rollout
     if r.async_steps == 0:
         return []
     corrected = a.tis_cap is not None or a.rollout_is is not None
     return [
-        ("rollout.async_steps", r.engine == "torch", f"=1 needs rollout.engine=torch (the vLLM engine's overlap "
-         f"is not built yet), got {r.engine}"),
+        ("rollout.async_steps", not (r.engine == "vllm" and r.vllm_sleep), "=1 with rollout.vllm_sleep=true: the "
+         "engine samples the next batch while the trainer updates, so it cannot sleep then; set "
+         "rollout.vllm_sleep=false (and leave the trainer room beside rollout.vllm_gpu_memory_utilization)"),
         ("rollout.async_steps", a.logp_old == "rollout" or corrected, "=1 with algo.logp_old=recompute and no "
          "rollout correction: the sampler's staleness would enter neither the ratio (pi_old recomputed with the "
          "trainer's weights) nor a correction weight, which leaves CISPO's cap inert on it; set "

@@ -165,7 +165,13 @@ class Sampler:
       then keeps decoding (padding only) until it does.
     * ``info()``: facts about the engine for the run's ``meta.json`` (its version, what it
       supports); ``{}`` by default.
+
+    ``own_weights`` says whether the sampler holds its own copy of the weights, changed only by
+    ``update_weights`` (a separate engine: vLLM); sampling beside the trainer (``rollout.async_steps=1``,
+    `cispo.training.prefetch`) then needs no copy of its own.
     """
+
+    own_weights: bool = False
 
     def generate(
         self,

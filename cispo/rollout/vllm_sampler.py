@@ -328,6 +328,8 @@ class VLLMSampler(Sampler):
         **llm_kwargs: more ``vllm.LLM`` arguments (free-form; ``hf_overrides`` is merged with the head's).
     """
 
+    own_weights = True  # the engine's copy, changed only by update_weights
+
     def __init__(
         self,
         model_path,

@@ -1,12 +1,14 @@
 """Sampling beside training, one step off policy (``rollout.async_steps=1``; docs/async.md).
 
 While the trainer updates on batch n, a second thread samples batch n+1 (`cispo.training.sampling.sample_step`,
-unchanged: episodes, rewards, refills, retirement) with the **behaviour policy**: its own copy of the model,
-loaded with the trainer's weights at the start of step n (θ_{n-1}), so batch n+1 is one update older than
-the weights that train on it:
+unchanged: episodes, rewards, refills, retirement) with the **behaviour policy** θ_{n-1}, so batch n+1 is one
+update older than the weights that train on it. With the torch sampler the behaviour policy is a copy of the
+model, loaded with the trainer's weights at the start of step n; with a separate engine that holds its own
+weights (vLLM, ``Sampler.own_weights``) it is the engine itself, whose weights the trainer pushes after the
+join (``update_weights``, as in the synchronous loop), so they are θ_{n-1} while it samples batch n+1:
 
-    step n:   [take held batch n] -> copy θ_{n-1} to the behaviour copy -> start sampling n+1
-              -> logp_old, K updates on batch n (θ_{n-1} -> θ_n) -> join: hold batch n+1
+    step n:   [take held batch n] -> copy θ_{n-1} to the behaviour copy (vLLM: it has them) -> start sampling n+1
+              -> logp_old, K updates on batch n (θ_{n-1} -> θ_n) -> join: hold batch n+1 -> (vLLM: push θ_n)
 
 Nothing runs beside the trainer outside a step: the thread is joined before ``rl_step`` returns, so the
 held-out evaluation, checkpoints and stop signals see a quiet run. A checkpoint keeps the held batch
@@ -40,13 +42,18 @@ class Prefetch:
     """The behaviour policy and the batch it sampled for the next step (``held``; None before the first)."""
 
     def __init__(self, policy: Policy) -> None:
-        if not hasattr(policy.sampler, "for_model"):
-            raise ValueError(f"rollout.async_steps=1 needs the torch sampler, not {type(policy.sampler).__name__}")
-        model = copy.deepcopy(policy.model).eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        self.behaviour = dataclasses.replace(policy, model=model, sampler=policy.sampler.for_model(model),
-                                             ref_model=None, train_body=None, grad_scaler=None)
+        self.engine = getattr(policy.sampler, "own_weights", False)  # vLLM: the engine is the behaviour policy
+        if self.engine:
+            self.behaviour = policy
+        elif hasattr(policy.sampler, "for_model"):
+            model = copy.deepcopy(policy.model).eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+            self.behaviour = dataclasses.replace(policy, model=model, sampler=policy.sampler.for_model(model),
+                                                 ref_model=None, train_body=None, grad_scaler=None)
+        else:
+            raise ValueError(f"rollout.async_steps=1 needs a sampler with its own weights (vLLM) or one that can "
+                             f"sample from a copy of the model (torch), not {type(policy.sampler).__name__}")
         self.held: StepRollout | None = None
         self.wait_s = 0.0  # the trainer's wait for the last batch
         self.sample_s = 0.0  # the sampler thread's time on it
@@ -55,12 +62,14 @@ class Prefetch:
 
     def start(self, policy: Policy, sample, stream: PromptStream | None = None,
               generator: torch.Generator | None = None) -> Future:
-        """Load the trainer's weights into the behaviour copy and sample the next batch beside the trainer:
-        ``sample(behaviour_policy) -> StepRollout`` in the sampler thread. ``stream`` and ``generator`` (what
-        the sampler advances) are noted first, for `drop_failed`."""
+        """Load the trainer's weights into the behaviour copy (a separate engine already has them: the last
+        push) and sample the next batch beside the trainer: ``sample(behaviour_policy) -> StepRollout`` in the
+        sampler thread. ``stream`` and ``generator`` (what the sampler advances) are noted first, for
+        `drop_failed`."""
         self._before = (None if stream is None else stream.state_dict(),
                         None if generator is None else generator.get_state())
-        copy_weights(policy.model, self.behaviour.model)
+        if not self.engine:
+            copy_weights(policy.model, self.behaviour.model)
         return self._pool.submit(self._timed, sample)
 
     def drop_failed(self, stream: PromptStream, generator: torch.Generator) -> bool:
