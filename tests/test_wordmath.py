@@ -45,6 +45,11 @@ VERDICTS = [
     ("51 52 53 54 55", 0.0),  # listing results
     ("#### 52", 0.0),
     ("", 0.0),
+    # a marker with no number after it states no answer (stage B of the agents search wrote these before the paid
+    # one, lines repeated to the limit): the one number stated is the answer, and a number beside it a hedge
+    ("The answer is: A\nThe answer is: B\nThe answer is: 51", 1.0),
+    ("The answer is: 51\nThe answer is: A", 1.0),
+    ("The answer is: A\nThe answer is: 52\nThe answer is: 51", 0.0),
 ]
 
 
