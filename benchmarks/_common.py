@@ -129,7 +129,7 @@ def matmul_rate(dtype: str = "float32", shape: tuple[int, int, int] = MATMUL_SHA
     return best
 
 
-def update_flops(model, rows: int, prompt_len: float, response_len: float) -> dict:
+def update_flops(model, rows: int, prompt_len: float, response_len: float, group: int = 1) -> dict:
     """Useful FLOPs of one pass, forward and backward, over ``rows`` rows of ``prompt_len`` prompt and
     ``response_len`` response tokens: ≈ 6 × params × tokens (2 per parameter per token forward, 4
     backward), counted the usual training-FLOPs way, with S = P + T - 1 decoder positions a row and the
@@ -139,15 +139,22 @@ def update_flops(model, rows: int, prompt_len: float, response_len: float) -> di
 
     (embedding lookups, norms, softmax and the optimizer are not counted; the LM-head recompute of a
     chunked backward and the causal half of attention count as waste, not work). With a mean P over
-    ragged prompts the attention term is a slight underestimate (S^2 of the mean)."""
+    ragged prompts the attention term is a slight underestimate (S^2 of the mean).
+
+    ``group`` = G counts each prompt once per group of G rows that share it (what work is needed when the
+    prompt is computed once, issue 47): rows * S becomes rows/G * P + rows * (T - 1) positions, and S^2 a row
+    becomes P^2 once per group plus (T - 1)(2P + T - 1) a row (the responses' queries over the prompt's keys
+    and their own); ``group=1`` is the formula above."""
     import torch
 
     c = model.config
     head = model.get_output_embeddings().weight.numel()
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)) - head
-    S = prompt_len + response_len - 1
-    parts = {"linear": 6 * linear * rows * S, "head": 6 * head * rows * response_len,
-             "attention": 12 * c.num_hidden_layers * c.hidden_size * S * S * rows}
+    P, T = prompt_len, response_len
+    positions = rows / group * P + rows * (T - 1)
+    square = rows / group * P * P + rows * (T - 1) * (2 * P + T - 1)
+    parts = {"linear": 6 * linear * positions, "head": 6 * head * rows * T,
+             "attention": 12 * c.num_hidden_layers * c.hidden_size * square}
     parts["total"] = sum(parts.values())
     return parts
 

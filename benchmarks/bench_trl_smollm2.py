@@ -86,6 +86,7 @@ def measured(a, rows: list[dict], model, steps: int) -> dict:
     B = a.prompts * a.group
     for row in rows:
         row["update_flops"] = update_flops(model, B, row["prompt_tokens"] / B, row["tokens"] / B)["total"]
+        row["update_flops_once"] = update_flops(model, B, row["prompt_tokens"] / B, row["tokens"] / B, a.group)["total"]
     rates = {dt: matmul_rate(dt, a.mm_shape, a.mm_repeats) for dt in DTYPES}
     return {"steps": rows[-steps:], "matmul": rates}
 
@@ -161,12 +162,15 @@ def flop_table(results: dict[str, list[dict]]) -> str:
             continue
         rate = median(s["update_flops"] / s["update"] for s in steps)
         mm = {dt: median(w["matmul"][dt] for w in workers) for dt in DTYPES}
+        once = median(s["update_flops_once"] / s["update"] for s in steps)
         used = "bfloat16" if side.endswith("bf16") else "float32"
         out.append([side, median(s["update_flops"] for s in steps) / 1e9, median(s["update"] for s in steps),
                     rate / 1e9, mm["float32"] / 1e9, f"{rate / mm['float32']:.1%}", mm["bfloat16"] / 1e9,
-                    f"{rate / mm['bfloat16']:.1%}", f"{rate / mm[used]:.1%} ({used})"])
+                    f"{rate / mm['bfloat16']:.1%}", f"{rate / mm[used]:.1%} ({used})",
+                    f"{once / mm[used]:.1%} ({used})"])
     return table(["side", "update GFLOP/step", "update s", "update GFLOP/s", "matmul fp32 GFLOP/s", "share fp32",
-                  "matmul bf16 GFLOP/s", "share bf16", "share, precision used"], out)
+                  "matmul bf16 GFLOP/s", "share bf16", "share, precision used",
+                  "share, each prompt once per group"], out)
 
 
 def bf16_lines(results: dict[str, list[dict]]) -> list[str]:

@@ -113,7 +113,36 @@ def test_bench_trl_smollm2_end_to_end(tmp_path):
     for side in ("TRL", "cispo", "cispo-bf16"):
         row = next(line for line in flop_table.splitlines() if line.startswith(f"| {side} "))
         shares = [float(x) for x in re.findall(r"([\d.]+)%", row)]
-        assert len(shares) == 3 and all(math.isfinite(x) and x > 0 for x in shares), row
+        assert len(shares) == 4 and all(math.isfinite(x) and x > 0 for x in shares), row
+        assert shares[3] <= shares[2], row  # each prompt counted once per group: no more useful work in the same time
+
+
+def test_update_flops_counts_a_shared_prompt_once_per_group():
+    """``group=1`` is the per-row formula (S = P + T - 1 positions a row); ``group=G`` counts the prompt's P
+    positions once per G rows, each row keeping its T - 1 response positions and their attention over the prompt."""
+    sys.path.insert(0, str(BENCH))
+    from _common import update_flops
+
+    from cispo.data.tasks.arithmetic import ALPHABET
+    from cispo.models.loading import build_model, build_tokenizer
+
+    model = build_model(build_tokenizer(ALPHABET), size="tiny", seed=0)
+    c, rows, P, T = model.config, 8, 10.0, 5.0
+    one, shared = update_flops(model, rows, P, T), update_flops(model, rows, P, T, group=rows)
+    S = P + T - 1
+    assert one["attention"] == 12 * c.num_hidden_layers * c.hidden_size * S * S * rows
+    assert one["head"] == shared["head"]
+    assert shared["linear"] / one["linear"] == (P + rows * (T - 1)) / (rows * S)
+    assert shared["attention"] == 12 * c.num_hidden_layers * c.hidden_size * (P * P + rows * (T - 1) * (2 * P + T - 1))
+
+
+@pytest.mark.skipif(not _trl_importable(), reason="trl is not importable in this interpreter (pip install 'cispo[bench]')")
+def test_bench_startup_against_trl_tiny():
+    """The toy workload end to end through TRL's GRPOTrainer as a third arm: it runs and the pair ratio prints."""
+    out = subprocess.run([sys.executable, str(BENCH / "bench_startup.py"), "--tiny", "--trl", "--imports", "0"],
+                         capture_output=True, text=True, timeout=240, cwd=BENCH.parent, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| trl " in out.stdout and math.isfinite(_number(r"TRL / cispo whole process x([\d.]+)", out.stdout))
 
 
 # --------------------------------------------------------------------------- gpu_check.py
