@@ -94,7 +94,7 @@ import torch
 from cispo.rollout.base import Episodes, RolloutBatch, Sampler, SamplingConfig, stop_ids
 from cispo.rollout.vllm_engine import (RankPlacement, engine_accepts, engine_kwargs, set_rank_environment,
                                        supports_head_dtype, tokenizer_source)
-from cispo.rollout.vllm_episodes import pad_rollout, sample_episodes
+from cispo.rollout.vllm_episodes import draw_seeds, pad_rollout, sample_episodes
 
 INSTALL_HINT = 'VLLMSampler needs vLLM: pip install "cispo[vllm]" (needs a CUDA GPU; see docs/install.md)'
 
@@ -448,11 +448,7 @@ class VLLMSampler(Sampler):
             return sample_episodes(self, prompt_ids, cfg, generator, episodes)
 
         B = len(prompt_ids)
-        if generator is not None:
-            seeds = torch.randint(0, 2**31 - 1, (B,), generator=generator, device=generator.device).tolist()
-        else:
-            seeds = [None] * B
-        params = [self.sampling_params(cfg, s) for s in seeds]
+        params = [self.sampling_params(cfg, s) for s in draw_seeds(generator, B)]
         prompts = [self._TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompt_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         if len(outputs) != B:
