@@ -165,3 +165,32 @@ def test_the_fork_diagnostics_find_the_call_in_smollm2s_ids(smol):
     response = torch.tensor([smol.encode("so <calc>2+3</calc> and<calc>1</calc>", add_special_tokens=False)])
     starts = forks.index(response, torch.ones_like(response))[0].tolist()
     assert [smol.decode(response[0, i : i + 3]) for i, s in enumerate(starts) if s == 0] == [" <calc>", "<calc>"]
+
+
+def test_workings_are_the_samples_problems_with_an_expression_of_their_answer():
+    """Amendment 3's demonstrations start from `wordmath.workings`: the same problems as `samples`, in order,
+    each expression's value its answer (every template, both operand sizes)."""
+    from fractions import Fraction
+    from cispo.data.tools import evaluate
+    for numbers in ("small", "large"):
+        rows, plain = wordmath.workings(0, 300, "train", numbers), wordmath.samples(0, 300, "train", numbers)
+        assert [(t, str(a)) for t, a, _ in rows] == [(s["prompt"], s["answer"]) for s in plain]
+        assert all(evaluate(e) == Fraction(a) for _, a, e in rows)
+        assert {e.count(" ") for _, _, e in rows} >= {2, 4, 6}  # one, two and three operations all drawn
+
+
+def test_demonstrations_call_the_calculator_as_the_environment_answers():
+    """The calculator's demonstration is what a run's transcript would be: the call, the environment's own
+    observation for it (not trained), then the answer; the verifier pays it; the plain one writes the value."""
+    from cispo.data.environments import inline_observation
+    from cispo.data.tools import calculator
+    calc, plain = wordmath_calc.demonstrations(0, 40), wordmath_calc.demonstrations(0, 40, calculator=False)
+    for c, p in zip(calc, plain):
+        (call, t1), (observed, t2), (answer_line, t3) = c["parts"]
+        expression = call[call.index("<calc>") + 6:call.index("</calc>")]
+        assert (t1, t2, t3) == (True, False, True) and observed == inline_observation(calculator(expression))
+        assert reward(None, call + observed + answer_line, c["answer"]) == 1.0
+        assert c["messages"] == wordmath_calc.samples(0, 40)[calc.index(c)]["messages"]
+        [(text, trained)] = p["parts"]
+        assert trained and wordmath.reward(None, text, p["answer"]) == 1.0 and "<calc>" not in text
+        assert p["messages"][1]["content"].endswith(wordmath.INSTRUCTION)

@@ -72,6 +72,10 @@ TEMPLATES = {
 }
 
 
+WORKINGS = {"add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}", "mul_sub": "{a} * {b} - {c}",
+            "add_sub": "{a} + {b} - {c}", "add_mul": "{a} + {b} * {c}", "mul_add_div": "({a} * {b} + {c}) / {d}"}
+"""Each template's answer as one arithmetic expression of its numbers (the worked answers of `workings`)."""
+
 KINDS = sorted(TEMPLATES)
 WEIGHTS = {1: 4.0, 2: 1.5, 3: 0.5}  # per template of 1 / 2 / 3 operations: 2/3 of the problems take one
 
@@ -140,6 +144,12 @@ NUMBERS = {"small": _numbers, "large": _large_numbers}
 
 def problem(rng: random.Random, numbers: str = "small") -> tuple[str, int]:
     """One problem and its answer, its operands drawn by ``NUMBERS[numbers]``."""
+    text, answer, _ = _problem(rng, numbers)
+    return text, answer
+
+
+def _problem(rng: random.Random, numbers: str) -> tuple[str, int, str]:
+    """`problem` and its answer's expression (`WORKINGS`), e.g. ``("A box holds 3 ...", 12, "3 * 4")``."""
     draw = NUMBERS[numbers]
     while True:
         kind = rng.choices(KINDS, weights=[WEIGHTS[TEMPLATES[k][0]] for k in KINDS])[0]
@@ -148,7 +158,8 @@ def problem(rng: random.Random, numbers: str = "small") -> tuple[str, int]:
             continue
         _, text, answer = TEMPLATES[kind]
         names = dict(zip("abcd", numbers_))
-        return text.format(n=rng.choice(NAMES), x=rng.choice(ITEMS), **names), answer(*numbers_)
+        return (text.format(n=rng.choice(NAMES), x=rng.choice(ITEMS), **names), answer(*numbers_),
+                WORKINGS[kind].format(**names))
 
 
 def held_out(text: str) -> bool:
@@ -160,18 +171,26 @@ def samples(seed: int, n: int, split: str = "train", numbers: str = "small") -> 
     """``n`` distinct problems of ``split`` (``train`` / ``eval``), seeded: ``{"prompt", "messages",
     "answer", "solution"}`` (``solution``: GSM8K's ``#### N`` form). ``numbers``: the operands' size
     (`NUMBERS`; ``large`` draws from its own seeded stream, ``small`` from the task's as always)."""
+    return [{"prompt": text, "answer": str(answer), "solution": f"#### {answer}",
+             "messages": [{"role": "system", "content": SYSTEM_PROMPT},
+                          {"role": "user", "content": f"{text}\n{INSTRUCTION}"}]}
+            for text, answer, _ in workings(seed, n, split, numbers)]
+
+
+def workings(seed: int, n: int, split: str = "train", numbers: str = "small") -> list[tuple[str, int, str]]:
+    """`samples`' problems as ``(text, answer, expression)``: the same ``n`` problems in the same order, each
+    with the expression whose value is its answer (`WORKINGS`: ``"(3 * 12 + 4) / 4"``), from which a worked
+    answer is written (the agents search's warm start, ``wordmath_calc.demonstrations``)."""
     if numbers not in NUMBERS:
         raise ValueError(f"numbers must be one of {sorted(NUMBERS)}, got {numbers!r}")
     rng = random.Random(f"{NAME}/{split}/{seed}" if numbers == "small" else f"{NAME}/{numbers}/{split}/{seed}")
     out, seen = [], set()
     while len(out) < n:
-        text, answer = problem(rng, numbers)
+        text, answer, expression = _problem(rng, numbers)
         if held_out(text) != (split == "eval") or text in seen:
             continue
         seen.add(text)
-        out.append({"prompt": text, "answer": str(answer), "solution": f"#### {answer}",
-                    "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                                 {"role": "user", "content": f"{text}\n{INSTRUCTION}"}]})
+        out.append((text, answer, expression))
     return out
 
 

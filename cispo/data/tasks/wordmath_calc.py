@@ -81,6 +81,29 @@ def samples(seed: int, n: int, split: str = "train", prompt: str = "user", numbe
     return out
 
 
+def demonstrations(seed: int, n: int, numbers: str = "small", calculator: bool = True) -> list[dict]:
+    """Worked answers to ``n`` train problems (``wordmath.workings``) for a supervised warm start (the agents
+    search's amendment 3, as ReTool's cold start): ``{"messages", "answer", "parts"}``, ``parts`` the
+    assistant's text as ``(text, trained)`` pieces. With the calculator (this task's prompt)::
+
+        "539 / 11 = <calc>539/11</calc>" (trained)  "<result>49</result>" (not: the environment's)  "\n#### 49"
+
+    without it (wordmath's prompt), the same working with the value written by hand:
+    ``"539 / 11 = 49\n#### 49"``."""
+    out = []
+    for text, answer, expression in wordmath.workings(seed, n, "train", numbers):
+        if calculator:
+            call = f"{expression} = {CALL_OPEN}{expression.replace(' ', '')}{CALL_CLOSE}"
+            parts = [(call, True), (f"{RESULT_OPEN}{answer}{RESULT_CLOSE}", False), (f"\n#### {answer}", True)]
+            system, instruction = SYSTEM_PROMPT, INSTRUCTION
+        else:
+            parts = [(f"{expression} = {answer}\n#### {answer}", True)]
+            system, instruction = wordmath.SYSTEM_PROMPT, wordmath.INSTRUCTION
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"{text}\n{instruction}"}]
+        out.append({"messages": messages, "answer": str(answer), "parts": parts})
+    return out
+
+
 def policy_text(transcript: str) -> str:
     """``transcript`` without the environment's observations (module docstring): after each
     ``</calc>``, the first ``<result>`` within `MAX_TOKEN_CHARS` characters up to the first
