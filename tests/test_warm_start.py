@@ -47,3 +47,15 @@ def test_a_warm_start_on_the_tiny_model_learns_and_saves_a_loadable_folder(warm,
     before, _ = load_policy(tiny)
     after, tok = load_policy(out)
     assert tok.chat_template and not torch.equal(before.lm_head.weight, after.lm_head.weight)
+
+
+def test_own_number_calls_are_calls_made_of_the_problems_numbers():
+    spec = importlib.util.spec_from_file_location("agent_tables", SCRIPT.parent / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    problem = "A box holds 12 coins. How many coins are in 3 boxes?"
+    assert tables.own_number_call(problem, "12 * 3 = <calc>12*3</calc><result>36</result>\n#### 36")
+    assert tables.own_number_call(problem, "<calc>2+3</calc> then <calc>3 * 12</calc>")  # the second is own
+    assert not tables.own_number_call(problem, "You have a calculator: write <calc>2+3</calc>")  # the echo
+    assert not tables.own_number_call(problem, "<calc>12*4</calc>") and not tables.own_number_call(problem, "12 * 3")
+    assert not tables.own_number_call(problem, "<calc></calc>") and not tables.own_number_call(problem, "<calc>x</calc>")

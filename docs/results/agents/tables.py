@@ -6,7 +6,11 @@ tool-call rate and the fork numbers of the calculator call ``<calc>`` (the task'
 whose IS weight CISPO's cap bounds (``fork/calc/frac_capped``) and the share PPO's / DAPO's trust region
 would drop (``fork/calc/frac_ppo_dropped``, at the run's eps_low / eps_high). A step whose responses held
 no ``<calc>`` shows "—" for the fork columns; a step missing from the table kept no group (every group
-all right or all wrong after the refill rounds: ``rollout/groups_kept`` 0, no update).
+all right or all wrong after the refill rounds: ``rollout/groups_kept`` 0, no update). Last, for each file of
+held-out answers (``cispo eval --samples``: ``*_samples.jsonl.gz``), the share of answers that call the
+calculator and the **own-number call rate** (amendment 3): the share with a call whose every number appears in
+the problem's text (`own_number_call`; the instruction's echo ``2+3`` counts only where the problem has a 2 and
+a 3).
 
     python docs/results/agents/tables.py            # from the repository root; prints Markdown
 """
@@ -14,6 +18,7 @@ all right or all wrong after the refill rounds: ``rollout/groups_kept`` 0, no up
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +30,30 @@ EVAL = (("eval/accuracy_greedy", "accuracy", ".2f"), ("eval/tool_call_rate", "to
 STEP = (("rollout/accuracy", "accuracy", ".3f"), ("rollout/tool_call_rate", "tool-call rate", ".3f"),
         ("fork/calc/count", "`<calc>` tokens", ".0f"), ("fork/calc/p_old", "p_old", ".3f"),
         ("fork/calc/frac_capped", "capped", ".2f"), ("fork/calc/frac_ppo_dropped", "PPO would drop", ".2f"))
+
+
+NUMBER = re.compile(r"\d+")
+CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
+
+
+def own_number_call(problem: str, completion: str) -> bool:
+    """Whether ``completion`` makes a calculator call (``<calc>E</calc>``) whose numbers are all numbers of
+    ``problem``'s text (at least one number)."""
+    own = set(NUMBER.findall(problem))
+    return any((found := NUMBER.findall(call)) and set(found) <= own for call in CALL.findall(completion))
+
+
+def answer_files() -> list[Path]:
+    """The committed files of held-out answers, in name order."""
+    return sorted(ROOT.glob("*_samples.jsonl.gz"))
+
+
+def call_rates(path: Path) -> tuple[int, float, float, float]:
+    """``(answers, accuracy, share that call the calculator, own-number call rate)`` of a file of answers."""
+    rows = [json.loads(line) for line in read_jsonl_bytes(path).splitlines() if line.strip()]
+    n = max(len(rows), 1)
+    return (len(rows), sum(r["reward"] for r in rows) / n, sum("<calc>" in r["completion"] for r in rows) / n,
+            sum(own_number_call(r["prompt"], r["completion"]) for r in rows) / n)
 
 
 def runs() -> list[Path]:
@@ -66,6 +95,11 @@ def main() -> None:
         print("\n".join(table(rows, EVAL, "eval/accuracy_greedy")))
         print("\nTraining steps (4 prompts x 8 sampled responses, more with refills):\n")
         print("\n".join(table(rows, STEP, "rollout/accuracy")) + "\n")
+    print("## Held-out answers (cispo eval --samples)\n\n| file | answers | accuracy | call the calculator "
+          "| own-number call rate |\n|---|---|---|---|---|")
+    for path in answer_files():
+        n, accuracy, calls, own = call_rates(path)
+        print(f"| `{path.name}` | {n} | {accuracy:.2f} | {calls:.2f} | {own:.2f} |")
 
 
 if __name__ == "__main__":
