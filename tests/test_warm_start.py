@@ -59,3 +59,12 @@ def test_own_number_calls_are_calls_made_of_the_problems_numbers():
     assert not tables.own_number_call(problem, "You have a calculator: write <calc>2+3</calc>")  # the echo
     assert not tables.own_number_call(problem, "<calc>12*4</calc>") and not tables.own_number_call(problem, "12 * 3")
     assert not tables.own_number_call(problem, "<calc></calc>") and not tables.own_number_call(problem, "<calc>x</calc>")
+
+
+def test_a_call_share_mixes_called_and_hand_written_answers_under_the_calculators_prompt(warm):
+    mixed = warm.mixed_demonstrations(1, 256, "small", 0.125)
+    calc = wordmath_calc.demonstrations(1, 256)
+    called = [m for m in mixed if any("<calc>" in t for t, _ in m["parts"])]
+    assert 16 <= len(called) <= 48 and [m["messages"] for m in mixed] == [c["messages"] for c in calc]
+    assert mixed == warm.mixed_demonstrations(1, 256, "small", 0.125)  # seeded
+    assert all(wordmath_calc.reward(None, "".join(t for t, _ in m["parts"]), m["answer"]) == 1.0 for m in mixed)

@@ -3,10 +3,12 @@ fine-tuned on worked answers before RL, as ReTool's cold start, so that its call
 
     python docs/results/agents/warm_start.py --out /work/agent_runs/warm_calc_small          # with the calculator
     python docs/results/agents/warm_start.py --plain --out /work/agent_runs/warm_plain_small  # the control
+    python docs/results/agents/warm_start.py --call-share 0.125 --out /work/agent_runs/warm_rare  # amendment 4
 
 The demonstrations are ``wordmath_calc.demonstrations``: ``--n`` train problems of ``--data-seed`` (not the
 held-out split), each answered in one line of working, ``539 / 11 = <calc>539/11</calc><result>49</result>``
-then ``#### 49`` (``--plain``: ``539 / 11 = 49`` under wordmath's prompt). The loss is the mean cross-entropy
+then ``#### 49`` (``--plain``: ``539 / 11 = 49`` under wordmath's prompt; ``--call-share F``: a seeded share F of
+the problems answered with the call, the rest by hand, all under the calculator's prompt: a rare call). The loss is the mean cross-entropy
 
     L = - (1 / |T|) sum_{t in T} log pi(y_t | y_<t)
 
@@ -75,12 +77,23 @@ def step_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
                                              ignore_index=IGNORE)
 
 
+def mixed_demonstrations(seed: int, n: int, numbers: str, call_share: float) -> list[dict]:
+    """The calculator's demonstrations where a seeded draw falls below ``call_share``, elsewhere the plain one
+    under the calculator's prompt (the same problems, the same messages, the value written by hand)."""
+    rng = random.Random(f"call-share/{seed}/{n}/{numbers}")
+    calc = wordmath_calc.demonstrations(seed, n, numbers, True)
+    plain = wordmath_calc.demonstrations(seed, n, numbers, False)
+    return [c if rng.random() < call_share else {**p, "messages": c["messages"]} for c, p in zip(calc, plain)]
+
+
 def warm_start(model_path: str, out: Path, *, calculator: bool, numbers: str, n: int, data_seed: int,
-               epochs: int, batch: int, lr: float, seed: int) -> dict:
-    """Fine-tune the model at ``model_path`` on the demonstrations and save it to ``out``; the record."""
+               epochs: int, batch: int, lr: float, seed: int, call_share: float | None = None) -> dict:
+    """Fine-tune the model at ``model_path`` on the demonstrations and save it to ``out``; the record.
+    ``call_share`` (with ``calculator``): `mixed_demonstrations` instead of every answer calling."""
     torch.manual_seed(seed)
     model, tokenizer = load_policy(resolve_model_path(model_path), dtype="float32", dropout=False)
-    demos = wordmath_calc.demonstrations(data_seed, n, numbers, calculator)
+    demos = (mixed_demonstrations(data_seed, n, numbers, call_share) if calculator and call_share is not None
+             else wordmath_calc.demonstrations(data_seed, n, numbers, calculator))
     rows = [encode(tokenizer, d) for d in demos]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -98,7 +111,9 @@ def warm_start(model_path: str, out: Path, *, calculator: bool, numbers: str, n:
                   flush=True)
     model.eval()
     save_policy(model, tokenizer, out)
-    record = {"model": model_path, "calculator": calculator, "numbers": numbers, "n": n, "data_seed": data_seed,
+    record = {"model": model_path, "calculator": calculator, "call_share": call_share,
+              "calls": sum("<calc>" in t for d in demos for t, _ in d["parts"]), "numbers": numbers, "n": n,
+              "data_seed": data_seed,
               "epochs": epochs, "batch": batch, "lr": lr, "seed": seed, "losses": losses,
               "seconds": round(time.monotonic() - started, 1), "example": demos[0]}
     (Path(out) / "warm_start.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -110,6 +125,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, type=Path, help="the folder to write (model, tokenizer, warm_start.json)")
     p.add_argument("--model", default="builtin:smollm2-135m")
     p.add_argument("--plain", action="store_true", help="no calculator: the working's value written by hand")
+    p.add_argument("--call-share", type=float, default=None, help="the share of demonstrations that call (else all)")
     p.add_argument("--numbers", default="small", choices=("small", "large"))
     p.add_argument("--n", type=int, default=256, help="demonstrations (distinct train problems)")
     p.add_argument("--data-seed", type=int, default=1, help="the problems' stream (the RL run's is data.seed=0)")
@@ -122,7 +138,7 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     record = warm_start(a.model, a.out, calculator=not a.plain, numbers=a.numbers, n=a.n, data_seed=a.data_seed,
-                        epochs=a.epochs, batch=a.batch, lr=a.lr, seed=a.seed)
+                        epochs=a.epochs, batch=a.batch, lr=a.lr, seed=a.seed, call_share=a.call_share)
     print(f"wrote {a.out} ({len(record['losses'])} steps, loss {record['losses'][0]} -> {record['losses'][-1]}, "
           f"{record['seconds']} s)")
 
