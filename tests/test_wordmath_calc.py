@@ -185,12 +185,12 @@ def test_demonstrations_call_the_calculator_as_the_environment_answers():
     from cispo.data.environments import inline_observation
     from cispo.data.tools import calculator
     calc, plain = wordmath_calc.demonstrations(0, 40), wordmath_calc.demonstrations(0, 40, calculator=False)
+    assert [c["messages"] for c in calc] == [s["messages"] for s in wordmath_calc.samples(0, 40)]
+    assert [p["messages"] for p in plain] == [s["messages"] for s in wordmath.samples(0, 40)]
     for c, p in zip(calc, plain):
         (call, t1), (observed, t2), (answer_line, t3) = c["parts"]
         expression = call[call.index("<calc>") + 6:call.index("</calc>")]
         assert (t1, t2, t3) == (True, False, True) and observed == inline_observation(calculator(expression))
         assert reward(None, call + observed + answer_line, c["answer"]) == 1.0
-        assert c["messages"] == wordmath_calc.samples(0, 40)[calc.index(c)]["messages"]
         [(text, trained)] = p["parts"]
         assert trained and wordmath.reward(None, text, p["answer"]) == 1.0 and "<calc>" not in text
-        assert p["messages"][1]["content"].endswith(wordmath.INSTRUCTION)

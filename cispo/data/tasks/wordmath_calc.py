@@ -90,17 +90,15 @@ def demonstrations(seed: int, n: int, numbers: str = "small", calculator: bool =
 
     without it (wordmath's prompt), the same working with the value written by hand:
     ``"539 / 11 = 49\n#### 49"``."""
+    prompts = samples(seed, n, "train", numbers=numbers) if calculator else wordmath.samples(seed, n, "train", numbers)
     out = []
-    for text, answer, expression in wordmath.workings(seed, n, "train", numbers):
+    for sample, (_, answer, expression) in zip(prompts, wordmath.workings(seed, n, "train", numbers)):
         if calculator:
             call = f"{expression} = {CALL_OPEN}{expression.replace(' ', '')}{CALL_CLOSE}"
             parts = [(call, True), (f"{RESULT_OPEN}{answer}{RESULT_CLOSE}", False), (f"\n#### {answer}", True)]
-            system, instruction = SYSTEM_PROMPT, INSTRUCTION
         else:
             parts = [(f"{expression} = {answer}\n#### {answer}", True)]
-            system, instruction = wordmath.SYSTEM_PROMPT, wordmath.INSTRUCTION
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"{text}\n{instruction}"}]
-        out.append({"messages": messages, "answer": str(answer), "parts": parts})
+        out.append({"messages": sample["messages"], "answer": sample["answer"], "parts": parts})
     return out
 
 
