@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib
 import json
@@ -130,13 +131,10 @@ def cmd_eval(args) -> int:
     from cispo.data.rewards import start_reward_workers
     from cispo.records.samples import HELD_OUT, eval_records
     from cispo.records.tracking import json_safe
-    from cispo.training.evaluation import evaluate, evaluate_sets
-    from cispo.training.metrics import reports_accuracy
-    from cispo.training.run_policy import check_model, load_policy_for, resolve_chat_template, resolve_device
-    from cispo.training.evaluation import answers_per_prompt
+    from cispo.training.evaluation import Evaluation, answers_per_prompt, evaluate, evaluate_sets
     from cispo.training.progress import evaluation_progress, interactive
+    from cispo.training.run_policy import check_model, load_policy_for, resolve_chat_template, resolve_device
     from cispo.training.setup import default_max_new_tokens, eval_defaults
-    from cispo.training.trainer import tracked_fork
 
     cfg = eval_defaults(cfg)  # data.num_eval_prompts / eval.num_samples: the task's where unset
     check_model(cfg)  # before the data is loaded
@@ -154,14 +152,12 @@ def cmd_eval(args) -> int:
         samples = task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts)
         max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task)
         prompts = len(samples) + sum(map(len, named_sets.values()))
-        common = dict(seed=cfg.seed, answer_fn=task.extract_answer, reward_timeout_s=cfg.data.reward_timeout_s,
-                      accuracy=reports_accuracy(task))
         bar = interactive(cfg.progress)
         with evaluation_progress(prompts, answers_per_prompt(cfg.eval), "evaluation", bar) as tick:
-            metrics = evaluate(policy, samples, task.reward, tracked_fork(task), cfg.eval, max_new,
-                               on_groups=functools.partial(on_groups, HELD_OUT), on_progress=tick, **common)
-            metrics.update(evaluate_sets(policy, named_sets, task.reward, tracked_fork(task), cfg.eval, max_new,
-                                         on_groups=on_groups, on_progress=tick, **common))
+            settings = Evaluation.of_task(task, cfg, max_new, seed=cfg.seed, on_progress=tick)
+            metrics = evaluate(policy, samples,
+                               dataclasses.replace(settings, on_groups=functools.partial(on_groups, HELD_OUT)))
+            metrics.update(evaluate_sets(policy, named_sets, dataclasses.replace(settings, on_groups=on_groups)))
     print(json.dumps(json_safe(metrics), indent=2, allow_nan=False))  # NaN (undefined) -> null, as metrics.jsonl
     if args.samples:
         print(f"cispo eval: completions written to {args.samples}", file=sys.stderr)

@@ -165,6 +165,8 @@ class Sampler:
       then keeps decoding (padding only) until it does.
     * ``info()``: facts about the engine for the run's ``meta.json`` (its version, what it
       supports); ``{}`` by default.
+    * ``for_model(model)``: the same sampler over another module with the same architecture (a copy of
+      the policy that samples beside the trainer, ``rollout.async_steps=1``); None by default: it cannot.
 
     ``own_weights`` says whether the sampler holds its own copy of the weights, changed only by
     ``update_weights`` (a separate engine: vLLM); sampling beside the trainer (``rollout.async_steps=1``,
@@ -202,3 +204,7 @@ class Sampler:
     def info(self) -> dict:
         """Facts about the engine worth recording with the run (plain JSON data; default: none)."""
         return {}
+
+    def for_model(self, model) -> Sampler | None:
+        """A sampler with these settings over ``model`` (default None: not built for this backend)."""
+        return None

@@ -29,8 +29,9 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -122,20 +123,22 @@ def _fsync_tree(path: Path) -> None:
             os.close(fd)
 
 
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    model,
-    tokenizer,
-    optimizer: torch.optim.Optimizer,
-    state: dict,
-    tensors: dict[str, torch.Tensor],
-    keep: int = 2,
-    full_state: tuple[dict, dict] | None = None,
-) -> Path:
-    """Write checkpoint ``step`` atomically and keep the newest ``keep`` of them.
-    ``full_state``: (model, optimizer) state dicts from ``gather_full_state`` (a sharded model);
-    None: those of ``model`` and ``optimizer``."""
+@dataclass
+class Checkpoint:
+    """What a checkpoint holds: the policy's ``model`` and ``tokenizer``, the ``optimizer``, the trainer's
+    ``state`` (JSON data) and the generators' states (``tensors``). ``full_state``: (model, optimizer) state
+    dicts from ``gather_full_state`` (a sharded model); None: those of ``model`` and ``optimizer``."""
+
+    model: object
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    state: dict
+    tensors: dict[str, torch.Tensor]
+    full_state: tuple[dict, dict] | None = None
+
+
+def save_checkpoint(run_dir: Path, step: int, content: Checkpoint, keep: int = 2) -> Path:
+    """Write checkpoint ``step`` (``content``) atomically and keep the newest ``keep`` of them."""
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -143,7 +146,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        _write(tmp, model, tokenizer, optimizer, state, tensors, full_state)
+        _write(tmp, content)
         _fsync_tree(tmp)
     except Exception as e:  # noqa: BLE001 - a full disk surfaces as whatever the writer raises
         shutil.rmtree(tmp, ignore_errors=True)
@@ -164,9 +167,10 @@ def save_checkpoint(
     return final
 
 
-def _write(tmp: Path, model, tokenizer, optimizer, state: dict, tensors: dict, full_state) -> None:
+def _write(tmp: Path, content: Checkpoint) -> None:
     """A checkpoint's files into the folder ``tmp`` (module docstring)."""
-    model_state, optimizer_state = full_state or (None, optimizer.state_dict())
+    model, tokenizer, state, tensors = content.model, content.tokenizer, content.state, content.tensors
+    model_state, optimizer_state = content.full_state or (None, content.optimizer.state_dict())
     if has_lora(model):  # model/: merged plain weights; adapter/: peft's own adapter format (for resume)
         from cispo.models.lora import save_adapter, split_lora_state
 
@@ -296,15 +300,28 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def check_trainer_state(path: Path, state: dict, tensors: dict[str, torch.Tensor], *, rank: int, world_size: int,
-                        stream_state: dict, generator_states: dict[str, torch.Tensor]) -> None:
+@dataclass(frozen=True)
+class Expected:
+    """What a checkpoint must match to be restored by this process: its ``rank`` of ``world_size``, its
+    prompt stream's state now (``stream_state``: the same prompts and seed) and its generators'
+    (``generator_states``: the shapes)."""
+
+    rank: int
+    world_size: int
+    stream_state: dict
+    generator_states: dict[str, torch.Tensor]
+
+
+def check_trainer_state(path: Path, state: dict, tensors: dict[str, torch.Tensor], expected: Expected) -> None:
     """``CheckpointError`` naming the file unless checkpoint ``path``'s trainer state (``state``,
     from ``trainer_state.json``) and generator states (``tensors``, from ``rng.safetensors``) are
-    what `cispo.training.runner` writes and can restore for ``rank`` of ``world_size``: ``update_count`` a
-    count, ``streams`` one prompt-stream state per rank, this rank's for the same prompts and seed
-    as ``stream_state``, and a ``generator/<name>/<rank>`` byte tensor shaped as each of
-    ``generator_states``. ``ValueError`` (not a damaged checkpoint: no older one would do) when
+    what `cispo.training.run.Run` writes and can restore for ``expected.rank`` of ``expected.world_size``:
+    ``update_count`` a count, ``streams`` one prompt-stream state per rank, this rank's for the same prompts
+    and seed as ``expected.stream_state``, and a ``generator/<name>/<rank>`` byte tensor shaped as each of
+    ``expected.generator_states``. ``ValueError`` (not a damaged checkpoint: no older one would do) when
     it was written by another number of processes."""
+    rank, world_size = expected.rank, expected.world_size
+    stream_state, generator_states = expected.stream_state, expected.generator_states
     state_file, rng_file = path / "trainer_state.json", path / "rng.safetensors"
     if state.get("world_size", 1) != world_size:
         raise ValueError(f"checkpoint {path} was written by {state.get('world_size', 1)} processes; "

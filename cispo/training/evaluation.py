@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import math
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,8 +19,8 @@ import torch
 from cispo.foundations.experience import Completion
 from cispo.models.policy import Policy
 from cispo.rollout import SamplingConfig
-from cispo.training.metrics import episode_metrics, reward_metrics
-from cispo.training.sampling import sample_groups
+from cispo.training.metrics import episode_metrics, reports_accuracy, reward_metrics, tracked_fork
+from cispo.training.sampling import Scoring, sample_groups
 
 if TYPE_CHECKING:
     from cispo.config.train import EvalConfig
@@ -44,11 +46,35 @@ def answers_per_prompt(eval_cfg: EvalConfig) -> int:
     return 1 + sample_count(eval_cfg)
 
 
+@dataclass
+class Evaluation:
+    """One held-out evaluation's settings: ``reward_fn`` (each call killed past ``reward_timeout_s``,
+    ``data.reward_timeout_s``), ``eval_cfg`` (``eval.*``), the token budget, the ``seed`` of the sampled
+    answers; ``used_fork(text)`` (the task's fork strings, None: none tracked), ``answer_fn(text)`` (the answer
+    maj@k votes on), ``accuracy`` (False: the reward is no 0/1 verifier, `reports_accuracy`), and the hooks
+    ``on_groups(mode, groups)`` and ``on_progress(n)``."""
+
+    reward_fn: Callable
+    eval_cfg: EvalConfig
+    max_new_tokens: int
+    seed: int
+    used_fork: Callable | None = None
+    answer_fn: Callable | None = None
+    reward_timeout_s: float | None = None
+    accuracy: bool = True
+    on_groups: Callable | None = None
+    on_progress: Callable | None = None
+
+    @staticmethod
+    def of_task(task, cfg, max_new_tokens: int, seed: int, on_progress: Callable | None = None) -> Evaluation:
+        """The settings a run's config ``cfg`` gives for ``task`` (its reward, fork strings and answers)."""
+        return Evaluation(task.reward, cfg.eval, max_new_tokens, seed, tracked_fork(task), task.extract_answer,
+                          cfg.data.reward_timeout_s, reports_accuracy(task), on_progress=on_progress)
+
+
 @torch.no_grad()
-def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg: EvalConfig, max_new_tokens: int,
-             seed: int, answer_fn=None, reward_timeout_s: float | None = None, on_groups=None,
-             accuracy: bool = True, on_progress=None) -> dict:
-    """Held-out accuracy: greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
+def evaluate(policy: Policy, samples: list[dict], settings: Evaluation) -> dict:
+    """Held-out accuracy (``settings``: `Evaluation`): greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
     ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``; at each k of
     ``eval.pass_at_k`` too, `pass_at`; k = 0: greedy only, and ``eval/accuracy``, the fork rate, the
     length and ``eval/truncated`` (the share cut at ``max_new_tokens``) are the greedy answers';
@@ -62,7 +88,10 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
     of `CHUNK` prompts at a time), of `answers_per_prompt` per prompt in all."""
     if not samples:
         return {}
-    generator = torch.Generator(device=policy.device).manual_seed(seed)
+    ev, eval_cfg, max_new_tokens = settings, settings.eval_cfg, settings.max_new_tokens
+    answer_fn, used_fork = ev.answer_fn, ev.used_fork
+    generator = torch.Generator(device=policy.device).manual_seed(ev.seed)
+    scoring = Scoring(ev.reward_fn, ev.reward_timeout_s)
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=eval_cfg.temperature)
     out, errors, num_samples = {}, [], sample_count(eval_cfg)
@@ -70,12 +99,11 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
     for name, sampling, k in modes:
         groups = []
         for start in range(0, len(samples), CHUNK):
-            groups += sample_groups(policy, samples[start : start + CHUNK], k, sampling, reward_fn, generator,
-                                    reward_timeout_s=reward_timeout_s)
-            if on_progress is not None:
-                on_progress(k * len(samples[start : start + CHUNK]))
-        if on_groups is not None:
-            on_groups(name, groups)
+            groups += sample_groups(policy, samples[start : start + CHUNK], k, sampling, scoring, generator)
+            if ev.on_progress is not None:
+                ev.on_progress(k * len(samples[start : start + CHUNK]))
+        if ev.on_groups is not None:
+            ev.on_groups(name, groups)
         flat = [c for g in groups for c in g]
         acc = sum(c.task_reward for c in flat) / len(flat)
         errors += [c.reward_error for c in flat if c.reward_error]
@@ -103,7 +131,7 @@ def evaluate(policy: Policy, samples: list[dict], reward_fn, used_fork, eval_cfg
     if errors:
         print(f"cispo: evaluation: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})",
               file=sys.stderr)
-    return out if accuracy else reward_named(out)
+    return out if ev.accuracy else reward_named(out)
 
 
 def reward_named(metrics: dict) -> dict:
@@ -118,17 +146,14 @@ def reward_named(metrics: dict) -> dict:
     return {renamed(key): value for key, value in metrics.items()}
 
 
-def evaluate_sets(policy: Policy, sets: dict[str, list[dict]], reward_fn, used_fork, eval_cfg: EvalConfig,
-                  max_new_tokens: int, seed: int, answer_fn=None, reward_timeout_s: float | None = None,
-                  on_groups=None, accuracy: bool = True, on_progress=None) -> dict:
+def evaluate_sets(policy: Policy, sets: dict[str, list[dict]], settings: Evaluation) -> dict:
     """`evaluate` on each named set (``data.eval_sets``), its metrics renamed
-    ``eval/<metric>`` -> ``eval/<name>/<metric>``; ``on_groups(name, mode, groups)`` and ``on_progress`` as
-    `evaluate`'s."""
+    ``eval/<metric>`` -> ``eval/<name>/<metric>``; ``settings.on_groups(name, mode, groups)`` (here with the
+    set's name first) and ``on_progress`` as `evaluate`'s."""
     out = {}
     for name, samples in sets.items():
-        hook = None if on_groups is None else functools.partial(on_groups, name)
-        metrics = evaluate(policy, samples, reward_fn, used_fork, eval_cfg, max_new_tokens, seed, answer_fn,
-                           reward_timeout_s, hook, accuracy, on_progress)
+        hook = None if settings.on_groups is None else functools.partial(settings.on_groups, name)
+        metrics = evaluate(policy, samples, replace(settings, on_groups=hook))
         out.update(set_metrics(metrics, name))
     return out
 

@@ -1,12 +1,18 @@
 """Where log pi_old of the importance ratio comes from, and what stands beside it.
 
-* ``algo.logp_old=recompute`` (default): the trainer's own pass over the batch, in train mode
-  (``cispo.training.trainer.compute_logp_old``), the first update's rows taken from that update's
-  forward where that is exact (`logp_old_from_update`);
-* ``algo.logp_old=rollout``: the sampler's own log-probs, ``logp_rollout`` (verl's bypass mode), where
-  the sampler is the same policy (`rollout_as_old`): no pass; the first update's forward, which runs
-  on pi_old's weights, measures the train / rollout mismatch and the entropy on its rows
-  (`measured_metrics`).
+One `LogpOldSource` per run (`logp_old_source`), three kinds:
+
+* `Recompute` (``algo.logp_old=recompute``): the trainer's own pass over the batch, in train mode
+  (`cispo.training.trainer.Trainer.compute_logp_old`);
+* `FromFirstUpdate` (the same, ``algo.logp_old_from_update``, where exact): the first update's rows are left
+  out of that pass and taken from the first update's own forward, which runs on pi_old's weights over the
+  same micro-batches, detached: bitwise the numbers the pass would give, one forward fewer;
+* `FromRollout` (``algo.logp_old=rollout``, verl's bypass mode), where the sampler is the same policy
+  (`rollout_as_old`): the sampler's own log-probs, no pass; the first update's forward measures the
+  train / rollout mismatch and the entropy on its rows (`measured_metrics`).
+
+Each says which micro-batches the pass runs (`pass_micro_batches`), whether the first update's forward
+supplies values (``first_update_supplies``) and what it does with them (`supply`).
 
 Also the reference model's pass of a KL term (`reference_logprobs`, run either way) and the rollout
 correction's settings (`rollout_correction`: the weights of pi_old / pi_rollout).
@@ -31,7 +37,7 @@ MEASURED = "logp_trainer"
 
 def logp_old_from_update(cfg, policy: Policy) -> bool:
     """Whether the first update's detached log-probs can stand in for its rows' logp_old pass
-    (``algo.logp_old_from_update``, issue 13 item 4). Exact (bitwise) when that update runs on
+    (``algo.logp_old_from_update``). Exact (bitwise) when that update runs on
     the weights that logp_old is taken at, over the same micro-batches, deterministically: not
     with dropout in the passes (``model.dropout``, ``model.lora_dropout``: two passes draw
     different masks), not with the fused head (its objective needs logp_old before its forward),
@@ -133,3 +139,95 @@ def measured_metrics(exp: Experience) -> dict:
         "rollout/logp_abs_diff": float((rollout - trainer).abs().mean()) if mask.any() else math.nan,
         "rollout/mismatch_kl": mismatch_kl(old, exp.logp_rollout, mask),
     }
+
+
+# ---------------------------------------------------------------------------------------
+# The three sources
+# ---------------------------------------------------------------------------------------
+
+
+class LogpOldSource:
+    """Log pi_old recomputed by the trainer's pass over every row (`Recompute`'s behaviour; the base of the
+    other two). ``passes``: forward passes over the batch it costs (for ``perf/tokens_per_s``)."""
+
+    first_update_supplies = False
+    """Whether the first update's first mini-batch forward supplies its rows' values (`supply`)."""
+    passes = 1
+
+    def pass_micro_batches(self, first: list, rest: list) -> list:
+        """The micro-batches the policy's pass runs: ``first`` (the first update's, in its shapes) and ``rest``."""
+        return first + rest
+
+    def logp_old(self, exp: Experience, computed: torch.Tensor) -> torch.Tensor:
+        """Log pi_old of ``exp``'s response tokens, given the pass's ``computed`` values.  -> [B, T] masked"""
+        T = exp.response_mask.shape[1]
+        return computed[:, :T] * exp.response_mask
+
+    def after_pass(self, exp: Experience) -> None:
+        """Anything to note in ``exp.extras`` once the pass has run (default: nothing)."""
+
+    def supply(self, exp: Experience, rows: torch.Tensor, sub: Experience, logp: torch.Tensor,
+               entropy: torch.Tensor | None) -> None:
+        """Take the first update's detached ``logp`` / ``entropy`` of micro-batch ``sub`` = ``exp.select(rows)``."""
+        raise RuntimeError(f"{type(self).__name__} takes nothing from the first update")
+
+    def metrics(self, exp: Experience) -> dict:
+        """Metrics of its own for the step (default: none)."""
+        return {}
+
+
+class Recompute(LogpOldSource):
+    """``algo.logp_old=recompute``: every row from the trainer's pass."""
+
+
+class FromFirstUpdate(LogpOldSource):
+    """The pass skips the first update's rows; that update's forward fills their log pi_old (so their ratio is
+    exactly 1) and entropy (`logp_old_from_update` says when this is exact)."""
+
+    first_update_supplies = True
+
+    def pass_micro_batches(self, first: list, rest: list) -> list:
+        return rest
+
+    def supply(self, exp, rows, sub, logp, entropy) -> None:
+        t = sub.response_mask.shape[1]
+        sub.logp_old = logp
+        exp.logp_old[rows, :t] = logp
+        sub.extras["entropy"] = entropy
+        exp.extras["entropy"][rows, :t] = entropy
+
+
+class FromRollout(LogpOldSource):
+    """``algo.logp_old=rollout``: log pi_old is the sampler's ``logp_rollout``; no pass. The first update's
+    forward measures the trainer's own log pi_old (`MEASURED`) and entropy on its rows."""
+
+    first_update_supplies = True
+    passes = 0
+
+    def pass_micro_batches(self, first: list, rest: list) -> list:
+        return []
+
+    def logp_old(self, exp, computed) -> torch.Tensor:
+        T = exp.response_mask.shape[1]
+        return exp.logp_rollout[:, :T] * exp.response_mask
+
+    def after_pass(self, exp) -> None:
+        start_measuring(exp)
+
+    def supply(self, exp, rows, sub, logp, entropy) -> None:
+        t = sub.response_mask.shape[1]
+        exp.extras[MEASURED][rows, :t] = logp
+        if entropy is not None:  # the fused head gives none: it stays NaN
+            exp.extras["entropy"][rows, :t] = entropy
+
+    def metrics(self, exp) -> dict:
+        return measured_metrics(exp) if len(exp) else {}
+
+
+def logp_old_source(cfg, policy: Policy) -> LogpOldSource:
+    """The run's source of log pi_old (module docstring), decided once from ``cfg`` and ``policy``."""
+    if rollout_as_old(cfg, policy):
+        return FromRollout()
+    if logp_old_from_update(cfg, policy):
+        return FromFirstUpdate()
+    return Recompute()

@@ -66,6 +66,11 @@ def reports_accuracy(task) -> bool:
     return bool(getattr(task, "accuracy", True))
 
 
+def tracked_fork(task):
+    """``task.used_fork`` when the task tracks fork strings, else None (fork rates are then null, not 0)."""
+    return task.used_fork if task.fork_tokens else None
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and population standard deviation of ``values``; NaN for none."""
     if not values:
@@ -156,7 +161,7 @@ def update_metrics(stats: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# Reflective (fork) strings, and the mechanism check of issue 28: does PPO's upper mask act on
+# Reflective (fork) strings, and the mechanism check: does PPO's upper mask act on
 # rare positive fork tokens? One row of sums per tracked string (`cispo.foundations.forks`), one for the rest.
 # ---------------------------------------------------------------------------------------
 
@@ -241,7 +246,7 @@ def _update_block(row: torch.Tensor, suffix: str) -> dict:
 
 
 def all_token_metrics(row: torch.Tensor, suffix: str) -> dict:
-    """The mechanism on every response token (study v4, issue 46), from ``fork_sums`` summed over its rows:
+    """The mechanism on every response token, from ``fork_sums`` summed over its rows:
     ``objective/all_pos_lowp_above`` (A > 0, p_old < 0.1, r > 1 + eps_high: the paper's case, counted),
     ``all_pos_mass_above`` (the share of the positive gradient-mass proxy above 1 + eps_high: what DAPO's
     upper mask drops), ``all_pos_mass_lowp_above`` (the share of it both above and p_old < 0.1) and

@@ -1,6 +1,6 @@
 """Sampling beside training, one step off policy (``rollout.async_steps=1``; docs/async.md).
 
-While the trainer updates on batch n, a second thread samples batch n+1 (`cispo.training.sampling.sample_step`,
+While the trainer updates on batch n, a second thread samples batch n+1 (`cispo.training.sampling.StepSampler`,
 unchanged: episodes, rewards, refills, retirement) with the **behaviour policy** θ_{n-1}, so batch n+1 is one
 update older than the weights that train on it. With the torch sampler the behaviour policy is a copy of the
 model, loaded with the trainer's weights at the start of step n; with a separate engine that holds its own
@@ -10,7 +10,7 @@ join (``update_weights``, as in the synchronous loop), so they are θ_{n-1} whil
     step n:   [take held batch n] -> copy θ_{n-1} to the behaviour copy (vLLM: it has them) -> start sampling n+1
               -> logp_old, K updates on batch n (θ_{n-1} -> θ_n) -> join: hold batch n+1 -> (vLLM: push θ_n)
 
-Nothing runs beside the trainer outside a step: the thread is joined before ``rl_step`` returns, so the
+Nothing runs beside the trainer outside a step: the thread is joined before the step returns (`cispo.training.rl_step`), so the
 held-out evaluation, checkpoints and stop signals see a quiet run. A checkpoint keeps the held batch
 (`rollout_state` / `load_rollout`: ids, log-probs, rewards, episodes, and each prompt's index in the
 stream), so a resumed run trains on exactly the batch the uninterrupted one would have.
@@ -42,18 +42,19 @@ class Prefetch:
     """The behaviour policy and the batch it sampled for the next step (``held``; None before the first)."""
 
     def __init__(self, policy: Policy) -> None:
-        self.engine = getattr(policy.sampler, "own_weights", False)  # vLLM: the engine is the behaviour policy
+        self.engine = policy.sampler.own_weights  # vLLM: the engine is the behaviour policy
         if self.engine:
             self.behaviour = policy
-        elif hasattr(policy.sampler, "for_model"):
+        else:
             model = copy.deepcopy(policy.model).eval()
             for p in model.parameters():
                 p.requires_grad_(False)
-            self.behaviour = dataclasses.replace(policy, model=model, sampler=policy.sampler.for_model(model),
-                                                 ref_model=None, train_body=None, grad_scaler=None)
-        else:
-            raise ValueError(f"rollout.async_steps=1 needs a sampler with its own weights (vLLM) or one that can "
-                             f"sample from a copy of the model (torch), not {type(policy.sampler).__name__}")
+            sampler = policy.sampler.for_model(model)
+            if sampler is None:
+                raise ValueError(f"rollout.async_steps=1 needs a sampler with its own weights (vLLM) or one that "
+                                 f"can sample from a copy of the model (torch), not {type(policy.sampler).__name__}")
+            self.behaviour = dataclasses.replace(policy, model=model, sampler=sampler, ref_model=None,
+                                                 train_body=None, grad_scaler=None)
         self.held: StepRollout | None = None
         self.wait_s = 0.0  # the trainer's wait for the last batch
         self.sample_s = 0.0  # the sampler thread's time on it
@@ -74,7 +75,7 @@ class Prefetch:
 
     def drop_failed(self, stream: PromptStream, generator: torch.Generator) -> bool:
         """A stop signal came: a held batch with failed reward calls (perhaps killed by that signal, as in
-        ``rl_step``'s `StepInterrupted`) is not kept for a resume; the stream and ``generator`` go back to before
+        `cispo.training.rl_step.StepInterrupted`) is not kept for a resume; the stream and ``generator`` go back to before
         it was drawn, so the resumed run samples it anew (with the checkpoint's weights: one update newer than
         the uninterrupted run's, the one place a resume differs from it). True if it dropped one."""
         if self.held is None or not self.held.errors or self._before[0] is None:

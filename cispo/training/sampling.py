@@ -1,4 +1,4 @@
-"""Step 1 of the RL loop (``cispo.training.trainer``): sample P prompts x G responses with the policy
+"""Step 1 of the RL loop (`cispo.training.rl_step`): sample P prompts x G responses with the policy
 (``cispo.rollout``), score them, and refill while dynamic sampling drops groups whose rewards are all
 equal (``cispo.data.prompts.fill_groups``); ScaleRL's No-Positive-Resampling retires solved prompts.
 The held-out evaluation (``cispo.training.evaluation``) samples through `sample_groups` too.
@@ -9,6 +9,7 @@ policy's segments and the environment's observations, the latter masked out of t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,20 +22,23 @@ from cispo.models.policy import Policy
 from cispo.rollout import SamplingConfig
 
 
-def sample_groups(
-    policy: Policy,
-    samples: list[dict],
-    group_size: int,
-    sampling: SamplingConfig,
-    reward_fn,
-    generator: torch.Generator,
-    overlong_buffer: int | None = None,
-    reward_timeout_s: float | None = None,
-    overlong_scope: str = "all",
-) -> list[list[Completion]]:
-    """G responses to each sample's prompt, decoded and scored, the whole batch at once
-    (`cispo.data.rewards.score_completions`: user rewards in worker processes, each call
-    killed past ``reward_timeout_s``; several rewards summed with their weights). A reward that fails
+@dataclass(frozen=True)
+class Scoring:
+    """How sampled responses are scored: ``reward_fn`` (the task's reward; user rewards run in worker
+    processes, each call killed past ``timeout_s``, ``data.reward_timeout_s``), then DAPO's overlong penalty
+    over the last ``overlong_buffer`` tokens of the budget (``rollout.overlong_buffer``, None: off) on
+    ``overlong_scope``'s answers (`cispo.data.rewards.shaped_reward`)."""
+
+    reward_fn: Callable
+    timeout_s: float | None = None
+    overlong_buffer: int | None = None
+    overlong_scope: str = "all"
+
+
+def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling: SamplingConfig, scoring: Scoring,
+                  generator: torch.Generator) -> list[list[Completion]]:
+    """G responses to each sample's prompt, decoded and scored by ``scoring``, the whole batch at once
+    (`cispo.data.rewards.score_completions`; several rewards summed with their weights). A reward that fails
     scores 0 and the failure is recorded on the completion (``reward_error``), with each reward's
     value (``reward_parts``) and the numbers the calls reported (``reward_extras``).
 
@@ -52,7 +56,7 @@ def sample_groups(
     texts = [policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
     calls = [(samples[i // group_size]["prompt"], texts[i],
               {k: v for k, v in samples[i // group_size].items() if k != "prompt"}) for i in range(len(rows))]
-    scored = score_completions(reward_fn, calls, reward_timeout_s)  # [Scored(task reward, error, ...)]   [B]
+    scored = score_completions(scoring.reward_fn, calls, scoring.timeout_s)  # [Scored(task reward, error, ...)]   [B]
     groups: list[list[Completion]] = []
     for g, sample in enumerate(samples):
         group = []
@@ -61,8 +65,8 @@ def sample_groups(
             c = Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
                            batch.finish_reason[i], texts[i], task_reward, 0.0, error, parts, extras, env_masks[i],
                            None if episodes is None else episodes.record(i))
-            c.reward = shaped_reward(task_reward, c.policy_length, sampling.max_new_tokens, overlong_buffer,
-                                     overlong_scope)
+            c.reward = shaped_reward(task_reward, c.policy_length, sampling.max_new_tokens, scoring.overlong_buffer,
+                                     scoring.overlong_scope)
             group.append(c)
         groups.append(group)
     return groups
@@ -79,33 +83,50 @@ class StepRollout:
     sampled: list[list[Completion]]
 
 
-def sample_step(policy: Policy, stream: PromptStream, task, cfg, sampling: SamplingConfig, generators,
-                dist_info: DistInfo, keep_all: bool) -> StepRollout:
-    """Step 1: this rank's ``prompts_per_step / world_size`` groups, sampled and scored, refilled while
-    dynamic sampling drops uninformative ones (``cispo.data.prompts.fill_groups``). ``keep_all``: keep
-    every group sampled, for ``samples.jsonl``."""
-    errors: list[str] = []
-    sampled: list = []
+@dataclass
+class StepSampler:
+    """What step 1 samples from: this rank's prompt ``stream``, the ``task`` (its reward), the run's config,
+    the ``sampling`` settings and the ``generator`` of the draws (``dist_info``: this rank of how many)."""
 
-    def generate(samples):
-        groups = sample_groups(policy, samples, cfg.rollout.group_size, sampling, task.reward, generators["sample"],
-                               cfg.rollout.overlong_buffer, cfg.data.reward_timeout_s, cfg.rollout.overlong_scope)
-        errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
-        retire_solved(stream, groups, cfg.data.retire_pass_rate)
-        if keep_all:
-            sampled.extend(groups)
-        return groups
+    stream: PromptStream
+    task: object
+    cfg: object
+    sampling: SamplingConfig
+    generator: torch.Generator
+    dist_info: DistInfo = DistInfo()
 
-    groups, report = fill_groups(
-        stream.take,
-        generate,
-        is_informative,
-        cfg.rollout.prompts_per_step // dist_info.world_size,
-        cfg.rollout.max_sampling_rounds,
-        filter_groups=cfg.rollout.dynamic_sampling,
-        **sharded_sampling(policy, sampling, dist_info),
-    )
-    return StepRollout(groups, report, errors, sampled)
+    @property
+    def scoring(self) -> Scoring:
+        cfg = self.cfg
+        return Scoring(self.task.reward, cfg.data.reward_timeout_s, cfg.rollout.overlong_buffer,
+                       cfg.rollout.overlong_scope)
+
+    def sample(self, policy: Policy, keep_all: bool = False) -> StepRollout:
+        """This rank's ``prompts_per_step / world_size`` groups from ``policy``, sampled and scored, refilled
+        while dynamic sampling drops uninformative ones (``cispo.data.prompts.fill_groups``); solved prompts
+        retired (``data.retire_pass_rate``). ``keep_all``: keep every group sampled, for ``samples.jsonl``."""
+        cfg, scoring = self.cfg, self.scoring
+        errors: list[str] = []
+        sampled: list = []
+
+        def generate(samples):
+            groups = sample_groups(policy, samples, cfg.rollout.group_size, self.sampling, scoring, self.generator)
+            errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
+            retire_solved(self.stream, groups, cfg.data.retire_pass_rate)
+            if keep_all:
+                sampled.extend(groups)
+            return groups
+
+        groups, report = fill_groups(
+            self.stream.take,
+            generate,
+            is_informative,
+            cfg.rollout.prompts_per_step // self.dist_info.world_size,
+            cfg.rollout.max_sampling_rounds,
+            filter_groups=cfg.rollout.dynamic_sampling,
+            **sharded_sampling(policy, self.sampling, self.dist_info),
+        )
+        return StepRollout(groups, report, errors, sampled)
 
 
 def retire_solved(stream: PromptStream, groups, pass_rate: float | None) -> None:

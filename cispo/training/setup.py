@@ -20,7 +20,7 @@ from cispo.foundations.forks import ForkTokens
 from cispo.models.policy import Policy
 from cispo.objective.loss import ObjectiveConfig, preset
 from cispo.rollout import SamplingConfig
-from cispo.training.trainer import lr_at
+from cispo.training.gradients import lr_at
 
 if TYPE_CHECKING:
     from cispo.config.train import AlgoConfig, OptimConfig, RolloutConfig, TrainConfig
