@@ -20,7 +20,7 @@ from cispo.data.tasks import get_task  # noqa: E402
 from cispo.models.policy import Policy  # noqa: E402
 from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
 from cispo.training.metrics import episode_metrics  # noqa: E402
-from cispo.training.sampling import sample_groups  # noqa: E402
+from cispo.training.sampling import Scoring, sample_groups  # noqa: E402
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
 Q = "Ava has 30 apples. Ava gets 21 more apples. How many apples does Ava have now?"
@@ -64,7 +64,7 @@ def test_a_calculator_episode_through_sampler_environment_and_trainer(tokenizer)
     policy.encode = lambda s: prompt  # the script is aligned to this prompt
     try:
         groups = sample_groups(policy, [sample], 2, SamplingConfig(max_new_tokens=64, temperature=0.0),
-                               get_task("wordmath_calc").reward, torch.Generator().manual_seed(0))
+                               Scoring(get_task("wordmath_calc").reward), torch.Generator().manual_seed(0))
     finally:
         env.close()
         shutdown_pools()

@@ -290,7 +290,8 @@ def test_evaluate_sets_names_metrics_per_set(monkeypatch):
         return {"eval/accuracy": float(len(samples)), "eval/accuracy_pass_at_4": 1.0}
 
     monkeypatch.setattr(evaluation, "evaluate", fake_evaluate)
-    out = evaluation.evaluate_sets(None, {"gsm8k": [{}] * 3, "math500": [{}]}, None, None, None, 8, seed=0)
+    settings = evaluation.Evaluation(None, None, 8, seed=0)
+    out = evaluation.evaluate_sets(None, {"gsm8k": [{}] * 3, "math500": [{}]}, settings)
     assert out == {"eval/gsm8k/accuracy": 3.0, "eval/gsm8k/accuracy_pass_at_4": 1.0,
                    "eval/math500/accuracy": 1.0, "eval/math500/accuracy_pass_at_4": 1.0}
-    assert evaluation.evaluate_sets(None, {}, None, None, None, 8, seed=0) == {}
+    assert evaluation.evaluate_sets(None, {}, settings) == {}

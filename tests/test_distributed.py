@@ -22,7 +22,7 @@ from cispo.models.policy import Policy
 from cispo.objective.loss import preset
 from cispo.rollout import TorchSampler
 from cispo.training.setup import make_optimizer
-from cispo.training.trainer import compute_logp_old, update_policy
+from cispo.training.trainer import Trainer
 
 B = 8  # 4 groups of 2, split 2 + 2 groups over the ranks
 
@@ -43,9 +43,15 @@ def make_setup(objective, split_cost="128"):
                                 torch.randint(3, len(tok), (n_r,), generator=g), torch.zeros(n_r), "eos", ""))
     exp = collate(comps, torch.randn(B, generator=g), tok.pad_token_id)
     # logp_old off-policy enough that masks and caps bite
-    exp.logp_old = (compute_logp_old(policy, exp, cfg) + 0.5 * torch.randn(exp.response_mask.shape, generator=g)) \
+    exp.logp_old = (trainer(policy, cfg).compute_logp_old(exp) + 0.5 * torch.randn(exp.response_mask.shape, generator=g)) \
         * exp.response_mask
     return policy, cfg, exp
+
+
+def trainer(policy, cfg, optimizer=None, info=DistInfo(), objective=None):
+    """A `Trainer` of ``policy`` under ``cfg`` with the mini-batch order seeded 0 (and this rank's ``info``)."""
+    objective = objective or preset(cfg.algo.objective)
+    return Trainer(policy, optimizer, objective, cfg, torch.Generator().manual_seed(0), info)
 
 
 def run_update(policy, cfg, exp, info):
@@ -54,8 +60,7 @@ def run_update(policy, cfg, exp, info):
     batch) changes the result. AdamW's first step (eps 1e-15) is ~lr * sign(g) and a clipped norm
     is scale-free, so either would hide a factor of 2."""
     optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.optim.lr)
-    update_policy(policy, optimizer, exp, preset(cfg.algo.objective), cfg, torch.Generator().manual_seed(0), 0, None,
-                  info)
+    trainer(policy, cfg, optimizer, info).update(exp)
     return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
 
 
@@ -159,7 +164,7 @@ def _fsdp_worker(rank, world, port, out_path):
     greedy = SamplingConfig(max_new_tokens=8, temperature=0.0, repetition_stop_tokens=2 if rank == 0 else None,
                             repetition_stop_prob=0.01)
     want_gen = policy.sampler.generate(prompts, greedy)
-    want_logp = compute_logp_old(policy, mine, cfg)
+    want_logp = trainer(policy, cfg).compute_logp_old(mine)
     want_entropy = mine.extras["entropy"].clone()
 
     shard_model(policy.model, info, torch.device("cpu"))
@@ -171,13 +176,13 @@ def _fsdp_worker(rank, world, port, out_path):
     assert torch.equal(got_gen.response_ids[:, :n], want_gen.response_ids)
     assert not got_gen.response_mask[:, n:].any()
     assert torch.allclose(got_gen.logp_rollout[:, :n], want_gen.logp_rollout, atol=1e-5)
-    got_logp = compute_logp_old(policy, mine, cfg, info)  # uneven micro-batch counts: idle passes
+    got_logp = trainer(policy, cfg, info=info).compute_logp_old(mine)  # uneven micro-batch counts: idle passes
     assert torch.allclose(got_logp, want_logp, atol=1e-5)
     assert torch.allclose(mine.extras["entropy"], want_entropy, atol=1e-5)
 
     optimizer = make_optimizer(policy.model, cfg.optim)
-    stats, updates = update_policy(policy, optimizer, mine, preset(cfg.algo.objective), cfg,
-                                   torch.Generator().manual_seed(0), 0, None, info)
+    rank_trainer = trainer(policy, cfg, optimizer, info)
+    stats, updates = rank_trainer.update(mine), rank_trainer.update_count
     params = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"params": params, "grad_norm": stats[0]["grad_norm"], "updates": updates}, out_path)
@@ -195,8 +200,8 @@ def test_fsdp_two_gloo_ranks_equal_one_process(tmp_path):
     policy, cfg, exp = make_setup("cispo")
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     optimizer = make_optimizer(policy.model, cfg.optim)
-    stats, updates = update_policy(policy, optimizer, exp, preset(cfg.algo.objective), cfg,
-                                   torch.Generator().manual_seed(0), 0, None, DistInfo())
+    one_trainer = trainer(policy, cfg, optimizer, DistInfo())
+    stats, updates = one_trainer.update(exp), one_trainer.update_count
     one = policy.model.state_dict()
     assert any(not torch.equal(one[k], before[k]) for k in one)
     assert two["updates"] == updates == 1
@@ -377,8 +382,7 @@ def _fsdp_precision_worker(rank, world, port, out_path):
 
     optimizer.step = recorded_step
     mine = exp.select(torch.tensor(UNEVEN[rank]))
-    stats, _ = update_policy(policy, optimizer, mine, preset("cispo"), cfg, torch.Generator().manual_seed(0), 0, None,
-                             info)
+    stats = trainer(policy, cfg, optimizer, info, preset("cispo")).update(mine)
     params = list(model.parameters())
     out = {"calls": calls, "seen": seen, "shard_dtypes": sorted({str(p.dtype) for p in params}),
            "grad_dtypes": sorted(grads),

@@ -45,7 +45,7 @@ def _float64_experience(exp, seed=5):
 
 
 def _one_update(objective, fused, kl_coef):
-    from cispo.training.trainer import update_policy
+    from cispo.training.trainer import Trainer
 
     policy, exp, config = _ragged_setup(torch.float64, rows=12)
     exp = _float64_experience(exp)
@@ -54,8 +54,9 @@ def _one_update(objective, fused, kl_coef):
     obj = preset(objective, kl_coef=kl_coef)
     before = {k: p.detach().clone() for k, p in policy.model.named_parameters()}
     sgd = torch.optim.SGD(policy.model.parameters(), lr=cfg.optim.lr)
-    stats, n = update_policy(policy, sgd, exp, obj, cfg, torch.Generator().manual_seed(3), 0, None)
-    assert n == 1
+    trainer = Trainer(policy, sgd, obj, cfg, torch.Generator().manual_seed(3))
+    stats = trainer.update(exp)
+    assert trainer.update_count == 1
     grads = {k: (before[k] - p.detach()) / cfg.optim.lr for k, p in policy.model.named_parameters()}  # SGD: p -= lr g
     return grads, stats[0]
 

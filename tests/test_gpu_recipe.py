@@ -164,6 +164,7 @@ def test_the_recipe_runs_under_torchrun_with_a_stand_in_engine(tmp_path, tiny_mo
 def test_the_trainer_side_of_the_fp32_head(tmp_path, monkeypatch):
     """model.fp32_lm_head reaches the trainer's log-prob passes too (policy_logprobs' fp32_head)."""
     import cispo.training.trainer as tr
+    from cispo.objective.loss import preset
 
     cfg = recipe(tmp_path)
 
@@ -175,7 +176,7 @@ def test_the_trainer_side_of_the_fp32_head(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tr, "policy_logprobs", spy)
     with pytest.raises(Seen) as got:
-        tr.compute_logp_old(_policy(), _experience(), cfg)
+        tr.Trainer(_policy(), None, preset(cfg.algo.objective), cfg, torch.Generator()).compute_logp_old(_experience())
     assert got.value.args == (True,)
 
 

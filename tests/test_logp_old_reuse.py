@@ -1,4 +1,4 @@
-"""algo.logp_old_from_update (issue 13 item 4): the first update's detached log-probs stand in for
+"""algo.logp_old_from_update: the first update's detached log-probs stand in for
 its rows' logp_old pass, bitwise: the same metrics and weights as the separate pass, one no-grad
 forward over 1/K of the batch fewer."""
 
@@ -9,6 +9,7 @@ import torch
 
 import cispo.training.trainer as trainer
 from cispo.config.train import apply_overrides
+from cispo.training.logp_old import logp_old_from_update
 from cispo.training.runner import train
 
 from conftest import small_config
@@ -71,5 +72,5 @@ def test_same_run_bit_for_bit(tiny_model, tmp_path, dense_task, schedule):
 def test_where_it_applies(tiny_model, tmp_path, extra, expected):
     cfg = small_config(tiny_model, tmp_path, *extra)
     policy = type("P", (), {"model": torch.nn.Linear(1, 1)})()
-    assert trainer.logp_old_from_update(cfg, policy) is expected
+    assert logp_old_from_update(cfg, policy) is expected
     assert apply_overrides(cfg, []).algo.logp_old_from_update == ("algo.logp_old_from_update=false" not in extra)

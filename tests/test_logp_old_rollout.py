@@ -1,4 +1,4 @@
-"""algo.logp_old=rollout (issue 47 item 3): pi_old is the sampler's own log-probs where the sampler is
+"""algo.logp_old=rollout: pi_old is the sampler's own log-probs where the sampler is
 the trainer's policy, and no logp_old pass runs. Pinned against the recomputed pass on a tiny random
 model: the same first step (same samples), logp_old within 1e-4 per token, the first update's ratio
 statistics those of the recomputed path, the mismatch and entropy metrics measured by the first update
@@ -24,10 +24,10 @@ def _first_step(tiny_model, out, mode, *extra):
     log-probs and entropy, pi_ref), the first update's statistics, the step's metrics, and how many rows
     the no-grad policy passes of logp_old covered."""
     seen, calls = {}, []
-    real_update, real_merge, real_logprobs = trainer.update_policy, trainer.merge_stats, trainer.policy_logprobs
+    real_update, real_merge, real_logprobs = trainer.Trainer.update, trainer.merge_stats, trainer.policy_logprobs
 
-    def update(policy, optimizer, exp, *args, **kwargs):
-        result = real_update(policy, optimizer, exp, *args, **kwargs)
+    def update(self, exp, *args, **kwargs):
+        result = real_update(self, exp, *args, **kwargs)
         seen.setdefault("exp", exp)
         return result
 
@@ -41,14 +41,14 @@ def _first_step(tiny_model, out, mode, *extra):
             calls.append(len(exp))
         return real_logprobs(model, exp, *args, **kwargs)
 
-    trainer.update_policy, trainer.merge_stats, trainer.policy_logprobs = update, merge, counting
+    trainer.Trainer.update, trainer.merge_stats, trainer.policy_logprobs = update, merge, counting
     try:
         cfg = small_config(tiny_model, out / mode, "steps=1", "eval.every=0", "checkpoint_every=0",
                            "model.compile=off", "threads=1",  # threads by load would round differently
                            f"algo.logp_old={mode}", *extra)
         result = train(cfg)
     finally:
-        trainer.update_policy, trainer.merge_stats, trainer.policy_logprobs = real_update, real_merge, real_logprobs
+        trainer.Trainer.update, trainer.merge_stats, trainer.policy_logprobs = real_update, real_merge, real_logprobs
     from cispo.records.tracking import read_metrics
 
     seen["metrics"] = read_metrics(result.run_dir / "metrics.jsonl")[-1]

@@ -173,13 +173,13 @@ def test_missing_peft_gives_install_hint(monkeypatch):
 def test_training_checkpoint_round_trip(tmp_path):
     """cispo.training.checkpoint saves the LoRA model as it is (adapter names included); a run resumed with the same
     LoRA set-up (apply_lora before load_checkpoint) gets its adapters and optimizer state back."""
-    from cispo.training.checkpoint import load_checkpoint, save_checkpoint
+    from cispo.training.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 
     tok = build_tokenizer("abcdefghijklmnopq")
     model = apply_lora(tiny_llama(), rank=4, alpha=8)
     randomize_adapters(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    ckpt = save_checkpoint(tmp_path, 1, model, tok, opt, {"step": 1}, {"g": torch.zeros(2)})
+    ckpt = save_checkpoint(tmp_path, 1, Checkpoint(model, tok, opt, {"step": 1}, {"g": torch.zeros(2)}))
     fresh = apply_lora(tiny_llama(), rank=4, alpha=8)
     opt2 = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
     state, _ = load_checkpoint(ckpt, fresh, opt2)
@@ -194,13 +194,13 @@ def test_checkpoint_holds_merged_model_and_peft_adapter(tmp_path):
     adapter/ is peft's own format (PeftModel.from_pretrained on the base: same logits again)."""
     from peft import PeftModel
 
-    from cispo.training.checkpoint import save_checkpoint
+    from cispo.training.checkpoint import Checkpoint, save_checkpoint
 
     tok = build_tokenizer("abcdefghijklmnopq")
     model = apply_lora(tiny_llama(), rank=4, alpha=8)
     randomize_adapters(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    ckpt = save_checkpoint(tmp_path, 1, model, tok, opt, {"step": 1}, {})
+    ckpt = save_checkpoint(tmp_path, 1, Checkpoint(model, tok, opt, {"step": 1}, {}))
     ids = torch.tensor([[2, 5, 7, 9, 11]])
     with torch.no_grad():
         want = model.eval()(input_ids=ids).logits
@@ -222,11 +222,11 @@ def test_weights_that_do_not_match_the_config_are_an_error(tmp_path):
 
 
 def test_resume_rejects_an_adapter_of_another_shape(tmp_path):
-    from cispo.training.checkpoint import load_checkpoint, save_checkpoint
+    from cispo.training.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 
     model = apply_lora(tiny_llama(), rank=4, alpha=8)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    ckpt = save_checkpoint(tmp_path, 1, model, build_tokenizer("abc"), opt, {"step": 1}, {})
+    ckpt = save_checkpoint(tmp_path, 1, Checkpoint(model, build_tokenizer("abc"), opt, {"step": 1}, {}))
     other = apply_lora(tiny_llama(), rank=4, alpha=8, target_modules=["q_proj"])
     with pytest.raises(ValueError, match="adapter does not match"):
         load_checkpoint(ckpt, other, torch.optim.AdamW([p for p in other.parameters() if p.requires_grad]))

@@ -10,8 +10,9 @@ from cispo.config.train import TrainConfig, apply_overrides  # noqa: E402
 from cispo.foundations.experience import Completion, collate  # noqa: E402
 from cispo.training.run_policy import load_policy_for  # noqa: E402
 from cispo.models.policy import policy_logprobs  # noqa: E402
+from cispo.objective.loss import preset  # noqa: E402
 from cispo.training.setup import make_optimizer  # noqa: E402
-from cispo.training.trainer import compute_logp_old  # noqa: E402
+from cispo.training.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -67,7 +68,7 @@ def test_dropout_is_off_in_the_rl_passes_unless_kept(gpt2_dir, keep_dropout):
     pol, cfg = policy(gpt2_dir, f"model.dropout={str(keep_dropout).lower()}")
     exp = batch()
     torch.manual_seed(0)
-    logp_old = compute_logp_old(pol, exp, cfg)
+    logp_old = Trainer(pol, None, preset(cfg.algo.objective), cfg, torch.Generator()).compute_logp_old(exp)
     pol.model.train()  # an update's forward, weights unchanged
     with torch.no_grad(), pol.compute():
         logp_new = policy_logprobs(pol.model, exp, cfg.rollout.temperature) * exp.response_mask
@@ -124,17 +125,15 @@ def test_float32_is_unchanged(llama_dir):
 
 
 def tiny_loss_update(pol, cfg, exp, scale):
-    """One `update_policy` step (K = 1) on `exp` with its advantages times `scale`; -> the
-    weight change and the step's stats."""
-    from cispo.objective.loss import preset
-    from cispo.training.trainer import compute_logp_old, update_policy
-
-    exp.advantages = exp.advantages * scale
-    exp.logp_old = compute_logp_old(pol, exp, cfg)
+    """One `Trainer.update` step (K = 1) on `exp` with its advantages times `scale`; -> the
+    weight change, the step's stats and the update count."""
     opt = torch.optim.SGD(pol.model.parameters(), lr=1.0)  # the step is the gradient itself
+    trainer = Trainer(pol, opt, preset("cispo"), cfg, torch.Generator().manual_seed(0))
+    exp.advantages = exp.advantages * scale
+    exp.logp_old = trainer.compute_logp_old(exp)
     before = [p.detach().clone() for p in pol.model.parameters()]
-    stats, n = update_policy(pol, opt, exp, preset("cispo"), cfg, torch.Generator().manual_seed(0), 0, None)
-    return [p.detach() - b for p, b in zip(pol.model.parameters(), before)], stats, n
+    stats = trainer.update(exp)
+    return [p.detach() - b for p, b in zip(pol.model.parameters(), before)], stats, trainer.update_count
 
 
 def test_float16_scales_the_loss_so_small_gradients_survive(llama_dir):

@@ -159,13 +159,16 @@ def _batch_std_worker(rank, world, port, out_path):
     import torch.distributed as dist
 
     from cispo.foundations.distributed import DistInfo
-    from cispo.training.trainer import advantage_scale
+    from cispo.training.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rewards = [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]] if rank == 0 else []  # rank 1: none
     groups = [[SimpleNamespace(reward=r) for r in g] for g in rewards]
-    scale = advantage_scale(groups, SimpleNamespace(device="cpu"), 4, "batch-std", DistInfo(rank, world, 0))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=4), algo=SimpleNamespace(advantage_estimator="batch-std"))
+    trainer = Trainer.__new__(Trainer)  # only what advantage_scale reads: no model, sampler or optimizer
+    trainer.policy, trainer.cfg, trainer.dist_info = SimpleNamespace(device="cpu"), cfg, DistInfo(rank, world, 0)
+    scale = trainer.advantage_scale(groups)
     if rank == 1:
         torch.save(scale, out_path)
     dist.barrier()

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import cispo.data.tasks
-import cispo.training.trainer
+import cispo.training.gradients
 from cispo.cli import main
 from cispo.data.rewards import safe_reward
 from cispo.records.tracking import read_metrics
@@ -80,7 +80,7 @@ def test_run_survives_a_flaky_reward(tiny_model, monkeypatch, tmp_path, capsys):
 
 def poison_losses(monkeypatch, every):
     """Make every ``every``-th loss NaN (1 = all of them)."""
-    real = cispo.training.trainer.policy_loss
+    real = cispo.training.gradients.policy_loss
     count = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -88,7 +88,7 @@ def poison_losses(monkeypatch, every):
         count["n"] += 1
         return (loss * float("nan") if count["n"] % every == 0 else loss), stats
 
-    monkeypatch.setattr(cispo.training.trainer, "policy_loss", poisoned)
+    monkeypatch.setattr(cispo.training.gradients, "policy_loss", poisoned)
 
 
 def test_non_finite_update_is_skipped_and_changes_nothing(tiny_model, dense_task, monkeypatch, tmp_path):
@@ -292,19 +292,19 @@ def test_weights_that_turn_non_finite_are_never_checkpointed(tiny_model, dense_t
     """A step that leaves a NaN weight stops the run with a sentence before it is logged or
     saved; the newest checkpoint stays the last finite one (before: the NaN weights were saved
     over it, and --resume found "no intact checkpoint")."""
-    import cispo.training.runner
+    from cispo.training.rl_step import RLStep
 
-    real, count = cispo.training.runner.rl_step, {"n": 0}
+    real, count = RLStep.__call__, {"n": 0}
 
-    def poisoned(policy, *args, **kwargs):
-        out = real(policy, *args, **kwargs)
+    def poisoned(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
         count["n"] += 1
         if count["n"] == 3:
             with torch.no_grad():
-                next(policy.model.parameters()).view(-1)[0] = float("nan")
+                next(self.trainer.policy.model.parameters()).view(-1)[0] = float("nan")
         return out
 
-    monkeypatch.setattr(cispo.training.runner, "rl_step", poisoned)
+    monkeypatch.setattr(RLStep, "__call__", poisoned)
     cfg = small_config(tiny_model, tmp_path, "steps=4", "eval.every=0", "checkpoint_every=1", "keep_checkpoints=1")
     with pytest.raises(FloatingPointError, match=r"non-finite \(NaN / inf\) during step 3 \(.*\); that step is "
                                                  r"neither logged nor saved, and the newest checkpoint \(step 2"):
@@ -314,7 +314,7 @@ def test_weights_that_turn_non_finite_are_never_checkpointed(tiny_model, dense_t
     weights = load_file(run_dir / "checkpoints" / "step_000002" / "model" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
-    monkeypatch.setattr(cispo.training.runner, "rl_step", real)
+    monkeypatch.setattr(RLStep, "__call__", real)
     assert train(cfg, resume=True).summary  # the finite checkpoint resumes
 
 

@@ -292,8 +292,8 @@ def test_the_pool_is_started_before_the_first_step(tiny_model, tmp_path, monkeyp
     """With a file reward the workers exist once set-up is done: step 1 does not pay for starting them."""
     import multiprocessing
 
-    import cispo.training.runner
     from cispo.data.rewards.processes import GroupProcess
+    from cispo.training.rl_step import RLStep
 
     rows = cispo.data.tasks.get_task("addition").train_samples(0, 64)
     data = tmp_path / "prompts.jsonl"
@@ -301,14 +301,14 @@ def test_the_pool_is_started_before_the_first_step(tiny_model, tmp_path, monkeyp
     monkeypatch.setenv("CISPO_TEST_IMPORTS", str(tmp_path / "imports.txt"))
     (tmp_path / "marking.py").write_text(MARKING_REWARD)
     seen = []
-    step = cispo.training.runner.rl_step
+    step = RLStep.__call__
 
-    def first_step_sees_workers(*args, **kwargs):
+    def first_step_sees_workers(self, *args, **kwargs):
         if not seen:
             seen.append([p for p in multiprocessing.active_children() if isinstance(p, GroupProcess)])
-        return step(*args, **kwargs)
+        return step(self, *args, **kwargs)
 
-    monkeypatch.setattr(cispo.training.runner, "rl_step", first_step_sees_workers)
+    monkeypatch.setattr(RLStep, "__call__", first_step_sees_workers)
     cfg = small_config(tiny_model, tmp_path / "runs", "steps=1", "eval.every=0", "data.num_eval_prompts=0",
                        f"data.path={data}", f"data.reward={tmp_path / 'marking.py'}:reward", "data.reward_workers=2")
     try:

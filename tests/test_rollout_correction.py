@@ -14,7 +14,7 @@ from cispo.records.tracking import read_metrics
 from cispo.rollout import rollout_is_weights, truncated_is_weights
 from cispo.training.metrics import mismatch_kl
 from cispo.training.runner import train
-from cispo.training.trainer import rollout_correction
+from cispo.training.logp_old import rollout_correction
 from conftest import small_config
 
 F64 = dict(dtype=torch.float64)

@@ -76,8 +76,8 @@ def test_the_lock_is_held_for_the_run_and_released_after(tiny_model, dense_task,
         seen.append(json.loads(lock_path(runfolder.run_dir_of(cfg)).read_text())["pid"])
         return real(cfg, resume, overwrite)
 
-    import cispo.training.runner
-    monkeypatch.setattr(cispo.training.runner, "prepare_run_dir", probe)
+    import cispo.training.run
+    monkeypatch.setattr(cispo.training.run, "prepare_run_dir", probe)
     assert main(["train", *tiny_args(tiny_model, tmp_path / "runs"), "run_name=r"]) == 0
     assert seen == [os.getpid()]
     with run_lock(tmp_path / "runs" / "r"):  # released when the run ended

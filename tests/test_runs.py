@@ -15,7 +15,7 @@ from cispo.data.prompts import FileSource
 from cispo.foundations.experience import Completion, collate
 from cispo.records.tracking import read_metrics
 from cispo.training.setup import fork_matcher
-from cispo.training.trainer import tracked_fork
+from cispo.training.metrics import tracked_fork
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -162,7 +162,7 @@ def test_evaluation_reports_the_share_cut_at_the_length_limit(monkeypatch):
 
     reasons = ["length", "eos", "length", "repetition"]
 
-    def fake_groups(policy, samples, k, sampling, reward_fn, generator, reward_timeout_s=None):
+    def fake_groups(policy, samples, k, sampling, scoring, generator):
         return [[Completion(s, [1], torch.ones(3 + i), torch.zeros(3 + i), reasons[i], "x", task_reward=1.0)]
                 for i, s in enumerate(samples)]
 
@@ -171,6 +171,6 @@ def test_evaluation_reports_the_share_cut_at_the_length_limit(monkeypatch):
     class Device:
         device = "cpu"
 
-    out = evaluation.evaluate(Device(), [{}] * 4, None, None, EvalConfig(num_samples=0), 8, seed=0)
+    out = evaluation.evaluate(Device(), [{}] * 4, evaluation.Evaluation(None, EvalConfig(num_samples=0), 8, seed=0))
     assert out["eval/truncated"] == 0.5
     assert out["eval/response_length"] == (3 + 4 + 5 + 6) / 4

@@ -52,7 +52,7 @@ def test_omp_num_threads_counts_as_a_request(monkeypatch):
 
 
 def test_a_resumed_run_keeps_its_recorded_thread_count(tmp_path):
-    from cispo.training.runner import run_threads
+    from cispo.training.run import run_threads
 
     assert run_threads(None, tmp_path) is None  # no meta.json: picked by load, as at a first start
     (tmp_path / "meta.json").write_text('{"torch_threads": 2}')

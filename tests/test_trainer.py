@@ -98,14 +98,14 @@ def test_sample_groups_applies_the_overlong_scope():
     """The trainer's sampling step passes ``rollout.overlong_scope`` through: an unpaid group of a
     random tiny model's answers (most run to the limit) gets penalties under ``all``, none under ``paid``."""
     from cispo.rollout import SamplingConfig
-    from cispo.training.sampling import sample_groups
+    from cispo.training.sampling import Scoring, sample_groups
 
     policy = _ragged_setup(torch.float32)[0]
     sampling = SamplingConfig(max_new_tokens=8)
     rewards = {}
     for scope in ("all", "paid"):
-        groups = sample_groups(policy, [{"prompt": "12+34="}], 8, sampling, lambda *a, **k: 0.0,
-                               torch.Generator().manual_seed(0), overlong_buffer=8, overlong_scope=scope)
+        scoring = Scoring(lambda *a, **k: 0.0, overlong_buffer=8, overlong_scope=scope)
+        groups = sample_groups(policy, [{"prompt": "12+34="}], 8, sampling, scoring, torch.Generator().manual_seed(0))
         rewards[scope] = [c.reward for c in groups[0]]
         assert all(c.task_reward == 0.0 for c in groups[0])
     assert min(rewards["all"]) < 0 and rewards["paid"] == [0.0] * 8
@@ -210,20 +210,21 @@ def test_length_sorted_micro_batches_give_the_same_update(objective, micro):
     from cispo.objective.loss import preset
     from cispo.training.batching import micro_batches
     from cispo.training.setup import make_optimizer
-    from cispo.training.trainer import update_policy
+    from cispo.training.trainer import Trainer
 
     torch.manual_seed(0)
     params, positions, stats = {}, {}, {}
     for split in ("none", "0", "128"):
         policy, exp, config = _ragged_setup()
         cfg = config(f"objective={objective}", f"micro_batch_size={micro}", f"micro_batch_split_cost={split}")
-        order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(3))  # update_policy's shuffle
+        order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(3))  # the trainer's shuffle
         calls = [m for rows in order.tensor_split(cfg.algo.updates_per_batch) for m in micro_batches(exp, rows, cfg.algo)]
         assert sorted(torch.cat(calls).tolist()) == list(range(len(exp)))  # every row once
         assert all(len(m) <= (micro or len(exp)) for m in calls)
         positions[split] = _positions(exp, calls)
-        stats[split], _ = update_policy(policy, make_optimizer(policy.model, cfg.optim), exp, preset(objective), cfg,
-                                        torch.Generator().manual_seed(3), 0, None)
+        trainer = Trainer(policy, make_optimizer(policy.model, cfg.optim), preset(objective), cfg,
+                          torch.Generator().manual_seed(3))
+        stats[split] = trainer.update(exp)
         params[split] = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     before = _ragged_setup()[0].model.state_dict()
     assert any(not torch.equal(params["none"][k], before[k]) for k in before)  # the update did something

@@ -186,9 +186,10 @@ class Trainer:
     # ----------------------------------------------------------------------------- the K updates
 
     def update(self, exp: Experience, first_order: torch.Tensor | None = None) -> list[dict]:
-        """K optimizer steps (per epoch) on random mini-batches of ``exp`` (``first_order``: the first epoch's
-        row order, drawn by `prepare` before the pass). Returns each optimizer step's statistics. The first
-        mini-batch's forward supplies log pi_old where the source asks for it (`LogpOldSource.supply`)."""
+        """K optimizer steps (per epoch) on random mini-batches of ``exp``; returns each optimizer step's
+        statistics. ``first_order``: the first epoch's row order, drawn by `prepare` before its pass, whose
+        first mini-batch's forward then supplies the log pi_old the source left to it (`LogpOldSource.supply`);
+        None: ``exp.logp_old`` is complete and every order is drawn here."""
         cfg, device = self.cfg, exp.input_ids.device
         self.policy.model.train()
         kept = self.kept_rows(exp)
@@ -197,7 +198,7 @@ class Trainer:
             order = first_order if epoch == 0 and first_order is not None else \
                 row_order(len(exp), cfg.rollout.group_size, cfg.algo, self.generator).to(device)
             for k, rows in enumerate(minibatches(order, cfg.algo, self.full_rows, kept)):
-                supplies = epoch == 0 and k == 0 and self.logp_old.first_update_supplies
+                supplies = first_order is not None and epoch == 0 and k == 0 and self.logp_old.first_update_supplies
                 step = self.minibatch_step(exp, rows, supplies)
                 if step is not None:
                     stats.append(step)
