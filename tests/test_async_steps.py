@@ -13,6 +13,7 @@ from cispo.config.train import ConfigError, TrainConfig, apply_overrides
 from cispo.data.prompts import FillReport, PromptStream
 from cispo.foundations.experience import Completion
 from cispo.records.tracking import read_metrics
+from cispo.rollout import Sampler
 from cispo.training.prefetch import Prefetch, load_rollout, rollout_state
 from cispo.training.runner import train
 from cispo.training.sampling import StepRollout
@@ -42,7 +43,7 @@ def test_async_needs_an_anchor_that_sees_the_staleness():
 # --------------------------------------------------------------------------- the behaviour policy
 
 
-class _Sampler:
+class _Sampler(Sampler):
     """A stand-in torch sampler: ``for_model`` is all `Prefetch` asks of it."""
 
     def __init__(self, model):
