@@ -1,4 +1,4 @@
-"""Every script in benchmarks/ runs at its --tiny size and prints its table.
+"""Every script in benchmarks/<group>/ runs at its --tiny size and prints its table.
 
 The scripts print ratios measured in the same run; nothing here asserts a time. The non-TRL
 scripts run one after another in a single subprocess (one torch / transformers import, ~30 s
@@ -20,21 +20,23 @@ import pytest
 
 from cispo.models.packaged import save_tiny_smollm2
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-SCRIPTS = {  # script -> the string(s) its --tiny output must contain
-    "bench_logprobs.py": "time / naive",
-    "bench_padding.py": "split-cost",
-    "bench_rollout.py": ("HF generate", "self ms"),
-    "bench_update.py": ("fraction of matmul rate", "update / bare Hugging Face loop"),
-    "bench_step.py": "logp_old s (share)",
-    "bench_rewards.py": "us / call",
-    "bench_precision.py": "vs float32",
-    "bench_first_step.py": ("first-call", "step 1 / main's step 1"),
-    "bench_shared_prompt.py": ("update by group", "speed-up"),
-    "bench_logp_old.py": "recompute / rollout",
-    "bench_async.py": "sync / async",
-    "bench_startup.py": ("start-up / floor", "largest top-level imports"),
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+SCRIPTS = {  # script (under benchmarks/) -> the string(s) its --tiny output must contain
+    "kernels/bench_logprobs.py": "time / naive",
+    "kernels/bench_padding.py": "split-cost",
+    "rollout/bench_rollout.py": ("HF generate", "self ms"),
+    "kernels/bench_update.py": ("fraction of matmul rate", "update / bare Hugging Face loop"),
+    "step/bench_step.py": "logp_old s (share)",
+    "step/bench_rewards.py": "us / call",
+    "kernels/bench_precision.py": "vs float32",
+    "step/bench_first_step.py": ("first-call", "step 1 / main's step 1"),
+    "rollout/bench_shared_prompt.py": ("update by group", "speed-up"),
+    "step/bench_logp_old.py": "recompute / rollout",
+    "rollout/bench_async.py": "sync / async",
+    "vs_trl/bench_startup.py": ("start-up / floor", "largest top-level imports"),
 }
+TRL_SCRIPTS = {"vs_trl/bench_trl.py", "vs_trl/bench_trl_smollm2.py"}  # need trl: tested one by one below
 
 RUNNER = """
 import contextlib, io, runpy, sys
@@ -51,7 +53,7 @@ for script in sys.argv[1:]:
 def test_benchmarks_tiny():
     paths = [str(BENCH / s) for s in SCRIPTS]
     out = subprocess.run([sys.executable, "-c", RUNNER, *paths], capture_output=True, text=True, timeout=240,
-                         cwd=BENCH.parent, check=False)
+                         cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     sections = dict(s.split("\n", 1) for s in out.stdout.split("=== ")[1:])
     for script, marker in SCRIPTS.items():
@@ -61,8 +63,18 @@ def test_benchmarks_tiny():
 
 
 def test_every_benchmark_is_covered():
-    scripts = {p.name for p in BENCH.glob("bench_*.py")}
-    assert scripts == set(SCRIPTS) | {"bench_trl.py", "bench_trl_smollm2.py"}
+    scripts = {p.relative_to(BENCH).as_posix() for p in BENCH.glob("*/bench_*.py")}
+    assert scripts == set(SCRIPTS) | TRL_SCRIPTS
+    assert not list(BENCH.glob("bench_*.py")), "a benchmark belongs in the folder of the question it answers"
+
+
+def test_the_benchmarks_readme_lists_every_script():
+    """benchmarks/README.md's table names every runnable script by the path it is run with."""
+    readme = (BENCH / "README.md").read_text()
+    runnable = [*SCRIPTS, *TRL_SCRIPTS, "gpu/gpu_check.py", "step/soak.py"]
+    missing = [s for s in runnable if f"python benchmarks/{s}" not in readme]
+    assert not missing, missing
+    assert set(runnable) == {p.relative_to(BENCH).as_posix() for p in BENCH.glob("*/[!_]*.py")}
 
 
 def _trl_importable() -> bool:
@@ -77,8 +89,8 @@ def _trl_importable() -> bool:
 
 @pytest.mark.skipif(not _trl_importable(), reason="trl is not importable in this interpreter (pip install 'cispo[bench]')")
 def test_bench_trl_tiny():
-    out = subprocess.run([sys.executable, str(BENCH / "bench_trl.py"), "--tiny"], capture_output=True, text=True,
-                         timeout=240, cwd=BENCH.parent, check=False)
+    out = subprocess.run([sys.executable, str(BENCH / "vs_trl" / "bench_trl.py"), "--tiny"], capture_output=True,
+                         text=True, timeout=240, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ours / TRL" in out.stdout and "| TRL" in out.stdout, out.stdout
 
@@ -95,10 +107,10 @@ def test_bench_trl_smollm2_end_to_end(tmp_path):
     (every worker in one process, a small matmul): both trainers take the same prompts, cispo samples
     on the static-cache decode, and the ratio and every FLOP share are printed as finite numbers."""
     model = save_tiny_smollm2(tmp_path / "tiny_smollm")
-    out = subprocess.run([sys.executable, str(BENCH / "bench_trl_smollm2.py"), "--model", str(model), "--pairs", "1",
-                          "--steps", "1", "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--updates", "1",
+    out = subprocess.run([sys.executable, str(BENCH / "vs_trl" / "bench_trl_smollm2.py"), "--model", str(model),
+                          "--pairs", "1", "--steps", "1", "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--updates", "1",
                           "--threads", "1", "--in-process", "--bf16-steps", "1", "--mm-repeats", "1",
-                          "--mm-shape", "64,64,64"], capture_output=True, text=True, timeout=240, cwd=BENCH.parent,
+                          "--mm-shape", "64,64,64"], capture_output=True, text=True, timeout=240, cwd=REPO,
                          check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
@@ -120,8 +132,8 @@ def test_bench_trl_smollm2_end_to_end(tmp_path):
 def test_update_flops_counts_a_shared_prompt_once_per_group():
     """``group=1`` is the per-row formula (S = P + T - 1 positions a row); ``group=G`` counts the prompt's P
     positions once per G rows, each row keeping its T - 1 response positions and their attention over the prompt."""
-    sys.path.insert(0, str(BENCH))
-    from _common import update_flops
+    sys.path.insert(0, str(REPO))
+    from benchmarks._common import update_flops
 
     from cispo.data.tasks.arithmetic import ALPHABET
     from cispo.models.loading import build_model, build_tokenizer
@@ -139,16 +151,16 @@ def test_update_flops_counts_a_shared_prompt_once_per_group():
 @pytest.mark.skipif(not _trl_importable(), reason="trl is not importable in this interpreter (pip install 'cispo[bench]')")
 def test_bench_startup_against_trl_tiny():
     """The toy workload end to end through TRL's GRPOTrainer as a third arm: it runs and the pair ratio prints."""
-    out = subprocess.run([sys.executable, str(BENCH / "bench_startup.py"), "--tiny", "--trl", "--imports", "0"],
-                         capture_output=True, text=True, timeout=240, cwd=BENCH.parent, check=False)
+    out = subprocess.run([sys.executable, str(BENCH / "vs_trl" / "bench_startup.py"), "--tiny", "--trl", "--imports", "0"],
+                         capture_output=True, text=True, timeout=240, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| trl " in out.stdout and math.isfinite(_number(r"TRL / cispo whole process x([\d.]+)", out.stdout))
 
 
-# --------------------------------------------------------------------------- gpu_check.py
+# --------------------------------------------------------------------------- gpu/gpu_check.py
 
-GPU_CHECK = BENCH / "gpu_check.py"
-BARE_IMAGE = BENCH / "_bare_image.py"  # runs a script with pydantic & co. hidden, as on a bare CUDA image
+GPU_CHECK = BENCH / "gpu" / "gpu_check.py"
+BARE_IMAGE = BENCH / "gpu" / "_bare_image.py"  # runs a script with pydantic & co. hidden, as on a bare CUDA image
 ALL_SECTIONS = ("environment", "lm_head", "precision", "logprob_agreement", "rl_eager", "rl_compiled", "head_share",
                 "long_responses", "decode_batch", "checkpoint")
 FAST_SECTIONS = tuple(n for n in ALL_SECTIONS if n != "rl_compiled")
@@ -160,7 +172,7 @@ checks numbers, not time. The cap tests below set their own."""
 
 def _gpu_check(out: Path, *args: str, bare: bool = False) -> dict:
     cmd = [sys.executable, *([str(BARE_IMAGE)] if bare else []), str(GPU_CHECK), "--tiny", "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=BENCH.parent, check=False,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "gpu_check.json").read_text())
@@ -285,7 +297,7 @@ def test_gpu_check_a_section_past_its_cap_stops_and_keeps_what_it_measured(tmp_p
     stopped at 21 s with its partial results (the EOS calibration) in the report; the next section runs."""
     cmd = [sys.executable, "-c", STALLED_RL_STEP, str(GPU_CHECK), "--tiny", "--out", str(tmp_path), "--cap-scale", "0.3",
            "--sections", "rl_compiled,environment"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=BENCH.parent, check=False,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -301,7 +313,7 @@ def test_gpu_check_sigterm_keeps_the_report(tmp_path):
     report is still written (the compile of rl_compiled takes >= 10 s on a CPU)."""
     proc = subprocess.Popen([sys.executable, "-u", str(GPU_CHECK), "--tiny", "--out", str(tmp_path), "--sections",
                              "rl_compiled,lm_head"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=BENCH.parent, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         for line in proc.stdout:
             if "rl_compiled: start" in line:
@@ -319,5 +331,5 @@ def test_gpu_check_sigterm_keeps_the_report(tmp_path):
 
 def test_gpu_check_bad_set_names_the_field():
     proc = subprocess.run([sys.executable, str(GPU_CHECK), "--out", "unused", "--set", "max_new_tokns=3"],
-                          capture_output=True, text=True, timeout=120, cwd=BENCH.parent, check=False)
+                          capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
     assert proc.returncode == 2 and "max_new_tokns=3" in proc.stderr and "max_new_tokens" in proc.stderr

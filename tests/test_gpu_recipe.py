@@ -1,4 +1,4 @@
-"""docs/real-models.md's "One GPU node" recipe (vLLM colocated, sleep level 2, FP32 head on both sides,
+"""docs/real-models.md's "One GPU node" recipe, examples/qwen7b-dapo-math-8gpu-vllm.yaml (vLLM colocated, sleep level 2, FP32 head on both sides,
 FSDP2 mixed precision): each of its GPU settings reaches its destination.
 
 vLLM's place is taken by the stand-in engine of ``tests/fake_vllm.py`` (it accepts only vLLM 0.33.0's
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from cispo.models.loading import build_model, build_tokenizer, precision
 from cispo.training.setup import fsdp_settings, vllm_settings
 
 REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "examples" / "qwen7b-dapo-math-8gpu-vllm.yaml"
 TESTS = Path(__file__).resolve().parent
 
 CHECKED = {  # every GPU-path setting of the recipe -> the test below that follows it to its destination
@@ -46,15 +46,11 @@ CHECKED = {  # every GPU-path setting of the recipe -> the test below that follo
 
 
 def recipe_text() -> str:
-    text = (REPO / "docs" / "real-models.md").read_text()
-    m = re.search(r"```yaml\n(# one-gpu-node\.yaml.*?)```", text, re.S)
-    assert m, "docs/real-models.md has no one-gpu-node.yaml block"
-    return m.group(1)
+    return RECIPE.read_text()
 
 
 def recipe(tmp_path) -> TrainConfig:
-    (tmp_path / "one-gpu-node.yaml").write_text(recipe_text())
-    return load_yaml(TrainConfig, tmp_path / "one-gpu-node.yaml")
+    return load_yaml(TrainConfig, RECIPE)
 
 
 def _keys(tree: dict, prefix: str = "") -> set[str]:
@@ -125,16 +121,15 @@ tiny model rarely makes informative: dynamic sampling off) and the sizes."""
 
 
 def test_the_recipe_runs_under_torchrun_with_a_stand_in_engine(tmp_path, tiny_model):
-    """`torchrun --nproc_per_node 2 -m cispo train --config one-gpu-node.yaml` (CPU sizes): FSDP2 over bf16
+    """`torchrun --nproc_per_node 2 -m cispo train --config examples/qwen7b-dapo-math-8gpu-vllm.yaml` (CPU sizes): FSDP2 over bf16
     autocast, one engine per rank, sleep level 2 every step, the weights pushed through reload_weights."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(fake_vllm.SITECUSTOMIZE)
-    (tmp_path / "one-gpu-node.yaml").write_text(recipe_text())
     log = tmp_path / "engine.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAKE_VLLM_LOG": str(log),
            "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(TESTS), str(REPO)])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "cispo", "train", "--config", str(tmp_path / "one-gpu-node.yaml"), f"model.path={tiny_model}",
+           "-m", "cispo", "train", "--config", str(RECIPE), f"model.path={tiny_model}",
            f"out_dir={tmp_path}", "run_name=node", *CPU_SIZES]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

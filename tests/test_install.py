@@ -86,7 +86,7 @@ def test_every_extra_an_install_hint_names_exists():
     import re
 
     extras = set(_pyproject()["project"]["optional-dependencies"])
-    files = [*(REPO / "cispo").rglob("*.py"), *(REPO / "benchmarks").glob("*.py"), *(REPO / "docs").glob("*.md"),
+    files = [*(REPO / "cispo").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py"), *(REPO / "docs").glob("*.md"),
              REPO / "README.md"]
     named = {(f.relative_to(REPO).as_posix(), x) for f in files
              for m in re.finditer(r"(?:cispo|[\"']\.)\[([a-z0-9_,-]+)\]", f.read_text()) for x in m.group(1).split(",")}

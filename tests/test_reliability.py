@@ -260,8 +260,8 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(tiny_model, tmp
 @pytest.mark.slow
 def test_soak_memory_stays_flat(tmp_path):
     """120 steps of a tiny run: resident memory grows by less than 40 MiB after warm-up."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
-    from soak import soak
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))  # the repository root: benchmarks.*
+    from benchmarks.step.soak import soak
 
     r = soak(steps=120, warmup=10, workdir=tmp_path)
     assert r["growth_mib"] < 40, r

@@ -10,7 +10,7 @@ by `cispo.config.yaml_input` (size, depth, alias, duplicate-key and integer limi
 message shows a value through `short_repr` and at most `MAX_PROBLEMS` problems.
 pydantic is imported where a config is read or checked, not at import: the config dataclasses
 themselves (``TrainConfig()``, ``dataclasses.replace``) work without it, as on a bare CUDA image
-(``benchmarks/gpu_check.py``).
+(``benchmarks/gpu/gpu_check.py``).
 """
 
 from __future__ import annotations

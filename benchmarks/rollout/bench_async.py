@@ -1,8 +1,8 @@
 """Sampling beside training (``rollout.async_steps=1``, issue 47 item 4, docs/async.md) against today's loop,
 on the SmolLM2 workload of ``bench_trl_smollm2.py``: steps per second of ``rl_step`` itself.
 
-    python benchmarks/bench_async.py                  # builtin:smollm2-135m, 4 prompts x 8, 64 tokens, K = 4
-    python benchmarks/bench_async.py --tiny           # the built-in tiny model (a smoke run)
+    python benchmarks/rollout/bench_async.py                  # builtin:smollm2-135m, 4 prompts x 8, 64 tokens, K = 4
+    python benchmarks/rollout/bench_async.py --tiny           # the built-in tiny model (a smoke run)
 
 Two trainers (``_common.ours_setup``: the model loaded as ``cispo train`` loads it, fp32, the FP32 head, EOS
 suppressed so every response has the same length, ``algo.logp_old=rollout`` on both sides so that only the
@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_note, median, ours_setup, set_threads, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import machine_note, median, ours_setup, set_threads, table  # noqa: E402
 
 
 def step(setup: dict, updates: int, prefetch, threads: int) -> tuple[int, dict]:

@@ -1,10 +1,10 @@
 """Where one RL step's time goes, and how it grows with G, K, response length and model size.
 
-    python benchmarks/bench_step.py                      # profile + scaling table (minutes)
-    python benchmarks/bench_step.py --tiny
-    python benchmarks/bench_step.py --only profile       # just the one-step breakdown
-    python benchmarks/bench_step.py --only padding       # unsorted vs length-sorted micro-batches
-    python benchmarks/bench_step.py --model-path ~/.cache/cispo/models/loading/addition-<hash>   # a pretrained policy
+    python benchmarks/step/bench_step.py                      # profile + scaling table (minutes)
+    python benchmarks/step/bench_step.py --tiny
+    python benchmarks/step/bench_step.py --only profile       # just the one-step breakdown
+    python benchmarks/step/bench_step.py --only padding       # unsorted vs length-sorted micro-batches
+    python benchmarks/step/bench_step.py --model-path ~/.cache/cispo/models/loading/addition-<hash>   # a pretrained policy
 
 Runs ``cispo.training.trainer.rl_step`` in this process on the built-in addition task (CPU, fp32,
 ``--threads``), with the built-in Llama (random init unless ``--model-path``) and the
@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PHASES, load_average, machine_note, median, ours_setup, ours_steps, set_threads, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import PHASES, load_average, machine_note, median, ours_setup, ours_steps, set_threads, table  # noqa: E402
 
 from cispo.models.loading import MAX_POSITIONS, MODEL_SIZES  # noqa: E402
 

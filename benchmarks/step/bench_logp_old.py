@@ -3,9 +3,9 @@ from the sampler's own log-probs (no logp_old pass) and with the trainer's recom
 workload of ``bench_trl_smollm2.py`` (``wordmath`` chat prompts, G answers of L tokens with EOS
 suppressed, K updates), interleaved in one process.
 
-    python benchmarks/bench_logp_old.py                          # builtin:smollm2-135m, 2 prompts x 8, 32 tokens
-    python benchmarks/bench_logp_old.py --prompts 4 --max-new-tokens 64 --rounds 2    # the full workload
-    python benchmarks/bench_logp_old.py --tiny                   # the built-in tiny model (a smoke run)
+    python benchmarks/step/bench_logp_old.py                          # builtin:smollm2-135m, 2 prompts x 8, 32 tokens
+    python benchmarks/step/bench_logp_old.py --prompts 4 --max-new-tokens 64 --rounds 2    # the full workload
+    python benchmarks/step/bench_logp_old.py --tiny                   # the built-in tiny model (a smoke run)
 
 Two trainers (``_common.ours_setup``: the model loaded as ``cispo train`` loads it, fp32, the FP32 head,
 shared prompts) take the same prompts in the same order with the same seeds, so each step samples the
@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PHASES, machine_note, median, ours_setup, ours_steps, set_threads, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import PHASES, machine_note, median, ours_setup, ours_steps, set_threads, table  # noqa: E402
 
 MODES = ("recompute", "rollout")
 

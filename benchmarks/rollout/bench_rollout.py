@@ -1,12 +1,12 @@
 """Rollout throughput: our ``TorchSampler`` (KV cache) vs Hugging Face ``model.generate(do_sample=True)``
 on the same model and prompts, and our sampler with vs without its KV cache.
 
-    python benchmarks/bench_rollout.py                    # default-size Llama, B=64 and 256, 32 new tokens
-    python benchmarks/bench_rollout.py --tiny
-    python benchmarks/bench_rollout.py --size small --batch-sizes 64 --new-tokens 64 --threads 2
-    python benchmarks/bench_rollout.py --decode-pairs     # lean static-cache decode vs the forward path
-    python benchmarks/bench_rollout.py --profile --batch-sizes 128 --new-tokens 60   # where the decode's time goes
-    python benchmarks/bench_rollout.py --compile-pairs --cpu-time   # the decode step compiled vs eager
+    python benchmarks/rollout/bench_rollout.py                    # default-size Llama, B=64 and 256, 32 new tokens
+    python benchmarks/rollout/bench_rollout.py --tiny
+    python benchmarks/rollout/bench_rollout.py --size small --batch-sizes 64 --new-tokens 64 --threads 2
+    python benchmarks/rollout/bench_rollout.py --decode-pairs     # lean static-cache decode vs the forward path
+    python benchmarks/rollout/bench_rollout.py --profile --batch-sizes 128 --new-tokens 60   # where the decode's time goes
+    python benchmarks/rollout/bench_rollout.py --compile-pairs --cpu-time   # the decode step compiled vs eager
 
 ``--decode-pairs`` (issue 13): ``TorchSampler(decode="static")`` (cispo.rollout.static_cache) against
 ``decode="hf"`` (the model's forward with a DynamicCache, the sampler before it), same seed, same
@@ -38,8 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, load_average, machine_note, median, model_desc, set_threads, spread, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import interleaved, load_average, machine_note, median, model_desc, set_threads, spread, table  # noqa: E402
 
 
 def setup(size: str, seed: int):

@@ -1,8 +1,8 @@
 """Start-up of a fresh ``cispo train`` on the toy workload: where the seconds before the first step go.
 
-    python benchmarks/bench_startup.py                           # 3 rounds of cispo train and the floor
-    python benchmarks/bench_startup.py --baseline-tree /tmp/old  # + an older tree's cispo, interleaved
-    python benchmarks/bench_startup.py --tiny
+    python benchmarks/vs_trl/bench_startup.py                           # 3 rounds of cispo train and the floor
+    python benchmarks/vs_trl/bench_startup.py --baseline-tree /tmp/old  # + an older tree's cispo, interleaved
+    python benchmarks/vs_trl/bench_startup.py --tiny
 
 The toy workload (issue 47 item 5): the built-in addition task and its shipped base model, 8 prompts x
 G = 8, 32 new tokens, K = 4, 16 steps, no held-out evaluation, one thread, ``progress=false``. Each run
@@ -44,8 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_average, machine_note, median, spread, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import load_average, machine_note, median, spread, table  # noqa: E402
 
 PHASES = [  # (label, from mark, to mark)
     ("imports + config s", "spawn", "model: loading"),
@@ -75,7 +75,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from datasets import Dataset
 from trl import GRPOTrainer
 sys.path.insert(0, sys.argv[1])
-from _trl_common import grpo_config
+from benchmarks.vs_trl._trl_common import grpo_config
 from cispo.data.tasks import get_task
 a = json.loads(sys.argv[2])
 if a["threads"] != "default":
@@ -104,7 +104,7 @@ marks["main returned"] = time.monotonic()
 marks["response length"] = sum(Marks.lengths) / max(len(Marks.lengths), 1)
 print(json.dumps(marks), flush=True)
 """
-"""The ``trl`` arm: one process, TRL's ``GRPOTrainer`` on the toy workload (its argv: the benchmarks folder and
+"""The ``trl`` arm: one process, TRL's ``GRPOTrainer`` on the toy workload (its argv: the repository root and
 the settings as JSON); marks as the ``cispo`` worker's, plus the mean response length over its logged steps."""
 
 
@@ -122,7 +122,10 @@ def toy_overrides(a, out_dir: str) -> list[str]:
 def worker(argv: list[str]) -> None:
     """``cispo train ARGV`` as the console script runs it; the last line of stdout (JSON) holds the times of
     the first ``rl_step`` call, of ``finish`` (summary, curves.png) and of ``main`` returning. The runner is
-    marked as ``cispo train`` imports it (`on_import`), not imported ahead: when it is imported is timed too."""
+    marked as ``cispo train`` imports it (`on_import`), not imported ahead: when it is imported is timed too.
+    ``PYTHONPATH`` goes ahead of the checkout this script put first on ``sys.path``, so the ``baseline`` arm
+    runs its own tree's cispo."""
+    sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     from cispo.cli import main
 
     marks = {}
@@ -206,7 +209,7 @@ def arm_command(a, arm: str, out_dir: str, model: Path) -> tuple[list[str], dict
         settings = {"model": str(model), "prompts": a.prompts, "group_size": a.group_size, "updates": a.updates,
                     "max_new_tokens": a.max_new_tokens, "steps": a.steps, "threads": a.threads, "lr": OptimConfig().lr,
                     "out": os.path.join(out_dir, f"trl-{time.time_ns()}")}
-        return [sys.executable, "-c", TRL_WORKER, str(Path(__file__).resolve().parent), json.dumps(settings)], env
+        return [sys.executable, "-c", TRL_WORKER, str(Path(__file__).resolve().parents[2]), json.dumps(settings)], env
     if arm == "baseline":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (a.baseline_tree, env.get("PYTHONPATH")) if p)
     return [sys.executable, __file__, "--worker", *toy_overrides(a, out_dir)], env

@@ -1,8 +1,8 @@
 """What running rewards in worker processes costs per call, against calling them in the main thread.
 
-    python benchmarks/bench_rewards.py                  # B=256 calls per batch (32 prompts x G=8)
-    python benchmarks/bench_rewards.py --tiny
-    python benchmarks/bench_rewards.py --batch 1024 --workers 1 2 4 8
+    python benchmarks/step/bench_rewards.py                  # B=256 calls per batch (32 prompts x G=8)
+    python benchmarks/step/bench_rewards.py --tiny
+    python benchmarks/step/bench_rewards.py --batch 1024 --workers 1 2 4 8
 
 One batch = one step's reward calls, as `cispo.training.sampling.sample_groups` makes them: ``B``
 ``(prompt, completion, sample)`` triples scored by one `cispo.data.rewards.score_rewards` call. Two
@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, median, spread, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import interleaved, median, spread, table  # noqa: E402
 
 REWARDS = '''
 from cispo.data.rewards.math import math_reward

@@ -1,7 +1,7 @@
 """Run a script as on a bare CUDA image: torch and transformers (with their own dependencies)
 importable, the project's other dependencies not.
 
-    python benchmarks/_bare_image.py benchmarks/gpu_check.py --tiny --out DIR
+    python benchmarks/gpu/_bare_image.py benchmarks/gpu/gpu_check.py --tiny --out DIR
 
 ``tests/test_benchmarks.py`` runs ``gpu_check.py`` this way, so a module-level import of one of
 ``HIDDEN`` anywhere on its path fails the test instead of the first GPU run.

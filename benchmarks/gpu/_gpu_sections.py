@@ -10,8 +10,8 @@ import platform
 import statistics
 
 import torch
-from _gpu_common import NO_CUDA, build_qwen, fp32_sampler_head, log, num_params, synthetic_tokenizer, train_config
-from _gpu_report import plot_figure3
+from benchmarks.gpu._gpu_common import NO_CUDA, build_qwen, fp32_sampler_head, log, num_params, synthetic_tokenizer, train_config
+from benchmarks.gpu._gpu_report import plot_figure3
 
 
 def section_environment(ctx) -> None:

@@ -1,7 +1,7 @@
 """The first RL step with a file reward: does it cost what the later steps do?
 
-    python benchmarks/bench_first_step.py               # 3 rounds of 2 fresh runs each
-    python benchmarks/bench_first_step.py --tiny
+    python benchmarks/step/bench_first_step.py               # 3 rounds of 2 fresh runs each
+    python benchmarks/step/bench_first_step.py --tiny
 
 A reward given as ``file.py:function`` runs in worker processes (``data.reward_isolation=auto``:
 ``cispo.data.rewards.pool``); starting them (a fresh interpreter each, which then imports the reward)
@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_average, machine_note, median, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import load_average, machine_note, median, table  # noqa: E402
 
 ARMS = ("process", "first-call", "main")
 REWARD = '''

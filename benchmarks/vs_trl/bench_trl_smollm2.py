@@ -2,11 +2,11 @@
 the ``wordmath`` task, the same workload on both sides, interleaved in one run (issue 31 item 5); and the
 update passes' FLOP rate as a share of this machine's measured fp32 and bf16 matmul rates.
 
-    python benchmarks/bench_trl_smollm2.py        # needs trl and builtin:smollm2-135m; the defaults below
-    python benchmarks/bench_trl_smollm2.py --pairs 3 --steps 2 --prompts 4 --group 8 --max-new-tokens 64 --updates 4
-    python benchmarks/bench_trl_smollm2.py --bf16-steps 1 --bf16-repeats 1    # also cispo under bf16 autocast
-    python benchmarks/bench_trl_smollm2.py --cispo-set 'algo.minibatch_order=by_group'   # cispo with other settings
-    python benchmarks/bench_trl_smollm2.py --pairs 1 --steps 1 --prompts 2 --group 2 --max-new-tokens 8 --updates 1
+    python benchmarks/vs_trl/bench_trl_smollm2.py        # needs trl and builtin:smollm2-135m; the defaults below
+    python benchmarks/vs_trl/bench_trl_smollm2.py --pairs 3 --steps 2 --prompts 4 --group 8 --max-new-tokens 64 --updates 4
+    python benchmarks/vs_trl/bench_trl_smollm2.py --bf16-steps 1 --bf16-repeats 1    # also cispo under bf16 autocast
+    python benchmarks/vs_trl/bench_trl_smollm2.py --cispo-set 'algo.minibatch_order=by_group'   # cispo with other settings
+    python benchmarks/vs_trl/bench_trl_smollm2.py --pairs 1 --steps 1 --prompts 2 --group 2 --max-new-tokens 8 --updates 1
 
 The workload, the same on both sides: the model ``--model`` (default ``builtin:smollm2-135m``, cispo's
 converted fp32 folder of the packaged GGUF, ``cispo.models.packaged``; each side loads it from that folder); the
@@ -65,9 +65,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import MATMUL_SHAPE, machine_note, matmul_rate, median, table, update_flops  # noqa: E402
-from _trl_common import grpo_config, report, run_worker, train_timed, worker_threads  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import MATMUL_SHAPE, machine_note, matmul_rate, median, table, update_flops  # noqa: E402
+from benchmarks.vs_trl._trl_common import grpo_config, report, run_worker, train_timed, worker_threads  # noqa: E402
 
 SIDES = ("TRL", "cispo", "cispo-bf16")
 DTYPES = ("float32", "bfloat16")
@@ -92,7 +92,7 @@ def measured(a, rows: list[dict], model, steps: int) -> dict:
 
 
 def worker_cispo(a, bf16: bool) -> dict:
-    from _common import ours_setup, ours_steps
+    from benchmarks._common import ours_setup, ours_steps
 
     from cispo.rollout.static_cache import unsupported_reason
 

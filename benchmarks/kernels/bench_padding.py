@@ -1,8 +1,8 @@
 """How much of the update passes' compute is padding: pure counting, no model.
 
-    python benchmarks/bench_padding.py                  # B=256 (32 prompts x G=8), K=16
-    python benchmarks/bench_padding.py --tiny
-    python benchmarks/bench_padding.py --prompts 64 --group-size 16 --updates 8 --split-cost 64
+    python benchmarks/kernels/bench_padding.py                  # B=256 (32 prompts x G=8), K=16
+    python benchmarks/kernels/bench_padding.py --tiny
+    python benchmarks/kernels/bench_padding.py --prompts 64 --group-size 16 --updates 8 --split-cost 64
 
 A generation batch is B rows = prompt (left-padded) + response (right-padded). The K update
 passes go over every row once per epoch; a pass over b rows computes the decoder on b x (P + T - 1)
@@ -44,8 +44,8 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import median, table  # noqa: E402
 
 
 def batch_lengths(dist: str, prompts: int, group_size: int, seed: int, ln_median: float, ln_sigma: float,

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 
-from _common import PHASES, load_average, median, table
+from benchmarks._common import PHASES, load_average, median, table
 
 
 def worker_threads(threads: str, side: str) -> int:

@@ -2,8 +2,8 @@
 ``share`` on against off, on the SmolLM2 workload (4 prompts x G = 8, ``wordmath`` chat prompts, 64-token
 responses), interleaved in one process, medians and ratios.
 
-    python benchmarks/bench_shared_prompt.py                     # builtin:smollm2-135m, 5 repeats
-    python benchmarks/bench_shared_prompt.py --tiny              # a random tiny Llama, 2 repeats (a smoke run)
+    python benchmarks/rollout/bench_shared_prompt.py                     # builtin:smollm2-135m, 5 repeats
+    python benchmarks/rollout/bench_shared_prompt.py --tiny              # a random tiny Llama, 2 repeats (a smoke run)
 
 Timed, each with sharing on and off: ``prefill`` (the sampler's prompt pass: one row per distinct prompt
 against one per row), ``logp_old`` (one no-grad forward over the 32 rows: what ``compute_logp_old`` runs
@@ -19,11 +19,11 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
 
 import torch  # noqa: E402
 
-from _common import interleaved, machine_note, median, set_threads, table  # noqa: E402
+from benchmarks._common import interleaved, machine_note, median, set_threads, table  # noqa: E402
 
 
 def load(name: str):

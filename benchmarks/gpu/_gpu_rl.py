@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 
 import torch
-from _gpu_common import (NO_CUDA, Device, Skipped, build_qwen, calibrate_eos, log, num_params, synthetic_tokenizer,
+from benchmarks.gpu._gpu_common import (NO_CUDA, Device, Skipped, build_qwen, calibrate_eos, log, num_params, synthetic_tokenizer,
                          train_config)
 
 

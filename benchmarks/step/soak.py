@@ -1,7 +1,7 @@
 """Soak: a long CPU run on the built-in task's tokenizer with a tiny model, sampling the
 trainer process's resident memory (RSS) every step, to show it stays flat.
 
-    python benchmarks/soak.py --steps 300            # prints RSS after warm-up vs at the end
+    python benchmarks/step/soak.py --steps 300            # prints RSS after warm-up vs at the end
 
 Reports the RSS growth between step ``warmup`` and the last step, in MiB and as a ratio.
 """

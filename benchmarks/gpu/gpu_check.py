@@ -1,19 +1,19 @@
 """GPU readiness check (issues 19, 29): one script that measures the CUDA path in at most 6 minutes.
 
-    python3 benchmarks/gpu_check.py --out gpu_out                     # one CUDA GPU: <= 320 s + start-up
-    python benchmarks/gpu_check.py --tiny --out /tmp/gpu_tiny         # CPU, seconds (the test)
-    python benchmarks/gpu_check.py --sections rl_compiled --out gpu2  # re-run one section
+    python3 benchmarks/gpu/gpu_check.py --out gpu_out                     # one CUDA GPU: <= 320 s + start-up
+    python benchmarks/gpu/gpu_check.py --tiny --out /tmp/gpu_tiny         # CPU, seconds (the test)
+    python benchmarks/gpu/gpu_check.py --sections rl_compiled --out gpu2  # re-run one section
 
 Needs torch and transformers only (and matplotlib for the plot): the rest of the project's
 dependencies are imported where used, never on this path (``tests/test_benchmarks.py`` runs it
-with them hidden, ``benchmarks/_bare_image.py``). Run it from the repository root (the script puts
-the root on ``sys.path``; the package need not be installed).
+with them hidden, ``benchmarks/gpu/_bare_image.py``). The script puts the repository root on
+``sys.path`` (as every benchmark does): the checkout's cispo runs, installed or not.
 
 A randomly initialised model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV
 heads, MLP 4864, vocabulary 151,936, tied embeddings; ~494M parameters) with a synthetic
 character tokenizer of the same vocabulary. Its final norm is scaled so the logits have std
 ``--logit-std`` over the vocabulary (default 10): sampled tokens then have probabilities spread
-over (0, 1) as a trained model's do. Sections (``benchmarks/_gpu_sections.py``, ``_gpu_rl.py``):
+over (0, 1) as a trained model's do. Sections (``benchmarks/gpu/_gpu_sections.py``, ``_gpu_rl.py``):
 
 * environment: device, versions, peak bf16 TFLOP/s, a measured bf16 matmul rate;
 * lm_head: chunked vs naive log-probs at V = 151,936, FP32 / bf16 head: time, memory, error;
@@ -49,14 +49,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository: cispo need not be installed
-from _gpu_common import TINY, Device, Sizes, Skipped, log, parse_sets, peak_tflops  # noqa: E402
-from _gpu_report import write_report  # noqa: E402
-from _gpu_rl import (section_checkpoint, section_decode_batch, section_head_share,  # noqa: E402
-                     section_long_responses, section_rl)
-from _gpu_sections import (section_environment, section_lm_head, section_logprob_agreement,  # noqa: E402
-                           section_precision)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks.gpu._gpu_common import TINY, Device, Sizes, Skipped, log, parse_sets, peak_tflops  # noqa: E402
+from benchmarks.gpu._gpu_report import write_report  # noqa: E402
+from benchmarks.gpu._gpu_rl import (section_checkpoint, section_decode_batch, section_head_share,  # noqa: E402
+                                    section_long_responses, section_rl)
+from benchmarks.gpu._gpu_sections import (section_environment, section_lm_head,  # noqa: E402
+                                          section_logprob_agreement, section_precision)
 
 RUNNERS = {
     "environment": section_environment, "lm_head": section_lm_head, "precision": section_precision,

@@ -1,11 +1,11 @@
 """Achieved FLOP/s of the K update passes, as a fraction of this machine's own fp32 matmul rate.
 
-    python benchmarks/bench_update.py                       # default-size Llama, B=256, P=12, T=46, K=16
-    python benchmarks/bench_update.py --tiny
-    python benchmarks/bench_update.py --size small --updates 4 --threads 2
-    python benchmarks/bench_update.py --fused-head --no-profile   # also algo.fused_head=true, interleaved
-    python benchmarks/bench_update.py --compile --no-profile      # also model.compile=on, interleaved
-    python benchmarks/bench_update.py --bare --no-profile         # also the bare Hugging Face loop (the floor)
+    python benchmarks/kernels/bench_update.py                       # default-size Llama, B=256, P=12, T=46, K=16
+    python benchmarks/kernels/bench_update.py --tiny
+    python benchmarks/kernels/bench_update.py --size small --updates 4 --threads 2
+    python benchmarks/kernels/bench_update.py --fused-head --no-profile   # also algo.fused_head=true, interleaved
+    python benchmarks/kernels/bench_update.py --compile --no-profile      # also model.compile=on, interleaved
+    python benchmarks/kernels/bench_update.py --bare --no-profile         # also the bare Hugging Face loop (the floor)
 
 What is timed: ``cispo.training.trainer.update_policy`` on one generation batch, i.e. the K optimizer
 steps (per mini-batch: ``policy_logprobs`` forward, ``policy_loss``, backward, grad clipping,
@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (interleaved, load_average, machine_note, median, model_desc, set_threads, spread,  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import (interleaved, load_average, machine_note, median, model_desc, set_threads, spread,  # noqa: E402
                      table, update_flops)
 
 

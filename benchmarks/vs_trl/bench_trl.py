@@ -1,10 +1,10 @@
 """End to end on CPU: our trainer vs TRL's ``GRPOTrainer`` (``loss_type="cispo"``, ``epsilon_high=5.0``)
 on the same tiny model, prompts, reward, G, K and lengths, one thread each.
 
-    python benchmarks/bench_trl.py            # needs trl (pip install 'cispo[bench]')
-    python benchmarks/bench_trl.py --tiny
-    python benchmarks/bench_trl.py --size small --prompts 16 --group-size 8 --updates 4 --max-new-tokens 32
-    python benchmarks/bench_trl.py --prompts 8 --updates 1 --epochs 4 --steps 5 --rounds 5 --threads default
+    python benchmarks/vs_trl/bench_trl.py            # needs trl (pip install 'cispo[bench]')
+    python benchmarks/vs_trl/bench_trl.py --tiny
+    python benchmarks/vs_trl/bench_trl.py --size small --prompts 16 --group-size 8 --updates 4 --max-new-tokens 32
+    python benchmarks/vs_trl/bench_trl.py --prompts 8 --updates 1 --epochs 4 --steps 5 --rounds 5 --threads default
 
 Both sides: the built-in ``--size`` Llama (``cispo.models.loading.build_model``, random init, seed 0) with
 the addition task's character tokenizer; the addition task's train prompts; its verifier as the
@@ -36,13 +36,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_note  # noqa: E402
-from _trl_common import grpo_config, report, run_worker, train_timed, worker_threads  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+from benchmarks._common import machine_note  # noqa: E402
+from benchmarks.vs_trl._trl_common import grpo_config, report, run_worker, train_timed, worker_threads  # noqa: E402
 
 
 def worker_ours(a) -> list[dict]:
-    from _common import ours_setup, ours_steps
+    from benchmarks._common import ours_setup, ours_steps
 
     threads = worker_threads(a.threads, "ours")
     s = ours_setup(a.size, a.group_size, a.updates, a.prompts, a.max_new_tokens, a.seed,
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
         for side in (("ours", "TRL") if r % 2 == 0 else ("TRL", "ours")):
             runs[side].append(worker(a, "ours" if side == "ours" else "trl"))
     B = a.prompts * a.group_size
-    from _common import model_desc
+    from benchmarks._common import model_desc
 
     from cispo.data.tasks import get_task
     from cispo.models.loading import build_model, build_tokenizer
