@@ -5,7 +5,7 @@ at module level, deferred inside a function or in an ``if __name__ == "__main__"
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "cispo"
+PACKAGE = Path(__file__).resolve().parents[2] / "cispo"
 
 
 def _modules() -> dict[str, Path]:

@@ -13,7 +13,7 @@ import pytest
 
 from cispo.integrations.verl import verl_available
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 needs_verl = pytest.mark.skipif(
     not verl_available(), reason="verl is not installed (pip install verl; see docs/integrations.md)"

@@ -20,7 +20,7 @@ import pytest
 
 from cispo.models.packaged import save_tiny_smollm2
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = {  # script -> the string(s) its --tiny output must contain
     "bench_logprobs.py": "time / naive",
     "bench_padding.py": "split-cost",

@@ -18,7 +18,7 @@ from cispo.objective.presets import RECIPE_NAMES
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
 from cispo.training.setup import make_objective
-from conftest import small_config
+from tests.conftest import small_config
 
 F64 = dict(dtype=torch.float64)
 
@@ -243,3 +243,12 @@ def test_every_recipe_trains(tiny_model, dense_task, tmp_path, name):
     assert math.isfinite(row["objective/loss"])
     if name == "scalerl":
         assert row["rollout/rounds"] == 1.0
+
+
+def test_a_recipe_typed_as_an_objective_points_to_the_recipe():
+    for name, recipe in (("dr_grpo", "dr_grpo"), ("drgrpo", "dr_grpo"), ("scalerl", "scalerl")):
+        with pytest.raises(ConfigError) as e:
+            apply_overrides(TrainConfig(), [f"algo.objective={name}"])
+        assert f"recipe={recipe}" in str(e.value) and "did you mean 'grpo'" not in str(e.value)
+    with pytest.raises(ConfigError, match="did you mean 'grpo'"):
+        apply_overrides(TrainConfig(), ["algo.objective=grpoo"])  # a typo still gets the nearest preset

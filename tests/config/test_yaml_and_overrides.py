@@ -542,7 +542,7 @@ def names_table() -> str:
 def test_the_integrations_doc_shows_the_names_table():
     """docs/integrations.md's table of TRL's and verl's names is `cispo.foundations.suggest.OTHER_NAMES`,
     row for row (on failure, the expected table is printed: paste it in)."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
     section = doc.split("## TRL's and verl's names in `cispo train`", 1)[1].split("\n## ", 1)[0]
     table = "\n".join(line for line in section.splitlines() if line.startswith("|"))
     assert table == names_table(), names_table()
@@ -557,7 +557,7 @@ def _leaves(tree: dict, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_load_with_every_value(path):
     """Every shipped example loads as a TrainConfig, and each value it sets is the value the run gets."""
     import yaml

@@ -16,7 +16,7 @@ from cispo.data.environments import (Episodes, ToolEnvironment, build_environmen
 from cispo.data.tasks import get_task
 from cispo.data.tools import ToolCall, ToolRunner, ToolSpecError, calculator
 
-TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
+TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
 
 # Qwen2.5-Instruct's chat template (its tool parts: the tools in the system turn, Hermes <tool_call> blocks,
 # tool turns as <tool_response> in a user turn), as Qwen ships it.

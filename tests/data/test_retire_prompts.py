@@ -12,7 +12,7 @@ from cispo.foundations.experience import Completion
 from cispo.training.runner import train
 from cispo.training.sampling import retire_solved
 
-from conftest import small_config
+from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -22,7 +22,7 @@ from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
 from cispo.training.metrics import episode_metrics  # noqa: E402
 from cispo.training.sampling import sample_groups  # noqa: E402
 
-TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
+TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
 Q = "Ava has 30 apples. Ava gets 21 more apples. How many apples does Ava have now?"
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,15 +19,15 @@ import pytest
 import torch
 import yaml
 
-import fake_vllm
+from tests import fake_vllm
 from cispo.config.train import TrainConfig, load_yaml
 from cispo.data.tasks import arithmetic
 from cispo.foundations.distributed import DistInfo
 from cispo.models.loading import build_model, build_tokenizer, precision
 from cispo.training.setup import fsdp_settings, vllm_settings
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 
 CHECKED = {  # every GPU-path setting of the recipe -> the test below that follows it to its destination
     "model.device": "the engine's device under torchrun (test_distributed) and the run below",

@@ -23,7 +23,7 @@ from cispo.integrations.trl import objective_config_from_trl, trl_available
 from cispo.integrations.verl import verl_available
 from cispo.objective.loss import is_weight, log_ratio, policy_loss, ppo_token_mask, preset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 needs_verl = pytest.mark.skipif(
     not verl_available(), reason="verl is not installed (pip install verl; see docs/integrations.md)"

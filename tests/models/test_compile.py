@@ -18,7 +18,7 @@ from cispo.models.loading import build_model, build_tokenizer
 from cispo.models.policy import policy_logprobs
 from cispo.training.runner import train
 
-from conftest import small_config
+from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

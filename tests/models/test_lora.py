@@ -2,6 +2,8 @@
 uses (policy_logprobs, samplers), only they train, they start as the identity, and merging them gives a
 plain checkpoint that load_policy reloads with the same logits."""
 
+import json
+
 import pytest
 import torch
 
@@ -230,3 +232,26 @@ def test_resume_rejects_an_adapter_of_another_shape(tmp_path):
     other = apply_lora(tiny_llama(), rank=4, alpha=8, target_modules=["q_proj"])
     with pytest.raises(ValueError, match="adapter does not match"):
         load_checkpoint(ckpt, other, torch.optim.AdamW([p for p in other.parameters() if p.requires_grad]))
+
+
+def test_a_lora_adapter_names_its_base_model(tmp_path):
+    """adapter_config.json names the base model (was null), so peft's auto class loads base + adapter alone."""
+    peft = pytest.importorskip("peft")
+    from cispo.models.loading import load_policy
+    from cispo.models.lora import apply_lora, lora_parameters, save_adapter, split_lora_state
+    from cispo.models.packaged import save_tiny_smollm2
+
+    base = save_tiny_smollm2(tmp_path / "base")
+    model, _ = load_policy(base)
+    model = apply_lora(model, rank=2, alpha=4)
+    generator = torch.Generator().manual_seed(0)
+    for _, p in lora_parameters(model):  # trained adapters: B is no longer zero
+        p.data = 0.3 * torch.randn(p.shape, generator=generator)
+    _, adapter = split_lora_state(model.state_dict(), model)
+    save_adapter(model, adapter, tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["task_type"]) == (str(base), "CAUSAL_LM")
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)

@@ -169,7 +169,7 @@ def test_float16_resume_continues_with_the_saved_loss_scale(tiny_model, dense_ta
     import json
     import shutil
 
-    from conftest import small_config
+    from tests.conftest import small_config
 
     from cispo.records.tracking import read_metrics
     from cispo.training.checkpoint import list_checkpoints

@@ -10,7 +10,7 @@ from cispo.config.train import ConfigError, apply_overrides, save_yaml
 from cispo.records.runfolder import MARKER, RESUME_SAFE_FIELDS, check_resume, resume_config, saved_config
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from conftest import small_config
+from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

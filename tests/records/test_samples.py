@@ -11,7 +11,7 @@ from cispo.records.samples import SAMPLE_FIELDS, SampleFile, add_token_counts, m
 from cispo.records.tracking import make_sinks, read_metrics
 from cispo.training.evaluation import group_accuracies
 from cispo.training.runner import train
-from conftest import small_config
+from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

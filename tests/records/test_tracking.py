@@ -28,7 +28,7 @@ from cispo.records.tracking import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*noload.*:DeprecationWarning")  # mlflow's SQLAlchemy use
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 # A short run: namespaced names, a missing value (None), NaN (e.g. no fork token sampled).
 STEPS = {

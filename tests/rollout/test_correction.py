@@ -15,7 +15,7 @@ from cispo.rollout import rollout_is_weights, truncated_is_weights
 from cispo.training.metrics import mismatch_kl
 from cispo.training.runner import train
 from cispo.training.trainer import rollout_correction
-from conftest import small_config
+from tests.conftest import small_config
 
 F64 = dict(dtype=torch.float64)
 # rho = pi_old / pi_rollout of 6 response tokens (row 1 has 2, then padding); logp_rollout = 0

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
+from tests import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
 from cispo.models.loading import build_tokenizer, save_policy  # noqa: E402
 from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
 from cispo.rollout.vllm_episodes import REPETITION, STOP_ID, STOP_STRING, scan_segment  # noqa: E402

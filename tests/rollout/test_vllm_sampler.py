@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
+from tests import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
 from cispo.models.loading import build_tokenizer, save_policy  # noqa: E402
 from cispo.rollout import RolloutBatch, Sampler, SamplingConfig, TorchSampler, truncated_is_weights  # noqa: E402
 from cispo.rollout.vllm_sampler import (  # noqa: E402

@@ -16,7 +16,7 @@ from cispo.records.tracking import read_metrics
 from cispo.training.prefetch import Prefetch, load_rollout, rollout_state
 from cispo.training.runner import train
 from cispo.training.sampling import StepRollout
-from conftest import small_config
+from tests.conftest import small_config
 from test_trainer import final_weights, strip_perf
 
 ASYNC = ("rollout.async_steps=1", "algo.logp_old=rollout")
@@ -146,7 +146,7 @@ def test_a_batch_sampled_ahead_whose_rewards_a_stop_failed_is_not_kept(tiny_mode
     import signal
 
     import cispo.data.tasks
-    from conftest import digit_reward
+    from tests.conftest import digit_reward
 
     base = cispo.data.tasks.get_task("addition")
     state = {"calls": 0, "armed": True}
@@ -179,7 +179,7 @@ def test_a_batch_sampled_ahead_whose_rewards_a_stop_failed_is_not_kept(tiny_mode
 def engine_log(monkeypatch):
     """The stand-in vLLM (`fake_vllm`) installed, its sampler's calls logged: ("generate" | "push", the thread,
     the number of generate calls in flight at that moment)."""
-    import fake_vllm
+    from tests import fake_vllm
 
     from cispo.rollout.vllm_sampler import VLLMSampler
 

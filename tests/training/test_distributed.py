@@ -413,7 +413,7 @@ def test_fsdp_mixed_precision_gathers_layers_in_bf16_over_fp32_shards(tmp_path):
 
 
 def _vllm_worker(rank, world, port, model_dir, out_dir):
-    import fake_vllm
+    from tests import fake_vllm
 
     from cispo.foundations.distributed import shard_model
     from cispo.rollout import VLLMSampler

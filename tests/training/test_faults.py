@@ -20,7 +20,7 @@ from cispo.cli import main
 from cispo.data.rewards import safe_reward
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from conftest import digit_reward, small_config
+from tests.conftest import digit_reward, small_config
 
 # ---------------------------------------------------------------------------------------
 # Rewards that misbehave
@@ -260,7 +260,7 @@ def test_sigkill_at_any_moment_then_resume_matches_uninterrupted(tiny_model, tmp
 @pytest.mark.slow
 def test_soak_memory_stays_flat(tmp_path):
     """120 steps of a tiny run: resident memory grows by less than 40 MiB after warm-up."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
     from soak import soak
 
     r = soak(steps=120, warmup=10, workdir=tmp_path)

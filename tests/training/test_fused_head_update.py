@@ -11,7 +11,7 @@ from cispo.config.train import TrainConfig, apply_overrides
 from cispo.objective.loss import preset
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from conftest import small_config
+from tests.conftest import small_config
 from test_trainer import _ragged_setup, strip_perf
 
 

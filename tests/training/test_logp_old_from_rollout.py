@@ -14,7 +14,7 @@ from cispo.config.train import apply_overrides
 from cispo.training.logp_old import MEASURED, not_same_policy, rollout_as_old
 from cispo.training.runner import train
 
-from conftest import small_config
+from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,7 @@ import cispo.training.trainer as trainer
 from cispo.config.train import apply_overrides
 from cispo.training.runner import train
 
-from conftest import small_config
+from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

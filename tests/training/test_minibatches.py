@@ -13,7 +13,7 @@ import cispo.training.sampling as sampling
 import cispo.training.trainer as trainer
 from cispo.config.train import AlgoConfig
 from cispo.training.batching import minibatches
-from conftest import small_config
+from tests.conftest import small_config
 
 
 def rows_per_update(policy: str, kept: int, full: int = 64, k: int = 16) -> list[int]:

@@ -3,7 +3,7 @@ log pi_ref, its gradient, and whole runs with the initial policy or ``model.ref_
 
 import pytest
 import torch
-from conftest import small_config
+from tests.conftest import small_config
 
 import cispo.training.trainer
 from cispo.config.train import ConfigError, TrainConfig, apply_overrides

@@ -18,7 +18,7 @@ from cispo.cli import main
 from cispo.records.tracking import JsonlSink, read_metrics
 from cispo.training.checkpoint import CheckpointError, load_checkpoint
 from cispo.training.runner import train
-from conftest import digit_reward, small_config
+from tests.conftest import digit_reward, small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

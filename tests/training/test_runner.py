@@ -14,7 +14,7 @@ from cispo.foundations.experience import Completion, collate
 from cispo.models.policy import policy_logprobs
 from cispo.objective.loss import PRESETS
 from cispo.training.runner import train
-from conftest import small_config
+from tests.conftest import small_config
 from cispo.records.tracking import read_metrics
 
 

@@ -13,7 +13,7 @@ from cispo.foundations.experience import Completion, collate
 from cispo.training.batching import length_micro_batches, minibatches, row_order
 from cispo.training.runner import train
 
-from conftest import small_config
+from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -625,7 +625,7 @@ def test_any_exit_or_crash_at_import_is_an_error_naming_the_file(tmp_path):
                 print(str(e).replace("\\n", " "))
         print("still here")
     """)
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[3])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo,
                          env={**os.environ, "PYTHONPATH": repo})
     assert out.returncode == 0, out.stderr[-2000:]

@@ -40,8 +40,8 @@ from cispo.data.rewards.code import (
                                      run_sandboxed,
                                      run_tests,
                                      )
-from sandbox_helpers import ADD, ADD_TESTS, REPO, config, program, sandbox_pids
-from sandbox_helpers import cfg, netns, nothing_survives  # noqa: F401 - fixtures (nothing_survives is autouse)
+from tests.sandbox_helpers import ADD, ADD_TESTS, REPO, config, program, sandbox_pids
+from tests.sandbox_helpers import cfg, netns, nothing_survives  # noqa: F401 - fixtures (nothing_survives is autouse)
 
 
 # --------------------------------------------------------------------------- pure helpers

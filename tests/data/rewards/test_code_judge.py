@@ -16,7 +16,7 @@ import pytest
 
 from cispo.data.rewards import _harness
 from cispo.data.rewards.code import code_reward, code_reward_partial, run_sandboxed, run_tests
-from sandbox_helpers import ADD_TESTS, cfg, netns, nothing_survives, program  # noqa: F401  (shared fixtures)
+from tests.sandbox_helpers import ADD_TESTS, cfg, netns, nothing_survives, program  # noqa: F401  (shared fixtures)
 
 MEMORY = textwrap.dedent('''
     import dis, re, struct, types

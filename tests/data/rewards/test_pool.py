@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +20,9 @@ from cispo.data.rewards.loading import load_reward
 from cispo.data.rewards.pool import OUTPUT_TAIL_CHARS, shutdown_pools
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from conftest import reward_calls as calls, small_config
+from tests.conftest import reward_calls as calls, small_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[3])
 
 HOSTILE = '''
 import os, sys, threading, time

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,9 +22,9 @@ from cispo.data.rewards.pool import shutdown_pools
 from cispo.records.runfolder import run_dir_of
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from conftest import reward_calls as calls, small_config
+from tests.conftest import reward_calls as calls, small_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[3])
 
 
 # ---------------------------------------------------------------------------------------
@@ -189,7 +190,7 @@ def test_a_step_whose_reward_calls_fail_during_a_stop_is_not_committed(tiny_mode
     import torch
     from safetensors.torch import load_file
 
-    from conftest import digit_reward
+    from tests.conftest import digit_reward
 
     base = cispo.data.tasks.get_task("addition")
     state = {"calls": 0, "armed": False}

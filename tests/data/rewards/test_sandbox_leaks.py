@@ -23,8 +23,8 @@ from cispo.data.rewards.code import (
                                      run_sandboxed,
                                      run_tests,
                                      )
-from sandbox_helpers import ADD_TESTS, MEMORY_MB, REPO, config, program
-from sandbox_helpers import cfg, netns, nothing_survives  # noqa: F401 - fixtures (nothing_survives is autouse)
+from tests.sandbox_helpers import ADD_TESTS, MEMORY_MB, REPO, config, program
+from tests.sandbox_helpers import cfg, netns, nothing_survives  # noqa: F401 - fixtures (nothing_survives is autouse)
 
 
 # --------------------------------------------------------------------------- leaks (issue 17)

@@ -240,7 +240,7 @@ def test_a_reward_model_reads_a_chat_row_through_its_chat_template():
 
     from cispo.data.rewards.reward_model import RewardModel
 
-    folder = Path(__file__).resolve().parent.parent / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
+    folder = Path(__file__).resolve().parents[3] / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
     rm = RewardModel("rm:x", None, AutoTokenizer.from_pretrained(folder))  # SmolLM2's tokenizer has a chat template
     text = rm.text("2+2?", "4", {"messages": [{"role": "user", "content": "2+2?"}]})
     assert text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n")

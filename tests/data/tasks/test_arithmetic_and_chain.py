@@ -359,7 +359,7 @@ def test_a_chain_run_logs_reflective_tokens_per_response(tmp_path, one_thread):
     """`cispo train task=chain` runs, and each step logs the mean number of W per response."""
     import json
 
-    from conftest import small_config
+    from tests.conftest import small_config
 
     from cispo.models.loading import build_model, build_tokenizer, save_policy
     from cispo.training.runner import train
@@ -554,7 +554,7 @@ def test_chain_hidden_base_model_errs_on_exactly_the_bug_pairs(task_name, mean_m
 
     model, tok = load_policy(ensure_builtin_model(task_name, progress=False))
     r = probe(model, tok, task_name, n_prompts=150, samples_per_step=1, seed=0)
-    measured = json.loads((Path(__file__).parent.parent / "docs/results/v3/gate" / f"{task_name}_base_model.json").read_text())
+    measured = json.loads((Path(__file__).resolve().parents[3] / "docs/results/v3/gate" / f"{task_name}_base_model.json").read_text())
     for report in (r, measured["probe"]):
         tf = report["teacher_forced"]
         assert tf["buggy"]["p_dropped"] > 0.99 and tf["buggy"]["p_right"] < mean_max

@@ -327,7 +327,7 @@ def test_the_real_model_loads_from_its_package_and_trains_one_step(tmp_path):
     assert record["source_sha256"] == packaged.PACKAGED["smollm2-135m"].sha256
     # one step of the shipped example (its sampling settings: at 24 tokens and temperature 1 no
     # answer was paid in 128 samples, and a run without any update is an error), evaluation off
-    example = Path(__file__).resolve().parents[1] / "examples" / "smollm2-wordmath.yaml"
+    example = Path(__file__).resolve().parents[3] / "examples" / "smollm2-wordmath.yaml"
     assert main(["train", "--config", str(example), f"out_dir={tmp_path}", "run_name=r", "steps=1", "progress=false",
                  "updates_per_batch=2", "num_eval_prompts=4", "eval.every=0"]) == 0
     rows = read_metrics(tmp_path / "r" / "metrics.jsonl")

@@ -15,7 +15,7 @@ from cispo.data.tasks import get_task, wordmath, wordmath_calc
 from cispo.data.tasks.wordmath_calc import policy_text, reward
 from test_wordmath import Q, VERDICTS
 
-TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
+TOKENIZER_DIR = Path(__file__).resolve().parents[3] / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
 
 
 def test_the_same_problems_with_the_calculator_in_the_prompt():
