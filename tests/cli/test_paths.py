@@ -1,4 +1,4 @@
-"""Model paths, ``cispo eval --samples`` and a run's saved paths (issue 30, items 3-5): a wrong model
+"""Model paths, ``cispo eval --samples`` and a run's saved paths: a wrong model
 path is one line naming it and what belongs there; ``cispo eval`` saves what it scored and prints
 JSON that any parser reads; a run trained with relative paths is evaluated and resumed from
 another folder."""
@@ -47,7 +47,7 @@ def relative_run(tiny_model, tmp_path_factory):
     return a
 
 
-# --------------------------------------------------------------------------- item 3: model paths
+# --------------------------------------------------------------------------- model paths
 
 
 def test_a_wrong_model_path_is_one_line_exit_2(tmp_path, capsys):
@@ -139,7 +139,7 @@ def test_a_run_or_its_checkpoints_folder_names_the_newest_checkpoint(relative_ru
         check_model_folder(newest.parent)
 
 
-# --------------------------------------------------------------------------- items 4 and 5
+# --------------------------------------------------------------------------- cispo eval and resume from another folder
 
 
 def test_eval_from_another_folder_saves_every_completion_and_prints_json(relative_run, tmp_path, monkeypatch, capsys):
@@ -188,7 +188,7 @@ def test_pretrain_measure_prints_parseable_json(monkeypatch, tmp_path, capsys):
     assert report == {"fork_rate": 0.0, "accuracy_with_fork": None, "per_digit": [None, 1.0]}
 
 
-# --------------------------------------------------------------------------- issue 44, item 3: --samples
+# --------------------------------------------------------------------------- --samples
 
 
 def test_a_failed_eval_leaves_the_samples_file_as_it_was(relative_run, tmp_path, capsys):

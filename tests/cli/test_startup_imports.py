@@ -1,5 +1,5 @@
-"""`cispo --help`, `cispo train --help` (and pretrain's, compare's) and a config error answer without loading torch (issue 30,
-item 9): the command line imports each command's modules when it runs, not at start-up."""
+"""`cispo --help`, `cispo train --help` (and pretrain's, compare's) and a config error answer without loading torch:
+the command line imports each command's modules when it runs, not at start-up."""
 
 import importlib
 import json
@@ -61,7 +61,7 @@ def test_the_errors_caught_by_name_exist():
     assert is_one_of(Sub("x"), INPUT_ERRORS) and not is_one_of(ValueError("x"), INPUT_ERRORS)
 
 
-# --------------------------------------------------------------------------- the toy run's start-up (issue 47 item 5)
+# --------------------------------------------------------------------------- the toy run's start-up
 
 
 def test_prompt_lengths_are_those_of_encode(tmp_path):

@@ -1,4 +1,4 @@
-"""Hostile and careless config input (issue 44, item 7): each is one line that names the file and
+"""Hostile and careless config input: each is one line that names the file and
 line (or the override) and the key, fast; never a traceback, a hang, or a message the size of the
 input. The cases that hung before (``/dev/zero``, a FIFO, an alias bomb of 10^9 leaves) run
 ``cispo train`` in a subprocess with a timeout, so a regression fails instead of hanging."""
@@ -261,7 +261,7 @@ def test_sizes_and_counts_have_upper_bounds(key):
     assert str(bound) in doc or f"10^{exponent}" in doc, doc
 
 
-def test_the_issue_cases_through_the_cli_are_one_line_each(capsys):
+def test_out_of_range_and_huge_numbers_through_the_cli_are_one_line_each(capsys):
     from cispo.cli import main
 
     for args, expected in [(["prompts_per_step=1000000000000"], "rollout.prompts_per_step must be <= 1,000,000"),

@@ -1,4 +1,4 @@
-"""Presets users look for (issue 48 item 7): Dr. GRPO and ScaleRL as recipes (cispo.config.recipes), and the
+"""Presets users look for: Dr. GRPO and ScaleRL as recipes (cispo.config.recipes), and the
 two axes ScaleRL needed: the prompt-level aggregation ``prompt-mean-token-mean`` (value and per-token
 gradient against a loop over prompts, exact when split) and the ``batch-std`` advantages (by hand)."""
 
@@ -173,7 +173,7 @@ def _batch_std_worker(rank, world, port, out_path):
 
 
 def test_batch_std_over_ranks_joins_a_rank_without_groups(tmp_path):
-    from test_distributed import spawn_two_ranks
+    from tests.training.test_distributed import spawn_two_ranks
 
     spawn_two_ranks(_batch_std_worker, str(tmp_path / "scale.pt"))
     assert torch.load(tmp_path / "scale.pt").item() == pytest.approx(math.sqrt(1.75 / 11))

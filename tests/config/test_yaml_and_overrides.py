@@ -176,7 +176,7 @@ def test_override_errors_name_the_key(overrides, expected):
 
 
 # ---------------------------------------------------------------------------------------
-# Every bad setting is refused when the config is built (issue 17), before any work
+# Every bad setting is refused when the config is built, before any work (not minutes into a run)
 # ---------------------------------------------------------------------------------------
 
 
@@ -317,7 +317,7 @@ def test_did_you_mean():
 
 
 # ---------------------------------------------------------------------------------------
-# TRL's and verl's names (issue 30, item 7; issue 48, item 2)
+# TRL's and verl's names: a user's habits from those frameworks point to cispo's name for the same setting
 # ---------------------------------------------------------------------------------------
 
 
@@ -336,7 +336,7 @@ def test_did_you_mean():
         ("objective_overrides.beta=0.04", "ObjectiveConfig has no field 'beta' (did you mean 'kl_coef'? 'beta' in TRL"),
         ("objective_overrides.loss_agg_mode=token-mean", "ObjectiveConfig has no field 'loss_agg_mode' (did you mean "
                                                           "'aggregation'? 'loss_agg_mode' in verl"),
-        # issue 48: a mapped name wins over the closest spelling (was 'trackers', 'rollout', 'data.extra_fields',
+        # a mapped name wins over the closest spelling, which misleads (was 'trackers', 'rollout', 'data.extra_fields',
         # 'max_bad_steps', 'steps', 'reward', 'data.reward_workers')
         ("trainer.total_epochs=3", "trainer.total_epochs: unknown key (did you mean 'steps'? 'trainer.total_epochs' in "
                                    "verl: cispo counts RL steps"),

@@ -10,9 +10,19 @@ from pathlib import Path
 import pytest
 
 from cispo.config.train import TrainConfig, apply_overrides
-from cispo.data.environments import (Episodes, ToolEnvironment, build_environment, chat_observation,
-                                     environment_from_config, inline_call, inline_observation, parse_tool_calls,
-                                     render_prompt, resolve_tool_format, template_takes_tools)
+from cispo.data.environments import (
+    Episodes,
+    ToolEnvironment,
+    build_environment,
+    chat_observation,
+    environment_from_config,
+    inline_call,
+    inline_observation,
+    parse_tool_calls,
+    render_prompt,
+    resolve_tool_format,
+    template_takes_tools,
+)
 from cispo.data.tasks import get_task
 from cispo.data.tools import ToolCall, ToolRunner, ToolSpecError, calculator
 

@@ -1,4 +1,4 @@
-"""ScaleRL's No-Positive-Resampling (issue 48 item 7, ``data.retire_pass_rate``): a prompt whose group's
+"""ScaleRL's No-Positive-Resampling (``data.retire_pass_rate``): a prompt whose group's
 pass rate reaches the rate is not sampled again; the retired set survives a checkpoint; once every
 prompt is retired the stream hands them all out again; a run logs the count."""
 
@@ -6,12 +6,11 @@ import json
 
 import pytest
 
-from cispo.config.train import ConfigError, apply_overrides, TrainConfig
+from cispo.config.train import ConfigError, TrainConfig, apply_overrides
 from cispo.data.prompts import PromptStream
 from cispo.foundations.experience import Completion
 from cispo.training.runner import train
 from cispo.training.sampling import retire_solved
-
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

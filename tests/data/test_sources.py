@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from cispo.config.train import DataConfig, ModelConfig, TrainConfig as Config
+from cispo.config.train import DataConfig, ModelConfig
+from cispo.config.train import TrainConfig as Config
 from cispo.data.datasets import DataError, load_prompts
 
 

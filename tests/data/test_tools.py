@@ -12,10 +12,25 @@ import time
 import pytest
 
 from cispo.data.rewards.pool import shutdown_pools
-from cispo.data.tools import (BUILTIN_TOOLS, POLICY_ERROR_CHARS, TOOL_OUTPUT_CHARS, Tool, ToolCall, ToolRunner,
-                              ToolSpecError, as_tool, calculator, cap_output, evaluate, load_tool, load_tools,
-                              policy_error, python, split_specs, tool_schema)
-from tests.sandbox_helpers import cfg, netns, nothing_survives  # noqa: F401 - fixtures (nothing_survives is autouse)
+from cispo.data.tools import (
+    BUILTIN_TOOLS,
+    POLICY_ERROR_CHARS,
+    TOOL_OUTPUT_CHARS,
+    Tool,
+    ToolCall,
+    ToolRunner,
+    ToolSpecError,
+    as_tool,
+    calculator,
+    cap_output,
+    evaluate,
+    load_tool,
+    load_tools,
+    policy_error,
+    python,
+    split_specs,
+    tool_schema,
+)
 
 TRL_TOOLS = '''
 def add(a: int, b: int) -> int:

@@ -1,4 +1,4 @@
-"""A TRL or verl user's own reward and data set, unchanged (issue 30, items 1-2): every column reaches
+"""A TRL or verl user's own reward and data set, unchanged: every column reaches
 the reward by its own name, on a JSONL, a Parquet and a ``save_to_disk`` data set, with no field flag
 but ``prompt_field``; a custom data set that lacks settings hears of all of them at once."""
 
@@ -85,7 +85,7 @@ def test_trl_and_verl_rewards_get_their_columns_on_every_format(case, fmt, rewar
 
 
 def test_a_trl_reward_trains_on_jsonl_in_worker_processes(reward_files, tiny_model, tmp_path):
-    """The issue's case end to end: ``answer_field=solution`` and a reward naming ``solution``; every
+    """A TRL user's case end to end: ``answer_field=solution`` and a reward naming ``solution``; every
     call of the run (in the reward's worker processes) gets it, so none fails."""
     path = write_data(TRL_ROWS * 2, "jsonl", tmp_path)
     assert main(["train", f"data.path={path}", f"data.reward={reward_files['trl']}", "data.prompt_field=question",

@@ -1,4 +1,4 @@
-"""Issue 45 end to end: the torch sampler, the inline calculator environment and the trainer's
+"""A calculator agent end to end: the torch sampler, the inline calculator environment and the trainer's
 ``sample_groups`` together. A scripted model (its next token a function of the position only) writes
 ``<calc>30+21</calc>``, the environment inserts ``<result>51</result>`` through the KV cache, the model
 answers ``#### 51``: the trained ids are the sampled ids (no decode / re-encode), the observation is

@@ -19,12 +19,12 @@ import pytest
 import torch
 import yaml
 
-from tests import fake_vllm
 from cispo.config.train import TrainConfig, load_yaml
 from cispo.data.tasks import arithmetic
 from cispo.foundations.distributed import DistInfo
 from cispo.models.loading import build_model, build_tokenizer, precision
 from cispo.training.setup import fsdp_settings, vllm_settings
+from tests import fake_vllm
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]

@@ -145,7 +145,7 @@ def test_shards_eval_sets_and_system_prompt_in_a_run(qwen_dir, tmp_path, monkeyp
     assert {"eval/accuracy_greedy", "eval/same/accuracy_greedy", "eval/other/accuracy_greedy"} <= set(metrics)
 
 
-# --------------------------------------------------------------------------- chat prompts and stop tokens (issue 48)
+# --------------------------------------------------------------------------- chat prompts and stop tokens
 
 
 CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 1 + 1?"},
@@ -201,7 +201,7 @@ def test_chat_prompts_are_templated_whole_by_default(qwen_dir, chat_jsonl):
 
 
 def test_a_run_on_chat_data_records_the_templated_prompt(qwen_dir, chat_jsonl, tmp_path):
-    """The issue's symptom, through the CLI with no chat setting: samples.jsonl shows the templated
+    """The symptom users met, through the CLI with no chat setting: samples.jsonl shows the templated
     conversation (it was ``templated_prompt: null``, the bare last user message), and config.yaml records
     the resolved ``chat_template: true``."""
     import yaml

@@ -1,4 +1,4 @@
-"""Reflective strings on a real vocabulary (issue 31, item 3): the token ids and sequences that spell
+"""Reflective strings on a real vocabulary: the token ids and sequences that spell
 each string in SmolLM2's tokenizer, where they start in a response, the same counts in text, and the
 per-string diagnostics of a hand-built batch."""
 

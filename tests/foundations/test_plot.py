@@ -89,7 +89,7 @@ def test_find_runs_keeps_order_and_drops_duplicates(tmp_path):
 
 
 def test_a_run_folder_with_only_metrics_jsonl_gz_is_found_and_plotted(tmp_path, capsys):
-    """A run committed under docs/results/ holds ``metrics.jsonl.gz`` (issue 43): `cispo plot`,
+    """A run committed under docs/results/ holds ``metrics.jsonl.gz``: `cispo plot`,
     `find_runs` (a run folder and a folder of runs) and `cispo study-data`'s discovery take it."""
     from cispo.experiments.study_data import find_run_dirs
     from cispo.foundations.jsonl import compress
@@ -158,7 +158,7 @@ def test_every_logged_family_is_a_default_panel(tmp_path, figures):
     assert sorted(panels["KL"][1]) == sorted([0.001, 0.002, 0.003, 0.02, 0.04, 0.06])
 
 
-# --------------------------------------------------------------------------- issue 44, item 9
+# --------------------------------------------------------------------------- damaged metrics and outputs: one line, never a traceback
 
 def _plot(run, out, capsys):
     """``cispo plot run -o out``: (exit code, stderr lines)."""

@@ -1,4 +1,5 @@
-"""The thread-count rule of cispo.foundations.threads (issue 13 item 3)."""
+"""The thread-count rule of cispo.foundations.threads: how many intra-op threads a run
+uses, from the machine, the user's setting and OMP_NUM_THREADS."""
 
 import pytest
 

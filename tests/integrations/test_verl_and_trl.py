@@ -278,7 +278,7 @@ def test_verl_warns_once_when_loss_agg_mode_replaces_the_presets(monkeypatch):
     ],
 )
 def test_verl_clip_ratios_set_by_the_user_act_where_the_preset_has_a_mask(name, verl_kw, agg, monkeypatch):
-    """Issue 48, item 3 (before: never read). The gradient and clip fraction equal verl's own vanilla
+    """verl's clip_ratio_low / clip_ratio_high set by the user are read (they once were ignored). The gradient and clip fraction equal verl's own vanilla
     loss with the same clip ratios (dual-clip off; the value is eq. 6's), and differ from the preset's
     own edges; no warning."""
     import cispo.integrations.verl as integ
@@ -313,8 +313,9 @@ def test_verl_clip_ratios_that_have_no_effect_warn_once(monkeypatch):
     """CISPO has no PPO mask: verl's clip_ratio_high changes nothing, and a warning says so once
     (as CISPOGRPOTrainer does for TRL's epsilon_high); cispo_lowmask reads the lower edge and warns
     about the upper; a dual-clip warns; an override that disagrees is an error."""
-    import cispo.integrations.verl as integ
     from verl.workers.config import ActorConfig
+
+    import cispo.integrations.verl as integ
 
     monkeypatch.setattr(integ, "_WARNED", set())
     assert integ.VERL_CLIP_DEFAULTS == {f.name: f.default for f in dataclasses.fields(ActorConfig)

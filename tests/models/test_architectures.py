@@ -1,4 +1,4 @@
-"""One definition of the policy's distribution for every architecture (issue 18, item 1).
+"""One definition of the policy's distribution for every architecture.
 
 Tiny random models of several Hugging Face architectures, built from configs: the trainer's
 chunked-head log-probs (``cispo.models.policy.policy_logprobs``) and the sampler's must equal

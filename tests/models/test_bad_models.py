@@ -1,5 +1,4 @@
-"""Bad models and settings that reach `cispo train` get one line and exit status 2, not a traceback
-(issue 44, item 10: left open from round three)."""
+"""Bad models and settings that reach `cispo train` get one line and exit status 2, not a traceback."""
 
 import json
 import shutil

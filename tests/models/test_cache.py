@@ -1,4 +1,4 @@
-"""The model caches (issue 44, item 8): the packaged model's (``builtin:smollm2-135m``, converted from its
+"""The model caches: the packaged model's (``builtin:smollm2-135m``, converted from its
 GGUF file) and the built-in tasks' pretrained base models. Every file's size and SHA-256 are recorded when
 a model is written; a load checks them and makes a damaged model again; the cache folder's problems are
 one line before the minutes of conversion; the temporary folders of a dead conversion are removed.
@@ -22,13 +22,20 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import cispo.models.builtin as builtin
 import cispo.models.cache as model_cache
 import cispo.models.packaged as packaged
 import cispo.models.pretrain
 from cispo.data.tasks import get_task
 from cispo.models.builtin import builtin_model_path, ensure_builtin_model
-from cispo.models.cache import CACHE_RECORD, CHECKSUMS, ModelCacheError, cache_problem, file_sha256, read_checksums, verify_checksums
+from cispo.models.cache import (
+    CACHE_RECORD,
+    CHECKSUMS,
+    ModelCacheError,
+    cache_problem,
+    file_sha256,
+    read_checksums,
+    verify_checksums,
+)
 from cispo.models.loading import build_model, build_tokenizer, save_policy
 from cispo.models.pretrain import PretrainConfig
 

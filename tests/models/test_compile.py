@@ -17,7 +17,6 @@ from cispo.models.compile import CompiledDecoder, compile_cache_dir, compile_wan
 from cispo.models.loading import build_model, build_tokenizer
 from cispo.models.policy import policy_logprobs
 from cispo.training.runner import train
-
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

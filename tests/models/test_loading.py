@@ -9,8 +9,7 @@ import torch
 import cispo.models.loading as models
 from cispo.data.tasks import get_task
 from cispo.models.builtin import builtin_model_path, ensure_builtin_model
-from cispo.models.loading import (build_model, build_tokenizer,
-                                  load_policy, save_policy)
+from cispo.models.loading import build_model, build_tokenizer, load_policy, save_policy
 from cispo.models.pretrain import PretrainConfig, measure_base_model, pretrain, sample_completions
 
 TINY = dict(model_size="tiny", steps=10, batch_size=16, corpus_size=200, warmup_steps=3)

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from cispo.foundations.experience import Experience  # noqa: E402
-from cispo.models.policy import decoder, lm_head, policy_logprobs  # noqa: E402
+from cispo.models.loading import build_tokenizer, load_policy  # noqa: E402
 from cispo.models.lora import (  # noqa: E402
     apply_lora,
     has_lora,
@@ -20,7 +20,7 @@ from cispo.models.lora import (  # noqa: E402
     merge_lora,
     merged_named_weights,
 )
-from cispo.models.loading import build_tokenizer, load_policy  # noqa: E402
+from cispo.models.policy import decoder, lm_head, policy_logprobs  # noqa: E402
 from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
 
 EOS, PAD = 1, 0

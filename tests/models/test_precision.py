@@ -1,5 +1,5 @@
 """RL passes on real checkpoints: dropout off by default, mixed precision with FP32 master
-weights (issue 18, items 2 and 3)."""
+weights, and a loss scale for float16."""
 
 import pytest
 import torch
@@ -8,8 +8,8 @@ transformers = pytest.importorskip("transformers")
 
 from cispo.config.train import TrainConfig, apply_overrides  # noqa: E402
 from cispo.foundations.experience import Completion, collate  # noqa: E402
-from cispo.training.run_policy import load_policy_for  # noqa: E402
 from cispo.models.policy import policy_logprobs  # noqa: E402
+from cispo.training.run_policy import load_policy_for  # noqa: E402
 from cispo.training.setup import make_optimizer  # noqa: E402
 from cispo.training.trainer import compute_logp_old  # noqa: E402
 
@@ -169,11 +169,10 @@ def test_float16_resume_continues_with_the_saved_loss_scale(tiny_model, dense_ta
     import json
     import shutil
 
-    from tests.conftest import small_config
-
     from cispo.records.tracking import read_metrics
     from cispo.training.checkpoint import list_checkpoints
     from cispo.training.runner import train
+    from tests.conftest import small_config
 
     def rows(run):
         return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(run / "metrics.jsonl")]

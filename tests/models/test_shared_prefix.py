@@ -1,4 +1,4 @@
-"""Issue 47 item 2: the training forward with each prompt run once for the rows that share it. Its
+"""Shared-prefix forward: the training forward with each prompt run once for the rows that share it. Its
 log-probs and the gradient of the objective through them equal the plain forward's to float32 rounding
 (tiny Llama and Qwen2, with LoRA, with the FP32 head and without); a model it does not cover says why."""
 

@@ -1,4 +1,4 @@
-"""The fused head + objective (cispo.objective.fused_head, issue 13 item 5) against autograd on the naive path.
+"""The fused head + objective (cispo.objective.fused_head) against autograd on the naive path.
 
 The loss, d loss / d hidden, d loss / d W (and bias) must equal those of ``naive_token_logprobs``
 (full logits) followed by ``cispo.objective.loss.policy_loss`` — in float64 to rounding, for CISPO, PPO /

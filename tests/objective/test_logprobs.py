@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cispo.objective.logprobs import naive_token_logprobs, token_logprobs
 

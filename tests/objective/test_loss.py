@@ -16,7 +16,6 @@ from cispo.objective.advantages import group_advantages
 from cispo.objective.loss import PRESETS, ObjectiveConfig, ObjectiveStats, aggregate, kl_penalty, policy_loss, preset
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def float64_default():
     """The oracles are float64; restore the default so other test modules see float32."""

@@ -1,4 +1,4 @@
-"""The two halves of the trust region and the sign-decoupled IS-weight bounds (issue 28, item 2).
+"""The two halves of the trust region and the sign-decoupled IS-weight bounds.
 
 ``cispo_lowmask`` / ``cispo_highmask`` keep CISPO's capped, detached weight and add one half of
 DAPO's mask; ``is_bounds_by_sign`` gives the A < 0 tokens their own weight bounds (DISPO's four
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from cispo.objective.fused_head import token_objective
 from cispo.objective.loss import ObjectiveConfig, policy_loss, preset
-from test_objective import float64_default, grad_of, oracle_eq6, random_batch  # noqa: F401  (shared fixture)
+from tests.objective.test_loss import float64_default, grad_of, oracle_eq6, random_batch  # noqa: F401  (shared fixture)
 
 DAPO_LOW, DAPO_HIGH = 0.2, 0.28
 

@@ -1,4 +1,4 @@
-"""A run's own files under faults that are not a kill (issue 44, items 10 and 11): a metrics.jsonl that
+"""A run's own files under faults that are not a kill: a metrics.jsonl that
 is a folder on --resume, and another writer appending to metrics.jsonl while the run logs."""
 
 import json

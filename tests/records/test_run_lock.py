@@ -1,4 +1,5 @@
-"""One process per run folder (issue 32, item 2), and the run folder's other sentences (item 10).
+"""One process per run folder, and the run folder's other faults said in one sentence (a name too long, an
+out_dir that is a file or read-only).
 
 A ``--resume`` started while the run was going once wrote a second trajectory into its
 ``metrics.jsonl``; an ``--overwrite`` deleted the running run's folder while both kept writing."""
@@ -19,7 +20,7 @@ import pytest
 import cispo.records.runfolder as runfolder
 from cispo.cli import main
 from cispo.records.runfolder import lock_path, run_lock
-from test_runfolder import files, tiny_args
+from tests.records.test_runfolder import files, tiny_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -156,7 +157,8 @@ def test_an_overwrite_while_a_real_training_runs_is_refused(tiny_model, dense_ta
 
 
 # ---------------------------------------------------------------------------------------
-# Issue 44, items 1 and 2: the lock file is never written through, and one folder has one lock
+# The lock file is never written through (a symlink planted in its place), and one folder has one lock
+# whatever name reaches it
 # ---------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""A torn or non-UTF-8 ``samples.jsonl`` does not block ``--resume`` (issue 32, item 3): it is cut to
+"""A torn or non-UTF-8 ``samples.jsonl`` does not block ``--resume``: it is cut to
 the checkpoint's step, the bad lines named, and the resumed run's samples equal the uninterrupted
 run's (a real disk-full during an append left such a file)."""
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from cispo.records.samples import SampleFile, parse_step_lines
-from test_resume_faults import damaged, original, resume  # noqa: F401  (shared fixtures)
+from tests.training.test_resume_faults import damaged, original, resume  # noqa: F401  (shared fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

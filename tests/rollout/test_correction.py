@@ -1,4 +1,4 @@
-"""The rollout correction (issue 48 item 6, cispo.rollout.correction): rho = pi_old / pi_rollout per token, per
+"""The rollout correction (cispo.rollout.correction): rho = pi_old / pi_rollout per token, per
 sequence as the geometric mean (seq-mean) or as the product (seq-sum), truncated / masked (IcePop) / rejected, pinned on
 hand-computed fixed ratios (values and which tokens are masked or truncated); its weight enters the
 gradient as a constant; its config and metrics; a run with it."""

@@ -1,4 +1,4 @@
-"""Issue 45 item 2: multi-segment sampling in the torch sampler. A scripted environment answers each
+"""Multi-segment (multi-turn) sampling in the torch sampler. A scripted environment answers each
 policy segment with fixed observation ids; the sampler feeds them through the row's KV cache. The ids in
 the response are exactly the sampled and the fed ids, observations are masked (``env_mask``, log-prob 0),
 the continuation's log-probs equal a fresh forward of the whole context, rows at different turns share

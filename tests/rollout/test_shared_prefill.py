@@ -1,4 +1,4 @@
-"""Issue 47 item 1: each distinct prompt of a batch is prefilled once and its G rows share its logits
+"""Shared prefill: each distinct prompt of a batch is prefilled once and its G rows share its logits
 and KV cache. The tokens and log-probs are those of one prefill row per batch row (the reference,
 ``share_prefill=False``) for the same generator state, in both decode loops; the prefill runs U rows."""
 

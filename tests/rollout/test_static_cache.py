@@ -1,4 +1,4 @@
-"""The lean decode loop (cispo.rollout.static_cache, issue 13 item 2) against today's sampler.
+"""The lean decode loop (cispo.rollout.static_cache) against the forward path's sampler.
 
 ``TorchSampler(decode="static")`` must give the tokens of ``decode="hf"`` (the model's forward with
 its DynamicCache) under the same seed, and their log-probs within float32 rounding: ragged prompts,
@@ -12,8 +12,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
-from cispo.rollout import static_cache  # noqa: E402
+from cispo.rollout import (  # noqa: E402
+    SamplingConfig,
+    TorchSampler,
+    static_cache,  # noqa: E402
+)
 from cispo.rollout.static_cache import StaticDecoder, unsupported_reason  # noqa: E402
 from cispo.rollout.torch_sampler import _multinomial  # noqa: E402
 
@@ -295,7 +298,7 @@ def test_compiled_step_under_bf16_autocast():
 
 # SmolLM2-135M-Instruct's config.json as cispo.models.packaged converts it (builtin:smollm2-135m), with 2 of its
 # 30 layers and a 24-token vocabulary: 9 query heads over 3 key/value heads of 64, tied embeddings,
-# rope theta 1e5 (issue 31: its sampling must take the static-cache decode).
+# rope theta 1e5 (the real model's sampling must take the static-cache decode, the fast one).
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                      head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=8192,
                      rope_parameters={"rope_theta": 100000.0, "rope_type": "default"}, hidden_act="silu",

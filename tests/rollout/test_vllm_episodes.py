@@ -1,5 +1,5 @@
-"""Issue 45 item 2, the vLLM half: multi-turn episodes through ``VLLMSampler`` (``cispo.rollout.vllm_episodes``),
-on the stand-in engine of ``tests/fake_vllm.py`` only (no vLLM, no GPU here): one engine call per turn, each
+"""Multi-turn episodes on vLLM (the torch sampler's are in test_multiturn_sampling.py), through ``VLLMSampler``
+(``cispo.rollout.vllm_episodes``), on the stand-in engine of ``tests/fake_vllm.py`` only (no vLLM, no GPU here): one engine call per turn, each
 row's context re-sent as ids, the environment's stop strings given to the engine, the segment's end read
 from the returned token ids. Most tests script what the engine writes (its ``_step``: the k-th response
 token from the script, whatever the context), so every id is known; the last compares a greedy episode
@@ -12,11 +12,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
 from cispo.models.loading import build_tokenizer, save_policy  # noqa: E402
 from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
 from cispo.rollout.vllm_episodes import REPETITION, STOP_ID, STOP_STRING, scan_segment  # noqa: E402
 from cispo.rollout.vllm_sampler import VLLMSampler  # noqa: E402
+from tests import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
 
 PAD, EOS, UNK = 0, 1, 2  # build_tokenizer's ids
 CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz"

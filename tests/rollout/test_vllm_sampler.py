@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from tests import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
 from cispo.models.loading import build_tokenizer, save_policy  # noqa: E402
 from cispo.rollout import RolloutBatch, Sampler, SamplingConfig, TorchSampler, truncated_is_weights  # noqa: E402
 from cispo.rollout.vllm_sampler import (  # noqa: E402
@@ -31,6 +30,7 @@ from cispo.rollout.vllm_sampler import (  # noqa: E402
     finalize_response,
     repetition_stop_length,
 )
+from tests import fake_vllm  # noqa: E402  (tests/fake_vllm.py)
 
 PAD, EOS = 0, 1  # cispo.models.loading.build_tokenizer's ids
 CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz"

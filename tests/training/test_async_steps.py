@@ -1,4 +1,4 @@
-"""Sampling beside training, one step off policy (``rollout.async_steps=1``; issue 47 item 4, docs/async.md):
+"""Sampling beside training, one step off policy (``rollout.async_steps=1``; docs/async.md):
 the settings refused where the staleness would go unseen; the behaviour policy samples with the weights it was
 given when its thread started; a batch is trained on one step after it was sampled; the held batch survives a
 checkpoint exactly, so a resumed run equals an uninterrupted one."""
@@ -17,7 +17,7 @@ from cispo.training.prefetch import Prefetch, load_rollout, rollout_state
 from cispo.training.runner import train
 from cispo.training.sampling import StepRollout
 from tests.conftest import small_config
-from test_trainer import final_weights, strip_perf
+from tests.training.test_runner import final_weights, strip_perf
 
 ASYNC = ("rollout.async_steps=1", "algo.logp_old=rollout")
 VLLM_ASYNC = ("rollout.async_steps=1", "rollout.engine=vllm", "algo.tis_cap=2")  # vLLM's anchor: recompute + c
@@ -179,9 +179,8 @@ def test_a_batch_sampled_ahead_whose_rewards_a_stop_failed_is_not_kept(tiny_mode
 def engine_log(monkeypatch):
     """The stand-in vLLM (`fake_vllm`) installed, its sampler's calls logged: ("generate" | "push", the thread,
     the number of generate calls in flight at that moment)."""
-    from tests import fake_vllm
-
     from cispo.rollout.vllm_sampler import VLLMSampler
+    from tests import fake_vllm
 
     fake_vllm.install(monkeypatch)
     log, lock, in_flight = [], threading.Lock(), [0]

@@ -258,7 +258,7 @@ def test_torchrun_cli_fsdp(fsdp_run):
 
     root, _ = fsdp_run
     rows = read_metrics(root / "fsdp" / "metrics.jsonl")
-    # a fractional user reward: its held-out mean is eval/reward_mean, not an "accuracy" (issue 48, item 5)
+    # a fractional user reward: its held-out mean is eval/reward_mean, not an "accuracy" (only a 0/1 verifier has one)
     assert [r["step"] for r in rows] == [0, 1, 2] and "eval/reward_mean" in rows[0] and "eval/reward_mean" in rows[2]
     assert rows[-1]["optim/updates"] == 4 and rows[-1]["optim/grad_norm"] > 0
     ckpt = root / "fsdp" / "checkpoints" / "step_000002"
@@ -413,11 +413,10 @@ def test_fsdp_mixed_precision_gathers_layers_in_bf16_over_fp32_shards(tmp_path):
 
 
 def _vllm_worker(rank, world, port, model_dir, out_dir):
-    from tests import fake_vllm
-
     from cispo.foundations.distributed import shard_model
     from cispo.rollout import VLLMSampler
     from cispo.training.setup import vllm_settings
+    from tests import fake_vllm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -1,5 +1,4 @@
-"""Faults that once ended in a library's traceback and now end in one sentence, nothing lost
-(issue 32, item 10): a tokenizer larger than the model, deeply nested JSON, a deleted metrics.jsonl."""
+"""Faults that once ended in a library's traceback and now end in one sentence, nothing lost: a tokenizer larger than the model, deeply nested JSON, a deleted metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ from transformers import AutoTokenizer
 from cispo.cli import main
 from cispo.data.datasets import DataError, load_prompts
 from cispo.records.tracking import JsonlSink, read_metrics
-from test_resume_faults import damaged, original, resume, strip_perf  # noqa: F401  (shared fixtures)
-from test_runfolder import tiny_args
+from tests.records.test_runfolder import tiny_args
+from tests.training.test_resume_faults import damaged, original, resume, strip_perf  # noqa: F401  (shared fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,5 @@
-"""Fork words by string, and no silent non-runs (issue 18, items 6 and 7)."""
+"""Fork words matched by string (with or without a leading space), and no silent non-runs: a run that never
+updates, or evaluates nothing, says so instead of reporting success."""
 
 import dataclasses
 import json
@@ -84,7 +85,7 @@ def test_run_without_any_update_warns_and_fails(tiny_model, tmp_path, monkeypatc
     assert "step 1: no update" in err and "not one optimizer update" in err
     rows = read_metrics(tmp_path / "flat" / "metrics.jsonl")
     assert [r.get("optim/step_updates") for r in rows if r["step"] > 0] == [0.0, 0.0]
-    # the dropped groups are saved: that is when a user needs to see them (issue 30, item 8)
+    # the dropped groups are saved: that is when a user needs to see them
     samples = [json.loads(line) for line in (tmp_path / "flat" / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in samples] == [1, 1, 1, 1, 2, 2, 2, 2]  # 2 groups x G = 2 a step
     assert all(r["reward"] == 1.0 and r["advantage"] is None and r["capped_tokens"] is None for r in samples)

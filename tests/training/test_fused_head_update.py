@@ -12,7 +12,7 @@ from cispo.objective.loss import preset
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
 from tests.conftest import small_config
-from test_trainer import _ragged_setup, strip_perf
+from tests.training.test_runner import _ragged_setup, strip_perf
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""algo.logp_old=rollout (issue 47 item 3): pi_old is the sampler's own log-probs where the sampler is
+"""algo.logp_old=rollout: pi_old is the sampler's own log-probs where the sampler is
 the trainer's policy, and no logp_old pass runs. Pinned against the recomputed pass on a tiny random
 model: the same first step (same samples), logp_old within 1e-4 per token, the first update's ratio
 statistics those of the recomputed path, the mismatch and entropy metrics measured by the first update
@@ -13,7 +13,6 @@ import cispo.training.trainer as trainer
 from cispo.config.train import apply_overrides
 from cispo.training.logp_old import MEASURED, not_same_policy, rollout_as_old
 from cispo.training.runner import train
-
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""algo.logp_old_from_update (issue 13 item 4): the first update's detached log-probs stand in for
+"""algo.logp_old_from_update: the first update's detached log-probs stand in for
 its rows' logp_old pass, bitwise: the same metrics and weights as the separate pass, one no-grad
 forward over 1/K of the batch fewer."""
 
@@ -10,7 +10,6 @@ import torch
 import cispo.training.trainer as trainer
 from cispo.config.train import apply_overrides
 from cispo.training.runner import train
-
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,6 +1,6 @@
-"""The mini-batch rule when dynamic sampling leaves the batch short (issue 28, item 1).
+"""The mini-batch rule when dynamic sampling leaves the batch short (``algo.minibatch_policy``).
 
-``fixed_updates`` (the rule until issue 28) keeps K updates on shrinking mini-batches — a diverged
+``fixed_updates`` (the earlier rule) keeps K updates on shrinking mini-batches — a diverged
 `chain` run did 8 full-size Adam steps on single responses; ``fixed_size`` keeps the configured
 mini-batch and runs fewer updates, as DAPO's recipe does."""
 

@@ -1,4 +1,4 @@
-"""Issue 45 item 3: the environment's tokens are context, never trained on. The gradient of a
+"""Multi-turn batches: the environment's tokens are context, never trained on. The gradient of a
 multi-turn batch equals that of the same policy tokens with the observations as frozen context (each
 policy segment a row of its own whose prompt is everything before it); ``collate`` / ``select`` /
 the micro-batches keep every real token and mask the environment's."""
@@ -10,8 +10,8 @@ transformers = pytest.importorskip("transformers")
 
 from cispo.foundations.experience import Completion, collate  # noqa: E402
 from cispo.models.policy import policy_logprobs  # noqa: E402
-from cispo.objective.presets import preset  # noqa: E402
 from cispo.objective.loss import policy_loss  # noqa: E402
+from cispo.objective.presets import preset  # noqa: E402
 from cispo.training.batching import length_micro_batches  # noqa: E402
 
 PAD = 0

@@ -3,7 +3,6 @@ log pi_ref, its gradient, and whole runs with the initial policy or ``model.ref_
 
 import pytest
 import torch
-from tests.conftest import small_config
 
 import cispo.training.trainer
 from cispo.config.train import ConfigError, TrainConfig, apply_overrides
@@ -15,6 +14,7 @@ from cispo.objective.loss import preset
 from cispo.records.tracking import read_metrics
 from cispo.rollout import TorchSampler
 from cispo.training.runner import train
+from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,9 +13,9 @@ from cispo.data.rewards import overlong_penalty, shaped_reward
 from cispo.foundations.experience import Completion, collate
 from cispo.models.policy import policy_logprobs
 from cispo.objective.loss import PRESETS
+from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
 from tests.conftest import small_config
-from cispo.records.tracking import read_metrics
 
 
 def final_weights(run_dir):

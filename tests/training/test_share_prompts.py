@@ -1,4 +1,4 @@
-"""algo.share_prompts and algo.minibatch_order (issue 47 item 2) in the trainer: a run with each prompt
+"""algo.share_prompts and algo.minibatch_order in the trainer: a run with each prompt
 run once per call learns what the plain run learns (metrics and weights to float rounding); ``by_group``
 deals whole groups into the mini-batches; the micro-batch cut counts a shared prompt once."""
 
@@ -12,7 +12,6 @@ from cispo.config.algo import AlgoConfig
 from cispo.foundations.experience import Completion, collate
 from cispo.training.batching import length_micro_batches, minibatches, row_order
 from cispo.training.runner import train
-
 from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -452,7 +452,7 @@ def test_train_checks_the_fields_before_loading_a_model(tmp_path):
         train(cfg)
 
 
-# --------------------------------------------------------------------------- reserved column names (issue 44)
+# --------------------------------------------------------------------------- reserved column names
 
 RESERVED_REWARDS = """
 def score(prompt, completion, **sample):
@@ -542,7 +542,7 @@ def test_train_names_a_reserved_column_before_loading_a_model(tmp_path):
         train(cfg)
 
 
-# --------------------------------------------------------------------------- stated answers (issue 18)
+# --------------------------------------------------------------------------- stated answers
 
 
 @needs_math_verify

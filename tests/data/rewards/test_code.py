@@ -29,20 +29,18 @@ import pytest
 
 from cispo.data.rewards import code as code_mod
 from cispo.data.rewards.code import (
-                                     CodeReward,
-                                     SandboxConfig,
-                                     SandboxError,
-                                     SandboxUnavailable,
-                                     code_reward,
-                                     code_reward_partial,
-                                     extract_code,
-                                     make_code_reward,
-                                     run_sandboxed,
-                                     run_tests,
-                                     )
+    CodeReward,
+    SandboxConfig,
+    SandboxError,
+    SandboxUnavailable,
+    code_reward,
+    code_reward_partial,
+    extract_code,
+    make_code_reward,
+    run_sandboxed,
+    run_tests,
+)
 from tests.sandbox_helpers import ADD, ADD_TESTS, REPO, config, program, sandbox_pids
-from tests.sandbox_helpers import cfg, netns, nothing_survives  # noqa: F401 - fixtures (nothing_survives is autouse)
-
 
 # --------------------------------------------------------------------------- pure helpers
 
@@ -56,7 +54,7 @@ def test_extract_code():
     assert extract_code("answer:\n```python\nx = 1\n") == "x = 1\n"               # truncated fence
 
 
-# The fence pattern extract_code used until issue 32 (quadratic on runs of backticks): the oracle.
+# The fence pattern extract_code used before it was made linear (quadratic on runs of backticks): the oracle.
 _OLD_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 
 

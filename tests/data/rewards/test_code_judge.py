@@ -1,7 +1,7 @@
-"""The code reward's judge and worker (issue 32, item 1): the verdict is decided in a process the
+"""The code reward's judge and worker: the verdict is decided in a process the
 solution cannot read, from answers the solution cannot fake.
 
-The forging solution below is the hostile round's escape, written again from its description: a code
+The forging solution below is a known escape from an earlier harness, written again from its description: a code
 object made with ``CodeType.replace`` whose out-of-range ``LOAD_CONST`` yields a bytearray over the
 process's memory, a scan of the heap for the harness's signed verdict line, and that line written to
 every descriptor. Against the harness of 9405c23 it scores 1.0 with ``add`` returning ``a - b``.
@@ -16,7 +16,7 @@ import pytest
 
 from cispo.data.rewards import _harness
 from cispo.data.rewards.code import code_reward, code_reward_partial, run_sandboxed, run_tests
-from tests.sandbox_helpers import ADD_TESTS, cfg, netns, nothing_survives, program  # noqa: F401  (shared fixtures)
+from tests.sandbox_helpers import ADD_TESTS, program
 
 MEMORY = textwrap.dedent('''
     import dis, re, struct, types

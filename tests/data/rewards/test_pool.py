@@ -20,7 +20,8 @@ from cispo.data.rewards.loading import load_reward
 from cispo.data.rewards.pool import OUTPUT_TAIL_CHARS, shutdown_pools
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from tests.conftest import reward_calls as calls, small_config
+from tests.conftest import reward_calls as calls
+from tests.conftest import small_config
 
 REPO = str(Path(__file__).resolve().parents[3])
 
@@ -257,7 +258,7 @@ def test_a_run_survives_a_reward_that_exits(tiny_model, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# Started in set-up (issue 30, item 10)
+# Started in set-up, while the model loads, not at the first step
 # ---------------------------------------------------------------------------------------
 
 MARKING_REWARD = '''

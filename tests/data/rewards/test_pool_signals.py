@@ -22,7 +22,8 @@ from cispo.data.rewards.pool import shutdown_pools
 from cispo.records.runfolder import run_dir_of
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from tests.conftest import reward_calls as calls, small_config
+from tests.conftest import reward_calls as calls
+from tests.conftest import small_config
 
 REPO = str(Path(__file__).resolve().parents[3])
 

@@ -1,6 +1,6 @@
-"""The code sandbox against leaks (issue 17 and after): shadowed builtins, the tests' text, host
+"""The code sandbox against leaks: shadowed builtins, the tests' text, host
 sockets, SysV IPC, child interpreters, the harness's memory, seccomp, the file-system view and the
-refusals when bwrap or user namespaces are missing. Fixtures in sandbox_helpers.py."""
+refusals when bwrap or user namespaces are missing. Fixtures in tests/data/conftest.py."""
 
 from __future__ import annotations
 
@@ -9,25 +9,23 @@ import json
 import os
 import secrets
 import shutil
-import subprocess
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from cispo.data.rewards.code import (
-                                     SandboxConfig,
-                                     SandboxUnavailable,
-                                     make_code_reward,
-                                     run_sandboxed,
-                                     run_tests,
-                                     )
+    SandboxConfig,
+    SandboxUnavailable,
+    make_code_reward,
+    run_sandboxed,
+    run_tests,
+)
 from tests.sandbox_helpers import ADD_TESTS, MEMORY_MB, REPO, config, program
-from tests.sandbox_helpers import cfg, netns, nothing_survives  # noqa: F401 - fixtures (nothing_survives is autouse)
 
-
-# --------------------------------------------------------------------------- leaks (issue 17)
+# --------------------------------------------------------------------------- leaks of the verdict, the tests and the host
 
 
 SHADOWING = {

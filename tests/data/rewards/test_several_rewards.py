@@ -1,5 +1,5 @@
-"""Several rewards, weighted, and a reward model as a reward (issue 48, item 4); metric names that mean
-what they say (item 5): ``accuracy`` only for a 0/1 verifier, each reward's mean and std, the extras a
+"""Several rewards, weighted, and a reward model as a reward; metric names that mean
+what they say: ``accuracy`` only for a 0/1 verifier, each reward's mean and std, the extras a
 reward reports (a verl dict's other keys, TRL's ``log_metric`` / ``log_extra``)."""
 
 import json
@@ -12,8 +12,14 @@ from cispo.cli import main
 from cispo.config.train import ConfigError, TrainConfig, apply_overrides
 from cispo.data.prompts import load_source
 from cispo.data.rewards import score_completions
-from cispo.data.rewards.loading import (Reward, RewardSet, RewardSpecError, check_reward_fields, load_reward,
-                                        load_rewards)
+from cispo.data.rewards.loading import (
+    Reward,
+    RewardSet,
+    RewardSpecError,
+    check_reward_fields,
+    load_reward,
+    load_rewards,
+)
 from cispo.data.rewards.pool import shutdown_pools
 from cispo.data.tasks import arithmetic
 from cispo.foundations.experience import Completion

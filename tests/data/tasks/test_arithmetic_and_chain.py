@@ -359,10 +359,9 @@ def test_a_chain_run_logs_reflective_tokens_per_response(tmp_path, one_thread):
     """`cispo train task=chain` runs, and each step logs the mean number of W per response."""
     import json
 
-    from tests.conftest import small_config
-
     from cispo.models.loading import build_model, build_tokenizer, save_policy
     from cispo.training.runner import train
+    from tests.conftest import small_config
 
     tok = build_tokenizer(ch.ALPHABET, 384)
     save_policy(build_model(tok, size="tiny", seed=0, max_positions=384), tok, tmp_path / "m")

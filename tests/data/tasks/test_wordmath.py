@@ -1,4 +1,4 @@
-"""The real-model path (issue 31): ``builtin:smollm2-135m`` from its package, and the ``wordmath`` task
+"""The real-model path: ``builtin:smollm2-135m`` from its package, and the ``wordmath`` task
 with a verifier that the ways RL gamed a last-number verifier on SmolLM2 do not pay."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ VERDICTS = [
     ("51 52 53 54 55", 0.0),  # listing results
     ("#### 52", 0.0),
     ("", 0.0),
-    # a marker with no number after it states no answer (stage B of the agents search wrote these before the paid
+    # a marker with no number after it states no answer (a trained policy wrote these before the paid
     # one, lines repeated to the limit): the one number stated is the answer, and a number beside it a hedge
     ("The answer is: A\nThe answer is: B\nThe answer is: 51", 1.0),
     ("The answer is: 51\nThe answer is: A", 1.0),
@@ -88,7 +88,7 @@ def test_wordmath_working_pays_a_right_answer_only_after_true_working(completion
     assert wordmath.reward_working(Q, completion, answer="51") == score
 
 
-# Issue 44: (completion, gold, score) — hedges after the final answer (on its line or the lines after, in
+# Ways a policy games the verifier: (completion, gold, score) — hedges after the final answer (on its line or the lines after, in
 # digits or words), numerals that are not ASCII digits, decimals that a float rounds to the gold, commas
 # that are no thousands separators, echoes of the question after the answer; and clean answers that pay.
 VERBOSE = ("Ava had 10 apples and gave away 3, so she has 10 - 3 = 7 apples left, which is the number we want."
@@ -224,7 +224,7 @@ def test_splits_are_disjoint_seeded_and_chat_shaped():
 
 
 def test_large_numbers_are_the_same_templates_with_2_to_3_digit_operands():
-    """The agents search's amendment 2: operands a 135M model cannot work with in its head, from their own
+    """The large variant: operands a 135M model cannot work with in its head, from their own
     seeded stream; the default stream is untouched; answers right by GSM8K's form, splits disjoint."""
     train, held = wordmath.samples(0, 300, "train", "large"), wordmath.samples(0, 100, "eval", "large")
     assert not {s["prompt"] for s in train} & {s["prompt"] for s in held}

@@ -1,4 +1,4 @@
-"""``wordmath_calc`` (issue 45): wordmath's problems with an inline calculator, scored by wordmath's verifier
+"""``wordmath_calc``: wordmath's problems with an inline calculator, scored by wordmath's verifier
 on the policy's own text: a result the calculator inserted never states, hedges or restates an answer."""
 
 from __future__ import annotations
@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from cispo.data.environments import build_environment
+from cispo.data.environments import TASK_TOOLS, build_environment
 from cispo.data.rewards.pool import shutdown_pools
-from cispo.data.environments import TASK_TOOLS
 from cispo.data.tasks import get_task, wordmath, wordmath_calc
 from cispo.data.tasks.wordmath_calc import policy_text, reward
-from test_wordmath import Q, VERDICTS
+from tests.data.tasks.test_wordmath import VERDICTS, Q
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[3] / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
 
@@ -41,7 +40,7 @@ def test_the_task_is_registered_with_its_fork_string():
 
 
 def test_the_example_variant_teaches_the_calculator_in_the_system_prompt():
-    """Amendment 1 of the agents search: the same problems, a worked example in the system message and
+    """The example variant: the same problems, a worked example in the system message and
     wordmath's own instruction in the user turn; the same tools, reward and fork string."""
     task, plain = get_task("wordmath_calc_example"), get_task("wordmath_calc")
     example, calc = task.eval_samples(0, 20), plain.eval_samples(0, 20)
@@ -58,7 +57,7 @@ def test_the_example_variant_teaches_the_calculator_in_the_system_prompt():
 
 
 def test_the_large_variant_is_the_calculator_on_wordmaths_large_problems():
-    """Amendment 2's stage D: the calculator task and its no-calculator twin on the same 2-3 digit problems."""
+    """The large variants: the calculator task and its no-calculator twin on the same 2-3 digit problems."""
     calc, plain = get_task("wordmath_calc_large"), get_task("wordmath_large")
     assert [(s["prompt"], s["answer"]) for s in calc.train_samples(1, 30)] \
         == [(s["prompt"], s["answer"]) for s in plain.train_samples(1, 30)] \
@@ -168,9 +167,10 @@ def test_the_fork_diagnostics_find_the_call_in_smollm2s_ids(smol):
 
 
 def test_workings_are_the_samples_problems_with_an_expression_of_their_answer():
-    """Amendment 3's demonstrations start from `wordmath.workings`: the same problems as `samples`, in order,
+    """Demonstrations of calculator calls start from `wordmath.workings`: the same problems as `samples`, in order,
     each expression's value its answer (every template, both operand sizes)."""
     from fractions import Fraction
+
     from cispo.data.tools import evaluate
     for numbers in ("small", "large"):
         rows, plain = wordmath.workings(0, 300, "train", numbers), wordmath.samples(0, 300, "train", numbers)
