@@ -38,7 +38,8 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture
 def dense_task(monkeypatch):
     base = cispo.data.tasks.get_task("addition")
-    monkeypatch.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
+    monkeypatch.setattr(cispo.data.tasks, "get_task",
+                        lambda name="addition": dataclasses.replace(base, reward=digit_reward))
 
 
 def reward_calls(*completions, sample=None):

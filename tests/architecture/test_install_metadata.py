@@ -127,5 +127,6 @@ assert torch.isfinite(loss) and "cispo/frac_capped" in metrics
 print("ok")
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "VERL_USE_EXTERNAL_PLUGINS": "auto"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

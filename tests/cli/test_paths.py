@@ -19,7 +19,7 @@ from cispo.training.checkpoint import check_model_folder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-REWARD = "def score(prompt, completion, answer, **sample):\n    return completion.count('1') / max(len(completion), 1)\n"
+REWARD = "def score(prompt, completion, answer, **sample):\n    return completion.count('1') / max(len(completion), 1)\n"  # noqa: E501
 RUN = ["model.device=cpu", "progress=false", "steps=2", "prompts_per_step=2", "group_size=2", "updates_per_batch=1",
        "max_new_tokens=6", "num_eval_prompts=2", "eval.num_samples=2", "eval.every=0", "checkpoint_every=1",
        "dynamic_sampling=false", "data.reward_isolation=main", "data.fork_tokens=[Wait]"]
@@ -92,7 +92,8 @@ def test_a_hub_id_still_goes_to_from_pretrained(monkeypatch):
 def test_without_network_a_hub_id_is_read_from_the_cache_at_once(tiny_model, tmp_path):
     """The hub's host does not resolve (``HF_ENDPOINT`` on ``.invalid``, which never does): a hub id in the
     Hugging Face cache loads from it with ``local_files_only`` (before: ~26 s of retries per file first),
-    one that is not there is one line saying so, as is a hub data set (datasets' cache only); and the run folder such a failure created is reused by
+    one that is not there is one line saying so, as is a hub data set (datasets' cache only); and the run folder such a
+    failure created is reused by
     the next try, not refused as "already exists"."""
     snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("0" * 40)
     shutil.copytree(tiny_model, snapshot)
@@ -112,7 +113,8 @@ def test_without_network_a_hub_id_is_read_from_the_cache_at_once(tiny_model, tmp
         assert main(["train", "model.path=org/missing", *args]) == 2
         print("failed in", time.perf_counter() - started, file=sys.stderr)
         assert main(["train", "model.path=org/tiny", *args]) == 0
-        assert main(["train", "model.path=org/tiny", "data.path=org/nodata", "data.split=train", "--overwrite", *args]) == 2
+        assert main(["train", "model.path=org/tiny", "data.path=org/nodata", "data.split=train", "--overwrite",
+                     *args]) == 2
     """)
     env = {**os.environ, "HF_ENDPOINT": "https://nothing.invalid", "HF_HUB_CACHE": str(tmp_path / "hub"),
            "HF_HUB_OFFLINE": "0", "OMP_NUM_THREADS": "1"}

@@ -14,7 +14,8 @@ PROBE = """
 import contextlib, io, json, sys
 from cispo.cli import main
 out, codes = io.StringIO(), []
-for argv in (["--help"], ["train", "--help"], ["pretrain", "--help"], ["compare", "--help"], ["train", "beta=0.04"], ["train", "steps=0"],
+for argv in (["--help"], ["train", "--help"], ["pretrain", "--help"], ["compare", "--help"], ["train", "beta=0.04"],
+["train", "steps=0"],
              ["train", "objective_overrides.eps_high_is=-1"]):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
@@ -40,7 +41,8 @@ def test_help_and_config_errors_do_not_import_torch():
 
 
 def test_help_alone_imports_nothing_heavy():
-    probe = ("import sys\nfrom cispo.cli import main\nfor argv in (['--help'], ['train', '--help'], ['train', 'beta=1']):\n"
+    probe = ("import sys\nfrom cispo.cli import main\nfor argv in (['--help'], ['train', '--help'], ['train', "
+             "'beta=1']):\n"
              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
              "print(sorted({m.split('.')[0] for m in sys.modules}))")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
@@ -74,7 +76,8 @@ def test_prompt_lengths_are_those_of_encode(tmp_path):
     from cispo.models.packaged import save_tiny_smollm2
     from cispo.models.policy import Policy, batch_encoder
 
-    samples = [{"prompt": p} for p in ("12+34=", "", "Ünïcödé  spaces\n\ttabs", "<|endoftext|>a <|im_start|>", "9" * 300)]
+    samples = [{"prompt": p} for p in ("12+34=", "", "Ünïcödé  spaces\n\ttabs", "<|endoftext|>a <|im_start|>",
+                                       "9" * 300)]
     for path in (ensure_builtin_model("addition"), save_tiny_smollm2(tmp_path / "smollm2")):
         model, tokenizer = load_policy(path)
         policy = Policy(model, tokenizer, sampler=None, device=torch.device("cpu"))
@@ -110,7 +113,8 @@ def test_the_program_imports_with_the_collector_paused():
     """`collector_paused`: for the program, the block runs with the collector off and what it made is frozen
     after it, the collector on again; for any other caller, a plain block."""
     probe = ("import gc\nfrom cispo.cli import collector_paused\nwith collector_paused(False):\n    import json\n"
-             "print(gc.isenabled(), gc.get_freeze_count())\nwith collector_paused(True):\n    off = not gc.isenabled()\n"
+             "print(gc.isenabled(), gc.get_freeze_count())\nwith collector_paused(True):\n    off = not "
+             "gc.isenabled()\n"
              "    import email.parser\nprint(off, gc.isenabled(), gc.get_freeze_count() > 0)")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

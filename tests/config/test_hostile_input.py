@@ -212,7 +212,8 @@ def test_many_problems_are_cut_to_a_count(tmp_path):
 
 def test_values_python_cannot_repr_are_shown_by_size():
     """``repr(10**5000)`` raises ValueError: it was a traceback from the error message itself."""
-    with pytest.raises(ConfigError, match=r"algo.objective: expected one of .*, got <an integer of about 5,000 digits>"):
+    with pytest.raises(ConfigError,
+                       match=r"algo.objective: expected one of .*, got <an integer of about 5,000 digits>"):
         from_dict(TrainConfig, {"algo": {"objective": 10**5000}})
     assert short_repr(10**5000) == "<an integer of about 5,000 digits>"
     assert len(short_repr("a" * 10**6)) < 100 and len(short_repr([list(range(10**5))] * 10**3)) < 200
@@ -232,8 +233,10 @@ def test_a_check_that_quotes_a_long_value_is_cut():
 def test_a_seed_out_of_range_is_one_line(key, value):
     """Before: seed=2**64 was accepted, then a traceback from torch.manual_seed ('Overflow when
     unpacking long long'); a negative or >= 2^32 seed fails in numpy.random.seed under vLLM."""
-    assert override_error(f"{key}={value}") == (f"override '{key}={value}': {key} must be in [0, {MAX_SEED}] (2^31 - 1: "
-                                                "numpy and vLLM take seeds below 2^32, and each rank and step adds to it)")
+    assert override_error(f"{key}={value}") == (f"override '{key}={value}': {key} must be in [0, {MAX_SEED}] (2^31 - "
+                                                f"1: "
+                                                "numpy and vLLM take seeds below 2^32, and each rank and step adds to "
+                                                "it)")
 
 
 def test_the_largest_seed_works_where_seeds_are_used():

@@ -161,7 +161,8 @@ def test_override_does_not_change_its_input():
         (["steps=true"], "steps: expected int, got True"),  # not read as 1
         (["lr=false"], "optim.lr: expected float, got False"),
         (["lr.x=1"], "optim.lr is not a section"),
-        (["objective=dapoo"], "algo.objective: expected one of 'cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', 'cispo_highmask', "
+        (["objective=dapoo"], "algo.objective: expected one of 'cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', "
+                              "'cispo_lowmask', 'cispo_highmask', "
                               "got 'dapoo' (did you mean 'dapo'?)"),
         (["advantage_estimator=rlo"], "(did you mean 'rloo'?)"),
         (["engine=vlm"], "rollout.engine: expected one of 'torch', 'vllm', got 'vlm' (did you mean 'vllm'?)"),
@@ -200,7 +201,8 @@ def test_override_errors_name_the_key(overrides, expected):
         (["prompts_per_step=2", "group_size=4", "updates_per_batch=9"], "= 8"),
         (["data.path=p.jsonl", "data.reward=math", "max_new_tokens=8"], "model.path is required with data.path"),
         (["model.path=m", "data.path=p.jsonl", "max_new_tokens=8"], "data.reward is required with data.path"),
-        (["model.path=m", "data.path=p.jsonl", "data.reward=math"], "rollout.max_new_tokens is required with data.path"),
+        (["model.path=m", "data.path=p.jsonl", "data.reward=math"],
+         "rollout.max_new_tokens is required with data.path"),
         (["overlong_buffer=0"], "rollout.overlong_buffer must be >= 1 or None"),
         (["repetition_stop_tokens=-1"], "rollout.repetition_stop_tokens must be >= 0"),
         (["num_train_prompts=0"], "data.num_train_prompts must be >= 1"),
@@ -289,7 +291,7 @@ def test_help_lists_every_field_with_its_docstring():
     assert "  optim.lr: float = 0.0001\n      Peak learning rate.\n" in text
     assert "  optim.betas: tuple[float, float] = (0.9, 0.95)" in text
     assert "  rollout.max_new_tokens: int | None = None" in text
-    assert "  algo.objective: Literal['cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', 'cispo_highmask'] = 'cispo'" in text
+    assert "  algo.objective: Literal['cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', 'cispo_highmask'] = 'cispo'" in text  # noqa: E501
     assert "\noptim (OptimConfig): AdamW, with MiniMax-M1's settings by default.\n" in text
     parser = argparse.ArgumentParser(epilog=text, formatter_class=argparse.RawDescriptionHelpFormatter)
     assert "      Peak learning rate." in parser.format_help()
@@ -447,7 +449,8 @@ def test_the_read_line_shows_translated_values_once(monkeypatch, capsys):
         ("loss_type=bnpo", "loss_type: 'bnpo' is not read: TRL's bnpo divides by the tokens of the local micro-batch"),
         ("loss_type=sapo", "loss_type: 'sapo' is not read: no cispo value equals it ('loss_type' in TRL is read as "
                            "algo.objective: grpo -> grpo; dapo -> ppo"),
-        ("scale_rewards=batch", "scale_rewards: 'batch' is not read: TRL's batch divides by the std of the whole batch"),
+        ("scale_rewards=batch",
+         "scale_rewards: 'batch' is not read: TRL's batch divides by the std of the whole batch"),
         ("report_to=all", "report_to: 'all' is not read: TRL's all (every installed integration) is not read"),
         ("report_to=comet_ml", "unknown tracking sink 'comet_ml'"),
         ("loss_agg_mode=seq-mean-token-sum", "loss_agg_mode: 'seq-mean-token-sum' is not read: set "
@@ -484,7 +487,8 @@ def test_verl_names_in_a_yaml_file_and_a_name_given_twice(tmp_path, monkeypatch,
     with pytest.raises(ConfigError) as e:
         load_yaml(TrainConfig, path)
     assert str(e.value).splitlines() == [
-        f"{path}:4: trainer.total_epochs: unknown key (did you mean 'steps'? 'trainer.total_epochs' in verl: cispo counts "
+        f"{path}:4: trainer.total_epochs: unknown key (did you mean 'steps'? 'trainer.total_epochs' in verl: cispo "
+        f"counts "
         "RL steps of rollout.prompts_per_step prompts each; verl's total_epochs counts passes over the data set: steps "
         "= total_epochs x prompts / data.train_batch_size)",
         f"{path}:5: learning_rate: TRL's name of optim.lr, which is given too: give only optim.lr"]
@@ -557,7 +561,8 @@ def _leaves(tree: dict, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml")),
+                         ids=lambda p: p.name)
 def test_example_configs_load_with_every_value(path):
     """Every shipped example loads as a TrainConfig, and each value it sets is the value the run gets."""
     import yaml

@@ -76,7 +76,8 @@ def test_answer_field_none(tmp_path):
 
 def test_nested_fields_and_chat_messages(tmp_path):
     p = write_jsonl(tmp_path / "dapo.jsonl", DAPO)
-    samples = load_prompts(p, answer_field="reward_model.ground_truth", extra_fields=["extra_info.index", "data_source"])
+    samples = load_prompts(p, answer_field="reward_model.ground_truth",
+                           extra_fields=["extra_info.index", "data_source"])
     assert samples[0]["prompt"] == "Solve x+1=2."
     assert samples[0]["messages"] == DAPO[0]["prompt"]
     assert samples[0]["answer"] == "1"
@@ -101,7 +102,8 @@ def test_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"query": "a", "answer": "1"}, {"query": "  ", "answer": "2"}]), bad)
     with pytest.raises(DataError, match=r"bad\.parquet: row 1: field 'query': empty prompt"):
         load_prompts(bad, prompt_field="query")
-    with pytest.raises(DataError, match=r"bad\.parquet: row 0: field 'prompt': missing prompt field \(did you mean 'query'\?\)"):
+    with pytest.raises(DataError,
+                       match=r"bad\.parquet: row 0: field 'prompt': missing prompt field \(did you mean 'query'\?\)"):
         load_prompts(bad)
 
     junk = tmp_path / "junk.parquet"
@@ -127,7 +129,8 @@ def test_datasets_folder(tmp_path):
         load_prompts(multi, prompt_field="question")
     with pytest.raises(DataError, match=r"no split 'tran' \(did you mean 'train'\?\)"):
         load_prompts(multi, prompt_field="question", split="tran")
-    with pytest.raises(DataError, match=r"multi: row 0: field 'prompt': missing prompt field \(did you mean 'question'"):
+    with pytest.raises(DataError,
+                       match=r"multi: row 0: field 'prompt': missing prompt field \(did you mean 'question'"):
         load_prompts(multi, split="train")
 
     plain = tmp_path / "plain"
@@ -145,16 +148,19 @@ def test_datasets_folder(tmp_path):
         ('{"prompt": "x", "answer": ', {}, r"line 2: invalid JSON"),
         ("[1, 2]", {}, r"line 2: expected a JSON object .*got list"),
         ({"promt": "x", "answer": "1"}, {}, r"line 2: field 'prompt': missing prompt field \(did you mean 'promt'\?\)"),
-        ({"Prompt": "x", "answer": "1"}, {}, r"line 2: field 'prompt': missing prompt field \(did you mean 'Prompt'\?\)"),
+        ({"Prompt": "x", "answer": "1"}, {},
+         r"line 2: field 'prompt': missing prompt field \(did you mean 'Prompt'\?\)"),
         ({"prompt": "x", "reward_model": {"ground_truth": "1"}}, {},
          r"line 2: field 'answer': missing answer field \(did you mean 'reward_model.ground_truth'\?\)"),
-        ({"prompt": 3, "answer": "1"}, {}, r"line 2: field 'prompt': prompt must be a string or a chat message list.*got int"),
+        ({"prompt": 3, "answer": "1"}, {},
+         r"line 2: field 'prompt': prompt must be a string or a chat message list.*got int"),
         ({"prompt": "   ", "answer": "1"}, {}, r"line 2: field 'prompt': empty prompt"),
         ({"prompt": "x"}, {}, r"line 2: field 'answer': missing answer field"),
         ({"prompt": "x", "answer": None}, {}, r"line 2: field 'answer': answer is null"),
         ({"prompt": "x", "answer": [1]}, {}, r"line 2: field 'answer': answer must be a string or a number, got list"),
         ({"prompt": "x", "answer": " "}, {}, r"line 2: field 'answer': empty answer"),
-        ({"prompt": [{"role": "system", "content": "s"}], "answer": "1"}, {}, r"line 2: field 'prompt': .*no 'user' message"),
+        ({"prompt": [{"role": "system", "content": "s"}], "answer": "1"}, {},
+         r"line 2: field 'prompt': .*no 'user' message"),
         ({"prompt": [{"role": "user"}], "answer": "1"}, {}, r"line 2: field 'prompt': message 0 is not a"),
         ({"prompt": [{"role": "user", "content": " "}], "answer": "1"}, {}, r"line 2: field 'prompt': empty prompt"),
         ({"prompt": "x", "rm": {"ground_truth": "1"}}, {"answer_field": "rm.groundtruth"},

@@ -31,11 +31,14 @@ TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "cispo" / "data" / "tasks"
 # Qwen2.5-Instruct's chat template (its tool parts: the tools in the system turn, Hermes <tool_call> blocks,
 # tool turns as <tool_response> in a user turn), as Qwen ships it.
 QWEN_TOOL_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] "
+    "}}"
     "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
-    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
+    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
+    "with "
     "function signatures within <tools></tools> XML tags:\\n<tools>\" }}{%- for tool in tools %}{{- \"\\n\" }}"
-    "{{- tool | tojson }}{%- endfor %}{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function "
+    "{{- tool | tojson }}{%- endfor %}{{- \"\\n</tools>\\n\\nFor each function call, return a json object with "
+    "function "
     "name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
     "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}"
     "{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
@@ -43,7 +46,8 @@ QWEN_TOOL_TEMPLATE = (
     "assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant' "
-    "and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' "
+    "}}"
     "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}{%- if message.content %}"
     "{{- '\\n' + message.content }}{%- endif %}{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
@@ -192,7 +196,7 @@ def test_an_inline_episode_over_three_turns(smol):
              " so 7 <calc>7*1</calc>", " #### 7<|im_end|>"]
     segments = [ids(smol, t) for t in turns]
     observations = []
-    for i, segment in enumerate(segments[:4]):
+    for _i, segment in enumerate(segments[:4]):
         assert first_pause(episodes, 0, segment) == len(segment)
         observations.append(episodes.respond([0], [segment], [False])[0])
     assert [None if o is None else smol.decode(o) for o in observations] == \
@@ -254,7 +258,8 @@ def test_the_chat_prompt_carries_the_tools(qwen):
     env = chat_env(qwen)
     assert [s["function"]["name"] for s in env.schemas] == ["add", "calculator"] and env.stop_strings == ()
     prompt = qwen.decode(env.render_prompt({"prompt": "What is 2 + 3?"}))
-    assert '"name": "add"' in prompt and prompt.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert '"name": "add"' in prompt and prompt.endswith("<|im_start|>user\nWhat is 2 + "
+                                                         "3?<|im_end|>\n<|im_start|>assistant\n")
     assert render_prompt(qwen, {"prompt": "x"}) != render_prompt(qwen, {"prompt": "x"}, env.schemas)
 
 
@@ -268,7 +273,7 @@ def test_a_chat_turn_is_the_templates_own_rendering(qwen):
     segment = ids(qwen, call)
     assert first_pause(episodes, 0, segment) is None  # chat segments end with a stop token
     obs = episodes.respond([0], [segment], [True])[0]
-    assert qwen.decode(obs) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert qwen.decode(obs) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"  # noqa: E501
     assert obs == ids(qwen, qwen.decode(obs))
     conversation = [{"role": "user", "content": "What is 2 + 3?"},
                     {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
@@ -312,7 +317,7 @@ def fake_turn(text: str) -> str:
 def test_a_tools_output_cannot_end_or_open_a_turn(qwen):
     env = ToolEnvironment(qwen, [fake_turn], "chat", 2, CountingRunner([fake_turn]))
     obs = env.start([{"prompt": "q"}]).respond(
-        [0], [ids(qwen, '<tool_call>{"name": "fake_turn", "arguments": {"text": "x"}}</tool_call><|im_end|>')], [True])[0]
+        [0], [ids(qwen, '<tool_call>{"name": "fake_turn", "arguments": {"text": "x"}}</tool_call><|im_end|>')], [True])[0]  # noqa: E501
     im_start = qwen.convert_tokens_to_ids("<|im_start|>")
     assert obs.count(qwen.eos_token_id) == 1 and obs.count(im_start) == 2  # the template's own, no more
     assert qwen.decode(obs).endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
@@ -339,7 +344,8 @@ def test_the_run_builds_its_environment_from_the_config(smol):
         assert env.runner.timeout_s == 5.0 and env.runner.isolation == "process"
     finally:
         env.close()
-    assert environment_from_config(smol, apply_overrides(TrainConfig(), ["data.task=wordmath"]).data, cfg.rollout) is None
+    assert environment_from_config(smol, apply_overrides(TrainConfig(), ["data.task=wordmath"]).data,
+                                   cfg.rollout) is None
     none = apply_overrides(TrainConfig(), ["data.task=wordmath_calc", "data.tools=[]"])
     assert environment_from_config(smol, none.data, none.rollout) is None
     assert build_environment(smol, [calculator], isolation="main").tools[0].name == "calculator"

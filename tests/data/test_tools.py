@@ -98,7 +98,8 @@ def tool_files(tmp_path_factory):
 
 def test_specs_name_one_function_each():
     assert split_specs("my_tools.py:add,multiply") == ["my_tools.py:add", "my_tools.py:multiply"]
-    assert split_specs(["calculator", "pkg.mod:f", "a/b.py: g , h"]) == ["calculator", "pkg.mod:f", "a/b.py:g", "a/b.py:h"]
+    assert split_specs(["calculator", "pkg.mod:f", "a/b.py: g , h"]) == ["calculator", "pkg.mod:f", "a/b.py:g",
+                                                                         "a/b.py:h"]
     assert split_specs(None) == [] and split_specs([]) == []
     for bad in (["", "calculator"], "x.py:add,", ":add", [3]):
         with pytest.raises(ToolSpecError, match="data.tools"):
@@ -126,7 +127,8 @@ def test_a_bad_spec_is_one_error_naming_the_field(tool_files):
         load_tool(f"{tool_files}/missing.py:f")
     with pytest.raises(ToolSpecError, match=r"has no attribute 'divide'"):
         load_tool(f"{tool_files}/trl_tools.py:divide")
-    with pytest.raises(ToolSpecError, match=r"data.tools: tool .*exits.py:f': importing .* \(a tool module must import"):
+    with pytest.raises(ToolSpecError,
+                       match=r"data.tools: tool .*exits.py:f': importing .* \(a tool module must import"):
         load_tool(f"{tool_files}/exits.py:f")  # the trial import: sys.exit at import is an error, not the end
     with pytest.raises(ToolSpecError, match="two tools are named 'add'"):
         load_tools([f"{tool_files}/trl_tools.py:add", f"{tool_files}/trl_tools.py:add"])

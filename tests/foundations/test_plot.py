@@ -24,7 +24,8 @@ def _write_run(folder, rewards, accuracy, bad_line=None):
 
 
 def test_fraction_metrics_and_band_clamp():
-    assert is_fraction("eval/accuracy") and is_fraction("objective/frac_ppo_dropped") and is_fraction("eval/accuracy_mean_at_4")
+    assert is_fraction("eval/accuracy") and is_fraction("objective/frac_ppo_dropped")
+    assert is_fraction("eval/accuracy_mean_at_4")
     assert is_fraction("rollout/fork_rate") and is_fraction("rollout/truncated")
     assert not is_fraction("rollout/reward_mean") and not is_fraction("objective/ratio_max")
     assert band_limits("eval/accuracy", [-0.2, 0.5], [0.9, 1.3]) == ([0.0, 0.5], [0.9, 1.0])
@@ -158,7 +159,8 @@ def test_every_logged_family_is_a_default_panel(tmp_path, figures):
     assert sorted(panels["KL"][1]) == sorted([0.001, 0.002, 0.003, 0.02, 0.04, 0.06])
 
 
-# --------------------------------------------------------------------------- damaged metrics and outputs: one line, never a traceback
+# --------------------------------------------------------------------------- damaged metrics and outputs: one line,
+# never a traceback
 
 def _plot(run, out, capsys):
     """``cispo plot run -o out``: (exit code, stderr lines)."""

@@ -278,7 +278,8 @@ def test_verl_warns_once_when_loss_agg_mode_replaces_the_presets(monkeypatch):
     ],
 )
 def test_verl_clip_ratios_set_by_the_user_act_where_the_preset_has_a_mask(name, verl_kw, agg, monkeypatch):
-    """verl's clip_ratio_low / clip_ratio_high set by the user are read (they once were ignored). The gradient and clip fraction equal verl's own vanilla
+    """verl's clip_ratio_low / clip_ratio_high set by the user are read (they once were ignored). The gradient and clip
+    fraction equal verl's own vanilla
     loss with the same clip ratios (dual-clip off; the value is eq. 6's), and differ from the preset's
     own edges; no warning."""
     import cispo.integrations.verl as integ
@@ -326,8 +327,9 @@ def test_verl_clip_ratios_that_have_no_effect_warn_once(monkeypatch):
         return _loss_and_grad(lambda: _call_like_verl(config, logp_new, logp_old, adv, mask, is_w), logp_new)[:2]
 
     config = _actor_config("cispo_unified_cispo", clip_ratio_high=0.28)
-    with pytest.warns(UserWarning, match=r"cispo_unified: actor\.clip_ratio_high=0\.28 has no effect on preset 'cispo': "
-                                         r"it has no PPO mask; its IS weight's bounds are policy_loss\.cispo_overrides"):
+    with pytest.warns(UserWarning, match=r"cispo_unified: actor\.clip_ratio_high=0\.28 has no effect on preset "
+                                         r"'cispo': "
+                                         r"it has no PPO mask; its IS weight's bounds are policy_loss\.cispo_overrides"):  # noqa: E501
         loss, grad = run(config)
     ref_loss, ref_grad = run(_actor_config("cispo_unified_cispo"))
     torch.testing.assert_close((loss, grad), (ref_loss, ref_grad))
@@ -346,7 +348,8 @@ def test_verl_clip_ratios_that_have_no_effect_warn_once(monkeypatch):
     with pytest.warns(UserWarning, match=r"actor\.clip_ratio_c=10\.0 has no effect: the unified objective has no "
                                          r"dual-clip"):
         run(_actor_config("cispo_unified_ppo", clip_ratio_c=10.0))
-    with pytest.raises(ValueError, match=r"^policy_loss\.cispo_overrides\.eps_high=0\.3 and actor\.clip_ratio_high=0\.5 "
+    with pytest.raises(ValueError, match=r"^policy_loss\.cispo_overrides\.eps_high=0\.3 and "
+                                         r"actor\.clip_ratio_high=0\.5 "
                                          r"disagree: give one$"):
         run(_actor_config("cispo_unified_dapo", overrides={"eps_high": 0.3}, clip_ratio_high=0.5))
     run(_actor_config("cispo_unified_dapo", overrides={"eps_high": 0.5}, clip_ratio_high=0.5))  # the same: fine
@@ -611,7 +614,8 @@ def test_trl_documented_example_runs_as_written(tmp_path, monkeypatch):
     save_policy(build_model(tok, size="tiny", seed=0), tok, tmp_path / "tiny")
     code = _docs_python_block("## TRL")
     for old, new in (('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(tmp_path / "tiny"))),
-                     ("max_completion_length=256", "max_completion_length=8, max_steps=2, logging_steps=1, report_to='none'")):
+                     ("max_completion_length=256", "max_completion_length=8, max_steps=2, logging_steps=1, "
+                                                   "report_to='none'")):
         assert old in code, old
         code = code.replace(old, new)
     monkeypatch.chdir(tmp_path)

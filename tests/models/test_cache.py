@@ -148,7 +148,8 @@ def _flip(folder):
 DAMAGE = {
     "truncated weights": (_truncate, "model.safetensors is"),
     "missing weights": (lambda f: (f / "model.safetensors").unlink(), "model.safetensors is missing"),
-    "weights emptied (power cut)": (lambda f: (f / "model.safetensors").write_bytes(b""), "model.safetensors is 0 bytes"),
+    "weights emptied (power cut)": (lambda f: (f / "model.safetensors").write_bytes(b""),
+                                    "model.safetensors is 0 bytes"),
     "NaN in the weights": (_nan, "model.safetensors differs from the SHA-256"),
     "one bit of the tokenizer": (_flip, "tokenizer.json differs from the SHA-256"),
     "records deleted, weights truncated": (lambda f: ((f / CACHE_RECORD).unlink(), _truncate(f)),
@@ -167,7 +168,8 @@ def test_a_damaged_cached_model_is_made_again_with_one_line(cache, damage, capsy
     assert cache.ensure() == folder and cache.calls == [1, 1]
     said = [line for line in capsys.readouterr().err.splitlines() if ": damaged (" in line]
     assert len(said) == 1 and said[0].startswith(f"cispo: {folder}: damaged ({reason}"), said
-    assert said[0].endswith("converting it again (a few minutes)" if cache.kind == "packaged" else "pretraining it again")
+    assert said[0].endswith("converting it again (a few minutes)" if cache.kind == "packaged" else "pretraining it "
+                                                                                                   "again")
     assert cache_problem(folder) is None and entries(folder.parent) == [folder.name]
 
 

@@ -46,7 +46,7 @@ def test_unknown_characters_map_to_unk(tok):
 
 def test_build_model_is_seeded(tok):
     a, b, c = build_model(tok, "tiny", seed=0), build_model(tok, "tiny", seed=0), build_model(tok, "tiny", seed=1)
-    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (n, p), q, _r in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(p, q), n
     assert any(not torch.equal(p, r) for p, r in zip(a.parameters(), c.parameters()))
 

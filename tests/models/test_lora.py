@@ -55,7 +55,7 @@ def batch(B=3, P=4, T=5, seed=0):
 def randomize_adapters(model, seed=1, scale=0.5):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in lora_parameters(model):
+        for _name, p in lora_parameters(model):
             p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 

@@ -149,7 +149,8 @@ def test_float16_scales_the_loss_so_small_gradients_survive(llama_dir):
     d16, stats, n = tiny_loss_update(pol, cfg, batch(), 1e-4)
     assert n == 1 and stats[0]["skipped"] == 0.0 and stats[0]["loss_scale"] == 2.0 ** 16
     def rel_err(d):  # ||d - d32|| / ||d32|| over all weights
-        return sum(float((a - b).norm() ** 2) for a, b in zip(d, d32)) ** 0.5 / sum(float(b.norm() ** 2) for b in d32) ** 0.5
+        diff = sum(float((a - b).norm() ** 2) for a, b in zip(d, d32)) ** 0.5
+        return diff / sum(float(b.norm() ** 2) for b in d32) ** 0.5
 
     assert rel_err(d16) < 0.01, rel_err(d16)
     # the same step unscaled: most of the gradient flushes to zero in float16

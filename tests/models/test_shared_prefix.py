@@ -33,7 +33,7 @@ def grouped_batch(G: int = 3, seed: int = 0):
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     completions = []
     for k, prompt in enumerate(prompts):
-        for i in range(G if k < 2 else 1):
+        for _i in range(G if k < 2 else 1):
             n = int(torch.randint(1, 7, (1,), generator=g))
             ids = torch.randint(2, 40, (n,), generator=g)
             completions.append(Completion({"prompt": ""}, prompt, ids, torch.zeros(n), "eos", ""))

@@ -89,7 +89,8 @@ def test_kl_entropy_bias_temperature_softcap():
     hidden, weight, b, targets, mask, adv, logp_old, logp_ref = inputs(bias=True)
     for aggregation in AGGREGATIONS:
         cfg = preset("cispo", kl_coef=0.1, aggregation=aggregation, token_sum_norm=8.0)
-        kw = dict(logp_ref=logp_ref, entropy_coef=0.03, temperature=0.7, transform=LogitTransform(scale=1.5, softcap=3.0))
+        kw = dict(logp_ref=logp_ref, entropy_coef=0.03, temperature=0.7,
+                  transform=LogitTransform(scale=1.5, softcap=3.0))
         ref = reference(hidden, weight, b, targets, mask, adv, logp_old, cfg, **kw)
         check(ref, fused(hidden, weight, b, targets, mask, adv, logp_old, cfg, **kw))
 

@@ -103,8 +103,9 @@ def test_partial_requires_grad():
 def test_gradcheck():
     hidden, weight, bias, targets = make(shape=(5,), H=3, V=6)
     h, w, b = leaves(hidden, weight, bias)
-    fn = lambda h, w, b: token_logprobs(h, w, targets, bias=b, temperature=0.8, chunk_size=2,
-                                        with_entropy=True)
+    def fn(h, w, b):
+        return token_logprobs(h, w, targets, bias=b, temperature=0.8, chunk_size=2, with_entropy=True)
+
     assert torch.autograd.gradcheck(fn, (h, w, b))
 
 

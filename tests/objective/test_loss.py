@@ -209,7 +209,8 @@ def one_token_grad(name, log_r, A, **overrides):
     """d loss / d log pi for a single response token with ratio exp(log_r)."""
     lp = torch.tensor([[-1.0]])
     lo = lp - log_r
-    _, grad = grad_of(lambda x: policy_loss(x, lo, torch.tensor([A]), torch.ones(1, 1), preset(name, **overrides))[0], lp)
+    _, grad = grad_of(lambda x: policy_loss(x, lo, torch.tensor([A]), torch.ones(1, 1), preset(name, **overrides))[0],
+                      lp)
     return grad.item()
 
 
@@ -406,7 +407,8 @@ def test_max_log_ratio_guard_can_be_disabled():
     lo = lp - 30.0
     A = torch.tensor([-1.0])
     g_guard = grad_of(lambda x: policy_loss(x, lo, A, torch.ones(1, 1), preset("reinforce"))[0], lp)[1]
-    g_raw = grad_of(lambda x: policy_loss(x, lo, A, torch.ones(1, 1), preset("reinforce", max_log_ratio=None))[0], lp)[1]
+    g_raw = grad_of(lambda x: policy_loss(x, lo, A, torch.ones(1, 1), preset("reinforce", max_log_ratio=None))[0],
+                    lp)[1]
     assert g_guard.item() == pytest.approx(math.exp(20.0))
     assert g_raw.item() == pytest.approx(math.exp(30.0))
 

@@ -1,6 +1,7 @@
 """Multi-turn episodes on vLLM (the torch sampler's are in test_multiturn_sampling.py), through ``VLLMSampler``
-(``cispo.rollout.vllm_episodes``), on the stand-in engine of ``tests/fake_vllm.py`` only (no vLLM, no GPU here): one engine call per turn, each
-row's context re-sent as ids, the environment's stop strings given to the engine, the segment's end read
+(``cispo.rollout.vllm_episodes``), on the stand-in engine of ``tests/fake_vllm.py`` only (no vLLM, no GPU
+here): one engine call per turn, each row's context re-sent as ids, the environment's stop strings given to the engine,
+the segment's end read
 from the returned token ids. Most tests script what the engine writes (its ``_step``: the k-th response
 token from the script, whatever the context), so every id is known; the last compares a greedy episode
 with the torch sampler's on a real (tiny random) model."""

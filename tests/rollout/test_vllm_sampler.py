@@ -388,7 +388,8 @@ def test_every_argument_is_one_vllm_0_33_takes(model_dir):
                                 fp32_head=True, kv_cache_dtype="fp8", hf_overrides={"rope_theta": 5e5})
     kw = sampler.llm.kwargs
     assert set(kw) - {"model"} <= fake_vllm.LLM_ARGUMENTS
-    assert (kw["dtype"], kw["max_model_len"], kw["max_num_seqs"], kw["max_num_batched_tokens"]) == ("bfloat16", 96, 64, 2048)
+    got = (kw["dtype"], kw["max_model_len"], kw["max_num_seqs"], kw["max_num_batched_tokens"])
+    assert got == ("bfloat16", 96, 64, 2048)
     assert kw["enforce_eager"] is True and kw["enable_sleep_mode"] is True and kw["seed"] == 7
     assert kw["kv_cache_dtype"] == "fp8"
     assert kw["hf_overrides"] == {"rope_theta": 5e5, "head_dtype": "float32"}  # merged with the FP32 head's

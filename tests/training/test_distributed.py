@@ -311,9 +311,9 @@ def test_reduce_over_ranks_sums_counts_and_averages_the_rest():
     undefined = reduce_over_ranks([{"rollout/fork_rate": nan, "rollout/reward_errors": nan}, {}])
     assert math.isnan(undefined["rollout/fork_rate"]) and math.isnan(undefined["rollout/reward_errors"])
     # per fork string: counts summed, shares averaged
-    forks = reduce_over_ranks([{"fork/wait/count": 2.0, "fork/wait/pos_above_k2": 1.0, "fork/let_me_check/tokens_k1": 1.0,
+    forks = reduce_over_ranks([{"fork/wait/count": 2.0, "fork/wait/pos_above_k2": 1.0, "fork/let_me_check/tokens_k1": 1.0,  # noqa: E501
                                 "fork/wait/frac_ppo_dropped_k2": 0.5, "fork/wait/pos_mass_above": 0.2},
-                               {"fork/wait/count": 3.0, "fork/wait/pos_above_k2": 2.0, "fork/let_me_check/tokens_k1": 4.0,
+                               {"fork/wait/count": 3.0, "fork/wait/pos_above_k2": 2.0, "fork/let_me_check/tokens_k1": 4.0,  # noqa: E501
                                 "fork/wait/frac_ppo_dropped_k2": 1.0, "fork/wait/pos_mass_above": 0.4}])
     assert forks["fork/wait/count"] == 5.0 and forks["fork/wait/pos_above_k2"] == 3.0
     assert forks["fork/let_me_check/tokens_k1"] == 5.0
@@ -361,7 +361,8 @@ def _fsdp_precision_worker(rank, world, port, out_path):
     model = policy.model
     model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
         lambda m, a: seen.setdefault("decoder_weight", str(m.weight.dtype)) and None)
-    model.model.norm.register_forward_pre_hook(lambda m, a: seen.setdefault("root_weight", str(m.weight.dtype)) and None)
+    model.model.norm.register_forward_pre_hook(
+        lambda m, a: seen.setdefault("root_weight", str(m.weight.dtype)) and None)
     try:
         shard_model(model, info, torch.device("cpu"), **fsdp_settings(cfg, torch.bfloat16))
     finally:

@@ -1,4 +1,5 @@
-"""Faults that once ended in a library's traceback and now end in one sentence, nothing lost: a tokenizer larger than the model, deeply nested JSON, a deleted metrics.jsonl."""
+"""Faults that once ended in a library's traceback and now end in one sentence, nothing lost: a tokenizer
+larger than the model, deeply nested JSON, a deleted metrics.jsonl."""
 
 from __future__ import annotations
 

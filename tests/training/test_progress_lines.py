@@ -51,7 +51,8 @@ def test_the_conversion_of_the_packaged_model_is_said_before_it_starts(tmp_path,
     monkeypatch.setattr(packaged, "cached_model", lambda folder, redo: bool(converted))
     folder = packaged.ensure_packaged("smollm2-135m", cache_dir=tmp_path / "cache")
     assert converted == [folder]
-    assert capsys.readouterr().err == (f"cispo: model: converting builtin:smollm2-135m from {source.name} into {folder} "
+    assert capsys.readouterr().err == (f"cispo: model: converting builtin:smollm2-135m from {source.name} into "
+                                       f"{folder} "
                                        "(once: 4-7 minutes on a 2-core CPU; later runs load the converted folder)\n")
     packaged.ensure_packaged("smollm2-135m", cache_dir=tmp_path / "cache")  # converted: nothing to say
     assert capsys.readouterr().err == ""
@@ -62,7 +63,8 @@ def test_the_reward_workers_phase_is_said():
         def __init__(self, spec, isolated, workers):
             self.spec, self.isolated, self.workers = spec, isolated, workers
 
-    assert progress.reward_workers_line([Member("exact_match", False, 1)]) is None  # in this process: nothing to wait for
+    # a reward in this process: nothing to wait for
+    assert progress.reward_workers_line([Member("exact_match", False, 1)]) is None
     line = progress.reward_workers_line([Member("r.py:f", True, 8), Member("exact_match", False, 1)])
     assert line == ("reward workers: starting 8 processes (8 for r.py:f; data.reward_isolation), loading the reward "
                     "while the model loads")

@@ -218,7 +218,8 @@ def test_length_sorted_micro_batches_give_the_same_update(objective, micro):
         policy, exp, config = _ragged_setup()
         cfg = config(f"objective={objective}", f"micro_batch_size={micro}", f"micro_batch_split_cost={split}")
         order = torch.randperm(len(exp), generator=torch.Generator().manual_seed(3))  # update_policy's shuffle
-        calls = [m for rows in order.tensor_split(cfg.algo.updates_per_batch) for m in micro_batches(exp, rows, cfg.algo)]
+        calls = [m for rows in order.tensor_split(cfg.algo.updates_per_batch)
+                 for m in micro_batches(exp, rows, cfg.algo)]
         assert sorted(torch.cat(calls).tolist()) == list(range(len(exp)))  # every row once
         assert all(len(m) <= (micro or len(exp)) for m in calls)
         positions[split] = _positions(exp, calls)

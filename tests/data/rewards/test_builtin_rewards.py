@@ -19,7 +19,8 @@ try:
 except ImportError:
     HAVE_MATH_VERIFY = False
 
-needs_math_verify = pytest.mark.skipif(not HAVE_MATH_VERIFY, reason='math-verify not installed (pip install "cispo[math]")')
+needs_math_verify = pytest.mark.skipif(not HAVE_MATH_VERIFY,
+                                       reason='math-verify not installed (pip install "cispo[math]")')
 
 
 # --------------------------------------------------------------------------- extraction / exact match
@@ -369,7 +370,8 @@ def test_verl_rewards_load_unchanged(verl_file):
     score = load_reward(f"{verl_file}:compute_score")
     assert score("p", "so 72", answer="72", data_source="openai/gsm8k") == 1.0  # the dict's "score"
     assert score("p", "so 71", ground_truth="72") == 0.0  # ground_truth wins over answer
-    assert score.fn(data_source="d", solution_str="1", ground_truth="1", extra_info={"split": "train"})["split"] == "train"
+    assert score.fn(data_source="d", solution_str="1", ground_truth="1",
+                    extra_info={"split": "train"})["split"] == "train"
     gsm8k = load_reward(f"{verl_file}:gsm8k_style")  # no data_source / extra_info parameters
     assert gsm8k("p", "... #### 72", answer="72", data_source="openai/gsm8k") == 1.0
 
@@ -592,7 +594,8 @@ def test_math_lenient_is_a_builtin_name():
 # --------------------------------------------------------------------------- exits and crashes at import
 
 IMPORT_EXITS = {  # file body -> what the error says it did
-    "import sys\ndef main():\n    print('usage: score.py FILE')\n    return 0\ndef f(p, c): return 1.0\nsys.exit(main())\n":
+    "import sys\ndef main():\n    print('usage: score.py FILE')\n    return 0\ndef f(p, c): return "
+    "1.0\nsys.exit(main())\n":
         "exited with sys.exit(0); its output (end): 'usage: score.py FILE'",
     "import sys\nsys.exit(3)\n": "exited with sys.exit(3)",
     "import sys\nsys.exit('no config found')\n": "exited with sys.exit('no config found')",

@@ -124,10 +124,12 @@ EVIL_WORKER = MEMORY + textwrap.dedent('''
 
 def test_a_solution_in_full_control_of_its_process_cannot_forge(cfg):
     """The solution replaces its process by an interpreter with no audit hook (exec keeps the pid and
-    the pipes to the judge, descriptors 3 and 4), reads all of its memory, writes forged lines everywhere and answers the
+    the pipes to the judge, descriptors 3 and 4), reads all of its memory, writes forged lines everywhere and answers
+    the
     judge's protocol as it likes: nothing of the verdict or the tests is there, and its answers fail."""
-    solution = f"import os, sys\nos.set_inheritable(3, True)\nos.set_inheritable(4, True)\nos.execv(sys.executable, [sys.executable, '-S', '-u', '-c', {EVIL_WORKER!r}, " \
-               f"'3', '4'])\n"  # the worker's pipes to the judge
+    solution = ("import os, sys\nos.set_inheritable(3, True)\nos.set_inheritable(4, True)\n"
+                f"os.execv(sys.executable, [sys.executable, '-S', '-u', '-c', {EVIL_WORKER!r}, "
+                "'3', '4'])\n")  # the worker's pipes to the judge
     report = run_tests(solution, ADD_TESTS, cfg)
     out = report.result.stdout
     assert "exploit works: True" in out and "verdict lines found: 0" in out, (out, report.result.stderr)
@@ -161,7 +163,8 @@ def test_answers_cross_as_plain_data_and_handles(cfg):
         "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]",  # mutations travel back
         "assert count('aab') == {'a': 2, 'b': 1}",  # a dict subclass crosses as a dict
         "s = Stack()\ns.push(1)\ns.push(2.5)\nassert len(s) == 2 and s.pop() == 2.5 and s.items == [1]",
-        "s = Stack()\ntry:\n    s.pop()\nexcept IndexError as exc:\n    assert 'empty' in str(exc)\nelse:\n    raise AssertionError",
+        "s = Stack()\ntry:\n    s.pop()\nexcept IndexError as exc:\n    assert 'empty' in str(exc)\nelse:\n    raise "
+        "AssertionError",
         "assert list(squares(4)) == [0, 1, 4, 9] and next(squares(3)) == 0",
         "assert LIMIT == 10 and isinstance(LIMIT, int)",
         "assert Stack() != Stack() and (lambda s: s == s)(Stack())",  # handles compare in the worker

@@ -142,8 +142,8 @@ def test_a_20_mb_exception_message_is_cut(hostile):
     for message in (error, main_thread_error):
         assert message.startswith("ValueError: startxxx") and message.endswith("xxxend")
         assert len(message) < MESSAGE_HEAD_CHARS + MESSAGE_TAIL_CHARS + 100
-        assert f"[... {len('ValueError: start') + 20_000_003 - MESSAGE_HEAD_CHARS - MESSAGE_TAIL_CHARS} characters cut ...]" \
-            in message
+        cut = len("ValueError: start") + 20_000_003 - MESSAGE_HEAD_CHARS - MESSAGE_TAIL_CHARS
+        assert f"[... {cut} characters cut ...]" in message
     assert value == 0.0
 
 
@@ -214,7 +214,8 @@ def always_fails(prompt, completion, **sample):
 
 def test_every_reward_failing_is_still_counted_in_training_and_evaluation(tiny_model, monkeypatch, tmp_path):
     base = cispo.data.tasks.get_task("addition")
-    monkeypatch.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=always_fails))
+    monkeypatch.setattr(cispo.data.tasks, "get_task",
+                        lambda name="addition": dataclasses.replace(base, reward=always_fails))
     result = train(small_config(tiny_model, tmp_path, "steps=2", "eval.every=0", "max_sampling_rounds=1"))
     rows = read_metrics(result.run_dir / "metrics.jsonl")
     train_rows = [r for r in rows if r["step"] > 0]

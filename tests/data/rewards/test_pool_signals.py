@@ -219,7 +219,8 @@ def test_a_step_whose_reward_calls_fail_during_a_stop_is_not_committed(tiny_mode
     assert (run_dir / "checkpoints" / f"step_{stopped - 1:06d}").is_dir()
     assert all(r.get("rollout/reward_errors", 0) == 0 for r in rows)
     resumed = train(cfg, resume=True)
-    assert _strip(read_metrics(resumed.run_dir / "metrics.jsonl")) == _strip(read_metrics(ref.run_dir / "metrics.jsonl"))
+    resumed_rows = _strip(read_metrics(resumed.run_dir / "metrics.jsonl"))
+    assert resumed_rows == _strip(read_metrics(ref.run_dir / "metrics.jsonl"))
     a = load_file(ref.run_dir / "checkpoints" / "step_000003" / "model" / "model.safetensors")
     b = load_file(resumed.run_dir / "checkpoints" / "step_000003" / "model" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -284,7 +285,7 @@ def test_children_a_reward_starts_do_not_outlive_the_run(tiny_model, tmp_path):
     seconds = f"300.{os.getpid()}"  # a command line no other process has
     started = time.perf_counter()
     try:
-        out = subprocess.run(_cli(tiny_model, tmp_path / "runs", _prompts(tmp_path), f"{tmp_path / 'children.py'}:reward",
+        out = subprocess.run(_cli(tiny_model, tmp_path / "runs", _prompts(tmp_path), f"{tmp_path / 'children.py'}:reward",  # noqa: E501
                                   "steps=1"), capture_output=True, text=True, timeout=200,
                              env={**os.environ, "OMP_NUM_THREADS": "1", "SLEEP_FOR": seconds})
         assert out.returncode == 0, out.stderr[-3000:]

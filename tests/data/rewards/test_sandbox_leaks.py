@@ -25,7 +25,8 @@ from cispo.data.rewards.code import (
 )
 from tests.sandbox_helpers import ADD_TESTS, MEMORY_MB, REPO, config, program
 
-# --------------------------------------------------------------------------- leaks of the verdict, the tests and the host
+# --------------------------------------------------------------------------- leaks of the verdict, the tests and the
+# host
 
 
 SHADOWING = {

@@ -105,7 +105,8 @@ def test_the_task_reward_is_the_weighted_sum_of_the_rewards_that_apply(rewards_f
     # every reward abstains: 0, and an error; two rewards of one name get unique names
     both = load_rewards([specs[1], specs[1]], None, isolation, workers=1)
     [none] = score_completions(both, [("p", "ab", code)], timeout_s=30)
-    assert both.names == ("math_only", "math_only_2") and none.value == 0.0 and "every reward returned None" in none.error
+    assert both.names == ("math_only", "math_only_2")
+    assert none.value == 0.0 and "every reward returned None" in none.error
     # one reward of weight 1 is the reward itself, scored as it always was
     single = load_rewards(specs[1], [1.0], isolation, workers=1)
     assert isinstance(single, Reward)
@@ -166,7 +167,8 @@ def _train(tmp_path, model, reward, *extra):
 
 
 def test_a_run_with_several_rewards_logs_each_and_says_reward_not_accuracy(rewards_file, tiny_model, tmp_path):
-    evaluation, step, summary = _train(tmp_path, tiny_model, f"[{rewards_file}:digits, {rewards_file}:logs, exact_match]",
+    evaluation, step, summary = _train(tmp_path, tiny_model, f"[{rewards_file}:digits, {rewards_file}:logs, "
+                                                             f"exact_match]",
                                        "data.reward_weights=[1, 1, 2]")
     for prefix, row in (("rollout/", step), ("eval/", evaluation)):
         for name in ("digits", "logs", "exact_match"):
@@ -211,9 +213,11 @@ def test_a_reward_model_scores_prompt_and_completion_batched(reward_model, tmp_p
     rm = load_reward(f"rm:{reward_model}", isolation="process")
     assert not rm.isolated and rm.name == "tiny_rm"  # in this process, whatever the isolation
     calls = [("1+1=", "2", {}), ("12+30=", "42", {}), ("5=", "1" * 40, {})]
-    model, tok = AutoModelForSequenceClassification.from_pretrained(reward_model), AutoTokenizer.from_pretrained(reward_model)
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model)
+    tok = AutoTokenizer.from_pretrained(reward_model)
     with torch.no_grad():  # one row at a time: no padding
-        alone = [float(model(**tok(p + c, return_tensors="pt", add_special_tokens=False)).logits[0, 0]) for p, c, _ in calls]
+        alone = [float(model(**tok(p + c, return_tensors="pt", add_special_tokens=False)).logits[0, 0])
+                 for p, c, _ in calls]
     scored = score_completions(rm, calls)
     assert [s.value for s in scored] == pytest.approx(alone, abs=1e-5) and len(set(alone)) == 3
     assert all(s.error is None and s.parts == {"tiny_rm": s.value} for s in scored)
@@ -254,7 +258,8 @@ def test_a_reward_model_reads_a_chat_row_through_its_chat_template():
 
 
 def test_trls_name_of_the_rewards_points_to_data_reward():
-    with pytest.raises(ConfigError, match=r"reward_funcs: unknown key \(did you mean 'data.reward'\? 'reward_funcs' in TRL"):
+    with pytest.raises(ConfigError,
+                       match=r"reward_funcs: unknown key \(did you mean 'data.reward'\? 'reward_funcs' in TRL"):
         apply_overrides(TrainConfig(), ["reward_funcs=[a.py:f, b.py:g]"])
     cfg = apply_overrides(TrainConfig(), ["data.path=x.jsonl", "model.path=m", "max_new_tokens=4",
                                           "data.reward=[a.py:f, b.py:g]", "reward_weights=[1, 2]"])

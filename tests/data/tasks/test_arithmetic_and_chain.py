@@ -287,7 +287,7 @@ def test_chain_corpus_masks_and_reflection_rate():
             assert s.result == (ch.dropped_carry_sum(s.a, s.b))     # the base model's bug, always
             assert s.corrected in (None, s.a + s.b)
         pos = 0
-        for i, part in enumerate(ex.completion.split(";")):
+        for _i, part in enumerate(ex.completion.split(";")):
             step_end = pos + len(part.split("W")[0])                  # the decision after the result
             decisions += 1
             if "W" in part:
@@ -531,7 +531,8 @@ def test_pretraining_loss_weights_align_with_the_labels():
     task = get_task("chain_hidden_sharp")
     assert task.base_task is None and task.reward.keywords == {"slack": 0, "bugs": ch.HIDDEN_BUGS}
     tok = build_tokenizer(task.alphabet, task.max_positions)
-    ids, labels, weights = build_dataset(PretrainConfig(task="chain_hidden_sharp", corpus_size=300).resolved(), tok)["all"]
+    ids, labels, weights = build_dataset(PretrainConfig(task="chain_hidden_sharp", corpus_size=300).resolved(),
+                                         tok)["all"]
     assert weights.shape == labels.shape and ((weights > 0) == (labels != -100)).all() and weights.max() > 16
     assert build_dataset(PretrainConfig(task="chain_hidden", corpus_size=50).resolved(), tok)["all"][2] is None
 
@@ -553,7 +554,8 @@ def test_chain_hidden_base_model_errs_on_exactly_the_bug_pairs(task_name, mean_m
 
     model, tok = load_policy(ensure_builtin_model(task_name, progress=False))
     r = probe(model, tok, task_name, n_prompts=150, samples_per_step=1, seed=0)
-    measured = json.loads((Path(__file__).resolve().parents[3] / "docs/results/v3/gate" / f"{task_name}_base_model.json").read_text())
+    gate = Path(__file__).resolve().parents[3] / "docs/results/v3/gate"
+    measured = json.loads((gate / f"{task_name}_base_model.json").read_text())
     for report in (r, measured["probe"]):
         tf = report["teacher_forced"]
         assert tf["buggy"]["p_dropped"] > 0.99 and tf["buggy"]["p_right"] < mean_max

@@ -88,7 +88,8 @@ def test_wordmath_working_pays_a_right_answer_only_after_true_working(completion
     assert wordmath.reward_working(Q, completion, answer="51") == score
 
 
-# Ways a policy games the verifier: (completion, gold, score) — hedges after the final answer (on its line or the lines after, in
+# Ways a policy games the verifier: (completion, gold, score) — hedges after the final answer (on its line or the lines
+# after, in
 # digits or words), numerals that are not ASCII digits, decimals that a float rounds to the gold, commas
 # that are no thousands separators, echoes of the question after the answer; and clean answers that pay.
 VERBOSE = ("Ava had 10 apples and gave away 3, so she has 10 - 3 = 7 apples left, which is the number we want."
@@ -139,7 +140,8 @@ def test_working_with_a_unicode_minus_sign_pays(minus):
 
 
 def test_working_is_checked_exactly():
-    assert wordmath.equations("0.1 + 0.2 = 0.3") == [(Fraction(3, 10), Fraction(3, 10))]  # a float says 0.30000000000000004
+    # a float says 0.30000000000000004
+    assert wordmath.equations("0.1 + 0.2 = 0.3") == [(Fraction(3, 10), Fraction(3, 10))]
     assert wordmath.reward_working(Q, "10 / 3 = 3.3333333333\n#### 3.3333333333", answer="3.3333333333") == 0.0
     assert wordmath.reward_working(Q, "10 - 3 = 6.99999999999999999\n#### 7", answer="7") == 0.0
     long = "+".join(["1"] * 150)  # 299 characters: not checked, so the working does not count
@@ -203,8 +205,8 @@ def test_equations_reads_chains_times_signs_and_thousands():
 def test_extract_answer_is_the_one_stated_answer():
     assert wordmath.extract_answer("x\n#### 1,234") == "1234"
     assert wordmath.extract_answer("#### 3\n#### 4") is None and wordmath.extract_answer("3") is None
-    assert [wordmath.extract_answer(c) for c in ("#### 51.0", "#### 7.50", "#### 7.00000000000000001", "#### 7\n#### 7")] \
-        == ["51", "7.5", "7.00000000000000001", "7"]
+    stated = ("#### 51.0", "#### 7.50", "#### 7.00000000000000001", "#### 7\n#### 7")
+    assert [wordmath.extract_answer(c) for c in stated] == ["51", "7.5", "7.00000000000000001", "7"]
     assert [wordmath.extract_answer(c) for c in ("#### 7 or eight", "#### 7²", "#### 1,2", "#### seven")] == [None] * 4
 
 

@@ -48,7 +48,8 @@ def test_the_example_variant_teaches_the_calculator_in_the_system_prompt():
     system, user = (m["content"] for m in example[0]["messages"])
     assert system.startswith(wordmath.SYSTEM_PROMPT) and "<calc>12+7</calc><result>19</result>" in system
     assert user == f"{example[0]['prompt']}\n{wordmath.INSTRUCTION}" and "<calc>" not in user
-    assert not any("cups" in s["prompt"] or "Zoe" in s["prompt"] for s in wordmath.samples(0, 500))  # the example is no task problem
+    # the example is no task problem
+    assert not any("cups" in s["prompt"] or "Zoe" in s["prompt"] for s in wordmath.samples(0, 500))
     assert (task.reward, task.fork_tokens, task.max_new_tokens) == (plain.reward, plain.fork_tokens,
                                                                     plain.max_new_tokens)
     assert TASK_TOOLS["wordmath_calc_example"] == TASK_TOOLS["wordmath_calc"]
