@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama saved like a checkpoint, a dense reward, reward calls."""
+"""Shared fixtures and helpers: a tiny random Llama saved like a checkpoint, a dense reward, reward calls, and
+small run configurations. Helpers import by full name from any folder: ``from tests.conftest import small_config``."""
 
 import dataclasses
 
@@ -37,7 +38,8 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture
 def dense_task(monkeypatch):
     base = cispo.data.tasks.get_task("addition")
-    monkeypatch.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
+    monkeypatch.setattr(cispo.data.tasks, "get_task",
+                        lambda name="addition": dataclasses.replace(base, reward=digit_reward))
 
 
 def reward_calls(*completions, sample=None):
@@ -47,6 +49,8 @@ def reward_calls(*completions, sample=None):
 
 
 def small_config(model_path, out_dir, *extra):
+    """A three-step run of the built-in addition task on `model_path` that checkpoints and evaluates every 2
+    steps: the smallest run that exercises resume and evaluation; `extra` key=value overrides come last."""
     return apply_overrides(
         TrainConfig(),
         [
@@ -58,3 +62,8 @@ def small_config(model_path, out_dir, *extra):
     )
 
 
+def run_args(model, out, *extra):
+    """`cispo train` arguments for a two-step run of the built-in addition task on `model`, writing under `out`."""
+    return [f"model.path={model}", f"out_dir={out}", "model.device=cpu", "steps=2", "prompts_per_step=2",
+            "group_size=2", "updates_per_batch=1", "max_new_tokens=6", "num_train_prompts=16", "num_eval_prompts=4",
+            "eval.num_samples=1", "eval.every=0", "dynamic_sampling=false", "threads=1", *extra]

@@ -213,7 +213,8 @@ class LLM:
         if unknown:
             raise TypeError(f"EngineArgs.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
         self.kwargs = dict(model=model, **kwargs)
-        self.env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+        self.env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                   "VLLM_ENABLE_V1_MULTIPROCESSING")}
         dist = torch.distributed
         self.process_group = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else None
         if kwargs.get("distributed_executor_backend") == "external_launcher":

@@ -1,0 +1,137 @@
+"""Multi-segment (multi-turn) sampling in the torch sampler. A scripted environment answers each
+policy segment with fixed observation ids; the sampler feeds them through the row's KV cache. The ids in
+the response are exactly the sampled and the fed ids, observations are masked (``env_mask``, log-prob 0),
+the continuation's log-probs equal a fresh forward of the whole context, rows at different turns share
+a batch, and the token cap cuts an observation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
+
+EOS, PAD = 1, 0
+PROMPTS = [[2, 3, 4], [5], [6, 7, 8, 9, 10], [2, 3, 4]]
+OBS = [[11, 12, 13], [14], [15, 16]]  # the observation of turn 1, 2, 3
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+
+class Scripted:
+    """Pauses a row's segment after ``every[row]`` sampled tokens (a stop string, in ids) or at a stop id;
+    answers turn k with OBS[k] until the turns run out, then ends the episode."""
+
+    def __init__(self, every, turns=3):
+        self.every, self.turns = every, turns
+        self.calls: dict[int, list] = {}
+
+    def pauses(self, row, segment_ids):
+        return len(segment_ids) >= self.every[row]
+
+    def respond(self, rows, segments, by_stop_token):
+        out = []
+        for row, segment, by_token in zip(rows, segments, by_stop_token):
+            made = self.calls.setdefault(row, [])
+            made.append((list(segment), by_token))
+            out.append(OBS[len(made) - 1] if len(made) <= self.turns else None)
+        return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def rollout(model, decode="auto", every=(2, 3, 4, 2), max_new_tokens=40, use_cache=True, seed=0):
+    env = Scripted(list(every))
+    sampler = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD, decode=decode)
+    cfg = SamplingConfig(max_new_tokens=max_new_tokens, use_cache=use_cache)
+    return sampler.generate(PROMPTS, cfg, torch.Generator().manual_seed(seed), episodes=env), env
+
+
+def segments(batch, row):
+    """The row's response split into (role, ids) runs."""
+    n = int(batch.response_mask[row].sum())
+    ids, env = batch.response_ids[row, :n].tolist(), batch.env_mask[row, :n].tolist()
+    runs = []
+    for tok, e in zip(ids, env):
+        role = "env" if e else "policy"
+        if runs and runs[-1][0] == role:
+            runs[-1][1].append(tok)
+        else:
+            runs.append((role, [tok]))
+    return runs
+
+
+@pytest.mark.parametrize("decode", ["static", "hf"])
+def test_observations_are_fed_between_policy_segments(model, decode):
+    batch, env = rollout(model, decode)
+    assert batch.env_mask is not None and batch.env_mask.shape == batch.response_mask.shape
+    for row in range(len(PROMPTS)):
+        runs = segments(batch, row)
+        observed = [ids for role, ids in runs if role == "env"]
+        policy = [ids for role, ids in runs if role == "policy"]
+        made = env.calls[row]
+        assert [seg for seg, _ in made] == policy[: len(made)]  # the environment saw exactly the policy's ids
+        assert observed == OBS[: len(observed)]  # the fed ids are exactly the observation's, in order
+        assert len(observed) == min(len(made), 3)
+        if len(made) == 4:  # the fourth pause ended the episode
+            assert batch.finish_reason[row] == "eos" and runs[-1][0] == "policy"
+    # observations carry no log-prob; policy tokens do
+    assert (batch.logp_rollout[batch.env_mask == 1] == 0).all()
+    assert (batch.logp_rollout[(batch.env_mask == 0) & (batch.response_mask == 1)] < 0).all()
+
+
+def test_rows_at_different_turns_share_a_step(model):
+    batch, env = rollout(model, every=(2, 5, 9, 3))
+    turn_at = []  # per row, the column of its first observation
+    for row in range(len(PROMPTS)):
+        cols = batch.env_mask[row].nonzero().flatten().tolist()
+        turn_at.append(cols[0] if cols else None)
+    assert len({c for c in turn_at if c is not None}) > 1  # the rows paused at different columns
+
+
+@pytest.mark.parametrize("decode", ["static", "hf"])
+def test_the_cached_continuation_equals_a_fresh_forward_of_the_whole_context(model, decode):
+    batch, _ = rollout(model, decode)
+    P, T = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], 1)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask.long()], 1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, P - 1 : P + T - 1].float()
+    ref = F.log_softmax(logits, -1).gather(-1, batch.response_ids[..., None]).squeeze(-1)
+    policy = (batch.response_mask == 1) & (batch.env_mask == 0)
+    torch.testing.assert_close(batch.logp_rollout[policy], ref[policy], atol=1e-5, rtol=0)
+
+
+def test_cached_and_uncached_decoding_agree_with_an_environment(model):
+    a, _ = rollout(model, use_cache=True)
+    b, _ = rollout(model, use_cache=False)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.env_mask, b.env_mask)
+    torch.testing.assert_close(a.logp_rollout, b.logp_rollout, atol=1e-5, rtol=0)
+
+
+def test_the_token_cap_cuts_an_observation(model):
+    batch, env = rollout(model, every=(2, 2, 2, 2), max_new_tokens=4)
+    checked = 0
+    for row in range(len(PROMPTS)):  # 2 policy tokens, then 2 of the 3 observation ids fit
+        if env.calls.get(row) and not env.calls[row][0][1]:
+            checked += 1
+            assert batch.response_ids[row].tolist() == [*env.calls[row][0][0], 11, 12]
+            assert batch.env_mask[row].tolist() == [0, 0, 1, 1]
+            assert batch.finish_reason[row] == "length"
+    assert checked >= 2  # rows that paused by the stop string (not a stop id) were checked
+
+
+def test_without_an_environment_there_is_no_env_mask(model):
+    sampler = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD)
+    batch = sampler.generate(PROMPTS, SamplingConfig(max_new_tokens=8), torch.Generator().manual_seed(0))
+    assert batch.env_mask is None
