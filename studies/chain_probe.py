@@ -16,7 +16,7 @@ prefix (every earlier buggy step rechecked, so the running sum ``a`` is right):
 Steps are grouped into *buggy* (the task's bug set, `chain.TASK_BUGS`), *other carrying* and
 *no carry*, and the carrying ones also per (tens digit, addend) pair.
 
-    python -m cispo.models.chain_probe MODEL_DIR --task chain_hidden --prompts 8000 --out report.json
+    python -m studies.chain_probe MODEL_DIR --task chain_hidden --prompts 8000 --out report.json
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     model, tokenizer = load_policy(args.model)
     report = {"model": str(args.model),
-              "command": "python -m cispo.models.chain_probe " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+              "command": "python -m studies.chain_probe " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
               **probe(model, tokenizer, args.task, args.prompts, args.samples_per_step, args.seed)}
     report["wall_s"] = time.perf_counter() - t0
     text = json.dumps(report, indent=1)

@@ -1,6 +1,6 @@
 """The paper's controlled comparison in miniature (MiniMax-M1 Figure 2), and a K sweep.
 
-``compare``: named *arms* (``cispo.experiments.arms``: GRPO, DAPO and CISPO by default;
+``compare``: named *arms* (``studies.arms``: GRPO, DAPO and CISPO by default;
 any preset, an ablation such as ``cispo_seqmean`` or ``cispo_cap2``, or one defined in
 ``arm_defs``) trained from the same base model on the same prompts with the same compute,
 over several seeds, each arm's learning rate tuned on seeds of its own. Reports held-out
@@ -15,7 +15,7 @@ tuned per K (``tune_per_k``), the mini-batch held constant (``minibatch_prompts`
 warm-up a fraction of each run's optimizer steps (``warmup_fraction``) if asked.
 
 Every run is an ordinary ``cispo train`` run folder plus ``study.json`` (its arm, K, seed,
-learning rate, role and wall time; ``cispo study-data`` collects them); a half-finished
+learning rate, role and wall time; ``python -m studies data`` collects them); a half-finished
 comparison resumes its unfinished runs and skips the finished ones.
 """
 
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cispo.config.train import ConfigError, TrainConfig, apply_overrides
-from cispo.experiments.arms import ArmConfig, describe, resolve_arms
-from cispo.experiments.stats import at_edge, final_accuracy, mean_accuracy, pick_lr
-from cispo.experiments.tables import (analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep,
+from studies.arms import ArmConfig, describe, resolve_arms
+from studies.stats import at_edge, final_accuracy, mean_accuracy, pick_lr
+from studies.tables import (analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep,
                                       sweep_gaps)
 from cispo.foundations.nan import nan_mean
 from cispo.records.runfolder import is_finished
@@ -165,7 +165,7 @@ RENAMED = {"algorithms": "arms (named arms: the presets and more)", "tune_seed":
 # Every comparison run: short, evaluated often (steps-to-target needs a fine grid).
 COMPARE_OVERRIDES = ["steps=16", "prompts_per_step=16", "eval.every=2", "num_eval_prompts=100", "eval.num_samples=4"]
 QUICK_OVERRIDES = ["steps=8", "eval.every=4", "num_eval_prompts=50"]
-# The learning rates the full comparison's tuning picked (docs/results.md); --quick uses them.
+# The learning rates the full comparison's tuning picked (studies/results.md); --quick uses them.
 QUICK_LRS: dict[str, float] = {"grpo": 1e-4, "dapo": 1e-4, "cispo": 1e-4}
 
 

@@ -19,9 +19,9 @@ succeeded (R0 stays fixed).
 The compute axis C (`AXES`, `compute_curve`): ``steps``, the RL step of each evaluation; or
 ``step_seconds``, the run's cumulative ``perf/step_s`` up to that step (wall-clock seconds of the
 training steps as measured — at 1 CPU thread for the study's runs —, evaluation time left out;
-``cispo study-data`` writes ``perf/step_s`` per step).
+``python -m studies data`` writes ``perf/step_s`` per step).
 
-Descriptive: no test, and no decision rests on it. A *curve* is ``{C: R}`` (`cispo.experiments.stats`
+Descriptive: no test, and no decision rests on it. A *curve* is ``{C: R}`` (`studies.stats`
 has ``{step: R}``). Pure functions; scipy is imported on first use.
 """
 
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 if TYPE_CHECKING:
-    from cispo.experiments.study_runs import RunData
+    from studies.study_runs import RunData
 
 AXES = ("steps", "step_seconds")
 """The compute axes `compute_curve` knows."""

@@ -1,5 +1,5 @@
 """The values a doc quotes from the study report, between markers: the check that they equal
-the report's output (``cispo study-report --check-doc``) and the rewrite that makes them so
+the report's output (``python -m studies report --check-doc``) and the rewrite that makes them so
 (``--update-doc``). Text in, text out; the report's outputs are a plain name -> text dict."""
 
 from __future__ import annotations

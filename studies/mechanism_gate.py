@@ -1,4 +1,4 @@
-"""Study v3's gate (docs/results/protocol.md, amendment of 2026-12-02): does the paper's
+"""Study v3's gate (studies/results/protocol.md, amendment of 2026-12-02): does the paper's
 mechanism act in a run? Read from the run's ``metrics.jsonl`` (the mechanism check of
 `cispo.training.metrics`), with the criteria declared before the gate run:
 
@@ -12,8 +12,8 @@ mechanism act in a run? Read from the run's ``metrics.jsonl`` (the mechanism che
 
 Study v4 re-bases both criteria on every token (`gate_all_tokens`, ``--all-tokens``).
 
-``python -m cispo.experiments.mechanism_gate RUN/metrics.jsonl`` prints the figures and the verdict
-(a committed run under docs/results/ has ``RUN/metrics.jsonl.gz``: either name reads it).
+``python -m studies.mechanism_gate RUN/metrics.jsonl`` prints the figures and the verdict
+(a committed run under studies/results/ has ``RUN/metrics.jsonl.gz``: either name reads it).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def paper_case_all_tokens(row: dict) -> float | None:
 
 
 def gate_all_tokens(rows: list[dict]) -> dict:
-    """Study v4's gate (docs/results/protocol.md, amendment of 2026-12-04), v3's two criteria re-based on
+    """Study v4's gate (studies/results/protocol.md, amendment of 2026-12-04), v3's two criteria re-based on
     every token: (i) persistence — the paper's case (`paper_case_all_tokens`) > 0 in at least
     `MIN_LATE_STEPS` of steps `LATE`; (ii) size — the mean over steps 1..`LAST_STEP` (steps without a
     positive token left out) of ``objective/all_pos_mass_above`` (the share of every positive token's
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     all_tokens = "--all-tokens" in args
     args = [a for a in args if a != "--all-tokens"]
     if len(args) != 1:
-        print("usage: python -m cispo.experiments.mechanism_gate [--all-tokens] RUN/metrics.jsonl[.gz]  "
+        print("usage: python -m studies.mechanism_gate [--all-tokens] RUN/metrics.jsonl[.gz]  "
               "(--all-tokens: study v4's gate)", file=sys.stderr)
         return 2
     rows = read_metrics(args[0])

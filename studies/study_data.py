@@ -1,5 +1,5 @@
 """The study's raw data: every run folder's evaluation curve and per-step key metrics in ONE
-compact CSV (gzip), from which ``cispo.experiments.study_report`` regenerates every table
+compact CSV (gzip), from which ``studies.study_report`` regenerates every table
 and figure (issue 14).
 
 One row per (run, step) with at least one recorded metric. Columns (``COLUMNS``):
@@ -11,7 +11,7 @@ One row per (run, step) with at least one recorded metric. Columns (``COLUMNS``)
   ``lr`` (peak learning rate), ``prompts_per_step``, ``group_size``, ``warmup_updates``,
   ``steps`` (planned RL steps), ``eval_k`` (samples per held-out prompt: ``eval/accuracy``
   is mean@eval_k), ``run`` (run folder name), ``wall_s`` (seconds the run took, from
-  ``study.json``; empty for a folder trained outside ``cispo compare``), ``commit`` (first
+  ``study.json``; empty for a folder trained outside ``python -m studies compare``), ``commit`` (first
   12 hex digits of the git commit the run started at, from ``meta.json``), ``base_model``
   (``builtin:`` + 12 hex digits of the sha256 of the built-in model's ``SHA256SUMS``, or the
   ``model.path``; from ``study.json``);
@@ -20,7 +20,7 @@ One row per (run, step) with at least one recorded metric. Columns (``COLUMNS``)
   steps; ``rollout/*``, ``objective/*``, ``optim/*`` only at steps with an update).
 
 A run folder is one holding ``metrics.jsonl``, or ``metrics.jsonl.gz`` as the research data
-committed under docs/results/ does (`cispo.foundations.jsonl`). Numbers are written with 6
+committed under studies/results/ does (`cispo.foundations.jsonl`). Numbers are written with 6
 significant digits; the gzip stream has no timestamp, so the same runs give the same bytes.
 """
 
@@ -62,7 +62,7 @@ def find_run_dirs(paths: list[str | Path]) -> list[Path]:
 
 
 def run_meta(run_dir: Path) -> dict:
-    """The run's columns: ``study.json`` (written by ``cispo compare``) over ``config.yaml``.
+    """The run's columns: ``study.json`` (written by ``python -m studies compare``) over ``config.yaml``.
     A run without ``study.json`` is an ``eval`` run of the arm named after its objective, in
     the part named after its parent folder."""
     from cispo.config.train import TrainConfig, load_yaml

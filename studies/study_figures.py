@@ -1,11 +1,11 @@
-"""The study's figures, from the runs of the raw-data CSV (``cispo.experiments.study_report``)."""
+"""The study's figures, from the runs of the raw-data CSV (``studies.study_report``)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from cispo.experiments.stats import mean_accuracy, mean_band, paired_t
+from studies.stats import mean_accuracy, mean_band, paired_t
 
 
 def plot_curves(groups, part: str, path: Path) -> Path | None:

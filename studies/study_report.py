@@ -1,7 +1,7 @@
 """Every table and figure of the study, regenerated from the raw-data CSV alone
-(``cispo.experiments.study_data``; ``cispo study-report``), and the check that the values
-quoted in docs/results.md are the ones this script prints. The definitions are those of
-docs/results/protocol.md (the preregistered protocol); `Settings` holds its choices.
+(``studies.study_data``; ``python -m studies report``), and the check that the values
+quoted in studies/results.md are the ones this script prints. The definitions are those of
+studies/results/protocol.md (the preregistered protocol); `Settings` holds its choices.
 
 Measures, per evaluation run (``role = eval``), on its held-out accuracy curve:
 
@@ -64,18 +64,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from cispo.experiments.compute_fit import fit_runs
-from cispo.experiments.doc_quotes import MARKER, check_doc, update_doc  # noqa: F401  (the report's doc check)
-from cispo.experiments.mechanism_gate import gate
-from cispo.experiments.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, collapsed, fieller_ratio, final_accuracy,
+from studies.compute_fit import fit_runs
+from studies.doc_quotes import MARKER, check_doc, update_doc  # noqa: F401  (the report's doc check)
+from studies.mechanism_gate import gate
+from studies.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, collapsed, fieller_ratio, final_accuracy,
                                      holm, mean_accuracy, mean_band, mean_over_last_steps, paired_t, pick_lr, slope,
                                      steps_to_own_fraction, wilson)
-from cispo.experiments.study_runs import Groups, RunData, group_eval_runs, load_study
-from cispo.experiments.study_tables import ci as _ci
-from cispo.experiments.study_tables import (comparison_values, compute_fit_table, count_values, drop_table, tally,
+from studies.study_runs import Groups, RunData, group_eval_runs, load_study
+from studies.study_tables import ci as _ci
+from studies.study_tables import (comparison_values, compute_fit_table, count_values, drop_table, tally,
                                             has_mechanism_log, mechanism_level_table, paired_steps, paired_steps_table,
                                             steps_per_seed_table)
-from cispo.experiments.study_tables import pm as _pm
+from studies.study_tables import pm as _pm
 
 
 @dataclass(frozen=True)
@@ -523,7 +523,7 @@ def report(csv_path: str | Path | list[str | Path], out_dir: str | Path | None =
     ``hours/total``). With `out_dir`: each table as ``NAME.md`` (``/`` -> ``_``), the values
     in ``numbers.json``, and the figures ``curves_PART.png`` / ``gaps_PART.png``. Several CSVs
     are read as one study whose parts sit side by side (`load_study`)."""
-    from cispo.experiments.study_figures import plot_curves, plot_gaps
+    from studies.study_figures import plot_curves, plot_gaps
 
     runs = load_study(csv_path)
     groups = borrow_arms(group_eval_runs(runs), st)

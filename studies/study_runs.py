@@ -1,6 +1,6 @@
-"""The study's runs as read from its raw-data CSV(s) (``cispo study-data``): `RunData` per run,
+"""The study's runs as read from its raw-data CSV(s) (``python -m studies data``): `RunData` per run,
 `load_study` (one file or several, parts side by side) and `group_eval_runs` (part, task, K ->
-arm -> seed). The data layer of `cispo.experiments.study_report`."""
+arm -> seed). The data layer of `studies.study_report`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cispo.experiments.study_data import METRICS, read_csv
+from studies.study_data import METRICS, read_csv
 
 
 @dataclass

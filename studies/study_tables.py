@@ -1,4 +1,4 @@
-"""Tables of the study report kept apart from ``cispo.experiments.study_report`` (which calls
+"""Tables of the study report kept apart from ``studies.study_report`` (which calls
 them): pure functions of per-run values already computed there, so this module imports only
 the statistics and the mechanism gate, never the report.
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 
-from cispo.experiments.compute_fit import B_MAX, C_MID_MAX, ArmFit
-from cispo.experiments.stats import mean_band, paired_t, wilson
+from studies.compute_fit import B_MAX, C_MID_MAX, ArmFit
+from studies.stats import mean_band, paired_t, wilson
 
 Steps = dict[int, tuple[float, bool]]
 """seed -> (steps to target, reached) of one arm (`stats.censored_steps`)."""
@@ -120,7 +120,7 @@ def mechanism_level_table(cells: list[tuple[str, int, dict[str, list[dict]]]]) -
             with_w = sum(g["fork_pos_mass_above_mean"] == g["fork_pos_mass_above_mean"] for g in gates)
             lines.append(f"| {task} | {k} | {arm} | {len(gates)} | "
                          + " | ".join(pm([g[key] for g in gates], p) for key, p in LEVELS) + f" | {with_w} |")
-    lines += ["", "Per run, the figures of `python -m cispo.experiments.mechanism_gate` (criteria (i) and (ii) of the "
+    lines += ["", "Per run, the figures of `python -m studies.mechanism_gate` (criteria (i) and (ii) of the "
               "v3 gate, over the run's steps 1–40): the steps of 11–40 in which a positive-advantage fork token with "
               "p_old < 0.1 had r > 1 + eps_high, and the mean over steps 1–40 (steps without a positive fork token left "
               "out) of the positive fork tokens' and the other positive tokens' gradient-mass share above the bound. "

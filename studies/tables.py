@@ -1,7 +1,7 @@
 """The tables and plots of a comparison and a K sweep, from the runs' metrics rows
 (``arm -> [rows of each seed]``): mean ± band per arm, steps-to-target, collapses, the
-contrast arm's paired gaps per K. ``cispo.experiments.compare`` runs the runs; the study's
-regeneration from the raw-data file is ``cispo.experiments.study_report``.
+contrast arm's paired gaps per K. ``studies.compare`` runs the runs; the study's
+regeneration from the raw-data file is ``studies.study_report``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cispo.experiments.stats import (COLLAPSE_FLOOR, censored_steps, collapsed, final_accuracy, mean_accuracy,
+from studies.stats import (COLLAPSE_FLOOR, censored_steps, collapsed, final_accuracy, mean_accuracy,
                                      mean_band, steps_to_target, wilson)
 from cispo.foundations.nan import nan_mean
 
@@ -171,7 +171,7 @@ def format_sweep(gaps: dict) -> str:
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"mean ± 95% half-width over seeds (paired by seed), not corrected for multiple comparisons "
-                 f"(`cispo study-report` applies Holm); negative steps = {c} reaches the target sooner.")
+                 f"(`python -m studies report` applies Holm); negative steps = {c} reaches the target sooner.")
     return "\n".join(lines)
 
 

@@ -1,9 +1,8 @@
 """Tests for `chain_hidden_graded` (issue 28, candidate (b)): the graded cost per unneeded recheck,
-the cost that balances a context-blind recheck, and the task's reuse of chain_hidden_sharp's base model."""
+the cost that balances a context-blind recheck (checked against the measured base model in
+studies/tests/test_chain_probe.py), and the task's reuse of chain_hidden_sharp's base model."""
 
 import itertools
-import json
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +12,6 @@ from cispo.data.tasks import get_task
 BUGS = ch.HIDDEN_BUGS
 ONE_BUG = (18, 2, 4, 3)        # 18+2 buggy ((1, 2) in the set); 20+4, 24+3 carry nowhere
 NO_BUG = (12, 3, 4)
-MEASURED = Path(__file__).parent.parent / "docs/results/v3/gate/chain_hidden_sharp_base_model.json"
 
 
 def graded(numbers, completion, cost=ch.GRADED_COST):
@@ -109,14 +107,6 @@ def test_the_balanced_cost_makes_a_random_recheck_worth_nothing_on_average():
     assert mean_change(c - 0.05) > 0.005 and mean_change(c + 0.05) < -0.005
     with pytest.raises(ValueError, match="0 or 1 buggy step"):
         ch.balanced_recheck_cost([(18, 2, 9, 7, 6)], w, BUGS)           # two buggy steps
-
-
-def test_graded_cost_is_the_balanced_cost_at_the_measured_base_model_rate():
-    sampled = json.loads(MEASURED.read_text())["probe"]["sampled"]
-    w = sum(g["w_after_written"] for g in sampled.values()) / sum(g["n_written"] for g in sampled.values())
-    assert w == pytest.approx(0.0364, abs=5e-5)
-    chains = [ch.parse_prompt(s["prompt"]) for s in get_task("chain_hidden_graded").train_samples(0, 20000)]
-    assert ch.GRADED_COST == pytest.approx(ch.balanced_recheck_cost(chains, w, BUGS), abs=1e-3)
 
 
 def test_graded_task_is_chain_hidden_sharp_with_another_reward_and_the_same_base_model():

@@ -1,14 +1,14 @@
 """Measure a `chain_hidden*` task's shipped base model into one JSON (issue 28's gate variants).
 
-* ``probe``: `cispo.models.chain_probe.probe` on the task's held-out prompts — per step and per (tens
+* ``probe``: `studies.chain_probe.probe` on the task's held-out prompts — per step and per (tens
   digit, addend) pair, the teacher-forced probability of the right / dropped-carry direct result
   and of ``W`` after it, and sampled direct results (``samples_per_step`` draws per step);
 * ``measure``: `cispo.models.pretrain.measure_chain_model` for each of `tasks` (accuracy, rechecks,
   the forced-recheck policies) on 300 held-out prompts;
 * the model folder's ``SHA256SUMS`` entry for the weights, and the wall time.
 
-    python benchmarks/chain_hidden_base_model.py chain_hidden 8000 1 chain_hidden,chain_hidden_strict \
-        docs/results/v3/gate/chain_hidden_base_model.json
+    python -m studies.scripts.chain_hidden_base_model chain_hidden 8000 1 chain_hidden,chain_hidden_strict \
+        studies/results/v3/gate/chain_hidden_base_model.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from cispo.models.builtin import ensure_builtin_model
 from cispo.models.cache import read_checksums
-from cispo.models.chain_probe import probe
+from studies.chain_probe import probe
 from cispo.models.loading import load_policy
 from cispo.models.pretrain import measure_chain_model
 
@@ -31,7 +31,7 @@ def main(task: str, n_prompts: int, samples_per_step: int, tasks: list[str], out
     t0 = time.perf_counter()
     folder = ensure_builtin_model(task, progress=False)
     model, tokenizer = load_policy(folder)
-    report = {"command": "python benchmarks/chain_hidden_base_model.py " + " ".join(sys.argv[1:]),
+    report = {"command": "python -m studies.scripts.chain_hidden_base_model " + " ".join(sys.argv[1:]),
               "model": str(folder.relative_to(folder.parents[3])),
               "model_sha256": read_checksums(folder)["model.safetensors"],
               "probe": probe(model, tokenizer, task, n_prompts, samples_per_step, seed=0)}

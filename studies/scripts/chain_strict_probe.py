@@ -3,7 +3,7 @@
 (22: one unneeded recheck fits). Same shipped base model, same prompts; runs ``cispo`` with
 the remaining arguments.
 
-    python benchmarks/chain_strict_probe.py 0 train task=chain lr=3e-5 prompts_per_step=16 steps=60 \\
+    python -m studies.scripts.chain_strict_probe 0 train task=chain lr=3e-5 prompts_per_step=16 steps=60 \\
         eval.every=5 num_eval_prompts=100 threads=1 out_dir=runs run_name=chain_strict_cispo_s0
 """
 

@@ -7,7 +7,7 @@ the median, the share below 0.1 (``LOW_PROB``) and the mean percentile among the
 share of other tokens drawn with a lower probability). For strings of several tokens, the first
 token carries the string (as in the trainer's diagnostics); the later tokens' mean is printed too.
 
-    python benchmarks/fork_probe.py model.path=builtin:smollm2-135m data.task=wordmath \\
+    python -m studies.scripts.fork_probe model.path=builtin:smollm2-135m data.task=wordmath \\
         --prompts 32 --group 8 max_new_tokens=96 threads=1 seed=0
 
 Arguments without ``--`` are ``cispo train`` overrides (model, task, sampling, seed, threads).

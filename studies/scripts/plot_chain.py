@@ -1,10 +1,10 @@
 """Curves of several `chain` runs (one line per run): held-out accuracy, reflective tokens
 per response and response length by step, from each run folder's ``metrics.jsonl`` (or
-``metrics.jsonl.gz``, as committed under docs/results/).
+``metrics.jsonl.gz``, as committed under studies/results/).
 Runs named ``<setting>_s<seed>`` (e.g. ``chain_cispo_s0``) share a colour per setting,
 one line style per seed.
 
-    python benchmarks/plot_chain.py docs/results/chain_curves.png runs/chain_cispo_s0 runs/chain_cispo_s1 ...
+    python -m studies.scripts.plot_chain studies/results/chain_curves.png runs/chain_cispo_s0 runs/chain_cispo_s1 ...
 """
 
 from __future__ import annotations

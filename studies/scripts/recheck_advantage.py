@@ -2,7 +2,7 @@
 (issue 28, candidate (b): does a graded cost per unneeded recheck balance a context-blind ``W``?).
 
 The policy is the measured base model reduced to two facts: ``W`` after each step independently with
-probability `w` (docs/results/v3/gate/chain_hidden_sharp_base_model.json: 0.0364), and a buggy step
+probability `w` (studies/results/v3/gate/chain_hidden_sharp_base_model.json: 0.0364), and a buggy step
 written with the carry dropped unless rechecked. For each of `n` training prompts of
 `chain_hidden_sharp`'s stream, a group of 8 such completions is scored by the reward (`strict`:
 `chain_hidden_strict`'s, no slack; `graded`: `chain.graded_reward` at `chain.GRADED_COST`) and given
@@ -10,7 +10,7 @@ group advantages (`cispo.objective.advantages`: ``grpo`` (R - mean) / std, ``drg
 the group gets its response's advantage. Printed: the mean advantage of a ``W``, split into needed
 (after a buggy step) and unneeded ones.
 
-    python benchmarks/recheck_advantage.py 20000 docs/results/v3/gate/chain_hidden_graded_recheck_advantage.json
+    python -m studies.scripts.recheck_advantage 20000 studies/results/v3/gate/chain_hidden_graded_recheck_advantage.json
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def w_advantages(reward_name: str, estimator: str, n: int, w: float = W_RATE, se
 
 def main(n: int, out: str) -> None:
     torch.set_num_threads(1)
-    report = {"command": "python benchmarks/recheck_advantage.py " + " ".join(sys.argv[1:]),
+    report = {"command": "python -m studies.scripts.recheck_advantage " + " ".join(sys.argv[1:]),
               "w_rate": W_RATE, "group_size": GROUP, "graded_cost": ch.GRADED_COST, "prompts": n,
               "cells": {f"{r}/{e}": w_advantages(r, e, n) for r in REWARDS for e in ("grpo", "drgrpo")}}
     with open(out, "w") as f:

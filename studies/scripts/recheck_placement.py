@@ -5,11 +5,11 @@ From a run's ``samples.jsonl`` (the logged training completions, `log_samples_ev
 written), whether a ``W`` follows it, grouped into *buggy* (the task's `chain.TASK_BUGS`: the
 base model errs there, so the recheck pays), *other carrying* and *no carry*; and how often a
 buggy step's direct result is already right (a "direct fix", no recheck needed). From its
-``metrics.jsonl`` (each read from its ``.gz`` in a run committed under docs/results/), per phase: the ``W`` tokens of the training batches (`fork/w/count`), those with
+``metrics.jsonl`` (each read from its ``.gz`` in a run committed under studies/results/), per phase: the ``W`` tokens of the training batches (`fork/w/count`), those with
 a positive advantage (`fork/w/pos`), of them above 1 + eps_high (`fork/w/pos_above`) and the
 paper's case (`fork/w/pos_lowp_above`), and their mean p_old.
 
-    python benchmarks/recheck_placement.py chain_hidden docs/results/v3/gate/chain_hidden_dapo_s100
+    python -m studies.scripts.recheck_placement chain_hidden studies/results/v3/gate/chain_hidden_dapo_s100
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def fork_counts(rows: list[dict], phases=PHASES) -> dict:
 
 
 def _read(path) -> list[dict]:
-    """The rows of ``path`` or, as committed under docs/results/, of ``path.gz``."""
+    """The rows of ``path`` or, as committed under studies/results/, of ``path.gz``."""
     return [json.loads(line) for line in read_jsonl_bytes(path).decode().splitlines() if line.strip()]
 
 

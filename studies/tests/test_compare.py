@@ -8,10 +8,9 @@ import pytest
 
 from cispo.config.train import ConfigError
 
-from cispo.experiments.compare import CompareConfig, SweepConfig, compare, run_configs, sweep, tune, tuning_configs
-from cispo.experiments.stats import mean_band, steps_to_target
-from cispo.experiments.tables import analyse, format_sweep, format_table, sweep_gaps
-from conftest import small_config  # noqa: F401  (fixtures: tiny_model, dense_task)
+from studies.compare import CompareConfig, SweepConfig, compare, run_configs, sweep, tune, tuning_configs
+from studies.stats import mean_band, steps_to_target
+from studies.tables import analyse, format_sweep, format_table, sweep_gaps
 
 
 def rows(accs, every=2):
@@ -63,7 +62,7 @@ def _write_metrics(run, accs):
 
 
 def test_tune_picks_each_arms_best_lr_by_area_under_curve(tmp_path, monkeypatch):
-    import cispo.experiments.compare as cmp
+    import studies.compare as cmp
 
     cfg = CompareConfig(arms=["grpo", "cispo_cap2"], learning_rates={"dapo": 1e-5}, tune_lrs=[1e-4, 3e-4],
                         tune_seeds=[100, 101], tune_extend=False, tune_tie=0.0, out_dir=str(tmp_path))
@@ -104,7 +103,7 @@ def test_tune_picks_each_arms_best_lr_by_area_under_curve(tmp_path, monkeypatch)
 
 
 def test_tuning_per_k_extends_an_edge_choice_once(tmp_path, monkeypatch):
-    import cispo.experiments.compare as cmp
+    import studies.compare as cmp
 
     cfg = SweepConfig(arms=["dapo"], ks=[1, 4], tune_per_k=True, tune_lrs=[1e-5, 1e-4, 1e-3], seeds=[0],
                       out_dir=str(tmp_path))
@@ -128,7 +127,7 @@ def test_tuning_per_k_extends_an_edge_choice_once(tmp_path, monkeypatch):
 
 
 def test_pick_lr_breaks_near_ties_towards_the_smaller_rate():
-    from cispo.experiments.stats import pick_lr
+    from studies.stats import pick_lr
 
     assert pick_lr({1e-5: 0.5, 3e-5: 0.503, 1e-4: 0.51}, tie=0.005) == 1e-4  # 0.007 apart: no tie
     assert pick_lr({1e-5: 0.5, 3e-5: 0.507, 1e-4: 0.51}, tie=0.005) == 3e-5  # 0.003 apart: tie, smaller wins
@@ -137,7 +136,7 @@ def test_pick_lr_breaks_near_ties_towards_the_smaller_rate():
 
 
 def test_ablation_arms_take_cispos_rate(tmp_path, monkeypatch):
-    import cispo.experiments.compare as cmp
+    import studies.compare as cmp
 
     cfg = CompareConfig(arms=["cispo", "cispo_seqmean", "cispo_cap2"], tune_lrs=[1e-4, 3e-4], tune_extend=False,
                         lr_from={"cispo_seqmean": "cispo", "cispo_cap2": "cispo"}, seeds=[0], out_dir=str(tmp_path))

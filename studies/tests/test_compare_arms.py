@@ -5,9 +5,9 @@ import math
 import pytest
 
 from cispo.config.train import ConfigError, apply_overrides
-from cispo.experiments.arms import BUILTIN_ARMS, ArmConfig, resolve_arms
-from cispo.experiments.compare import CompareConfig, SweepConfig, base_config, run_configs, warmup_updates
-from cispo.experiments.stats import (censored_steps, collapsed, fieller_ratio, holm, paired_t, wilson)
+from studies.arms import BUILTIN_ARMS, ArmConfig, resolve_arms
+from studies.compare import CompareConfig, SweepConfig, base_config, run_configs, warmup_updates
+from studies.stats import (censored_steps, collapsed, fieller_ratio, holm, paired_t, wilson)
 from cispo.objective.loss import PRESETS, preset
 
 
@@ -130,7 +130,7 @@ def test_arms_from_a_yaml_file_and_an_error_naming_its_line(tmp_path):
 
 
 def test_the_old_keys_say_what_replaced_them(capsys):
-    from cispo.cli import main
+    from studies.cli import main
 
     assert main(["compare", "algorithms=[grpo,cispo]"]) == 2
     assert "algorithms is now arms" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""ScaleRL's compute–performance fit (arXiv 2510.13786, eq. 1; `cispo.experiments.compute_fit`) and
-``cispo study-report --compute-fit``: known parameters recovered from synthetic curves, R0 fixed,
+"""ScaleRL's compute–performance fit (arXiv 2510.13786, eq. 1; `studies.compute_fit`) and
+``python -m studies report --compute-fit``: known parameters recovered from synthetic curves, R0 fixed,
 the points at C = 0 left out, clear errors, and a report that is unchanged without the option."""
 
 import csv
@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cispo.cli import main
-from cispo.experiments.compute_fit import (AXES, bootstrap_fit, compute_curve, fit_arm, fit_curve, fit_runs, pooled,
+from studies.cli import main
+from studies.compute_fit import (AXES, bootstrap_fit, compute_curve, fit_arm, fit_curve, fit_runs, pooled,
                                            sigmoid_curve, start_value)
-from cispo.experiments.study_data import COLUMNS
-from cispo.experiments.study_runs import RunData
-from cispo.experiments.study_tables import AXIS_WORDS
+from studies.study_data import COLUMNS
+from studies.study_runs import RunData
+from studies.study_tables import AXIS_WORDS
 
 TRUE = {"A": 0.85, "B": 2.0, "C_mid": 30.0}
 R0 = 0.05
@@ -116,7 +116,7 @@ def test_the_compute_axes():
 
 
 # --------------------------------------------------------------------------------------
-# cispo study-report --compute-fit
+# python -m studies report --compute-fit
 # --------------------------------------------------------------------------------------
 
 ARMS = {"dapo": (0.8, 1.5, 20.0), "cispo": (0.9, 2.0, 12.0)}  # A, B, C_mid per arm; R0 = 0
@@ -151,8 +151,8 @@ def _texts(folder: Path) -> dict[str, str]:
 
 def test_cli_compute_fit_writes_the_table_and_leaves_the_rest_unchanged(tmp_path, capsys):
     data = _csv(tmp_path / "toy.csv")
-    assert main(["study-report", str(data), "-o", str(tmp_path / "plain")]) == 0
-    assert main(["study-report", str(data), "-o", str(tmp_path / "fit"), "--compute-fit", "steps"]) == 0
+    assert main(["report", str(data), "-o", str(tmp_path / "plain")]) == 0
+    assert main(["report", str(data), "-o", str(tmp_path / "fit"), "--compute-fit", "steps"]) == 0
     plain, fit = _texts(tmp_path / "plain"), _texts(tmp_path / "fit")
     table = fit.pop("compute_fit_toy.md")
     assert plain == fit  # every other table and number as without the option
@@ -164,11 +164,11 @@ def test_cli_compute_fit_writes_the_table_and_leaves_the_rest_unchanged(tmp_path
         assert (float(r[5]), float(r[7]), float(r[9])) == pytest.approx((A, B, mid), rel=2e-3)
     assert "**Descriptive**" in table and "eq. 1" in table and "C the RL steps" in table
     # C in seconds: 10 s per step, so C_mid is 10× the steps'
-    assert main(["study-report", str(data), "-o", str(tmp_path / "sec"), "--compute-fit", "step_seconds"]) == 0
+    assert main(["report", str(data), "-o", str(tmp_path / "sec"), "--compute-fit", "step_seconds"]) == 0
     sec = (tmp_path / "sec" / "compute_fit_toy.md").read_text()
     assert "| chain | 16 | cispo | 3 | 0.000 | 0.900 | " in sec and "| 120 | [" in sec and "cumulative seconds" in sec
     with pytest.raises(SystemExit):  # argparse: not an axis
-        main(["study-report", str(data), "--compute-fit", "flops"])
+        main(["report", str(data), "--compute-fit", "flops"])
     assert "invalid choice: 'flops'" in capsys.readouterr().err
     assert json.loads(fit["numbers.json"]) == json.loads(plain["numbers.json"])
 
@@ -176,19 +176,19 @@ def test_cli_compute_fit_writes_the_table_and_leaves_the_rest_unchanged(tmp_path
 def test_the_cli_offers_the_module_axes():
     import argparse
 
-    from cispo.cli import build_parser
+    from studies.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    opt = next(a for a in sub.choices["study-report"]._actions if a.dest == "compute_fit")
+    opt = next(a for a in sub.choices["report"]._actions if a.dest == "compute_fit")
     assert tuple(opt.choices) == AXES == tuple(AXIS_WORDS) and opt.default is None
 
 
 def test_the_committed_v3_chain_fit_is_the_data_s():
-    """docs/results/v3/compute_fit_v3_chain.md (linked from docs/results.md) is what
-    `cispo study-report docs/results/v3/chain.csv.gz --compute-fit steps` writes."""
-    from cispo.experiments.study_report import Settings, report
+    """studies/results/v3/compute_fit_v3_chain.md (linked from studies/results.md) is what
+    `python -m studies report studies/results/v3/chain.csv.gz --compute-fit steps` writes."""
+    from studies.study_report import Settings, report
 
-    root = Path(__file__).resolve().parents[1] / "docs" / "results" / "v3"
+    root = Path(__file__).resolve().parents[1] / "results" / "v3"
     out = report(root / "chain.csv.gz", st=Settings(compute_fit="steps"))
     assert (root / "compute_fit_v3_chain.md").read_text() == out["compute_fit/v3_chain"] + "\n"
     with pytest.raises(ValueError, match="unknown compute axis 'flops'"):

@@ -1,5 +1,5 @@
 """The study's raw-data file and its regeneration: synthetic run folders -> CSV -> every table,
-checked against numbers worked out by hand; and the check that docs/results.md quotes them."""
+checked against numbers worked out by hand; and the check that studies/results.md quotes them."""
 
 import gzip
 import json
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from cispo.cli import main
+from studies.cli import main
 from cispo.config.train import TrainConfig, apply_overrides, save_yaml
-from cispo.experiments.stats import fieller_ratio, paired_t
-from cispo.experiments.study_data import COLUMNS, collect, read_csv
-from cispo.experiments.study_report import (MARKER, Settings, check_doc, comparisons, group_eval_runs, load_study,
+from studies.stats import fieller_ratio, paired_t
+from studies.study_data import COLUMNS, collect, read_csv
+from studies.study_report import (MARKER, Settings, check_doc, comparisons, group_eval_runs, load_study,
                                             report, update_doc)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 # held-out accuracy at steps 0, 2, 4, 6, 8 per (arm, seed); final = mean of the last two
 CURVES = {
@@ -122,9 +122,9 @@ def test_the_csv_is_the_same_from_compressed_run_files(study, tmp_path):
 
 
 def test_the_committed_run_files_are_compressed():
-    """A fresh clone stays small (issue 43): no plain JSONL file over 100 KB under docs/results/
+    """A fresh clone stays small (issue 43): no plain JSONL file over 100 KB under studies/results/
     (`python -m cispo.foundations.jsonl FILE.jsonl...` compresses one in place)."""
-    big = [str(f.relative_to(ROOT)) for f in (ROOT / "docs" / "results").rglob("*.jsonl") if f.stat().st_size > 100_000]
+    big = [str(f.relative_to(ROOT)) for f in (ROOT / "studies" / "results").rglob("*.jsonl") if f.stat().st_size > 100_000]
     assert not big, f"compress these with `python -m cispo.foundations.jsonl`: {big}"
 
 
@@ -218,33 +218,33 @@ def test_doc_check_finds_a_wrong_quote_and_update_fixes_it(study):
 
 def test_cli_study_data_and_report_check_doc(study, tmp_path, capsys):
     root, *_ = study
-    assert main(["study-data", str(root / "main"), "-o", str(tmp_path / "s.csv")]) == 0
+    assert main(["data", str(root / "main"), "-o", str(tmp_path / "s.csv")]) == 0
     got = capsys.readouterr()
     assert "11 runs, 99 rows" in got.out and "left out" in got.err and "cispo__chain__K16__seed3" in got.err
     doc = tmp_path / "doc.md"
     doc.write_text("<!-- study:hours/main -->0<!-- /study:hours/main -->\n")
-    assert main(["study-report", str(tmp_path / "s.csv"), "-o", str(tmp_path / "rep"), "--check-doc", str(doc)]) == 1
-    assert main(["study-report", str(tmp_path / "s.csv"), "-o", str(tmp_path / "rep"), "--update-doc", str(doc),
+    assert main(["report", str(tmp_path / "s.csv"), "-o", str(tmp_path / "rep"), "--check-doc", str(doc)]) == 1
+    assert main(["report", str(tmp_path / "s.csv"), "-o", str(tmp_path / "rep"), "--update-doc", str(doc),
                  "--check-doc", str(doc)]) == 0
     assert doc.read_text() == "<!-- study:hours/main -->10.00<!-- /study:hours/main -->\n"
-    assert main(["study-data", str(tmp_path / "missing")]) == 2
+    assert main(["data", str(tmp_path / "missing")]) == 2
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
-    assert main(["study-report", str(tmp_path / "bad.csv")]) == 2
+    assert main(["report", str(tmp_path / "bad.csv")]) == 2
     assert "not a study data file: missing column(s) part" in capsys.readouterr().err
 
 
 def test_docs_results_quotes_equal_the_study_data():
-    """Every table and number docs/results.md and the README quote between <!-- study:NAME -->
-    markers is what `cispo study-report docs/results/study.csv.gz docs/results/v3/chain.csv.gz`
+    """Every table and number studies/results.md and the README quote between <!-- study:NAME -->
+    markers is what `python -m studies report studies/results/study.csv.gz studies/results/v3/chain.csv.gz`
     prints (the original study and study v3's part on `chain`, side by side)."""
-    doc = (ROOT / "docs" / "results.md").read_text()
+    doc = (ROOT / "studies" / "results.md").read_text()
     if not MARKER.search(doc):
-        pytest.skip("docs/results.md quotes no study table yet (no <!-- study:NAME --> markers): the study "
+        pytest.skip("studies/results.md quotes no study table yet (no <!-- study:NAME --> markers): the study "
                     "(issue 14) has not been run; the mechanism is exercised on synthetic data above")
-    data = [ROOT / "docs" / "results" / "study.csv.gz", ROOT / "docs" / "results" / "v3" / "chain.csv.gz"]
-    assert all(d.exists() for d in data), "docs/results.md quotes study values but a data file is missing"
+    data = [ROOT / "studies" / "results" / "study.csv.gz", ROOT / "studies" / "results" / "v3" / "chain.csv.gz"]
+    assert all(d.exists() for d in data), "studies/results.md quotes study values but a data file is missing"
     out = report(data)
-    assert check_doc(doc, out, "docs/results.md") == []
+    assert check_doc(doc, out, "studies/results.md") == []
     readme = (ROOT / "README.md").read_text()
     assert MARKER.search(readme), "the README's study summary quotes its numbers between markers"
     assert check_doc(readme, out, "README.md") == []
@@ -263,7 +263,7 @@ def test_paired_t_matches_scipy():
 
 @pytest.mark.slow
 def test_one_command_sweep_then_data_then_report(tiny_model, dense_task, tmp_path, capsys):
-    """`cispo sweep` with arms, per-K tuning and the fairness options on a tiny model; then the
+    """`python -m studies sweep` with arms, per-K tuning and the fairness options on a tiny model; then the
     raw data and the tables from it."""
     out = tmp_path / "ksweep"
     assert main(["sweep", "arms=[dapo,cispo_seqmean]", "ks=[1,2]", "seeds=[0,1]", "tune_seeds=[100]",
@@ -294,7 +294,7 @@ def test_one_command_sweep_then_data_then_report(tiny_model, dense_task, tmp_pat
 
 def eval_run(part, arm, seed, accs, task="chain", k=16, lr="3e-05", every=2):
     """A study run of the CSV with held-out accuracies `accs` every `every` steps from step 0."""
-    from cispo.experiments.study_report import RunData
+    from studies.study_report import RunData
 
     meta = {"part": part, "role": "eval", "task": task, "K": str(k), "arm": arm, "seed": str(seed), "lr": lr,
             "run": f"{arm}__{task}__K{k}__seed{seed}"}
@@ -302,7 +302,7 @@ def eval_run(part, arm, seed, accs, task="chain", k=16, lr="3e-05", every=2):
 
 
 def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
-    from cispo.experiments.study_report import borrow_arms, collapse_table, summary_table
+    from studies.study_report import borrow_arms, collapse_table, summary_table
 
     run = eval_run
 
@@ -327,7 +327,7 @@ def test_an_ablation_part_without_cispo_pairs_with_the_main_parts_cispo():
 
 
 def test_the_k32_ablations_use_the_ablation_family_and_their_own_cispo():
-    from cispo.experiments.study_report import borrow_arms
+    from studies.study_report import borrow_arms
 
     def run(part, arm, seed, accs):
         return eval_run(part, arm, seed, accs, task="addition", k=32, lr="1e-04")
@@ -350,7 +350,7 @@ def test_the_k32_ablations_use_the_ablation_family_and_their_own_cispo():
 def test_the_exploratory_part_borrows_dapo_not_cispo():
     """`explore_lr1e4` (session 9 amendment): its own CISPO and PPO, part 1's DAPO lent at the same
     (task, K), so the target and the "≤ 50% of the steps" rule exist there too."""
-    from cispo.experiments.study_report import borrow_arms, q1_rows, summary_table
+    from studies.study_report import borrow_arms, q1_rows, summary_table
 
     def run(part, arm, seed, accs):
         return eval_run(part, arm, seed, accs, lr="0.0001", every=5)
@@ -373,7 +373,7 @@ def test_the_exploratory_part_borrows_dapo_not_cispo():
 def test_the_v3_mechanism_gate_applies_the_protocols_criteria():
     """Persistence (the paper's case in >= 15 of steps 11-40) and size (mean positive-fork mass
     share above the bound >= 0.10 and >= 1.5x the other tokens'), both required."""
-    from cispo.experiments.mechanism_gate import gate
+    from studies.mechanism_gate import gate
 
     def rows(late_hits, fork_share, other_share):
         return [{"step": 0}] + [{"step": s, "objective/fork_pos_lowp_above": float(s <= 4 or 11 <= s < 11 + late_hits),
@@ -389,13 +389,13 @@ def test_the_v3_mechanism_gate_applies_the_protocols_criteria():
 
 
 def test_the_committed_v3_gate_verdicts_recompute_from_their_data():
-    """Each docs/results/v3/gate/RUN.gate.json is the gate script's output on RUN/metrics.jsonl
+    """Each studies/results/v3/gate/RUN.gate.json is the gate script's output on RUN/metrics.jsonl
     (committed as RUN/metrics.jsonl.gz)."""
-    from cispo.experiments.mechanism_gate import gate
+    from studies.mechanism_gate import gate
     from cispo.foundations.jsonl import has_jsonl
     from cispo.records.tracking import read_metrics
 
-    verdicts = sorted((ROOT / "docs" / "results" / "v3" / "gate").glob("*.gate.json"))
+    verdicts = sorted((ROOT / "studies" / "results" / "v3" / "gate").glob("*.gate.json"))
     assert len(verdicts) >= 3
     for path in verdicts:
         run = path.parent / path.name.removesuffix(".gate.json")

@@ -4,10 +4,10 @@ both the never-learned and the collapsed counts. Synthetic runs, 4 arms × 8 see
 
 import pytest
 
-from cispo.experiments.stats import paired_t, wilson
-from cispo.experiments.study_report import (RunData, Settings, collapse_counts, collapse_table, comparisons,
+from studies.stats import paired_t, wilson
+from studies.study_report import (RunData, Settings, collapse_counts, collapse_table, comparisons,
                                             comparisons_table, group_eval_runs, holm_of_declared, load_study, report)
-from cispo.experiments.study_tables import comparison_values, count_values, drop_steps, drop_table
+from studies.study_tables import comparison_values, count_values, drop_steps, drop_table
 
 # Per arm and seed (m, f): the held-out curve is [0, m, f, f] at steps 0, 5, 10, 15, so
 # final (mean of the last 2) = f and mean over training (steps > 0) = (m + 2f) / 3.

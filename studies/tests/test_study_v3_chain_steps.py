@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from cispo.experiments.mechanism_gate import gate
-from cispo.experiments.study_data import collect
-from cispo.experiments.study_report import (RunData, Settings, group_eval_runs, mechanism_level, q1_rows, q1_table,
+from studies.mechanism_gate import gate
+from studies.study_data import collect
+from studies.study_report import (RunData, Settings, group_eval_runs, mechanism_level, q1_rows, q1_table,
                                             report, steps_outputs)
-from cispo.experiments.study_tables import mechanism_level_table, paired_steps
+from studies.study_tables import mechanism_level_table, paired_steps
 from cispo.records.tracking import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 T3 = 3.182446  # t_{0.975, 3}, from a printed table (4 seeds)
 T1 = 12.706205  # t_{0.975, 1} (2 runs)
 
@@ -130,7 +130,7 @@ def test_mechanism_level_from_the_report_groups_skips_runs_without_the_log():
 def test_a_committed_gate_run_through_the_csv_gives_the_gate_figures(tmp_path):
     """The CSV now carries the mechanism check: the table's per-arm level of one gate run equals
     `mechanism_gate.gate` on its metrics.jsonl (to the CSV's 6 significant digits)."""
-    src = ROOT / "docs" / "results" / "v3" / "gate" / "dapo_s100"
+    src = ROOT / "studies" / "results" / "v3" / "gate" / "dapo_s100"
     run = tmp_path / "runs" / "v3_chain" / "dapo__chain__K16__seed0"
     shutil.copytree(src, run)
     (run / "study.json").write_text(json.dumps({"part": "v3_chain", "role": "eval", "arm": "dapo", "task": "chain",

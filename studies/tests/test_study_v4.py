@@ -1,13 +1,13 @@
-"""Study v4's gate (docs/results/protocol.md, amendment of 2026-12-04; issue 46): v3's criteria re-based
+"""Study v4's gate (studies/results/protocol.md, amendment of 2026-12-04; issue 46): v3's criteria re-based
 on every response token."""
 
 import math
 from pathlib import Path
 
-from cispo.experiments.mechanism_gate import gate_all_tokens, paper_case_all_tokens
+from studies.mechanism_gate import gate_all_tokens, paper_case_all_tokens
 from cispo.records.tracking import read_metrics
 
-GATE = Path(__file__).resolve().parents[1] / "docs" / "results" / "v3" / "gate"
+GATE = Path(__file__).resolve().parents[1] / "results" / "v3" / "gate"
 
 
 def rows(case: dict, share: dict) -> list[dict]:
@@ -42,11 +42,11 @@ def test_the_issue_figures_recompute_from_the_v3_gate_runs():
     assert k32["late_steps_with_paper_case"] == 16 and math.isnan(k16["all_pos_mass_above_mean"])
 
 
-V4_GATE = Path(__file__).resolve().parents[1] / "docs" / "results" / "v4" / "gate"
+V4_GATE = Path(__file__).resolve().parents[1] / "results" / "v4" / "gate"
 
 
 def test_the_committed_v4_gate_verdicts_recompute_from_their_data():
-    """docs/results.md, "Study v4": seed 101 fails persistence (9 of steps 11-40), seed 102 passes (17)."""
+    """studies/results.md, "Study v4": seed 101 fails persistence (9 of steps 11-40), seed 102 passes (17)."""
     import json
 
     for seed, late, passes in ((101, 9, False), (102, 17, True)):

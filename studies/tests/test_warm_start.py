@@ -1,4 +1,4 @@
-"""The agents search's warm start script (docs/results/agents/warm_start.py, amendment 3): the loss covers the
+"""The agents search's warm start script (studies/results/agents/warm_start.py, amendment 3): the loss covers the
 assistant's own tokens only, and a run writes a folder the trainer can load."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from cispo.data.tasks import wordmath_calc
 from cispo.models.loading import load_policy
 from cispo.models.packaged import TOKENIZER_DIR, save_tiny_smollm2
 
-SCRIPT = Path(__file__).resolve().parent.parent / "docs" / "results" / "agents" / "warm_start.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "results" / "agents" / "warm_start.py"
 
 
 @pytest.fixture(scope="module")
