@@ -12,7 +12,7 @@ calculator and the **own-number call rate** (amendment 3): the share with a call
 the problem's text (`own_number_call`; the instruction's echo ``2+3`` counts only where the problem has a 2 and
 a 3).
 
-    python docs/results/agents/tables.py            # from the repository root; prints Markdown
+    python studies/results/agents/tables.py            # from the repository root; prints Markdown
 """
 
 from __future__ import annotations

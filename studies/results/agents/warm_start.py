@@ -1,9 +1,9 @@
-"""The agents search's warm start (amendment 3, docs/results/agents/search-plan.md): SmolLM2-135M-Instruct
+"""The agents search's warm start (amendment 3, studies/results/agents/search-plan.md): SmolLM2-135M-Instruct
 fine-tuned on worked answers before RL, as ReTool's cold start, so that its calls carry the problem's numbers.
 
-    python docs/results/agents/warm_start.py --out /work/agent_runs/warm_calc_small          # with the calculator
-    python docs/results/agents/warm_start.py --plain --out /work/agent_runs/warm_plain_small  # the control
-    python docs/results/agents/warm_start.py --call-share 0.125 --out /work/agent_runs/warm_rare  # amendment 4
+    python studies/results/agents/warm_start.py --out /work/agent_runs/warm_calc_small          # with the calculator
+    python studies/results/agents/warm_start.py --plain --out /work/agent_runs/warm_plain_small  # the control
+    python studies/results/agents/warm_start.py --call-share 0.125 --out /work/agent_runs/warm_rare  # amendment 4
 
 The demonstrations are ``wordmath_calc.demonstrations``: ``--n`` train problems of ``--data-seed`` (not the
 held-out split), each answered in one line of working, ``539 / 11 = <calc>539/11</calc><result>49</result>``

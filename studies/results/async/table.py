@@ -6,7 +6,7 @@ the behaviour-vs-proximal gap (``rollout/logp_abs_diff``, ``rollout/mismatch_kl`
 (``objective/ratio_max``), the share CISPO's cap bounds (``objective/frac_capped``), the share PPO's region
 would drop (``objective/frac_ppo_dropped``) and the step's seconds.
 
-    python docs/results/async/table.py            # from the repository root; prints Markdown
+    python studies/results/async/table.py            # from the repository root; prints Markdown
 """
 
 from __future__ import annotations

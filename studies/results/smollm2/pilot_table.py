@@ -11,10 +11,10 @@ steps, the mean share of tokens whose IS weight CISPO's cap bounds (``objective/
 mean share PPO's trust region drops or would drop (``objective/frac_ppo_dropped``, logged for every
 objective at its own edges eps_low / eps_high: CISPO's defaults 0.2 / 0.2, DAPO's 0.2 / 0.28), the mean ``objective/approx_kl`` and the largest ratio (``objective/ratio_max``).
 
-    python docs/results/smollm2/pilot_table.py            # from the repository root
+    python studies/results/smollm2/pilot_table.py            # from the repository root
 
-Run #1 (CISPO, seed 0) is stage D of the search, ``docs/results/smollm2/run_working_s0``; the
-others are ``docs/results/smollm2/pilot/<objective>_s<seed>``. A run not yet in is shown as such.
+Run #1 (CISPO, seed 0) is stage D of the search, ``studies/results/smollm2/run_working_s0``; the
+others are ``studies/results/smollm2/pilot/<objective>_s<seed>``. A run not yet in is shown as such.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ comparison) no longer pay? Only the logged training samples (samples.jsonl.gz) c
 held-out completions were not saved. The gold answer of a paid sample is the answer the old verifier
 read (it was judged equal to the gold one).
 
-    python docs/results/smollm2/rescore.py
+    python studies/results/smollm2/rescore.py
 """
 
 import gzip

@@ -2,8 +2,8 @@
 problems whose sampled answers are neither all right nor all wrong (q, an informative group) and
 the share of right samples that end within 64 tokens.
 
-    python docs/results/smollm2/stage_a.py docs/results/smollm2/stageA/stageA_1.0.jsonl.gz \
-        docs/results/smollm2/stageA/stageA_0.7.jsonl.gz
+    python studies/results/smollm2/stage_a.py studies/results/smollm2/stageA/stageA_1.0.jsonl.gz \
+        studies/results/smollm2/stageA/stageA_0.7.jsonl.gz
 """
 import gzip
 import json
