@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from studies.stats import (COLLAPSE_FLOOR, censored_steps, collapsed, final_accuracy, mean_accuracy,
-                                     mean_band, steps_to_target, wilson)
+                           mean_band, steps_to_target, wilson)
 from cispo.foundations.nan import nan_mean
 
 

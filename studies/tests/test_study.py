@@ -14,7 +14,7 @@ from cispo.config.train import TrainConfig, apply_overrides, save_yaml
 from studies.stats import fieller_ratio, paired_t
 from studies.study_data import COLUMNS, collect, read_csv
 from studies.study_report import (MARKER, Settings, check_doc, comparisons, group_eval_runs, load_study,
-                                            report, update_doc)
+                                  report, update_doc)
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 

@@ -15,7 +15,7 @@ import pytest
 from studies.mechanism_gate import gate
 from studies.study_data import collect
 from studies.study_report import (RunData, Settings, group_eval_runs, mechanism_level, q1_rows, q1_table,
-                                            report, steps_outputs)
+                                  report, steps_outputs)
 from studies.study_tables import mechanism_level_table, paired_steps
 from cispo.records.tracking import read_metrics
 
