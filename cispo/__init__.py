@@ -11,7 +11,10 @@ folder or the folders above it in this list (docs/api.md, "Layers"; ``tests/test
     models/        the policy, loading / saving, LoRA, the built-in and packaged models
     rollout/       samplers (torch, vLLM)
     training/      one RL step, evaluation, checkpoints, the run
-    integrations/, experiments/, cli   front ends
+    integrations/, cli   front ends
+
+The project's own studies (comparisons, probes, their data) live outside the package, in the
+repository's ``studies/``, and import it like any user.
 
 Modules moved into these folders in December 2026 keep their old paths: ``import
 cispo.trainer`` gives the module ``cispo.training.trainer`` itself (`MOVED`).
@@ -51,7 +54,6 @@ MOVED = {
     "cispo.lora": "cispo.models.lora",
     "cispo.pretrain_config": "cispo.models.pretrain_config",
     "cispo.pretrain": "cispo.models.pretrain",
-    "cispo.chain_probe": "cispo.models.chain_probe",
     "cispo.builtin_model": "cispo.models.builtin",
     "cispo.packaged": "cispo.models.packaged",
     "cispo.compile": "cispo.models.compile",

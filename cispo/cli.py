@@ -1,4 +1,4 @@
-"""``cispo train | pretrain | eval``: a YAML file and/or ``key=value`` overrides.
+"""``cispo train | pretrain | eval | plot``: a YAML file and/or ``key=value`` overrides.
 
     cispo train                                   # CISPO on the built-in task, defaults
     cispo train algo.objective=dapo lr=5e-5       # dotted keys, or unique leaf names
@@ -8,11 +8,6 @@
     cispo pretrain seed=1 --measure 2000
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model "eval.pass_at_k=[1,4]"  # at each k
-    cispo compare --quick                         # GRPO vs DAPO vs CISPO, 3 seeds
-    cispo sweep ks=[1,4,16]                       # the gap vs the number of off-policy updates K
-    cispo compare arms=[dapo,cispo,cispo_seqmean] # named arms: presets, ablations, arm_defs.NAME...
-    cispo study-data runs/study -o docs/results/study.csv.gz   # every run's curves in one CSV
-    cispo study-report docs/results/study.csv.gz docs/results/v3/chain.csv.gz -o docs/results/study --check-doc docs/results.md
     cispo plot runs/a runs/b -o runs/ab.html      # overlay runs' curves: ab.png + ab.html
 """
 
@@ -210,80 +205,6 @@ def _samples_file(path: str | None):
                           f"{tmp}") from None
 
 
-def _split_overrides(cls, overrides: list[str]) -> tuple[list[str], list[str]]:
-    """(overrides of ``cls``'s own fields, the rest: TrainConfig overrides for every run)."""
-    import dataclasses
-
-    own = {f.name for f in dataclasses.fields(cls)}
-    mine = [o for o in overrides if o.split("=", 1)[0].split(".")[0] in own]
-    return mine, [o for o in overrides if o not in mine]
-
-
-def cmd_compare(args) -> int:
-    from cispo.config.train import ConfigError, TrainConfig, apply_overrides
-    from cispo.experiments.compare import CompareConfig, SweepConfig, compare, sweep
-    from cispo.experiments.tables import format_sweep, format_table
-
-    cls = SweepConfig if args.command == "sweep" else CompareConfig
-    from cispo.experiments.compare import RENAMED
-
-    for o in args.overrides:
-        if (key := o.split("=", 1)[0]) in RENAMED:
-            raise ConfigError(f"override {o!r}: {key} is now {RENAMED[key]}")
-    mine, rest = _split_overrides(cls, args.overrides)
-    cfg = _build_config(cls, args.config, mine)
-    from dataclasses import replace
-
-    cfg = replace(cfg, train=list(cfg.train) + rest, quick=cfg.quick or args.quick)
-    apply_overrides(TrainConfig(), cfg.train)  # fail fast on a bad run override
-    if args.command == "sweep":
-        print(format_sweep(sweep(cfg)))
-    else:
-        table = compare(cfg)
-        print(format_table(table))
-        print(f"wall time: {table['wall_s']:.0f} s; folder: {cfg.out_dir} (table.md, comparison.png)")
-    return 0
-
-
-def cmd_study_data(args) -> int:
-    from cispo.experiments.study_data import collect
-
-    try:
-        path, runs, rows, unfinished = collect(args.runs, args.output)
-    except FileNotFoundError as e:
-        print(f"cispo study-data: error: {e}", file=sys.stderr)
-        return 2
-    for d in unfinished:
-        print(f"cispo study-data: left out {d} (unfinished: no summary.json)", file=sys.stderr)
-    print(f"{path}: {runs} runs, {rows} rows, {path.stat().st_size / 1e6:.2f} MB")
-    return 0
-
-
-def cmd_study_report(args) -> int:
-    from cispo.experiments.study_report import Settings, check_doc, report, update_doc
-
-    given = {k: v for k, v in vars(args).items() if k in ("reference", "contrast", "floor", "final_evals", "tune_score",
-                                                          "tune_tie", "compute_fit") and v is not None}
-    try:
-        out = report(args.data, args.output, Settings(**given))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"cispo study-report: error: {e}", file=sys.stderr)
-        return 2
-    print(out["compute"])
-    print(f"tables and figures: {args.output}")
-    if args.update_doc:
-        doc = Path(args.update_doc)
-        doc.write_text(update_doc(doc.read_text(), out))
-        print(f"updated the quoted tables and numbers of {doc}")
-    if args.check_doc:
-        problems = check_doc(Path(args.check_doc).read_text(), out, args.check_doc)
-        for p in problems:
-            print(p, file=sys.stderr)
-        print(f"{args.check_doc}: {len(problems)} quoted value(s) differ from the data")
-        return 1 if problems else 0
-    return 0
-
-
 def cmd_plot(args) -> int:
     from cispo.foundations.plotting import plot_runs
 
@@ -343,47 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="model folder (a checkpoint's model/ or any HF causal LM)")
     p.add_argument("--samples", metavar="FILE", help="write every completion scored (prompt, completion, reward, "
                    "parsed answer, reference answer; greedy and sampled, each set) to FILE as JSONL")
-    p = add("compare", "GRPO vs DAPO vs CISPO from the same base model over seeds; table and plots (resumable); "
-            "key=value that are not comparison fields apply to every run", "cispo.experiments.compare:CompareConfig",
-            cmd_compare)
-    p.add_argument("--quick", action="store_true", help="a small size (9 runs of 8 steps): 3.5-12.5 min on 2 "
-                   "cores (3 min 38 s and 12 min 22 s measured, the second with other jobs loading the machine)")
-    p = add("sweep", "the comparison for each K (off-policy updates per batch): CISPO - DAPO / GRPO gaps",
-            "cispo.experiments.compare:SweepConfig", cmd_compare)
-    p.add_argument("--quick", action="store_true", help="the quick size for every K")
-    p = sub.add_parser("study-data", help="collect run folders' curves and key metrics into one CSV (the raw data)",
-                       description="Every run folder (with metrics.jsonl, or metrics.jsonl.gz) below RUN_DIR: its "
-                       "evaluation curve and per-step key metrics, with its arm, K, seed, learning rate, role and "
-                       "wall time, into one CSV (gzip if OUTPUT ends in .gz). Schema: cispo.experiments.study_data.")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders or folders of runs (a comparison's out_dir)")
-    p.add_argument("-o", "--output", default="docs/results/study.csv.gz", help="output CSV (default %(default)s)")
-    p.set_defaults(fn=cmd_study_data)
-    p = sub.add_parser("study-report", help="regenerate every table and figure of the study from the raw-data CSV",
-                       description="Tables (markdown), figures and quoted numbers from the CSV alone; the statistics "
-                       "are stated in cispo.experiments.study_report. --check-doc exits 1 when a value quoted in the "
-                       "doc between <!-- study:NAME --> markers differs from the data.")
-    p.add_argument("data", nargs="+", help="the CSV of `cispo study-data`, or several (their parts side by side, "
-                   "e.g. docs/results/study.csv.gz docs/results/v3/chain.csv.gz)")
-    p.add_argument("-o", "--output", default="docs/results/study", help="folder for the tables and figures")
-    p.add_argument("--reference", help="arm whose final accuracy is the target (default dapo)")
-    p.add_argument("--contrast", help="arm compared with the others (default cispo)")
-    p.add_argument("--floor", type=float, help="a run whose peak accuracy is below this never learned "
-                   "(left out of the collapse fraction; default 0.1)")
-    p.add_argument("--final-evals", type=int, help="final accuracy = mean of the last N evaluations (default 2)")
-    p.add_argument("--tune-score", choices=["mean_accuracy", "final_accuracy"], help="default mean_accuracy")
-    p.add_argument("--tune-tie", type=float, help="tuning scores within this of the best tie (default 0.005)")
-    p.add_argument("--compute-fit", choices=["steps", "step_seconds"], help="also fit ScaleRL's compute-performance "
-                   "curve (arXiv 2510.13786, eq. 1) per arm, against RL steps or cumulative perf/step_s seconds, with "
-                   "bootstrap intervals over seeds: compute_fit_PART.md (descriptive; off by default)")
-    p.add_argument("--check-doc", metavar="MD", help="check the values quoted in this markdown file")
-    p.add_argument("--update-doc", metavar="MD", help="rewrite the values quoted in this markdown file")
-    p.set_defaults(fn=cmd_study_report)
     p = sub.add_parser("plot", help="overlay runs' curves (metrics.jsonl) into one PNG and a self-contained HTML page",
                        description="Overlay the curves of any runs into OUTPUT.png and OUTPUT.html (the page embeds "
                        "the PNG and a table of each run's final metrics; it needs no network or script).")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                   help="run folders (with metrics.jsonl or metrics.jsonl.gz), or folders of runs such as a "
-                   "`cispo compare` output")
+                   help="run folders (with metrics.jsonl or metrics.jsonl.gz), or folders of runs (a "
+                   "common out_dir)")
     p.add_argument("-o", "--output", default="plot.html", help="output path; .png and .html are written (default plot.html)")
     p.add_argument("--metrics", help="comma-separated metric names (default: reward, accuracy, fork rate, "
                    "capped / dropped fractions, entropy, length, KL: each that some run logged)")

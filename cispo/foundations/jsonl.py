@@ -1,10 +1,10 @@
 """A run's JSONL files, plain or gzip-compressed: the one place that opens them.
 
 Training writes ``metrics.jsonl`` and ``samples.jsonl`` plain (appended line by line). The
-research data committed under ``docs/results/`` keeps the same files gzip-compressed
+research data committed under ``studies/results/`` keeps the same files gzip-compressed
 (``metrics.jsonl.gz``, ``samples.jsonl.gz``; level 9, no timestamp) so that a clone stays
 small. A reader names the plain file; ``jsonl_path`` takes the compressed one when only it is
-there, so ``read_metrics``, ``cispo plot``, ``cispo study-data``, ``compare`` and the doc tests
+there, so ``read_metrics``, ``cispo plot``, ``python -m studies data``, ``compare`` and the doc tests
 read either. Plain Python (gzip only).
 
 A run's step files (``metrics.jsonl``, ``samples.jsonl``) are parsed in one place,
@@ -12,7 +12,7 @@ A run's step files (``metrics.jsonl``, ``samples.jsonl``) are parsed in one plac
 same rows, and a torn, NUL-filled, non-UTF-8 or too deeply nested line is listed, not parsed.
 
 ``python -m cispo.foundations.jsonl FILE.jsonl...`` compresses run files copied into
-``docs/results/`` (`compress`: ``FILE.jsonl.gz`` written, checked, ``FILE.jsonl`` removed).
+``studies/results/`` (`compress`: ``FILE.jsonl.gz`` written, checked, ``FILE.jsonl`` removed).
 """
 
 from __future__ import annotations

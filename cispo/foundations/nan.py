@@ -1,6 +1,6 @@
 """Metrics that may be undefined: NaN marks a metric with nothing to average (no fork token in
 the batch, no evaluation this step). Plain Python, no torch, so that reading run folders
-(``cispo compare``'s tables, ``cispo study-data``) does not load it."""
+(``python -m studies compare``'s tables, ``python -m studies data``) does not load it."""
 
 from __future__ import annotations
 

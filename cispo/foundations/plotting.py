@@ -165,7 +165,7 @@ OVERLAY_METRICS = [key for _, keys in PANELS for key, _ in keys]
 
 def find_runs(paths: list[str | Path]) -> list[Path]:
     """Run folders (holding ``metrics.jsonl`` or ``metrics.jsonl.gz``) named by ``paths``: a run
-    folder itself, or a folder whose sub-folders are runs (e.g. a ``cispo compare`` output).
+    folder itself, or a folder whose sub-folders are runs (e.g. a ``python -m studies compare`` output).
     ``FileNotFoundError`` names a path that is neither."""
     runs: list[Path] = []
     for p in map(Path, paths):

@@ -3,7 +3,7 @@
 The models this library trains on a CPU are small: one more thread pays (forward + backward +
 AdamW 1.5x with two threads on an idle 2-core machine, docs/performance.md), but only while a
 core is free for it. Under load a second thread waits for a core and slows the run down, and
-``cispo compare`` already fills the cores with one single-threaded run per worker (it passes
+``python -m studies compare`` already fills the cores with one single-threaded run per worker (it passes
 ``threads=1``).
 """
 

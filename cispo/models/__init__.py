@@ -1,6 +1,6 @@
 """The model: the training forward (``policy``), building / loading / saving Hugging Face models
 (``loading``, re-exported here on first use), LoRA, the built-in base models (``pretrain_config``,
-``pretrain``, ``builtin``, ``chain_probe``), real models shipped in packages (``packaged``) and
+``pretrain``, ``builtin``), real models shipped in packages (``packaged``) and
 ``torch.compile`` of the decoder (``compile``).
 """
 

@@ -1,4 +1,4 @@
-"""`cispo --help`, `cispo train --help` (and pretrain's, compare's) and a config error answer without loading torch:
+"""`cispo --help`, `cispo train --help` (and pretrain's) and a config error answer without loading torch:
 the command line imports each command's modules when it runs, not at start-up."""
 
 import importlib
@@ -14,8 +14,7 @@ PROBE = """
 import contextlib, io, json, sys
 from cispo.cli import main
 out, codes = io.StringIO(), []
-for argv in (["--help"], ["train", "--help"], ["pretrain", "--help"], ["compare", "--help"], ["train", "beta=0.04"],
-["train", "steps=0"],
+for argv in (["--help"], ["train", "--help"], ["pretrain", "--help"], ["train", "beta=0.04"], ["train", "steps=0"],
              ["train", "objective_overrides.eps_high_is=-1"]):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
@@ -32,11 +31,10 @@ def test_help_and_config_errors_do_not_import_torch():
     run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.splitlines()[-1])
-    assert result["codes"] == [0, 0, 0, 0, 2, 2, 2]
-    assert set(HEAVY) & set(result["loaded"]) == set()  # pretrain's and compare's configs are plain data too
+    assert result["codes"] == [0, 0, 0, 2, 2, 2]
+    assert set(HEAVY) & set(result["loaded"]) == set()  # pretrain's config is plain data too
     out = result["out"]
     assert "optim.lr: float" in out and "corpus_size: int" in out  # train's and pretrain's field help, built on demand
-    assert "learning_rates" in out  # compare's
     assert "steps must be >= 1" in out and "ObjectiveConfig.eps_high_is must be a finite number" in out
 
 

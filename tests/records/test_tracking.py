@@ -96,7 +96,7 @@ def test_jsonl_sink_writes_null_and_truncates(tmp_path):
 
 
 def test_read_metrics_reads_metrics_jsonl_gz_when_only_it_is_there(tmp_path):
-    """The research data under docs/results/ is committed as ``metrics.jsonl.gz`` (a tenth of the size): a path
+    """The research data under studies/results/ is committed as ``metrics.jsonl.gz`` (a tenth of the size): a path
     naming ``metrics.jsonl`` reads it, and so does the ``.gz`` path itself; the plain file wins."""
     from cispo.foundations.jsonl import compress, has_jsonl, jsonl_path, main
 

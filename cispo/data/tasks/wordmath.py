@@ -112,7 +112,7 @@ def _numbers(kind: str, rng: random.Random) -> tuple[int, ...] | None:
 def _large_numbers(kind: str, rng: random.Random) -> tuple[int, ...] | None:
     """`_numbers` with 2-3 digit operands (at least one per template; divisors and multipliers of 1 digit
     where the problem reads so): arithmetic SmolLM2-135M cannot do in its head, where a calculator pays (the
-    agents search's amendment 2, docs/results/agents/search-plan.md)."""
+    agents search's amendment 2, studies/results/agents/search-plan.md)."""
     r = rng.randint
     if kind == "add":
         return r(100, 999), r(12, 99)

@@ -38,7 +38,7 @@ LARGE_NAME = "wordmath_calc_large"
 search's amendment 2): arithmetic the 135M model cannot do in its head."""
 EXAMPLE_NAME = "wordmath_calc_example"
 """The same task with the calculator taught by a worked example in the system prompt (`samples`'
-``prompt="system_example"``; the agents search's amendment 1, docs/results/agents/search-plan.md)."""
+``prompt="system_example"``; the agents search's amendment 1, studies/results/agents/search-plan.md)."""
 TOOLS = ("calculator",)
 """The task's tools where ``data.tools`` is None."""
 TOOL_FORMAT = "inline"

@@ -535,34 +535,3 @@ def test_pretraining_loss_weights_align_with_the_labels():
                                          tok)["all"]
     assert weights.shape == labels.shape and ((weights > 0) == (labels != -100)).all() and weights.max() > 16
     assert build_dataset(PretrainConfig(task="chain_hidden", corpus_size=50).resolved(), tok)["all"][2] is None
-
-
-@pytest.mark.parametrize("task_name,mean_max,pair_max,sampled_max", [("chain_hidden", 2e-3, 0.2, 1e-3),
-                                                                    ("chain_hidden_sharp", 5e-5, 5e-4, 1e-4)])
-def test_chain_hidden_base_model_errs_on_exactly_the_bug_pairs(task_name, mean_max, pair_max, sampled_max, one_thread):
-    """The shipped base model drops the carry on the buggy pairs and adds every other step right,
-    at the rates docs/results/v3/gate/<task>_base_model.json measured (8000 prompts; here 150 again),
-    with `W` after a step at the trained ~4% wherever it is. P(right | buggy step) is a mean over
-    steps (`mean_max`) and per pair (`pair_max`; a rare pair seen twice here can reach ~0.06 on
-    chain_hidden); the sampled rate is checked on the measurement's >= 10^4 buggy steps."""
-    import json
-    from pathlib import Path
-
-    from cispo.models.builtin import ensure_builtin_model
-    from cispo.models.chain_probe import probe
-    from cispo.models.loading import load_policy
-
-    model, tok = load_policy(ensure_builtin_model(task_name, progress=False))
-    r = probe(model, tok, task_name, n_prompts=150, samples_per_step=1, seed=0)
-    gate = Path(__file__).resolve().parents[3] / "docs/results/v3/gate"
-    measured = json.loads((gate / f"{task_name}_base_model.json").read_text())
-    for report in (r, measured["probe"]):
-        tf = report["teacher_forced"]
-        assert tf["buggy"]["p_dropped"] > 0.99 and tf["buggy"]["p_right"] < mean_max
-        assert tf["other_carry"]["p_right"] > 0.99 and tf["no_carry"]["p_right"] > 0.99
-        assert all(0.02 < tf[g]["p_w"] < 0.06 for g in ("buggy", "other_carry", "no_carry"))
-        for pair in report["per_pair"]:            # exactly the bug set: every buggy pair low, every other high
-            assert (pair["p_right"] < pair_max) if pair["buggy"] else (pair["p_right"] > 0.5), pair
-    sampled = measured["probe"]["sampled"]["buggy"]
-    assert sampled["n"] >= 10_000 and sampled["right"] / sampled["n"] < sampled_max
-    assert measured["probe"]["pairs_seen"] == {"buggy": 24, "other_carry": 48}
