@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -148,11 +148,41 @@ def fill_groups(
 # ---------------------------------------------------------------------------------------
 
 
+class PromptSource(Protocol):
+    """What a run asks of its task: a built-in one (`cispo.data.tasks.Task`) or prompt files (`FileSource`).
+
+    Samples are dicts with a ``prompt`` (text, or ``messages``) and the fields the reward reads."""
+
+    name: str
+    fork_tokens: tuple[str, ...]
+    """The fork strings the fork diagnostics track (``data.fork_tokens``; () for none)."""
+    max_new_tokens: int
+    """The task's own response budget (a run's default is 1.25 x it)."""
+    model: str | None
+    """The model a run starts from when ``model.path`` is unset (None: the built-in or given one)."""
+    chat: bool
+    """The prompts are chat messages for the model's chat template, whatever ``model.chat_template`` says."""
+    accuracy: bool
+    """The reward's mean is an accuracy (a 0/1 verifier): ``rollout/accuracy``, ``eval/accuracy``."""
+    reward: Callable[..., float]
+    """``reward(prompt, completion, **sample) -> float``."""
+
+    def train_samples(self, seed: int, n: int) -> list[dict]:
+        """``n`` training samples (seeded where random)."""
+
+    def eval_samples(self, seed: int, n: int) -> list[dict]:
+        """``n`` held-out samples, disjoint from the training ones."""
+
+    def used_fork(self, completion: str) -> bool:
+        """Whether ``completion`` uses one of the fork strings."""
+
+    def extract_answer(self, completion: str) -> str | None:
+        """The final answer maj@k votes on (None: no answer)."""
+
+
 @dataclass(frozen=True)
 class FileSource:
-    """Prompts from files (``cispo.data.datasets.load_prompts``) with the Task interface the
-    trainer uses: ``train_samples(seed, n)``, ``eval_samples(seed, n)``, ``reward``,
-    ``used_fork``, ``extract_answer``, ``fork_tokens``, ``max_new_tokens``, ``name``."""
+    """Prompts from files (``cispo.data.datasets.load_prompts``) as a `PromptSource`."""
 
     name: str
     train: tuple
@@ -160,11 +190,10 @@ class FileSource:
     reward: Callable[..., float]
     fork_tokens: tuple[str, ...]
     max_new_tokens: int
-    model: str | None = None  # the Task interface's: no model of its own (model.path or the built-in one)
-    chat: bool = False  # the Task interface's: the chat template only where model.chat_template asks
+    model: str | None = None  # no model of its own (model.path or the built-in one)
+    chat: bool = False  # the chat template only where model.chat_template asks
     accuracy: bool = False
-    """The Task interface's: whether the reward's mean is an accuracy (a built-in 0/1 verifier's,
-    ``Reward.binary``; `cispo.training.metrics.reports_accuracy`)."""
+    """Whether the reward's mean is an accuracy (a built-in 0/1 verifier's, ``Reward.binary``)."""
 
     def train_samples(self, seed: int, n: int) -> list[dict]:
         return list(self.train[:n])
@@ -182,7 +211,7 @@ class FileSource:
         return extract_final_answer(completion)
 
 
-def load_source(data_cfg, max_new_tokens: int | None):
+def load_source(data_cfg, max_new_tokens: int | None) -> PromptSource:
     """The built-in task ``data_cfg.task``, or the prompt files of ``data_cfg.path``, tracking the fork
     strings ``data_cfg.fork_tokens`` where they are given (`with_fork_tokens`)."""
     if data_cfg.path is None:

@@ -62,8 +62,8 @@ def reports_accuracy(task) -> bool:
     """Whether ``task``'s reward mean is an accuracy (``rollout/accuracy``, ``eval/accuracy...``): its
     ``accuracy`` flag — a built-in task's reward, or a built-in 0/1 verifier (``math``, ``exact_match``,
     ``code``; `cispo.data.rewards.loading.Reward.binary`). A user's function, a reward model or several
-    rewards are not: their means are ``reward`` names. A task without the flag is taken to be one."""
-    return bool(getattr(task, "accuracy", True))
+    rewards are not: their means are ``reward`` names (`cispo.data.prompts.PromptSource.accuracy`)."""
+    return bool(task.accuracy)
 
 
 def tracked_fork(task):

@@ -73,7 +73,7 @@ def resolve_chat_template(cfg: TrainConfig, task, named_sets: dict | None = None
     message: a warning counts those that lose a system message or earlier turns."""
     from cispo.data.prompts import chat_samples
 
-    chats, chat_task = chat_samples(cfg.data, task, named_sets or {}), getattr(task, "chat", False)
+    chats, chat_task = chat_samples(cfg.data, task, named_sets or {}), task.chat
     if cfg.model.chat_template == "auto":
         why = auto_reason(cfg, chats)
         cfg = replace(cfg, model=replace(cfg.model, chat_template=why is not None or chat_task))
@@ -144,9 +144,9 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of {path} has no EOS token, so a response could never end: set "
                           "eos_token in its tokenizer_config.json")
-    templated = cfg.model.chat_template is True or getattr(task, "chat", False)
+    templated = cfg.model.chat_template is True or task.chat
     if templated and not tokenizer.chat_template:
-        why = (f"data.task={task.name} writes its prompts as chat messages" if getattr(task, "chat", False) else
+        why = (f"data.task={task.name} writes its prompts as chat messages" if task.chat else
                "model.chat_template is on (chat-message prompts, or data.system_prompt)")
         raise ConfigError(f"{why}, but the tokenizer of {path} has no chat template (a base model?): use an instruct "
                           "model or add a chat_template to its tokenizer_config.json")
