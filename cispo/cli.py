@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             skip_exit_collection()
 
 
-# The garbage collector, in the `cispo` program only (issue 47 item 5). Its full passes walk every live object:
+# The garbage collector, in the `cispo` program only. Its full passes walk every live object:
 # the ~0.4 M that importing torch and transformers makes cost ~0.7 s of passes while they are imported and
 # ~0.7 s more at the interpreter's exit, on 2 cores. A caller of ``main([...])`` (a test) keeps its collector.
 

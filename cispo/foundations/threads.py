@@ -1,4 +1,4 @@
-"""How many torch CPU threads a run uses (``threads`` in the config; issue 13 item 3).
+"""How many torch CPU threads a run uses (``threads`` in the config).
 
 The models this library trains on a CPU are small: one more thread pays (forward + backward +
 AdamW 1.5x with two threads on an idle 2-core machine, docs/performance.md), but only while a

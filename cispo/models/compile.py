@@ -1,4 +1,4 @@
-"""A compiled decoder for the trainer's passes (``model.compile``; issue 13 item 1).
+"""A compiled decoder for the trainer's passes (``model.compile``).
 
 The trainer runs two kinds of pass over a batch: the no-grad ``logp_old`` pass and the K
 update passes (forward + backward). Both go through the decoder body of the Hugging Face

@@ -403,7 +403,7 @@ def chain_recheck_policy(numbers_of, rule: str, bugs=None):
 
 def measure_chain_model(model, tokenizer=None, n: int = 1000, seed: int = 0, batch_size: int = 512,
                         task_name: str = "chain") -> dict:
-    """The `chain` task's base-model properties on `n` held-out prompts (issue 12):
+    """The `chain` task's base-model properties on `n` held-out prompts:
 
     * ``accuracy`` / ``greedy_accuracy``: sampled (T=1) and greedy, as the task rewards them;
     * ``recheck_rate``: W per opportunity (per step's direct result) in sampled completions;

@@ -1,4 +1,4 @@
-"""The training forward with each prompt computed once per group (issue 47 item 2; "Prefix Grouper",
+"""The training forward with each prompt computed once per group ("Prefix Grouper",
 arXiv 2506.05433).
 
 A group's G rows share their prompt. The plain forward runs ``[prompt, response]`` for every row, so

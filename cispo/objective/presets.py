@@ -114,7 +114,7 @@ PRESETS: dict[str, ObjectiveConfig] = {
     ),
     # IS-weighted REINFORCE: no clipping, no mask.
     "reinforce": ObjectiveConfig(eps_high_is=None),
-    # CISPO plus one half of DAPO's trust region (issue 28): the capped, detached weight and the
+    # CISPO plus one half of DAPO's trust region (which half CISPO needs): the capped, detached weight and the
     # token-level loss of CISPO, DAPO's 0.2 / 0.28.
     "cispo_lowmask": ObjectiveConfig(mask_rule="ppo-low", eps_low=0.2, eps_high=0.28),
     "cispo_highmask": ObjectiveConfig(mask_rule="ppo-high", eps_low=0.2, eps_high=0.28),

@@ -1,4 +1,4 @@
-"""Multi-turn episodes in the vLLM sampler (issue 45 item 2), and the padding of engine responses into a
+"""Multi-turn episodes in the vLLM sampler, and the padding of engine responses into a
 :class:`~cispo.rollout.base.RolloutBatch` (`pad_rollout`, for single-turn responses too).
 
 vLLM's offline ``LLM.generate`` runs whole requests: it cannot feed an observation into a running

@@ -34,7 +34,7 @@ def minibatches(order: torch.Tensor, algo: AlgoConfig, full_rows: int, kept_rows
     """The epoch's mini-batches: ``order`` (this rank's rows, shuffled) cut into K_eff parts.
 
     ``fixed_updates``: K_eff = K (``algo.updates_per_batch``) whatever the batch holds, so a batch
-    that dynamic sampling left short gives smaller mini-batches (the rule until issue 28).
+    that dynamic sampling left short gives smaller mini-batches (the original rule, kept for comparison).
     ``fixed_size``: the mini-batch keeps its configured size, ``full_rows / K`` rows (``full_rows``:
     the batch as configured, prompts x G, over every rank), and a short batch gives fewer
     updates: K_eff = max(1, kept_rows // size), ``kept_rows`` the rows kept over every rank. Every

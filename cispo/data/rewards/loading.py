@@ -93,7 +93,7 @@ RESERVED_FIELDS = {"self": "its argument 'self' (the reward object's own)",
                    "completion": "its argument 'completion' (the model's text)"}
 """Sample fields no data column may fill, for any reward, each with the argument it would meet: a
 method reward's ``self`` and a cispo-style function's ``completion`` are bound by every call, so a
-column of that name made every call fail ("got multiple values for argument 'self'": issue 44; a
+column of that name made every call fail ("got multiple values for argument 'self'"; a
 `Reward` itself now takes its arguments by position). The sample's ``prompt`` is its normalised
 prompt, passed by position and never as a field."""
 

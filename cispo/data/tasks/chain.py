@@ -24,8 +24,8 @@ recur inside a longer chain of thought, as in MiniMax-M1 (arXiv 2506.13585, sect
   must learn *where* a recheck helps. Steps carry with probability `CARRY_PROB` but
   never all of them, so the shortest correct completion rechecks ~3.2 steps of 4-6.
 
-Variants whose base model errs on a **hidden subset** of the carrying steps (`chain_hidden`,
-issue 28): a step ``a+b`` is *buggy* when it carries and its (tens digit of ``a``, ``b``) pair
+Variants whose base model errs on a **hidden subset** of the carrying steps (`chain_hidden`):
+a step ``a+b`` is *buggy* when it carries and its (tens digit of ``a``, ``b``) pair
 is in the task's bug set (`TASK_BUGS`; `HIDDEN_BUGS`: 24 of the 72 pairs a carrying step can
 have); the base model adds every other step correctly, so a recheck pays only after a buggy
 step, and where it pays is a 24-entry table the policy must learn, not the units digits.
@@ -53,7 +53,7 @@ ALPHABET = "0123456789+=,;" + FORK_TOKEN
 
 SPARSE_CARRY_PROB = 0.15
 """`chain_sparse`: steps carry this rarely (at least one per prompt), so a recheck pays after
-~1.2 of 4-6 steps and the reflective token must stay rare everywhere else (issue 28 item 4)."""
+~1.2 of 4-6 steps and the reflective token must stay rare everywhere else."""
 
 def _hidden_bugs() -> frozenset[tuple[int, int]]:
     """3 addends drawn for each tens digit 1-8 (a fixed seeded draw): 24 of the 72 pairs."""
@@ -85,7 +85,7 @@ RECHECK_CHARS = 21
 """Length of every recheck (``W`` + two columns + ``=`` + a two-digit sum): `recheck` of any step."""
 GRADED_COST = 0.225
 """`chain_hidden_graded`'s cost per unneeded recheck, a fraction of the reward: `balanced_recheck_cost`
-of its training prompts at the base model's recheck rate 0.0364 per step (0.2247; issue 28, candidate (b))."""
+of its training prompts at the base model's recheck rate 0.0364 per step (0.2247)."""
 
 _NUMBER = re.compile(r"(0|[1-9][0-9]*)")
 _PROMPT = re.compile(r"[0-9]+(\+[0-9]+)+=")

@@ -1,4 +1,4 @@
-"""``wordmath``: generated GSM8K-shaped word problems for a real chat model (issue 31).
+"""``wordmath``: generated GSM8K-shaped word problems for a real chat model.
 
 One to three operations on small whole numbers, in several templates with names and objects drawn
 from lists; every problem has one whole-number answer. The split is by the problem itself: a
@@ -111,8 +111,8 @@ def _numbers(kind: str, rng: random.Random) -> tuple[int, ...] | None:
 
 def _large_numbers(kind: str, rng: random.Random) -> tuple[int, ...] | None:
     """`_numbers` with 2-3 digit operands (at least one per template; divisors and multipliers of 1 digit
-    where the problem reads so): arithmetic SmolLM2-135M cannot do in its head, where a calculator pays (the
-    agents search's amendment 2, studies/results/agents/search-plan.md)."""
+    where the problem reads so): arithmetic SmolLM2-135M cannot do in its head, where a calculator pays
+    (studies/results/agents/search-plan.md)."""
     r = rng.randint
     if kind == "add":
         return r(100, 999), r(12, 99)

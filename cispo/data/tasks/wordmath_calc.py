@@ -1,4 +1,4 @@
-"""``wordmath_calc``: the ``wordmath`` word problems with an inline calculator (issue 45).
+"""``wordmath_calc``: the ``wordmath`` word problems with an inline calculator.
 
 The same problems as ``wordmath`` (its generator, seeds and split: a seed gives the same problems in
 both tasks), with a prompt that tells the model about the calculator: ``<calc>2+3</calc>`` pauses
@@ -34,11 +34,11 @@ from cispo.foundations.forks import used_any
 
 NAME = "wordmath_calc"
 LARGE_NAME = "wordmath_calc_large"
-"""The same task on problems with 2-3 digit operands (`wordmath.samples`' ``numbers="large"``; the agents
-search's amendment 2): arithmetic the 135M model cannot do in its head."""
+"""The same task on problems with 2-3 digit operands (`wordmath.samples`' ``numbers="large"``):
+arithmetic the 135M model cannot do in its head."""
 EXAMPLE_NAME = "wordmath_calc_example"
 """The same task with the calculator taught by a worked example in the system prompt (`samples`'
-``prompt="system_example"``; the agents search's amendment 1, studies/results/agents/search-plan.md)."""
+``prompt="system_example"``; studies/results/agents/search-plan.md)."""
 TOOLS = ("calculator",)
 """The task's tools where ``data.tools`` is None."""
 TOOL_FORMAT = "inline"
@@ -82,8 +82,8 @@ def samples(seed: int, n: int, split: str = "train", prompt: str = "user", numbe
 
 
 def demonstrations(seed: int, n: int, numbers: str = "small", calculator: bool = True) -> list[dict]:
-    """Worked answers to ``n`` train problems (``wordmath.workings``) for a supervised warm start (the agents
-    search's amendment 3, as ReTool's cold start): ``{"messages", "answer", "parts"}``, ``parts`` the
+    """Worked answers to ``n`` train problems (``wordmath.workings``) for a supervised warm start (as ReTool's
+    cold start): ``{"messages", "answer", "parts"}``, ``parts`` the
     assistant's text as ``(text, trained)`` pieces. With the calculator (this task's prompt)::
 
         "539 / 11 = <calc>539/11</calc>" (trained)  "<result>49</result>" (not: the environment's)  "\n#### 49"
