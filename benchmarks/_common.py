@@ -312,8 +312,7 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     sampler = StepSampler(stream, the_task, cfg, sampling, generators["sample"])
     return {
         "policy": policy, "cfg": cfg, "task": the_task, "sampling": sampling, "score": score,
-        "optimizer": optimizer, "obj": obj, "stream": stream, "generators": generators, "forks": forks,
-        "trainer": trainer, "rl_step": RLStep(trainer, sampler),
+        "trainer": trainer, "rl_step": RLStep(trainer, sampler),  # the optimizer, stream, generators: theirs
         "params": sum(p.numel() for p in model.parameters()),
         "desc": model_desc(model),
     }
