@@ -141,9 +141,9 @@ def update_flops(model, rows: int, prompt_len: float, response_len: float, group
     chunked backward and the causal half of attention count as waste, not work). With a mean P over
     ragged prompts the attention term is a slight underestimate (S^2 of the mean).
 
-    ``group`` = G counts each prompt once per group of G rows that share it (what work is needed when the
-    prompt is computed once, issue 47): rows * S becomes rows/G * P + rows * (T - 1) positions, and S^2 a row
-    becomes P^2 once per group plus (T - 1)(2P + T - 1) a row (the responses' queries over the prompt's keys
+    ``group`` = G counts each prompt once per group of G rows that share it (what work is needed when the prompt
+    is computed once, ``algo.share_prompts``): rows * S becomes rows/G * P + rows * (T - 1) positions, and S^2 a
+    row becomes P^2 once per group plus (T - 1)(2P + T - 1) a row (the responses' queries over the prompt's keys
     and their own); ``group=1`` is the formula above."""
     import torch
 
@@ -222,7 +222,7 @@ class TimedSampler:
 
 
 class InOrder:
-    """A prompt stream (``take`` is all ``rl_step`` asks of one) that hands out ``samples`` in the given
+    """A prompt stream (``take`` is all `RLStep`'s sampler asks of one) that hands out ``samples`` in the given
     order, cycling: two trainers given the same list take the same prompts at every step."""
 
     def __init__(self, samples: list[dict]):
@@ -244,7 +244,7 @@ class InOrder:
 def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, prompts: int = 32,
                max_new_tokens: int = 57, seed: int = 0, suppress_eos: bool = False, extra: tuple = (),
                model_path: str | None = None, task: str = "addition", samples: list[dict] | None = None):
-    """Everything ``rl_step`` needs for the built-in ``task`` on CPU: a built-in Llama of ``size``
+    """Everything an RL step needs for the built-in ``task`` on CPU: a built-in Llama of ``size``
     with random init (character tasks), or the model at ``model_path`` (a folder or
     ``builtin:<name>``) loaded as ``cispo train`` loads it (``cispo.training.run_policy.load_policy_for``: the
     chat template of a chat task, ``model.dtype`` from ``extra``, the FP32 head, ``decode=auto``).
@@ -252,7 +252,9 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     ``suppress_eos``: the sampler gets an EOS id outside the vocabulary, so every response runs
     to ``max_new_tokens`` (fixed lengths, for comparisons), and the repetition early stop is off.
     ``samples``: the prompts to take, in this order (`InOrder`); None: the task's shuffled train
-    stream. Returns a dict of the pieces.
+    stream. Returns a dict of the pieces, with the run's ``trainer`` (`cispo.training.trainer.Trainer`, the
+    fork probe registered where the task tracks fork strings, as ``cispo train`` does) and ``rl_step``
+    (`cispo.training.rl_step.RLStep`, synchronous: `with_prefetch` makes an asynchronous one).
     """
     import dataclasses
 
@@ -267,7 +269,11 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     from cispo.models.loading import build_model, build_tokenizer
     from cispo.models.policy import Policy
     from cispo.rollout import TorchSampler
+    from cispo.training.probes import ForkDiagnostics
+    from cispo.training.rl_step import RLStep
     from cispo.training.run_policy import load_policy_for
+    from cispo.training.sampling import StepSampler
+    from cispo.training.trainer import Trainer
 
     the_task = get_task(task)
     cfg = apply_overrides(TrainConfig(), [
@@ -293,18 +299,34 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
     if suppress_eos:
         sampling = dataclasses.replace(sampling, repetition_stop_tokens=None)
     score = sampling_mod.score_completions
-    if not isinstance(score, Stopwatch):  # rl_step -> sample_groups -> score_completions: dispatch + verifier
-        score = sampling_mod.score_completions = Stopwatch(score)
+    if not isinstance(score, Stopwatch):  # RLStep -> StepSampler -> sample_groups -> score_completions
+        score = sampling_mod.score_completions = Stopwatch(score)  # dispatch + verifier
+    optimizer = setup_mod.make_optimizer(model, cfg.optim)
+    obj = setup_mod.make_objective(cfg.algo, cfg.rollout.max_new_tokens)
+    stream = InOrder(samples) if samples else PromptStream(the_task.train_samples(cfg.data.seed, 4096), seed=seed)
+    generators = {"sample": torch.Generator().manual_seed(seed), "shuffle": torch.Generator().manual_seed(seed + 1)}
+    trainer = Trainer(policy, optimizer, obj, cfg, generators["shuffle"])
+    forks = setup_mod.fork_matcher(tok, the_task)
+    if forks is not None:
+        trainer.add_probe(ForkDiagnostics(forks, obj))
+    sampler = StepSampler(stream, the_task, cfg, sampling, generators["sample"])
     return {
         "policy": policy, "cfg": cfg, "task": the_task, "sampling": sampling, "score": score,
-        "optimizer": setup_mod.make_optimizer(model, cfg.optim),
-        "obj": setup_mod.make_objective(cfg.algo, cfg.rollout.max_new_tokens),
-        "stream": InOrder(samples) if samples else PromptStream(the_task.train_samples(cfg.data.seed, 4096), seed=seed),
-        "generators": {"sample": torch.Generator().manual_seed(seed), "shuffle": torch.Generator().manual_seed(seed + 1)},
-        "forks": setup_mod.fork_matcher(tok, the_task),
+        "trainer": trainer, "rl_step": RLStep(trainer, sampler),  # the optimizer, stream, generators: theirs
         "params": sum(p.numel() for p in model.parameters()),
         "desc": model_desc(model),
     }
+
+
+def with_prefetch(setup: dict) -> dict:
+    """``setup`` with an asynchronous ``rl_step`` (``rollout.async_steps=1``): the same trainer and sampler,
+    and a `cispo.training.prefetch.Prefetch` whose thread samples the next batch while the trainer updates.
+    Close it after the last step (``setup["rl_step"].prefetch.close()``)."""
+    from cispo.training.prefetch import Prefetch
+    from cispo.training.rl_step import RLStep
+
+    step = setup["rl_step"]
+    return {**setup, "rl_step": RLStep(step.trainer, step.sampler, Prefetch(setup["policy"]))}
 
 
 def ours_steps(setup: dict, steps: int) -> list[dict]:
@@ -313,16 +335,13 @@ def ours_steps(setup: dict, steps: int) -> list[dict]:
     no-grad forward), update (``perf/update_s``: the K optimizer steps) and overhead (the rest:
     decoding, building completions, metrics); plus response tokens, rows, and the mean |sampler log-prob -
     trainer log-prob| of the sampled tokens (``rollout/logp_abs_diff``)."""
-    from cispo.training.trainer import rl_step
-
     s = setup
     gen, score = s["policy"].sampler.generate, s["score"]
-    out, updates = [], 0
+    out = []
     for _ in range(steps):
         g0, r0 = gen.seconds, score.seconds
         t0 = time.perf_counter()
-        m, updates = rl_step(s["policy"], s["optimizer"], s["stream"], s["task"], s["cfg"], s["obj"], s["sampling"],
-                             s["generators"], updates, s["forks"])
+        m = s["rl_step"]()
         wall = time.perf_counter() - t0
         sample, sc = gen.seconds - g0, score.seconds - r0
         row = {"wall": wall, "sample": sample, "score": sc, "logp_old": m["perf/logp_old_s"],

@@ -69,11 +69,11 @@ def phase(dev: Device, phases: dict, name: str):
 
 @contextlib.contextmanager
 def phases_of_the_trainer(dev: Device, phases: dict):
-    """``cispo.training.trainer``'s logp_old pass and updates, each under :func:`phase` (module attributes
-    swapped for the duration: measurement only)."""
-    import cispo.training.trainer as tr
+    """The trainer's logp_old pass and updates (``Trainer.compute_logp_old``, ``Trainer.update``), each under
+    :func:`phase` (the class's methods swapped for the duration: measurement only)."""
+    from cispo.training.trainer import Trainer
 
-    originals = {n: getattr(tr, n) for n in ("compute_logp_old", "update_policy")}
+    originals = {"logp_old": Trainer.compute_logp_old, "update": Trainer.update}
 
     def wrapped(name, fn):
         def run(*a, **k):
@@ -81,21 +81,24 @@ def phases_of_the_trainer(dev: Device, phases: dict):
                 return fn(*a, **k)
         return run
 
-    tr.compute_logp_old = wrapped("logp_old", originals["compute_logp_old"])
-    tr.update_policy = wrapped("update", originals["update_policy"])
+    Trainer.compute_logp_old = wrapped("logp_old", originals["logp_old"])
+    Trainer.update = wrapped("update", originals["update"])
     try:
         yield
     finally:
-        for n, fn in originals.items():
-            setattr(tr, n, fn)
+        Trainer.compute_logp_old, Trainer.update = originals["logp_old"], originals["update"]
 
 
 def section_rl(ctx, compiled: bool) -> None:
-    """Warm-up + measured ``rl_step``s on the user's default precision path, EOS sampled."""
+    """Warm-up + measured RL steps (`cispo.training.rl_step.RLStep`) on the user's default precision path,
+    EOS sampled."""
     import cispo.training.setup as su
-    import cispo.training.trainer as tr
     from cispo.data.prompts import PromptStream
     from cispo.data.tasks import get_task
+    from cispo.training.probes import ForkDiagnostics
+    from cispo.training.rl_step import RLStep
+    from cispo.training.sampling import StepSampler
+    from cispo.training.trainer import Trainer
 
     dev, s, res = ctx.dev, ctx.sizes, ctx.results
     task, tok = get_task("addition"), synthetic_tokenizer(s.vocab)
@@ -119,12 +122,15 @@ def section_rl(ctx, compiled: bool) -> None:
     obj = su.make_objective(cfg.algo, cfg.rollout.max_new_tokens)
     stream = PromptStream(task.train_samples(cfg.data.seed, 4096), seed=0)
     gens = {"sample": torch.Generator(device=dev.device).manual_seed(0), "shuffle": torch.Generator().manual_seed(1)}
-    updates = 0
+    trainer = Trainer(policy, optimizer, obj, cfg, gens["shuffle"])
+    forks = su.fork_matcher(tok, task)
+    if forks is not None:  # as ``cispo train`` registers it
+        trainer.add_probe(ForkDiagnostics(forks, obj))
+    rl_step = RLStep(trainer, StepSampler(stream, task, cfg, sampling, gens["sample"]))
     with phases_of_the_trainer(dev, phases):
         for i in range(1 + s.rl_steps):
             policy.sampler.reset()
-            (m, updates), wall = dev.timed(lambda: tr.rl_step(policy, optimizer, stream, task, cfg, obj, sampling,
-                                                              gens, updates, su.fork_matcher(tok, task)))
+            m, wall = dev.timed(rl_step)
             row = {"wall_s": wall, "sample_s": m["perf/sample_s"], "generate_s": policy.sampler.seconds,
                    "logp_old_s": m["perf/logp_old_s"], "update_s": m["perf/update_s"],
                    "prompt_tokens": policy.sampler.prompt_tokens, "response_tokens": policy.sampler.response_tokens}
@@ -181,15 +187,14 @@ def random_experience(s, dev: Device, rows: int, lengths: list[int], prompt_len:
 
 
 def timed_update(ctx, policy, exp, cfg) -> float:
-    """Seconds of one ``update_policy`` (K=1) on ``exp``, synchronised."""
+    """Seconds of one ``Trainer.update`` (K=1) on ``exp``, synchronised."""
     import cispo.training.setup as su
-    from cispo.training.trainer import compute_logp_old, update_policy
+    from cispo.training.trainer import Trainer
 
-    exp.logp_old = compute_logp_old(policy, exp, cfg)
     optimizer = su.make_optimizer(policy.model, cfg.optim)
-    obj = su.make_objective(cfg.algo, None)
-    return ctx.dev.timed(lambda: update_policy(policy, optimizer, exp, obj, cfg, torch.Generator().manual_seed(0),
-                                               0, None))[1]
+    trainer = Trainer(policy, optimizer, su.make_objective(cfg.algo, None), cfg, torch.Generator().manual_seed(0))
+    exp.logp_old = trainer.compute_logp_old(exp)
+    return ctx.dev.timed(lambda: trainer.update(exp))[1]
 
 
 def section_head_share(ctx) -> None:
@@ -280,7 +285,7 @@ def section_decode_batch(ctx) -> None:
 def section_checkpoint(ctx) -> None:
     """``save_checkpoint`` / ``load_checkpoint`` of the model with its AdamW state (after one step), in a
     temporary folder next to ``--out``: seconds and size."""
-    from cispo.training.checkpoint import load_checkpoint, save_checkpoint
+    from cispo.training.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
     from cispo.training.setup import make_optimizer
 
     dev, s, res = ctx.dev, ctx.sizes, ctx.results
@@ -293,7 +298,7 @@ def section_checkpoint(ctx) -> None:
         from pathlib import Path
 
         t0 = time.perf_counter()
-        path = save_checkpoint(Path(run_dir), 1, model, tok, optimizer, {"step": 1}, {})
+        path = save_checkpoint(Path(run_dir), 1, Checkpoint(model, tok, optimizer, {"step": 1}, {}))
         res["save_s"] = time.perf_counter() - t0
         res["gib_on_disk"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
         ctx.save()

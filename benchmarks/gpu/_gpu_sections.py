@@ -190,7 +190,8 @@ def section_logprob_agreement(ctx) -> None:
     from cispo.models.policy import Policy
     from cispo.rollout import SamplingConfig, TorchSampler
     from cispo.training.metrics import pearson
-    from cispo.training.trainer import compute_logp_old
+    from cispo.training.setup import make_objective, make_optimizer
+    from cispo.training.trainer import Trainer
 
     dev, s = ctx.dev, ctx.sizes
     vllm = dev.cuda and importlib.util.find_spec("vllm") is not None
@@ -215,7 +216,9 @@ def section_logprob_agreement(ctx) -> None:
         for trainer_fp32 in (False, True):
             cfg = train_config(model={"fp32_lm_head": trainer_fp32})
             policy = Policy(model, tok, TorchSampler(model, s.vocab, 0), dev.device)
-            lp_train = compute_logp_old(policy, exp, cfg)[mask].float()  # [n]
+            trainer = Trainer(policy, make_optimizer(model, cfg.optim), make_objective(cfg.algo, None), cfg,
+                              torch.Generator().manual_seed(0))  # only its logp_old pass runs: no update
+            lp_train = trainer.compute_logp_old(exp)[mask].float()  # [n]
             lp_roll = exp.logp_rollout[mask].float()  # [n]
             name = f"sampler {sampler_head} head / trainer {'fp32' if trainer_fp32 else 'bf16'} head"
             d = (lp_train - lp_roll).abs()

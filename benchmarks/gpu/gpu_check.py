@@ -1,4 +1,4 @@
-"""GPU readiness check (issues 19, 29): one script that measures the CUDA path in at most 6 minutes.
+"""GPU readiness check: one script that measures the CUDA path in at most 6 minutes.
 
     python3 benchmarks/gpu/gpu_check.py --out gpu_out                     # one CUDA GPU: <= 320 s + start-up
     python benchmarks/gpu/gpu_check.py --tiny --out /tmp/gpu_tiny         # CPU, seconds (the test)
@@ -21,7 +21,7 @@ over (0, 1) as a trained model's do. Sections (``benchmarks/gpu/_gpu_sections.py
 * logprob_agreement: rollout vs trainer log-probs with a bf16 / FP32 head on each side; with
   vLLM installed, vLLM's (MiniMax-M1's Figure 3), else the torch sampler's (same kernels as the
   trainer: an upper bound on agreement, said so in the report);
-* rl_eager / rl_compiled: ``cispo.training.trainer.rl_step`` on the path ``model.dtype=bfloat16`` gives
+* rl_eager / rl_compiled: ``cispo.training.rl_step.RLStep`` on the path ``model.dtype=bfloat16`` gives
   (FP32 master weights, bf16 autocast, FP32 head), EOS sampled (variable lengths), peak memory per
   phase; compiled = ``model.compile=on`` through ``cispo.models.compile`` (decoder and decode step);
 * head_share: the FP32 head's share of an update's time, TF32 off and on;

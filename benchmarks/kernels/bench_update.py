@@ -7,7 +7,7 @@
     python benchmarks/kernels/bench_update.py --compile --no-profile      # also model.compile=on, interleaved
     python benchmarks/kernels/bench_update.py --bare --no-profile         # also the bare Hugging Face loop (the floor)
 
-What is timed: ``cispo.training.trainer.update_policy`` on one generation batch, i.e. the K optimizer
+What is timed: ``cispo.training.trainer.Trainer.update`` on one generation batch, i.e. the K optimizer
 steps (per mini-batch: ``policy_logprobs`` forward, ``policy_loss``, backward, grad clipping,
 AdamW step), on a batch shaped like the default run's: B rows of a ``--prompt-len``-token prompt
 and a ``--response-len``-token response (random ids: every row has the same length, so there is
@@ -137,25 +137,26 @@ def main(argv=None) -> None:
         args.size, args.rows, args.updates, args.repeats, args.mm_size, args.bare = "tiny", 16, 2, 2, 256, True
     import torch
 
-    from cispo.training.trainer import update_policy
+    from cispo.training.trainer import Trainer
 
     threads = set_threads(args.threads)
     print(machine_note(threads))
     policy, exp, cfg, obj, opt = build(args)
     shuffle = torch.Generator().manual_seed(args.seed)
-    run = lambda: update_policy(policy, opt, exp, obj, cfg, shuffle, 0, None)  # noqa: E731
+    trainer = Trainer(policy, opt, obj, cfg, shuffle)
+    run = lambda: trainer.update(exp)  # noqa: E731
     n = args.mm_size
     a, b = torch.randn(n, n), torch.randn(n, n)
     fns = {"update": run, "mm": lambda: torch.mm(a, b)}
     if args.fused_head:
         fused_cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, fused_head=True))
-        fns["fused"] = lambda: update_policy(policy, opt, exp, obj, fused_cfg, shuffle, 0, None)
+        fused_trainer = Trainer(policy, opt, obj, fused_cfg, shuffle)
+        fns["fused"] = lambda: fused_trainer.update(exp)
     if args.bare:
         fns["bare"] = lambda: bare_updates(policy.model, opt, exp, args.updates, cfg.optim.grad_clip)
     compile_s = None
     if args.compile:
         from cispo.models.compile import compiled_decoder
-        from cispo.training.trainer import compute_logp_old
 
         t0 = time.perf_counter()
         body = compiled_decoder(policy.model, policy.pad_id)
@@ -163,9 +164,10 @@ def main(argv=None) -> None:
         if body is None:
             raise SystemExit("--compile: torch.compile failed here (see the warning above)")
         compiled = dataclasses.replace(policy, train_body=body)
-        fns["compiled"] = lambda: update_policy(compiled, opt, exp, obj, cfg, shuffle, 0, None)
-        fns["logp_old"] = lambda: compute_logp_old(policy, exp, cfg)
-        fns["logp_old compiled"] = lambda: compute_logp_old(compiled, exp, cfg)
+        compiled_trainer = Trainer(compiled, opt, obj, cfg, shuffle)
+        fns["compiled"] = lambda: compiled_trainer.update(exp)
+        fns["logp_old"] = lambda: trainer.compute_logp_old(exp)  # every row: no first mini-batch left to the update
+        fns["logp_old compiled"] = lambda: compiled_trainer.compute_logp_old(exp)
     times = interleaved(fns, args.repeats, warmup=1)
     flops = update_flops(policy.model, args.rows, args.prompt_len, args.response_len)
     upd_rate = flops["total"] / median(times["update"])

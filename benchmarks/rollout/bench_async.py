@@ -1,13 +1,14 @@
-"""Sampling beside training (``rollout.async_steps=1``, issue 47 item 4, docs/async.md) against today's loop,
-on the SmolLM2 workload of ``bench_trl_smollm2.py``: steps per second of ``rl_step`` itself.
+"""Sampling beside training (``rollout.async_steps=1``, docs/async.md) against the synchronous loop, on the
+SmolLM2 workload of ``bench_trl_smollm2.py``: steps per second of the RL step itself
+(`cispo.training.rl_step.RLStep`).
 
     python benchmarks/rollout/bench_async.py                  # builtin:smollm2-135m, 4 prompts x 8, 64 tokens, K = 4
     python benchmarks/rollout/bench_async.py --tiny           # the built-in tiny model (a smoke run)
 
 Two trainers (``_common.ours_setup``: the model loaded as ``cispo train`` loads it, fp32, the FP32 head, EOS
 suppressed so every response has the same length, ``algo.logp_old=rollout`` on both sides so that only the
-overlap differs) take the same prompts in the same order. ``sync``: ``rl_step`` as today, at ``--threads``
-torch threads (default 2: the whole machine for each phase in turn). ``async``: ``rl_step`` with a
+overlap differs) take the same prompts in the same order. ``sync``: the synchronous ``RLStep``, at ``--threads``
+torch threads (default 2: the whole machine for each phase in turn). ``async``: an ``RLStep`` with a
 `cispo.training.prefetch.Prefetch` — the next batch sampled in a thread with its own copy of the weights
 while the trainer updates — at half the threads per side (`split_threads`, as a run sets them). Two warm-up
 steps each (the async side's first step samples its own batch), then ``--rounds`` steps each, alternating
@@ -24,22 +25,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
-from benchmarks._common import machine_note, median, ours_setup, set_threads, table  # noqa: E402
+from benchmarks._common import machine_note, median, ours_setup, set_threads, table, with_prefetch  # noqa: E402
 
 
-def step(setup: dict, updates: int, prefetch, threads: int) -> tuple[int, dict]:
-    """One ``rl_step`` at ``threads`` torch threads; its wall seconds and metrics."""
+def step(setup: dict, threads: int) -> dict:
+    """One RL step (``setup["rl_step"]``) at ``threads`` torch threads; its metrics with its wall seconds."""
     import torch
 
-    from cispo.training.trainer import rl_step
-
-    s = setup
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    m, updates = rl_step(s["policy"], s["optimizer"], s["stream"], s["task"], s["cfg"], s["obj"], s["sampling"],
-                         s["generators"], updates, s["forks"], prefetch=prefetch)
+    m = setup["rl_step"]()
     m["wall"] = time.perf_counter() - t0
-    return updates, m
+    return m
 
 
 def main(argv=None) -> None:
@@ -54,8 +51,6 @@ def main(argv=None) -> None:
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model on addition, 2 x 2 rows, 1 round")
     a = p.parse_args(argv)
     threads = set_threads(a.threads)
-    from cispo.training.prefetch import Prefetch
-
     extra = ("algo.logp_old=rollout",)
     if a.tiny:
         common = dict(size="tiny", prompts=2, group_size=2, updates=2, max_new_tokens=4, suppress_eos=True)
@@ -67,19 +62,16 @@ def main(argv=None) -> None:
         common = dict(model_path=a.model, task="wordmath", samples=samples, prompts=a.prompts, group_size=a.group,
                       updates=a.updates, max_new_tokens=a.max_new_tokens, suppress_eos=True)
         extra += ("model.dtype=float32",)
-    setups = {side: ours_setup(extra=extra, **common) for side in ("sync", "async")}
-    prefetch = {"sync": None, "async": Prefetch(setups["async"]["policy"])}
+    setups = {"sync": ours_setup(extra=extra, **common), "async": with_prefetch(ours_setup(extra=extra, **common))}
     per_side = {"sync": threads, "async": max(1, threads // 2)}
-    updates = {"sync": 0, "async": 0}
     for side in setups:  # warm-up: first calls, the static-cache decode's buffers; async's first batch is its own
         for _ in range(2):
-            updates[side], _ = step(setups[side], updates[side], prefetch[side], per_side[side])
+            step(setups[side], per_side[side])
     runs = {side: [] for side in setups}
     for r in range(a.rounds):
         for side in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
-            updates[side], m = step(setups[side], updates[side], prefetch[side], per_side[side])
-            runs[side].append(m)
-    prefetch["async"].close()
+            runs[side].append(step(setups[side], per_side[side]))
+    setups["async"]["rl_step"].prefetch.close()
     rows = [[side, per_side[side], f"{median([m['wall'] for m in ms]):.2f}",
              f"{median([m.get('perf/sample_wait_s', 0.0) for m in ms]):.2f}",
              f"{median([m.get('perf/behaviour_sample_s', m.get('perf/sample_s', 0.0)) for m in ms]):.2f}",

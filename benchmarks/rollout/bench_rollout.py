@@ -8,7 +8,7 @@ on the same model and prompts, and our sampler with vs without its KV cache.
     python benchmarks/rollout/bench_rollout.py --profile --batch-sizes 128 --new-tokens 60   # where the decode's time goes
     python benchmarks/rollout/bench_rollout.py --compile-pairs --cpu-time   # the decode step compiled vs eager
 
-``--decode-pairs`` (issue 13): ``TorchSampler(decode="static")`` (cispo.rollout.static_cache) against
+``--decode-pairs``: ``TorchSampler(decode="static")`` (cispo.rollout.static_cache) against
 ``decode="hf"`` (the model's forward with a DynamicCache, the sampler before it), same seed, same
 prompts, EOS never sampled, on the built-in ``tiny`` (the TRL workload's model) and ``default``
 models, 8 prompts x 8 samples, 32 and 128 new tokens. ``--pairs`` interleaved pairs (the order

@@ -1,6 +1,6 @@
-"""Each prompt once per group (issue 47 items 1-2): the sampler's prefill and the trainer's passes with
-``share`` on against off, on the SmolLM2 workload (4 prompts x G = 8, ``wordmath`` chat prompts, 64-token
-responses), interleaved in one process, medians and ratios.
+"""Each prompt once per group (``algo.share_prompts``: a group's G rows share their prompt's forward): the
+sampler's prefill and the trainer's passes with ``share`` on against off, on the SmolLM2 workload (4 prompts
+x G = 8, ``wordmath`` chat prompts, 64-token responses), interleaved in one process, medians and ratios.
 
     python benchmarks/rollout/bench_shared_prompt.py                     # builtin:smollm2-135m, 5 repeats
     python benchmarks/rollout/bench_shared_prompt.py --tiny              # a random tiny Llama, 2 repeats (a smoke run)

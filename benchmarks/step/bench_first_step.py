@@ -4,17 +4,17 @@
     python benchmarks/step/bench_first_step.py --tiny
 
 A reward given as ``file.py:function`` runs in worker processes (``data.reward_isolation=auto``:
-``cispo.data.rewards.pool``); starting them (a fresh interpreter each, which then imports the reward)
-takes ~2 s. Each run here is a fresh ``cispo.training.runner.train`` in its own subprocess, on a JSONL of
-the addition task's prompts and a TRL-style reward file (``def reward(prompts, completions,
-answer, **kwargs)``), with the built-in ``--size`` Llama (random init), no held-out evaluation,
-dynamic sampling off, ``--steps`` steps. Three arms, in turn run by run (the order reversed every
-other round): the reward in its worker processes, started during set-up while the model loads
-(``process``, now); the same with the workers started by the first reward call (``first-call``:
-``cispo.training.runner.start_reward_workers`` made a no-op, how it was before issue 30); the same reward
-in the trainer's main thread (``main``, no pool: the baseline). Reported per arm: set-up (``train``
-called -> first step starts), step 1 and the median of the later steps (``perf/step_s``), and step
-1 / later steps; then each pool arm's step 1 over ``main``'s (1.0: the pool costs step 1 nothing).
+``cispo.data.rewards.pool``); starting them (a fresh interpreter each, which then imports the reward) takes ~2
+s. Each run here is a fresh ``cispo.training.runner.train`` in its own subprocess, on a JSONL of the addition
+task's prompts and a TRL-style reward file (``def reward(prompts, completions, answer, **kwargs)``), with the
+built-in ``--size`` Llama (random init), no held-out evaluation, dynamic sampling off, ``--steps`` steps.
+Three arms, in turn run by run (the order reversed every other round): the reward in its worker processes,
+started during set-up while the model loads (``process``, now); the same with the workers started by the first
+reward call (``first-call``: ``start_reward_workers`` in ``cispo.training.run``'s set-up made a no-op, as the
+pool behaved before set-up started it early); the same reward in the trainer's main thread (``main``, no pool:
+the baseline). Reported per arm: set-up (``train`` called -> first step starts), step 1 and the median of the
+later steps (``perf/step_s``), and step 1 / later steps; then each pool arm's step 1 over ``main``'s (1.0: the
+pool costs step 1 nothing).
 """
 
 from __future__ import annotations
@@ -53,10 +53,13 @@ def prepare(folder: Path, size: str) -> None:
 
 
 def worker(a, arm: str) -> dict:
-    """One fresh run of ``arm``: its set-up seconds and per-step ``perf/step_s``."""
+    """One fresh run of ``arm``: its set-up seconds and per-step ``perf/step_s``. The first step's start is
+    when ``RLStep.__call__`` is first called (the method swapped for the run: measurement only)."""
+    import cispo.training.run as run_mod
     import cispo.training.runner as runner
     from cispo.config.train import TrainConfig, apply_overrides
     from cispo.records.tracking import read_metrics
+    from cispo.training.rl_step import RLStep
 
     folder = Path(a.dir)
     cfg = apply_overrides(TrainConfig(), [
@@ -69,20 +72,20 @@ def worker(a, arm: str) -> dict:
         f"checkpoint_every={a.steps}",
     ])
     first_step = []
-    step, start = runner.rl_step, runner.start_reward_workers
+    step, start = RLStep.__call__, run_mod.start_reward_workers
 
     def timed_step(*args, **kwargs):
         first_step.append(time.perf_counter())
         return step(*args, **kwargs)
 
-    runner.rl_step = timed_step
+    RLStep.__call__ = timed_step
     if arm == "first-call":  # the workers start at the first reward call
-        runner.start_reward_workers = lambda reward: None
+        run_mod.start_reward_workers = lambda reward: None
     t0 = time.perf_counter()
     try:
         result = runner.train(cfg)
     finally:
-        runner.rl_step, runner.start_reward_workers = step, start
+        RLStep.__call__, run_mod.start_reward_workers = step, start
     rows = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if r["step"] > 0]
     return {"setup": first_step[0] - t0, "steps": [r["perf/step_s"] for r in rows]}
 

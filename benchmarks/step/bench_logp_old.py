@@ -1,6 +1,6 @@
-"""``algo.logp_old=rollout`` against ``recompute`` (issue 47 item 3): one RL step's time with pi_old taken
-from the sampler's own log-probs (no logp_old pass) and with the trainer's recomputed pass, on the SmolLM2
-workload of ``bench_trl_smollm2.py`` (``wordmath`` chat prompts, G answers of L tokens with EOS
+"""``algo.logp_old=rollout`` against ``recompute`` (what skipping the logp_old pass saves): one RL step's time
+with pi_old taken from the sampler's own log-probs (no logp_old pass) and with the trainer's recomputed pass,
+on the SmolLM2 workload of ``bench_trl_smollm2.py`` (``wordmath`` chat prompts, G answers of L tokens with EOS
 suppressed, K updates), interleaved in one process.
 
     python benchmarks/step/bench_logp_old.py                          # builtin:smollm2-135m, 2 prompts x 8, 32 tokens

@@ -6,7 +6,7 @@
     python benchmarks/step/bench_step.py --only padding       # unsorted vs length-sorted micro-batches
     python benchmarks/step/bench_step.py --model-path ~/.cache/cispo/models/loading/addition-<hash>   # a pretrained policy
 
-Runs ``cispo.training.trainer.rl_step`` in this process on the built-in addition task (CPU, fp32,
+Runs ``cispo.training.rl_step.RLStep`` in this process on the built-in addition task (CPU, fp32,
 ``--threads``), with the built-in Llama (random init unless ``--model-path``) and the
 trainer's defaults otherwise (32 prompts x G=8, K=16, dynamic sampling off so every step has
 the same B). Each step is split into sample (``TorchSampler.generate``), score (reward calls

@@ -4,9 +4,9 @@
     python benchmarks/vs_trl/bench_startup.py --baseline-tree /tmp/old  # + an older tree's cispo, interleaved
     python benchmarks/vs_trl/bench_startup.py --tiny
 
-The toy workload (issue 47 item 5): the built-in addition task and its shipped base model, 8 prompts x
-G = 8, 32 new tokens, K = 4, 16 steps, no held-out evaluation, one thread, ``progress=false``. Each run
-is a fresh process, the arms in turn (the order reversed every other round):
+The toy workload (small enough that start-up is a visible share of the run): the built-in addition task and
+its shipped base model, 8 prompts x G = 8, 32 new tokens, K = 4, 16 steps, no held-out evaluation, one thread,
+``progress=false``. Each run is a fresh process, the arms in turn (the order reversed every other round):
 
 * ``cispo``: ``cispo train`` as the console script runs it (``cispo.cli.main()`` on ``sys.argv``);
 * ``floor``: ``import torch``, then transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer`` load the same
@@ -24,12 +24,13 @@ is a fresh process, the arms in turn (the order reversed every other round):
 ``--threads default`` runs each arm at its own default torch threads (cispo's ``threads`` rule, torch's
 for TRL and the floor) instead of one.
 
-Times are of one clock (``CLOCK_MONOTONIC``, shared by the processes) from the spawn: each progress line
-of the run as it arrives (``model: loading``, ``model: ready``), the first ``rl_step`` call (the first step
-begins), ``finish`` called (summary, curves.png), ``cispo.cli.main`` returned, the process gone. Reported:
-the medians of each phase per arm, the start-up (spawn -> first step) over the floor's and, with a
-baseline, cispo's start-up and total over the baseline's; with ``--imports N``, one more (untimed) run
-under ``python -X importtime`` and its N largest top-level imports, cumulative.
+Times are of one clock (``CLOCK_MONOTONIC``, shared by the processes) from the spawn: each progress line of
+the run as it arrives (``model: loading``, ``model: ready``), the first RL step called
+(`cispo.training.rl_step.RLStep`: the first step begins), ``finish`` called (summary, curves.png),
+``cispo.cli.main`` returned, the process gone. Reported: the medians of each phase per arm, the start-up
+(spawn -> first step) over the floor's and, with a baseline, cispo's start-up and total over the baseline's;
+with ``--imports N``, one more (untimed) run under ``python -X importtime`` and its N largest top-level
+imports, cumulative.
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ def toy_overrides(a, out_dir: str) -> list[str]:
 
 def worker(argv: list[str]) -> None:
     """``cispo train ARGV`` as the console script runs it; the last line of stdout (JSON) holds the times of
-    the first ``rl_step`` call, of ``finish`` (summary, curves.png) and of ``main`` returning. The runner is
-    marked as ``cispo train`` imports it (`on_import`), not imported ahead: when it is imported is timed too.
+    first RL step called (``RLStep.__call__``), of ``finish`` (summary, curves.png) and of ``main`` returning. The
+    modules are marked as ``cispo train`` imports them (`on_import`), not imported ahead: when they are imported
+    is timed too.
     ``PYTHONPATH`` goes ahead of the checkout this script put first on ``sys.path``, so the ``baseline`` arm
     runs its own tree's cispo."""
     sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -136,9 +138,15 @@ def worker(argv: list[str]) -> None:
             return fn(*args, **kwargs)
         return call
 
-    def mark_runner(runner) -> None:
-        runner.rl_step, runner.finish = marked("first step", runner.rl_step), marked("finish", runner.finish)
+    def mark_step(module) -> None:
+        module.RLStep.__call__ = marked("first step", module.RLStep.__call__)
 
+    def mark_runner(runner) -> None:
+        runner.finish = marked("finish", runner.finish)
+        if hasattr(runner, "rl_step"):  # a --baseline-tree from before RLStep: the step was the runner's function
+            runner.rl_step = marked("first step", runner.rl_step)
+
+    on_import("cispo.training.rl_step", mark_step)
     on_import("cispo.training.runner", mark_runner)
     sys.argv = ["cispo", "train", *argv]
     code = main()

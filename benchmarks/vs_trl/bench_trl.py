@@ -7,13 +7,13 @@ on the same tiny model, prompts, reward, G, K and lengths, one thread each.
     python benchmarks/vs_trl/bench_trl.py --prompts 8 --updates 1 --epochs 4 --steps 5 --rounds 5 --threads default
 
 Both sides: the built-in ``--size`` Llama (``cispo.models.loading.build_model``, random init, seed 0) with
-the addition task's character tokenizer; the addition task's train prompts; its verifier as the
-reward; temperature 1, top-p 1, no top-k; fp32; no KL (TRL ``beta=0``); AdamW with our defaults
-(lr 1e-4, betas (0.9, 0.95), eps 1e-15, no weight decay, grad-norm clip 1, constant lr);
-``--threads`` torch threads each (default 1; ``default``: ours by the ``threads`` rule, TRL torch's
-default). ``--epochs E`` passes over each batch (TRL ``num_iterations``); issue 13's workload is
-``--prompts 8 --updates 1 --epochs 4`` (4 full-batch updates per generation batch). What one RL
-step is on each side, setting by setting: the table in ``_trl_common.py``.
+the addition task's character tokenizer; the addition task's train prompts; its verifier as the reward;
+temperature 1, top-p 1, no top-k; fp32; no KL (TRL ``beta=0``); AdamW with our defaults (lr 1e-4, betas (0.9,
+0.95), eps 1e-15, no weight decay, grad-norm clip 1, constant lr); ``--threads`` torch threads each (default
+1; ``default``: ours by the ``threads`` rule, TRL torch's default). ``--epochs E`` passes over each batch (TRL
+``num_iterations``); the decode-bound workload (short responses, several passes over a small batch) is
+``--prompts 8 --updates 1 --epochs 4`` (4 full-batch updates per generation batch). What one RL step is on
+each side, setting by setting: the table in ``_trl_common.py``.
 
 ``--eos suppressed`` (default) makes every response exactly L tokens on both sides, so the two do
 the same work (``_trl_common``). ``--eos natural`` keeps EOS (lengths then differ run to run;
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
     p.add_argument("--updates", type=int, default=4, help="K")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--epochs", type=int, default=1,
-                   help="passes over each generation batch: ours algo.epochs, TRL num_iterations (issue 13's workload: "
+                   help="passes over each generation batch: ours algo.epochs, TRL num_iterations (decode-bound: "
                         "--prompts 8 --updates 1 --epochs 4)")
     p.add_argument("--threads", default="1",
                    help="torch threads of both sides (default 1), or 'default': each side's own default (ours: the "

@@ -1,6 +1,6 @@
 """A real model's RL step, cispo vs TRL's ``GRPOTrainer`` (``loss_type="cispo"``): SmolLM2-135M-Instruct on
-the ``wordmath`` task, the same workload on both sides, interleaved in one run (issue 31 item 5); and the
-update passes' FLOP rate as a share of this machine's measured fp32 and bf16 matmul rates.
+the ``wordmath`` task, the same workload on both sides, interleaved in one run; and the update passes' FLOP
+rate as a share of this machine's measured fp32 and bf16 matmul rates.
 
     python benchmarks/vs_trl/bench_trl_smollm2.py        # needs trl and builtin:smollm2-135m; the defaults below
     python benchmarks/vs_trl/bench_trl_smollm2.py --pairs 3 --steps 2 --prompts 4 --group 8 --max-new-tokens 64 --updates 4

@@ -281,12 +281,12 @@ def test_gpu_check_budget_skips_sections(tmp_path):
 
 
 STALLED_RL_STEP = """import runpy, sys, time
-import cispo.training.trainer as tr
-rl_step = tr.rl_step
+from cispo.training.rl_step import RLStep
+step = RLStep.__call__
 def stalled(*a, **k):  # a training step far past any cap: the stop no longer depends on how fast compiling is
     time.sleep(600)
-    return rl_step(*a, **k)
-tr.rl_step = stalled
+    return step(*a, **k)
+RLStep.__call__ = stalled
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
