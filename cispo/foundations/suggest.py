@@ -130,7 +130,7 @@ _TOKEN_TIS = ("cispo's correction truncates each token's weight, min(pi_old / pi
 _SAMPLING = "cispo samples with rollout.temperature and rollout.top_p only"
 
 _A, _R, _M = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
-_OBJ = "algo.objective_overrides."
+_OBJ = "algo.objective."
 
 OTHER_NAMES: dict[str, OtherName] = {
     # ------------------------------------------------------------------ TRL: GRPOConfig's fields
@@ -164,16 +164,16 @@ OTHER_NAMES: dict[str, OtherName] = {
     "delta": OtherName(
         "TRL", (),
         "TRL's delta clips the ratio of the clipped surrogate from above (two-sided GRPO); cispo's nearest, "
-        "algo.objective_overrides.eps_high_is, caps a detached IS weight"),
+        "algo.objective.eps_high_is, caps a detached IS weight"),
     "loss_type": OtherName(
-        "TRL", ("algo.objective",),
+        "TRL", ("algo.objective.name",),
         "grpo -> grpo; dapo -> ppo (TRL's dapo clips at 1 -/+ epsilon, 0.2, unless epsilon_high is set; cispo's dapo "
         "at 0.2 and 0.28)",
         _values({"grpo": "grpo", "dapo": "ppo"}, {
             "cispo": "TRL's cispo caps the IS weight at epsilon_high itself (0.2 unless set); set algo.objective=cispo, "
                      "whose cap is 1 + eps_high_is = 5 (TRL's epsilon_high=5.0)",
             "dr_grpo": "TRL's dr_grpo divides by max_completion_length: set algo.objective=ppo with "
-                       "objective_overrides.aggregation=seq-mean-token-sum-norm and token_sum_norm=that length",
+                       "algo.objective.aggregation=seq-mean-token-sum-norm and algo.objective.token_sum_norm=that length",
             "bnpo": "TRL's bnpo divides by the tokens of the local micro-batch; cispo's token-mean (dapo -> ppo) by "
                     "those of the mini-batch"}),
         ("dapo", "ppo")),
@@ -285,7 +285,7 @@ OTHER_NAMES: dict[str, OtherName] = {
         "verl", (_OBJ + "eps_high",), "the clip's upper edge; with loss_mode=cispo the IS weight's cap: eps_high_is"),
     _A + "clip_ratio_c": OtherName("verl", (), "verl's dual-clip of A < 0 tokens; the unified objective has none"),
     _A + "policy_loss.loss_mode": OtherName(
-        "verl", ("algo.objective",),
+        "verl", ("algo.objective.name",),
         "verl's vanilla adds a dual-clip (clip_ratio_c) to ppo, its cispo bounds the IS weight to [0.8, 1.2] by "
         "default (cispo's: at most 5), and each takes verl's clip ratios and loss_agg_mode"),
     _A + "loss_agg_mode": OtherName(
