@@ -208,7 +208,7 @@ def _override_path(cls: type, path: KeyPath) -> KeyPath:
     """The key path that override key ``path`` sets: below a renamed mapping's old key
     (``algo.objective_overrides.kl_coef``), the same key below its new one (`rename_key`)."""
     for old, (new, _) in _RENAMED.get(cls, {}).items():
-        if path[:len(old)] == old and len(path) > len(old) and dataclasses.is_dataclass(_fields(cls).get(new)):
+        if path[:len(old)] == old and dataclasses.is_dataclass(_fields(cls).get(new)):
             return new + path[len(old):]
     return path
 
