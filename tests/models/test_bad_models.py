@@ -62,7 +62,7 @@ def test_max_new_tokens_past_the_context(tiny_model, tmp_path, capsys):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "'x'", "true"])
 def test_an_objective_override_that_is_not_a_number(tiny_model, tmp_path, capsys, value):
-    err = train_error(tmp_path, capsys, f"model.path={tiny_model}", f"algo.objective_overrides.max_log_ratio={value}")
+    err = train_error(tmp_path, capsys, f"model.path={tiny_model}", f"algo.objective.max_log_ratio={value}")
     assert "ObjectiveConfig.max_log_ratio must be a finite number > 0 or None" in err
 
 
