@@ -3,7 +3,7 @@ its five axes, and the named presets (cispo, ppo, grpo, dapo, gspo, reinforce, c
 cispo_highmask).
 
 Plain data with no torch: a run's config names a preset and its overrides, and checking them
-(``cispo train objective_overrides.eps_high_is=-1`` is refused at once) must not wait for
+(``cispo train algo.objective.eps_high_is=-1`` is refused at once) must not wait for
 torch to load. `cispo.objective.loss` computes the loss from them and re-exports every name here.
 """
 
