@@ -18,10 +18,12 @@ PRESET = "preset"
 
 @dataclass
 class ObjectiveSection:
-    """The objective (`cispo.objective.loss`, MiniMax-M1 eq. 6): a preset by ``name``, any of whose fields
-    may be set otherwise. Every field but ``name`` defaults to ``preset``, the preset's own value, so that
-    None keeps the meaning it has in `cispo.objective.presets.ObjectiveConfig` (no bound, off). ``cispo
-    train objective=ppo`` (or ``algo.objective=ppo``) sets ``name``; ``algo.objective.eps_high_is=2`` a field."""
+    """The objective, MiniMax-M1 eq. 6: a preset (name), each field 'preset' (its value) or set otherwise.
+
+    The fields are those of `cispo.objective.presets.ObjectiveConfig` (`cispo.objective.loss` computes the
+    loss from them); 'preset' rather than None stands for the preset's value, so that None keeps its meaning
+    there (no bound, off). ``cispo train objective=ppo`` (or ``algo.objective=ppo``, or ``objective: ppo`` in a
+    file) sets ``name``; ``algo.objective.eps_high_is=2`` (or ``eps_high_is=2``) a field."""
 
     name: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce", "cispo_lowmask", "cispo_highmask"] = "cispo"
     """Objective preset: cispo, ppo, grpo, dapo, gspo, reinforce; cispo_lowmask / cispo_highmask (CISPO with

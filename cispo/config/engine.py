@@ -33,7 +33,7 @@ from cispo.foundations.suggest import (OTHER_SECTIONS, OtherName, describe, did_
                                        read_line)
 
 __all__ = ["ConfigError", "MAX_ALIAS_NODES", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_INT_CHARS", "MAX_PROBLEMS",
-           "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml", "note_values", "rename_key",
+           "apply_overrides", "commented_yaml", "field_docs", "format_help", "from_dict", "load_yaml", "note_values", "rename_key",
            "save_yaml", "section_shorthand", "short_repr", "to_dict"]
 T = TypeVar("T")
 KeyPath = tuple  # field names (str) and list indices (int), as in pydantic's error locations
@@ -436,6 +436,31 @@ def save_yaml(cfg: Any, path: str | pathlib.Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(f"# {type(cfg).__name__}: {_class_doc(type(cfg))} Written by cispo.config.save_yaml; "
                       f"every field, defaults included.\n{text}", encoding="utf-8")
+
+
+def commented_yaml(cfg: Any) -> str:
+    """Every field of config ``cfg`` as YAML that `load_yaml` reads back to an equal config, each field
+    after its docstring as comments (``cispo train --print-config``), each section after its class's."""
+    lines = [f"# {type(cfg).__name__}: {_class_doc(type(cfg))} Every field, with its meaning (cispo train "
+             "--print-config)."]
+
+    def section(obj: Any, indent: str) -> None:
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            doc = docs[f.name] or (_class_doc(type(value)) if dataclasses.is_dataclass(value) else "")
+            if not lines[-1].endswith(":"):  # a blank line between fields, none below a section's name
+                lines.append("")
+            lines.extend(f"{indent}# {line.strip()}".rstrip() for line in doc.splitlines())
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{indent}{f.name}:")
+                section(value, indent + "  ")
+                continue
+            text = yaml.dump(to_dict(value), Dumper=ConfigDumper, default_flow_style=True, width=10_000)
+            lines.append(f"{indent}{f.name}: {text.removesuffix(chr(10)).removesuffix(chr(10) + '...').strip()}")
+
+    section(cfg, "")
+    return "\n".join(lines) + "\n"
 
 
 def _accepts_container(tp: Any) -> bool:

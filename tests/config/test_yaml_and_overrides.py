@@ -14,6 +14,7 @@ import pytest
 
 from cispo.cli import main
 from cispo.config.algo import ObjectiveSection
+from cispo.config.recipes import recipe_overrides
 from cispo.config.train import (
                                 AlgoConfig,
                                 ConfigError,
@@ -335,7 +336,7 @@ def test_help_lists_every_field_with_its_docstring():
     assert ("  algo.objective.name: Literal['cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', "
             "'cispo_highmask'] = 'cispo'") in text
     assert "  algo.objective.eps_high_is: float | None | Literal['preset'] = 'preset'\n      IS weight upper" in text
-    assert "\nalgo.objective (ObjectiveSection): The objective" in text
+    assert "\nalgo.objective (ObjectiveSection): The objective, MiniMax-M1 eq. 6: a preset (name), each field" in text
     assert "\noptim (OptimConfig): AdamW, with MiniMax-M1's settings by default.\n" in text
     parser = argparse.ArgumentParser(epilog=text, formatter_class=argparse.RawDescriptionHelpFormatter)
     assert "      Peak learning rate." in parser.format_help()
@@ -619,4 +620,22 @@ def test_example_configs_load_with_every_value(path):
             got = getattr(got, part)
         if dataclasses.is_dataclass(got) and not isinstance(value, dict):  # objective: cispo, the section's name
             got = got.name
-        assert got == value, key
+        assert to_dict(got) == value, key  # a tuple as YAML's list
+
+
+def test_the_committed_defaults_are_what_print_config_prints(capsys):
+    """examples/defaults.yaml is ``cispo train --print-config`` now (regenerate it with that command when a
+    field or its docstring changes), and it loads back as the defaults."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "defaults.yaml"
+    assert main(["train", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert path.read_text() == printed, "run: cispo train --print-config > examples/defaults.yaml"
+    assert load_yaml(TrainConfig, path) == TrainConfig()
+    assert "\n    # IS weight upper bound 1 + eps_high_is (eq. 5)" in printed and "\n    eps_high_is: preset\n" in printed
+
+
+def test_print_config_shows_the_config_the_overrides_make(tmp_path, capsys):
+    assert main(["train", "--print-config", "recipe=scalerl", "lr=3e-6"]) == 0
+    path = tmp_path / "run.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert load_yaml(TrainConfig, path) == apply_overrides(TrainConfig(), [*recipe_overrides("scalerl"), "lr=3e-6"])
