@@ -26,11 +26,22 @@ from typing import Any, Callable, Literal, TypeVar
 
 import yaml
 
-from cispo.config.yaml_input import (MAX_ALIAS_NODES, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_INT_CHARS, ConfigDumper,
-                                     ConfigError, ConfigLoader, RefusedYAML, parse_yaml, read_config_text,
-                                     short_repr, yaml_problem)
-from cispo.foundations.suggest import (OTHER_SECTIONS, OtherName, describe, did_you_mean, lookup, other_name_hint,
-                                       read_line)
+from cispo.config.foreign_names import OTHER_SECTIONS, OtherName, describe, lookup, other_name_hint, read_line
+from cispo.config.yaml_input import (
+    MAX_ALIAS_NODES,
+    MAX_CONFIG_BYTES,
+    MAX_DEPTH,
+    MAX_INT_CHARS,
+    ConfigDumper,
+    ConfigError,
+    ConfigLoader,
+    RefusedYAML,
+    parse_yaml,
+    read_config_text,
+    short_repr,
+    yaml_problem,
+)
+from cispo.foundations.suggest import did_you_mean
 
 __all__ = ["ConfigError", "MAX_ALIAS_NODES", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_INT_CHARS", "MAX_PROBLEMS",
            "apply_overrides", "commented_yaml", "field_docs", "format_help", "from_dict", "load_yaml", "note_values", "rename_key",

@@ -227,6 +227,8 @@ def test_the_docs_name_no_module_path_that_does_not_exist():
 
     top = {p.stem for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()} | set(cispo.__all__)
     root = PACKAGE.parent
-    wrong = sorted({f"{doc.relative_to(root)}: cispo.{name}" for doc in [root / "README.md", *(root / "docs").glob("*.md")]
-                    for name in re.findall(r"(?<![\w/.-])cispo\.(\w+)", doc.read_text()) if name not in top and not name.startswith("__")})
+    docs = [root / "README.md", *(root / "docs").glob("*.md")]
+    wrong = sorted({f"{doc.relative_to(root)}: cispo.{name}" for doc in docs
+                    for name in re.findall(r"(?<![\w/.-])cispo\.(\w+)", doc.read_text())
+                    if name not in top and not name.startswith("__")})
     assert wrong == []

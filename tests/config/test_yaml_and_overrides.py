@@ -78,9 +78,9 @@ def test_the_objective_section_has_every_field_of_the_objective():
     assert names == ["name"] + [f.name for f in dataclasses.fields(ObjectiveConfig)]
     assert all(getattr(ObjectiveSection(), n) == "preset" for n in names[1:])
     hints = typing.get_type_hints(ObjectiveSection)
-    for field, choices in [("ratio_level", RATIO_LEVELS), ("mask_rule", MASK_RULES), ("aggregation", AGGREGATIONS),
-                           ("kl_estimator", KL_ESTIMATORS)]:
-        assert typing.get_args(hints[field]) == (*choices, "preset")
+    for name, choices in [("ratio_level", RATIO_LEVELS), ("mask_rule", MASK_RULES), ("aggregation", AGGREGATIONS),
+                          ("kl_estimator", KL_ESTIMATORS)]:
+        assert typing.get_args(hints[name]) == (*choices, "preset")
     for name in PRESETS:
         assert ObjectiveSection(name).resolve() == PRESETS[name]
 
@@ -427,7 +427,7 @@ _NEEDS = {  # what a key read needs beside it to make a valid config
 
 
 def _other_names():
-    from cispo.foundations.suggest import OTHER_NAMES
+    from cispo.config.foreign_names import OTHER_NAMES
 
     return OTHER_NAMES
 
@@ -435,7 +435,7 @@ def _other_names():
 def _forms(name: str):
     """``name`` and, for verl's dotted names, its last part where that alone finds the same row."""
     from cispo.config.engine import _own_leaves
-    from cispo.foundations.suggest import lookup
+    from cispo.config.foreign_names import lookup
 
     leaf = name.rsplit(".", 1)[-1]
     same = leaf != name and lookup((leaf,), _own_leaves(TrainConfig)) == (name, _other_names()[name])
@@ -449,7 +449,7 @@ def test_every_trl_and_verl_name_is_read_as_its_key_or_refused_naming_it(name, m
     stderr; or refused in one line that names cispo's key (or says there is none) and the difference."""
     from cispo.config import engine
     from cispo.config.engine import _fields
-    from cispo.foundations.suggest import read_line
+    from cispo.config.foreign_names import read_line
 
     other = _other_names()[name]
     for typed in _forms(name):
@@ -579,7 +579,7 @@ def _yamlish(value) -> str:
 
 
 def names_table() -> str:
-    """docs/integrations.md's table of TRL's and verl's names, from `cispo.foundations.suggest.OTHER_NAMES`."""
+    """docs/integrations.md's table of TRL's and verl's names, from `cispo.config.foreign_names.OTHER_NAMES`."""
     rows = ["| name | in | cispo's key | read | note |", "|---|---|---|---|---|"]
     for name, o in _other_names().items():
         keys = ", ".join(f"`{k}`" for k in o.keys) or "—"
@@ -590,7 +590,7 @@ def names_table() -> str:
 
 
 def test_the_integrations_doc_shows_the_names_table():
-    """docs/integrations.md's table of TRL's and verl's names is `cispo.foundations.suggest.OTHER_NAMES`,
+    """docs/integrations.md's table of TRL's and verl's names is `cispo.config.foreign_names.OTHER_NAMES`,
     row for row (on failure, the expected table is printed: paste it in)."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
     section = doc.split("## TRL's and verl's names in `cispo train`", 1)[1].split("\n## ", 1)[0]
@@ -631,7 +631,8 @@ def test_the_committed_defaults_are_what_print_config_prints(capsys):
     printed = capsys.readouterr().out
     assert path.read_text() == printed, "run: cispo train --print-config > examples/defaults.yaml"
     assert load_yaml(TrainConfig, path) == TrainConfig()
-    assert "\n    # IS weight upper bound 1 + eps_high_is (eq. 5)" in printed and "\n    eps_high_is: preset\n" in printed
+    assert "\n    # IS weight upper bound 1 + eps_high_is (eq. 5)" in printed
+    assert "\n    eps_high_is: preset\n" in printed
 
 
 def test_print_config_shows_the_config_the_overrides_make(tmp_path, capsys):
