@@ -460,7 +460,7 @@ def describe(name: str, other: OtherName, shown: Sequence[str] | None = None) ->
 
 def other_name_hint(name: str, keys: Iterable[str]) -> str:
     """`describe` for ``name`` when it is one of `OTHER_NAMES` (`lookup`) and its cispo keys are
-    among ``keys``: the key itself, a key below a dict field in ``keys`` (``algo.objective_overrides``),
+    among ``keys``: the key itself, a key below a dict field in ``keys`` (``rollout.vllm_kwargs``),
     or one given relative to its section (``kl_coef`` among ObjectiveConfig's fields); ``""`` otherwise."""
     match = lookup((name,))
     if match is None:
