@@ -626,7 +626,7 @@ def test_example_configs_load_with_every_value(path):
 def test_the_committed_defaults_are_what_print_config_prints(capsys):
     """examples/defaults.yaml is ``cispo train --print-config`` now (regenerate it with that command when a
     field or its docstring changes), and it loads back as the defaults."""
-    path = Path(__file__).resolve().parent.parent / "examples" / "defaults.yaml"
+    path = Path(__file__).resolve().parents[2] / "examples" / "defaults.yaml"
     assert main(["train", "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert path.read_text() == printed, "run: cispo train --print-config > examples/defaults.yaml"
