@@ -44,8 +44,8 @@ from cispo.config.yaml_input import (
 from cispo.foundations.suggest import did_you_mean
 
 __all__ = ["ConfigError", "MAX_ALIAS_NODES", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_INT_CHARS", "MAX_PROBLEMS",
-           "apply_overrides", "commented_yaml", "field_docs", "format_help", "from_dict", "load_yaml", "note_values", "rename_key",
-           "save_yaml", "section_shorthand", "short_repr", "to_dict"]
+           "apply_overrides", "commented_yaml", "field_docs", "format_help", "from_dict", "load_yaml", "note_values",
+           "rename_key", "save_yaml", "section_shorthand", "short_repr", "to_dict"]
 T = TypeVar("T")
 KeyPath = tuple  # field names (str) and list indices (int), as in pydantic's error locations
 
@@ -509,7 +509,8 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
     ``key``: a dotted path (``optim.lr``) or a field name found in one place only (``lr``; a
     top-level field wins); an ambiguous name is an error naming the candidates. Past a dict
     field the rest is a key into it (``rollout.vllm_kwargs.seed=1``). A mapping for a section sets just
-    those fields; a plain value sets its shorthand field (``algo.objective=ppo``: `section_shorthand`). ``cfg`` is not changed. An override longer than
+    those fields; a plain value sets its shorthand field (``algo.objective=ppo``:
+    `section_shorthand`). ``cfg`` is not changed. An override longer than
     `MAX_CONFIG_BYTES` or with a key of more than `MAX_DEPTH` parts is refused; errors show an
     override by `short_repr`."""
     if not overrides:

@@ -155,7 +155,8 @@ OTHER_NAMES: dict[str, OtherName] = {
             "cispo": "TRL's cispo caps the IS weight at epsilon_high itself (0.2 unless set); set algo.objective=cispo, "
                      "whose cap is 1 + eps_high_is = 5 (TRL's epsilon_high=5.0)",
             "dr_grpo": "TRL's dr_grpo divides by max_completion_length: set algo.objective=ppo with "
-                       "algo.objective.aggregation=seq-mean-token-sum-norm and algo.objective.token_sum_norm=that length",
+                       "algo.objective.aggregation=seq-mean-token-sum-norm and algo.objective.token_sum_norm=that "
+                       "length",
             "bnpo": "TRL's bnpo divides by the tokens of the local micro-batch; cispo's token-mean (dapo -> ppo) by "
                     "those of the mini-batch"}),
         ("dapo", "ppo")),

@@ -372,7 +372,8 @@ def test_did_you_mean():
     "override, expected",
     [
         ("beta=0.04", "beta: unknown key (did you mean 'algo.objective.kl_coef'? 'beta' in TRL:"),
-        ("algorithm.kl_ctrl.kl_coef=0.1", "(did you mean 'algo.objective.kl_coef'? 'algorithm.kl_ctrl.kl_coef' in verl"),
+        ("algorithm.kl_ctrl.kl_coef=0.1",
+         "(did you mean 'algo.objective.kl_coef'? 'algorithm.kl_ctrl.kl_coef' in verl"),
         ("epsilon=0.2", "(did you mean 'algo.objective.eps_low' and 'algo.objective.eps_high'?"),
         ("epsilon_high=0.28", "(did you mean 'algo.objective.eps_high' and "),
         ("use_kl_loss=true", "(did you mean 'algo.objective.kl_coef'? 'use_kl_loss' in verl"),
