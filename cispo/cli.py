@@ -3,6 +3,7 @@
     cispo train                                   # CISPO on the built-in task, defaults
     cispo train algo.objective=dapo lr=5e-5       # dotted keys, or unique leaf names
     cispo train --config run.yaml seed=1
+    cispo train --print-config > run.yaml         # every field with its default and meaning, as YAML
     cispo train recipe=scalerl lr=3e-6            # a paper's settings across sections (cispo.config.recipes)
     cispo train --resume run_name=cispo__addition__seed0 steps=120   # its saved config.yaml, run longer
     cispo pretrain seed=1 --measure 2000
@@ -63,6 +64,11 @@ def cmd_train(args) -> int:
         cfg = resume_config(args.config, overrides)
     else:
         cfg = _build_config(TrainConfig, args.config, overrides)
+    if args.print_config:  # the config the run would have, every field with its meaning; no run
+        from cispo.config.engine import commented_yaml
+
+        print(commented_yaml(cfg), end="")
+        return 0
     with collector_paused(args.program):  # the config is good: now torch and the rest
         import transformers.modeling_utils  # noqa: F401  (every model loads through it: imported here, collector off)
 
@@ -251,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue the run from its last intact checkpoint, with its saved config.yaml (key=value "
                    "may change only: steps, checkpoint_every, eval.*, trackers, ...; see docs/reliability.md)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the config the run would have (--config and key=value applied: the defaults without "
+                   "them) as YAML, every field with its docstring as a comment, and exit (examples/defaults.yaml)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name "
                    "(only a folder cispo created: one with a .cispo-run marker, directly in out_dir)")
     p = add("pretrain", "pretrain a built-in base model into the model cache or --out (the package ships the "

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from cispo.config.algo import ObjectiveSection
 from cispo.config.train import ConfigError, TrainConfig, apply_overrides
 from studies.arms import ArmConfig, describe, resolve_arms
 from studies.stats import at_edge, final_accuracy, mean_accuracy, pick_lr
@@ -185,8 +186,8 @@ class Run:
 
     def meta(self) -> dict[str, Any]:
         c = self.config
-        return {"part": self.part, "role": self.role, "arm": self.arm, "spec": self.spec, "objective": c.algo.objective,
-                "objective_overrides": dict(c.algo.objective_overrides), "task": c.data.task,
+        return {"part": self.part, "role": self.role, "arm": self.arm, "spec": self.spec, "objective": c.algo.objective.name,
+                "objective_overrides": c.algo.objective.overrides(), "task": c.data.task,
                 "K": c.algo.updates_per_batch, "seed": c.seed, "lr": c.optim.lr,
                 "prompts_per_step": c.rollout.prompts_per_step, "group_size": c.rollout.group_size,
                 "warmup_updates": c.optim.warmup_updates, "steps": c.steps}
@@ -226,7 +227,7 @@ def one_run(base: TrainConfig, arm_name: str, arm: ArmConfig, seed: int, lr: flo
     """The run of `arm` with `seed` (and `lr`, if given), named ``{prefix}{arm}__{task}__K{K}__seed{seed}``."""
     c = replace(base, seed=seed, threads=1, progress=False,
                 run_name=f"{prefix}{arm_name}__{base.data.task}__K{base.algo.updates_per_batch}__seed{seed}",
-                algo=replace(base.algo, objective=arm.objective, objective_overrides=dict(arm.objective_overrides)))
+                algo=replace(base.algo, objective=ObjectiveSection(arm.objective, **arm.objective_overrides)))
     c = c if lr is None else replace(c, optim=replace(c.optim, lr=lr))
     return Run(c, arm_name, role, part, describe(arm))
 

@@ -70,9 +70,9 @@ def run_meta(run_dir: Path) -> dict:
     meta: dict = {"part": run_dir.parent.name, "role": "eval", "run": run_dir.name}
     if (run_dir / "config.yaml").exists():
         c = load_yaml(TrainConfig, run_dir / "config.yaml")
-        over = c.algo.objective_overrides
-        meta.update(arm=c.algo.objective + ("(" + ",".join(f"{k}={v}" for k, v in over.items()) + ")" if over else ""),
-                    objective=c.algo.objective, task=c.data.task, K=c.algo.updates_per_batch, seed=c.seed, lr=c.optim.lr,
+        name, over = c.algo.objective.name, c.algo.objective.overrides()
+        meta.update(arm=name + ("(" + ",".join(f"{k}={v}" for k, v in over.items()) + ")" if over else ""),
+                    objective=name, task=c.data.task, K=c.algo.updates_per_batch, seed=c.seed, lr=c.optim.lr,
                     prompts_per_step=c.rollout.prompts_per_step, group_size=c.rollout.group_size,
                     warmup_updates=c.optim.warmup_updates, steps=c.steps, eval_k=c.eval.num_samples)
     if (run_dir / "meta.json").exists():

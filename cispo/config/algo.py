@@ -1,24 +1,95 @@
-"""The ``algo:`` and ``optim:`` sections of the run's configuration: the objective preset and the
-schedule of off-policy updates over a generation batch, and the AdamW that takes each update
-(`cispo.config.train` gathers the sections)."""
+"""The ``algo:`` and ``optim:`` sections of the run's configuration: the objective (``algo.objective``:
+a preset and any of its fields set otherwise) and the schedule of off-policy updates over a generation
+batch, and the AdamW that takes each update (`cispo.config.train` gathers the sections)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["AlgoConfig", "OptimConfig"]
+from cispo.objective.presets import AGGREGATIONS, KL_ESTIMATORS, MASK_RULES, RATIO_LEVELS, ObjectiveConfig, preset
+
+__all__ = ["AlgoConfig", "ObjectiveSection", "OptimConfig", "PRESET"]
+
+PRESET = "preset"
+"""The value of an ``algo.objective`` field that takes the preset's value (each field's default)."""
+
+
+@dataclass
+class ObjectiveSection:
+    """The objective, MiniMax-M1 eq. 6: a preset (name), each field 'preset' (its value) or set otherwise.
+
+    The fields are those of `cispo.objective.presets.ObjectiveConfig` (`cispo.objective.loss` computes the
+    loss from them); 'preset' rather than None stands for the preset's value, so that None keeps its meaning
+    there (no bound, off). ``cispo train objective=ppo`` (or ``algo.objective=ppo``, or ``objective: ppo`` in a
+    file) sets ``name``; ``algo.objective.eps_high_is=2`` (or ``eps_high_is=2``) a field."""
+
+    name: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce", "cispo_lowmask", "cispo_highmask"] = "cispo"
+    """Objective preset: cispo, ppo, grpo, dapo, gspo, reinforce; cispo_lowmask / cispo_highmask (CISPO with
+    the lower / upper half of DAPO's trust region). docs/objective.md lists each preset's fields."""
+    ratio_level: Literal[(*RATIO_LEVELS, PRESET)] = PRESET
+    """Unit of the IS ratio: ``token`` (r_it) or ``sequence`` (GSPO's length-normalised s_i)."""
+    eps_low_is: float | None | Literal[PRESET] = PRESET
+    """IS weight lower bound 1 - eps_low_is (eq. 5), >= 0. None: no lower bound (cispo's)."""
+    eps_high_is: float | None | Literal[PRESET] = PRESET
+    """IS weight upper bound 1 + eps_high_is (eq. 5), >= 0. None: no upper bound. cispo: 4.0 (the weight
+    capped at 5, ScaleRL's value; the paper does not publish its own)."""
+    is_bounds_by_sign: bool | Literal[PRESET] = PRESET
+    """False: eps_low_is / eps_high_is bound every token's weight. True (DISPO): they bound the tokens with
+    A >= 0 (correct responses) and eps_low_is_neg / eps_high_is_neg those with A < 0."""
+    eps_low_is_neg: float | None | Literal[PRESET] = PRESET
+    """With is_bounds_by_sign: lower weight bound 1 - eps_low_is_neg of A < 0 tokens. None: none."""
+    eps_high_is_neg: float | None | Literal[PRESET] = PRESET
+    """With is_bounds_by_sign: upper weight bound 1 + eps_high_is_neg of A < 0 tokens. None: none."""
+    mask_rule: Literal[(*MASK_RULES, PRESET)] = PRESET
+    """Token mask M (eq. 7): ``none`` (M = 1), ``ppo`` (PPO's trust region, eps_low / eps_high), ``ppo-low``
+    (its lower half only: A < 0, r < 1 - eps_low) or ``ppo-high`` (its upper half only: A > 0, r > 1 + eps_high)."""
+    eps_low: float | Literal[PRESET] = PRESET
+    """PPO trust region lower edge 1 - eps_low, in [0, 1]: masks A < 0 tokens below it (eq. 7). Also
+    defines ``objective/frac_ppo_dropped`` under every mask rule."""
+    eps_high: float | Literal[PRESET] = PRESET
+    """PPO trust region upper edge 1 + eps_high, >= 0: masks A > 0 tokens above it (eq. 7). Also defines
+    ``objective/frac_ppo_dropped`` under every mask rule."""
+    aggregation: Literal[(*AGGREGATIONS, PRESET)] = PRESET
+    """How per-token terms become a scalar: ``token-mean`` (sum / total tokens), ``seq-mean-token-mean``
+    (mean over sequences of per-sequence means), ``seq-mean-token-sum-norm`` (sum / (num_seqs *
+    token_sum_norm), Dr. GRPO), ``prompt-mean-token-mean`` (mean over prompts of the mean over their G
+    responses' tokens, ScaleRL)."""
+    token_sum_norm: float | None | Literal[PRESET] = PRESET
+    """Constant length of ``seq-mean-token-sum-norm``, > 0. None: ``rollout.max_new_tokens`` in a run
+    (`cispo.training.setup.make_objective`: a constant keeps split batches exact)."""
+    kl_coef: float | Literal[PRESET] = PRESET
+    """Coefficient of the KL penalty to the reference policy (``model.ref_path``), >= 0. 0: no KL term
+    (every preset's)."""
+    kl_estimator: Literal[(*KL_ESTIMATORS, PRESET)] = PRESET
+    """KL estimator: ``k1`` (log pi - log pi_ref) or ``k3`` (r - 1 - log r, r = pi_ref / pi)."""
+    max_log_ratio: float | None | Literal[PRESET] = PRESET
+    """Clamp of log r (and log s) to +-max_log_ratio before exp, for finite weights, > 0. None: off."""
+
+    def __post_init__(self) -> None:
+        """The fields checked as the objective they make (`resolve`): ``ValueError`` naming the field."""
+        try:
+            self.resolve()
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("ObjectiveConfig.", "")) from None
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields set otherwise than the preset (those not ``preset``), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "name" and getattr(self, f.name) != PRESET}
+
+    def resolve(self) -> ObjectiveConfig:
+        """The objective: preset ``name`` with `overrides` (`cispo.objective.presets.preset`)."""
+        return preset(self.name, **self.overrides())
+
 
 
 @dataclass
 class AlgoConfig:
     """The objective and the schedule of off-policy updates."""
 
-    objective: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce", "cispo_lowmask", "cispo_highmask"] = "cispo"
-    """Objective preset: cispo, ppo, grpo, dapo, gspo, reinforce; cispo_lowmask / cispo_highmask (CISPO with
-    the lower / upper half of DAPO's trust region)."""
-    objective_overrides: dict[str, Any] = field(default_factory=dict)
-    """Fields of ``ObjectiveConfig`` to override, e.g. ``objective_overrides.eps_high_is=2.0``."""
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
     advantage_estimator: Literal["grpo", "drgrpo", "rloo", "batch-std"] = "grpo"
     """Group-relative advantages: grpo (R - group mean) / group std, drgrpo R - group mean, rloo
     (leave-one-out mean), batch-std (R - group mean) / batch std (ScaleRL's batch-level normalisation)."""

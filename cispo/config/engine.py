@@ -26,15 +26,26 @@ from typing import Any, Callable, Literal, TypeVar
 
 import yaml
 
-from cispo.config.yaml_input import (MAX_ALIAS_NODES, MAX_CONFIG_BYTES, MAX_DEPTH, MAX_INT_CHARS, ConfigDumper,
-                                     ConfigError, ConfigLoader, RefusedYAML, parse_yaml, read_config_text,
-                                     short_repr, yaml_problem)
-from cispo.foundations.suggest import (OTHER_SECTIONS, OtherName, describe, did_you_mean, lookup, other_name_hint,
-                                       read_line)
+from cispo.config.foreign_names import OTHER_SECTIONS, OtherName, describe, lookup, other_name_hint, read_line
+from cispo.config.yaml_input import (
+    MAX_ALIAS_NODES,
+    MAX_CONFIG_BYTES,
+    MAX_DEPTH,
+    MAX_INT_CHARS,
+    ConfigDumper,
+    ConfigError,
+    ConfigLoader,
+    RefusedYAML,
+    parse_yaml,
+    read_config_text,
+    short_repr,
+    yaml_problem,
+)
+from cispo.foundations.suggest import did_you_mean
 
 __all__ = ["ConfigError", "MAX_ALIAS_NODES", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_INT_CHARS", "MAX_PROBLEMS",
-           "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml", "note_values", "rename_key",
-           "save_yaml", "short_repr", "to_dict"]
+           "apply_overrides", "commented_yaml", "field_docs", "format_help", "from_dict", "load_yaml", "note_values",
+           "rename_key", "save_yaml", "section_shorthand", "short_repr", "to_dict"]
 T = TypeVar("T")
 KeyPath = tuple  # field names (str) and list indices (int), as in pydantic's error locations
 
@@ -128,24 +139,57 @@ def _problem(cls: type, err: dict) -> str:
 
 _RENAMED: dict[type, dict[KeyPath, tuple[KeyPath, Callable[[Any], Any]]]] = {}
 _VALUE_NOTES: dict[type, dict[str, dict[str, str]]] = {}
+_SHORTHANDS: dict[type, dict[KeyPath, str]] = {}
 
 
 def note_values(cls: type, key: str, notes: dict[str, str]) -> None:
     """Answer a value of ``Literal`` field ``key`` (dotted) of config ``cls`` that is one of ``notes``
     with its note instead of the nearest choice: a name that means something else than its nearest
-    spelling (``algo.objective=dr_grpo`` is a recipe, not ``grpo``)."""
+    spelling (``algo.objective.name=dr_grpo`` is a recipe, not ``grpo``)."""
     _VALUE_NOTES.setdefault(cls, {}).setdefault(key, {}).update(notes)
+
+
+def section_shorthand(cls: type, section: str, field: str) -> None:
+    """A plain value (not a mapping) given for ``section`` (dotted) of config ``cls`` sets its field
+    ``field``: ``algo.objective=ppo`` is ``algo.objective.name=ppo``, in a file or an override."""
+    _SHORTHANDS.setdefault(cls, {})[tuple(section.split("."))] = field
 
 
 def rename_key(cls: type, old: str, new: str, convert: Callable[[Any], Any] = lambda value: value) -> None:
     """Read dotted key ``old`` of config ``cls`` as ``new`` (its value through ``convert``), so that
     files written before a key was renamed (a run folder's ``config.yaml``) still load; ``old`` with
-    a value (not None) next to a value of ``new`` is an error."""
+    a value (not None) next to a value of ``new`` is an error. A mapping renamed onto a section
+    (``algo.objective_overrides`` -> ``algo.objective``) sets those fields of it; a field given under
+    both names is the error. An override may use the old key too (``objective_overrides.kl_coef=0.1``)."""
     _RENAMED.setdefault(cls, {})[tuple(old.split("."))] = (tuple(new.split(".")), convert)
 
 
+def _shorthands(cls: type, data: Any) -> Any:
+    """``data`` (a copy, where a section of ``cls`` is given as a plain value: `section_shorthand`) with
+    each such value under the section's field."""
+    found = [(section, field) for section, field in _SHORTHANDS.get(cls, {}).items()
+             if not isinstance(_get(data, section, {}), dict)]
+    if found:
+        data = copy.deepcopy(data)
+    for section, field in found:
+        parent = _get(data, section[:-1], None)
+        parent[section[-1]] = {field: parent[section[-1]]}
+    return data
+
+
+def _get(data: Any, path: KeyPath, missing: Any) -> Any:
+    """The value at ``path`` of nested mappings ``data``; ``missing`` where there is none."""
+    for part in path:
+        if not isinstance(data, dict) or part not in data:
+            return missing
+        data = data[part]
+    return data
+
+
 def _renamed(cls: type, data: Any, where: Callable[[KeyPath], str]) -> Any:
-    """``data`` (a copy, when a renamed key of ``cls`` is in it: `rename_key`) with them under their new names."""
+    """``data`` (a copy, when a renamed key of ``cls`` is in it: `rename_key`) with them under their new
+    names, after `_shorthands`."""
+    data = _shorthands(cls, data)
     renamed = _RENAMED.get(cls, {})
     if renamed and isinstance(data, dict):
         data = copy.deepcopy(data)
@@ -155,12 +199,29 @@ def _renamed(cls: type, data: Any, where: Callable[[KeyPath], str]) -> Any:
             continue
         value = parent.pop(old[-1])
         target = functools.reduce(lambda d, k: d.setdefault(k, {}), new[:-1], data)
+        if value is not None and isinstance(target.get(new[-1]), dict) and isinstance(value, dict):
+            both = sorted(set(value) & set(target[new[-1]]), key=str)
+            if both:
+                raise ConfigError(f"{where(old)}: {_dotted(old)} is the old name of {_dotted(new)}, and "
+                                  f"{', '.join(_dotted(new + (k,)) for k in both)} is given under both: give only "
+                                  f"{_dotted(new + (both[0],))}")
+            target[new[-1]].update(convert(value))
+            continue
         if value is not None and target.get(new[-1]) is not None:
             raise ConfigError(f"{where(old)}: {_dotted(old)} is the old name of {_dotted(new)}: give only "
                               f"{_dotted(new)}")
         if value is not None:
             target[new[-1]] = convert(value)
     return data
+
+
+def _override_path(cls: type, path: KeyPath) -> KeyPath:
+    """The key path that override key ``path`` sets: below a renamed mapping's old key
+    (``algo.objective_overrides.kl_coef``), the same key below its new one (`rename_key`)."""
+    for old, (new, _) in _RENAMED.get(cls, {}).items():
+        if path[:len(old)] == old and dataclasses.is_dataclass(_fields(cls).get(new)):
+            return new + path[len(old):]
+    return path
 
 
 # ------------------------------------------------------------ TRL's and verl's names (OTHER_NAMES)
@@ -388,6 +449,31 @@ def save_yaml(cfg: Any, path: str | pathlib.Path) -> None:
                       f"every field, defaults included.\n{text}", encoding="utf-8")
 
 
+def commented_yaml(cfg: Any) -> str:
+    """Every field of config ``cfg`` as YAML that `load_yaml` reads back to an equal config, each field
+    after its docstring as comments (``cispo train --print-config``), each section after its class's."""
+    lines = [f"# {type(cfg).__name__}: {_class_doc(type(cfg))} Every field, with its meaning (cispo train "
+             "--print-config)."]
+
+    def section(obj: Any, indent: str) -> None:
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            doc = docs[f.name] or (_class_doc(type(value)) if dataclasses.is_dataclass(value) else "")
+            if not lines[-1].endswith(":"):  # a blank line between fields, none below a section's name
+                lines.append("")
+            lines.extend(f"{indent}# {line.strip()}".rstrip() for line in doc.splitlines())
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{indent}{f.name}:")
+                section(value, indent + "  ")
+                continue
+            text = yaml.dump(to_dict(value), Dumper=ConfigDumper, default_flow_style=True, width=10_000)
+            lines.append(f"{indent}{f.name}: {text.removesuffix(chr(10)).removesuffix(chr(10) + '...').strip()}")
+
+    section(cfg, "")
+    return "\n".join(lines) + "\n"
+
+
 def _accepts_container(tp: Any) -> bool:
     """``list[str]``, ``dict[str, Any]``, ``tuple[float, float]``, ``list[str] | Literal['all'] | None``..."""
     origin = typing.get_origin(tp)
@@ -422,8 +508,9 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
 
     ``key``: a dotted path (``optim.lr``) or a field name found in one place only (``lr``; a
     top-level field wins); an ambiguous name is an error naming the candidates. Past a dict
-    field the rest is a key into it (``objective_overrides.eps_high_is=2``). A mapping for a
-    section sets just those fields. ``cfg`` is not changed. An override longer than
+    field the rest is a key into it (``rollout.vllm_kwargs.seed=1``). A mapping for a section sets just
+    those fields; a plain value sets its shorthand field (``algo.objective=ppo``:
+    `section_shorthand`). ``cfg`` is not changed. An override longer than
     `MAX_CONFIG_BYTES` or with a key of more than `MAX_DEPTH` parts is refused; errors show an
     override by `short_repr`."""
     if not overrides:
@@ -441,7 +528,7 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
         if len(path) > MAX_DEPTH:
             raise ConfigError(f"{source}: a key of {len(path):,} parts; no setting is nested more than {MAX_DEPTH} deep")
         if path[:1] not in fields:
-            found = [k for k in fields if k[-1] == path[0]]
+            found = [k for k in fields if k[-1] == path[0]] or [k for k in _RENAMED.get(cls, {}) if k[-1] == path[0]]
             if len(found) > 1:
                 raise ConfigError(f"{source}: ambiguous key {path[0]!r}: it could be "
                                   f"{', '.join(map(_dotted, found))}; use the full dotted key")
@@ -455,6 +542,9 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
                 raise ConfigError(f"{source}: {exc}") from None
         else:  # a refused name stays unknown: _build's _read_other_names says why
             value = _override_value(text.strip(), fields.get(path), source)
+        path = _override_path(cls, path)
+        if path in _SHORTHANDS.get(cls, {}) and not isinstance(value, dict):
+            path += (_SHORTHANDS[cls][path],)
         node = data
         for i, part in enumerate(path[:-1]):
             node = node[part] if isinstance(node.get(part), dict) else node.setdefault(part, {})

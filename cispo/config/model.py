@@ -80,6 +80,6 @@ class ModelConfig:
     step and costs 10-100 s to compile; docs/performance.md), eager otherwise (no GPU measured).
     A compile that fails falls back to eager with a warning. Not with ``model.fsdp``."""
     ref_path: str | None = None
-    """With ``algo.objective_overrides.kl_coef > 0``: local Hugging Face causal-LM folder of the
+    """With ``algo.objective.kl_coef > 0``: local Hugging Face causal-LM folder of the
     frozen reference policy pi_ref (same tokenizer as the policy). None: a frozen copy of the
     initial policy (``model.path`` or the built-in model)."""

@@ -35,15 +35,15 @@ RECIPES: dict[str, Recipe] = {
     # (the longest response, rollout.max_new_tokens: cispo.training.setup.make_objective), and advantages
     # R - mean of the group, no std. No KL term (the default).
     "dr_grpo": Recipe(
-        ("algo.objective=ppo", "algo.objective_overrides.aggregation=seq-mean-token-sum-norm",
+        ("algo.objective=ppo", "algo.objective.aggregation=seq-mean-token-sum-norm",
          "algo.advantage_estimator=drgrpo"),
         "Dr. GRPO, Liu et al. 2025, 'Understanding R1-Zero-Like Training: A Critical Perspective', arXiv 2503.20783",
     ),
     # ScaleRL: CISPO with the weight capped at 5, prompt-level loss averaging, batch-level advantage
     # normalisation, zero-variance groups dropped and not resampled (one generation round), FP32 LM head.
     "scalerl": Recipe(
-        ("algo.objective=cispo", "algo.objective_overrides.eps_high_is=4.0",
-         "algo.objective_overrides.aggregation=prompt-mean-token-mean", "algo.advantage_estimator=batch-std",
+        ("algo.objective=cispo", "algo.objective.eps_high_is=4.0",
+         "algo.objective.aggregation=prompt-mean-token-mean", "algo.advantage_estimator=batch-std",
          "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=1", "model.fp32_lm_head=true",
          "data.retire_pass_rate=0.9"),
         "ScaleRL, Khatri et al. 2025, 'The Art of Scaling Reinforcement Learning Compute for LLMs', arXiv 2510.13786",

@@ -21,7 +21,7 @@ from typing import Iterable
 from cispo.config.algo import AlgoConfig, OptimConfig
 from cispo.config.data import DataConfig, EvalSetConfig
 from cispo.config.engine import (ConfigError, apply_overrides, field_docs, format_help, from_dict, load_yaml,
-                                 note_values, rename_key, save_yaml, to_dict)
+                                 note_values, rename_key, save_yaml, section_shorthand, to_dict)
 from cispo.config.model import ModelConfig
 from cispo.config.rollout import OWNED_ARGUMENTS, RolloutConfig, check_vllm_kwargs  # noqa: F401 - still a name here
 from cispo.foundations.suggest import did_you_mean
@@ -481,26 +481,23 @@ def setting_problems(cfg: TrainConfig) -> list[str]:
 
 
 def check_objective(cfg: TrainConfig) -> None:
-    """ValueError for an unknown objective preset, override field or value (`preset` names it),
-    then for the first setting the preset cannot serve: a reference model without a KL term (it
+    """ValueError for the first setting the preset cannot serve: a reference model without a KL term (it
     would be unused); a KL term with LoRA or FSDP (the reference is neither adapted nor sharded);
     a fused head for a sequence-level ratio (a token's weight is unknown chunk by chunk) or under
     FSDP (not tested sharded)."""
-    from cispo.objective.presets import preset
-
     a, model = cfg.algo, cfg.model
-    obj = preset(a.objective, **a.objective_overrides)  # unknown name / field / bad value
+    obj = a.objective.resolve()
     kl_coef = obj.kl_coef
     checks = [
         ("model.ref_path", model.ref_path is None or kl_coef > 0,
-         "is set but algo.objective_overrides.kl_coef is 0: the reference model would be unused"),
-        ("algo.objective_overrides.kl_coef", kl_coef == 0 or model.lora_rank == 0,
+         "is set but algo.objective.kl_coef is 0: the reference model would be unused"),
+        ("algo.objective.kl_coef", kl_coef == 0 or model.lora_rank == 0,
          "> 0 cannot be combined with model.lora_rank > 0 (a reference model next to LoRA adapters "
          "is not supported yet)"),
-        ("algo.objective_overrides.kl_coef", kl_coef == 0 or not model.fsdp,
+        ("algo.objective.kl_coef", kl_coef == 0 or not model.fsdp,
          "> 0 cannot be combined with model.fsdp (the reference model is not sharded)"),
         ("algo.fused_head", not a.fused_head or obj.ratio_level == "token",
-         f"needs a token-level ratio; algo.objective={a.objective} has ratio_level={obj.ratio_level!r} "
+         f"needs a token-level ratio; algo.objective.name={a.objective.name} has ratio_level={obj.ratio_level!r} "
          "(a token's weight depends on its whole sequence, unknown chunk by chunk): set algo.fused_head=false"),
         ("algo.fused_head", not (a.fused_head and model.fsdp),
          "cannot be combined with model.fsdp yet (the fused head is not tested under sharding)"),
@@ -520,4 +517,8 @@ def _recipe_names() -> dict[str, str]:
 # run folders written before a key was renamed still load (their config.yaml, ``--resume``)
 rename_key(TrainConfig, "data.fork_token", "data.fork_tokens", lambda word: [word])  # one string, then a list
 # a paper's recipe typed as an objective (algo.objective=dr_grpo) is answered with the recipe, not the nearest preset
-note_values(TrainConfig, "algo.objective", _recipe_names())
+note_values(TrainConfig, "algo.objective.name", _recipe_names())
+# algo.objective=ppo (and objective: ppo in a file, as every config.yaml before the section had it) names the preset
+section_shorthand(TrainConfig, "algo.objective", "name")
+# the objective's fields were an untyped mapping, algo.objective_overrides, in config.yaml files written before
+rename_key(TrainConfig, "algo.objective_overrides", "algo.objective")

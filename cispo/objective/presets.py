@@ -3,7 +3,7 @@ its five axes, and the named presets (cispo, ppo, grpo, dapo, gspo, reinforce, c
 cispo_highmask).
 
 Plain data with no torch: a run's config names a preset and its overrides, and checking them
-(``cispo train objective_overrides.eps_high_is=-1`` is refused at once) must not wait for
+(``cispo train algo.objective.eps_high_is=-1`` is refused at once) must not wait for
 torch to load. `cispo.objective.loss` computes the loss from them and re-exports every name here.
 """
 
@@ -13,7 +13,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from cispo.foundations.suggest import did_you_mean, other_name_hint
+from cispo.foundations.suggest import did_you_mean
 
 RATIO_LEVELS = ("token", "sequence")
 MASK_RULES = ("none", "ppo", "ppo-low", "ppo-high")
@@ -146,6 +146,5 @@ def preset(name: str, **overrides) -> ObjectiveConfig:
     fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}
     for key in overrides:
         if key not in fields:
-            hint = other_name_hint(key, fields) or did_you_mean(key, fields)  # TRL's 'beta', or a typo
-            raise ValueError(f"ObjectiveConfig has no field {key!r}{hint}")
+            raise ValueError(f"ObjectiveConfig has no field {key!r}{did_you_mean(key, fields)}")
     return dataclasses.replace(PRESETS[name], **overrides)

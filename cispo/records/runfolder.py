@@ -72,7 +72,7 @@ resumes with false."""
 def run_name(cfg: TrainConfig) -> str:
     """``cfg.run_name``, or ``{objective}__{task or data file}__seed{seed}``."""
     data = Path(cfg.data.path).stem if cfg.data.path else cfg.data.task
-    return cfg.run_name or f"{cfg.algo.objective}__{data}__seed{cfg.seed}"
+    return cfg.run_name or f"{cfg.algo.objective.name}__{data}__seed{cfg.seed}"
 
 
 def check_run_name(name: str) -> str:

@@ -18,7 +18,7 @@ import torch
 from cispo.foundations.distributed import DistInfo, rank_seed
 from cispo.foundations.forks import ForkTokens
 from cispo.models.policy import Policy
-from cispo.objective.loss import ObjectiveConfig, preset
+from cispo.objective.loss import ObjectiveConfig
 from cispo.rollout import SamplingConfig
 from cispo.training.gradients import lr_at
 
@@ -48,9 +48,9 @@ def fit_prompts(policy: Policy, samples: list[dict], max_new_tokens: int, what: 
 
 
 def make_objective(algo: AlgoConfig, max_new_tokens: int | None) -> ObjectiveConfig:
-    """The objective of ``algo``: its preset with its overrides; under Dr. GRPO's
+    """The objective of ``algo.objective``: its preset with the fields it sets; under Dr. GRPO's
     ``seq-mean-token-sum-norm`` with no constant set, ``max_new_tokens`` as the constant."""
-    obj = preset(algo.objective, **algo.objective_overrides)
+    obj = algo.objective.resolve()
     if obj.aggregation == "seq-mean-token-sum-norm" and obj.token_sum_norm is None:
         # a constant normaliser keeps micro-batching exact: the longest possible response
         obj = replace(obj, token_sum_norm=float(max_new_tokens))

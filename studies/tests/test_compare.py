@@ -70,7 +70,7 @@ def test_tune_picks_each_arms_best_lr_by_area_under_curve(tmp_path, monkeypatch)
     assert set(runs) == {(a, lr, s) for a in ("grpo", "cispo_cap2") for lr in (1e-4, 3e-4) for s in (100, 101)}
     assert all(r.role == "tune" and r.config.run_name.startswith("tune_lr") for r in runs.values())
     assert runs[("cispo_cap2", 1e-4, 101)].config.run_name == "tune_lr0.0001__cispo_cap2__addition__K16__seed101"
-    assert runs[("cispo_cap2", 1e-4, 101)].config.algo.objective_overrides == {"eps_high_is": 2.0}
+    assert runs[("cispo_cap2", 1e-4, 101)].config.algo.objective.overrides() == {"eps_high_is": 2.0}
     # grpo: 3e-4 ends higher but 1e-4 has the larger area; cispo_cap2: 3e-4 better on the mean of
     # its two seeds though seed 101 alone prefers 1e-4
     accs = {("grpo", 1e-4): [0.0, 0.6, 0.7, 0.7], ("grpo", 3e-4): [0.0, 0.1, 0.2, 0.8],

@@ -31,9 +31,9 @@ def test_runs_are_named_and_configured_by_arm():
     assert len(runs) == 6
     r = runs[("cispo_cap8", 1)]
     assert r.config.run_name == "cispo_cap8__addition__K16__seed1" and r.config.out_dir == "/tmp/x"
-    assert r.config.algo.objective == "cispo" and r.config.algo.objective_overrides == {"eps_high_is": 8.0}
+    assert r.config.algo.objective.name == "cispo" and r.config.algo.objective.overrides() == {"eps_high_is": 8.0}
     mine = runs[("mine", 0)].config
-    assert mine.algo.objective == "gspo" and mine.algo.objective_overrides == {"eps_high": 1e-3}
+    assert mine.algo.objective.name == "gspo" and mine.algo.objective.overrides() == {"eps_high": 1e-3}
     assert mine.rollout.dynamic_sampling is False and runs[("dapo", 0)].config.rollout.dynamic_sampling is True
     assert runs[("mine", 0)].meta()["spec"] == "gspo(eps_high=0.001) + rollout.dynamic_sampling=false"
     # the old preset names keep their old run names (a finished 2026-11-30 comparison resumes)
@@ -120,7 +120,7 @@ def test_arms_from_a_yaml_file_and_an_error_naming_its_line(tmp_path):
                     "      eps_high_is: 3.0\n    train: [rollout.dynamic_sampling=false]\n")
     cfg = load_yaml(CompareConfig, good)
     [dapo, cap3] = run_configs(cfg)[:2]
-    assert cap3.arm == "cap3" and cap3.config.algo.objective_overrides == {"eps_high_is": 3.0}
+    assert cap3.arm == "cap3" and cap3.config.algo.objective.overrides() == {"eps_high_is": 3.0}
     assert cap3.config.rollout.dynamic_sampling is False and dapo.config.rollout.dynamic_sampling is True
     bad = tmp_path / "bad.yaml"
     bad.write_text("arms: [cap3]\narm_defs:\n  cap3:\n    objective: cispo\n    objective_overrides:\n"

@@ -77,7 +77,7 @@ def study(tmp_path_factory):
     from cispo.training.setup import eval_defaults  # as `cispo train` saves it: the task's evaluation sizes filled in
 
     save_yaml(eval_defaults(apply_overrides(TrainConfig(), ["seed=0", "updates_per_batch=4",
-                                                            "objective_overrides.eps_high_is=2"])), plain / "config.yaml")
+                                                            "algo.objective.eps_high_is=2"])), plain / "config.yaml")
     # a run still going (no summary.json): its half curve must not enter the data
     _write_run(root / "main" / "cispo__chain__K16__seed3", [0.0, 0.9, 0.9, 0.9, 0.9],
                {**base, "role": "eval", "arm": "cispo", "spec": "cispo", "objective": "cispo", "seed": 3, "lr": 1e-4},
@@ -98,7 +98,7 @@ def test_the_csv_holds_every_run_and_step_and_is_reproducible(study):
     assert {(r["arm"], r["K"], r["seed"], r["lr"], r["wall_s"], r["role"], r["commit"], r["base_model"])
             for r in cispo1} == {("cispo", "16", "1", "0.0001", "3600", "eval", "0123456789ab", "builtin:feedc0ffee12")}
     plain = [r for r in rows if r["part"] == "extra"]
-    assert {(r["arm"], r["K"], r["role"], r["wall_s"], r["eval_k"]) for r in plain} == {("cispo(eps_high_is=2)", "4", "eval", "", "4")}
+    assert {(r["arm"], r["K"], r["role"], r["wall_s"], r["eval_k"]) for r in plain} == {("cispo(eps_high_is=2.0)", "4", "eval", "", "4")}
     again, _, _, _ = collect([root], root / "again.csv.gz")
     assert again.read_bytes() == csv_path.read_bytes()  # no timestamp in the gzip stream
     assert gzip.decompress(csv_path.read_bytes()).decode().splitlines()[0] == ",".join(COLUMNS)

@@ -203,20 +203,32 @@ def test_cispo_imports_no_name_through_a_lazy_folder():
         assert wrong == [], f"import these from their modules, not through {package}: {wrong}"
 
 
-def test_old_module_paths_are_the_moved_modules():
-    """Code written against the flat layout keeps working: ``cispo.trainer`` is
-    ``cispo.training.trainer`` itself (one module object, so a monkeypatch on either acts on both)."""
+def test_the_layer_folders_re_export_their_modules_names():
+    """``from cispo.objective import policy_loss`` is the module's own name, imported on first use
+    (`cispo.lazy_exports`); the package's top holds only ``__version__`` and ``lazy_exports``."""
     import importlib
 
     import cispo
-
-    for old, new in cispo.MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    assert importlib.import_module("cispo.rewards.code") is importlib.import_module("cispo.data.rewards.code")
-    from cispo.advantages import group_advantages
-    from cispo.config import TrainConfig, load_yaml  # noqa: F401 - the old modules' names, from the folders
+    from cispo.config import TrainConfig, load_yaml  # noqa: F401 - the modules' names, from the folders
     from cispo.data import PromptStream  # noqa: F401
     from cispo.models import load_policy  # noqa: F401
-    from cispo.objective import ObjectiveConfig, policy_loss, preset  # noqa: F401
+    from cispo.objective import ObjectiveConfig, group_advantages, policy_loss, preset  # noqa: F401
 
     assert group_advantages is importlib.import_module("cispo.objective.advantages").group_advantages
+    assert cispo.__all__ == ["__version__", "lazy_exports"]
+    assert not hasattr(cispo, "MOVED")  # the flat layout's paths are gone: import from the folders
+
+def test_the_docs_name_no_module_path_that_does_not_exist():
+    """Every ``cispo.NAME`` the README and docs/*.md name (an import, ``python -m cispo.X``) starts with a
+    folder or module of cispo/, or a name of its top: the flat layout's paths (``cispo.trainer``) are gone."""
+    import re
+
+    import cispo
+
+    top = {p.stem for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()} | set(cispo.__all__)
+    root = PACKAGE.parent
+    docs = [root / "README.md", *(root / "docs").glob("*.md")]
+    wrong = sorted({f"{doc.relative_to(root)}: cispo.{name}" for doc in docs
+                    for name in re.findall(r"(?<![\w/.-])cispo\.(\w+)", doc.read_text())
+                    if name not in top and not name.startswith("__")})
+    assert wrong == []

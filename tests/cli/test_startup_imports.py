@@ -15,13 +15,13 @@ import contextlib, io, json, sys
 from cispo.cli import main
 out, codes = io.StringIO(), []
 for argv in (["--help"], ["train", "--help"], ["pretrain", "--help"], ["train", "beta=0.04"], ["train", "steps=0"],
-             ["train", "objective_overrides.eps_high_is=-1"]):
+             ["train", "algo.objective.eps_high_is=-1"]):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             codes.append(main(argv))
         except SystemExit as e:
             codes.append(e.code)
-    if argv == ["train", "objective_overrides.eps_high_is=-1"]:  # the last one: what has been imported so far
+    if argv == ["train", "algo.objective.eps_high_is=-1"]:  # the last one: what has been imported so far
         loaded = sorted({m.split(".")[0] for m in sys.modules})
 print(json.dumps({"codes": codes, "loaded": loaded, "out": out.getvalue()}))
 """
@@ -35,7 +35,7 @@ def test_help_and_config_errors_do_not_import_torch():
     assert set(HEAVY) & set(result["loaded"]) == set()  # pretrain's config is plain data too
     out = result["out"]
     assert "optim.lr: float" in out and "corpus_size: int" in out  # train's and pretrain's field help, built on demand
-    assert "steps must be >= 1" in out and "ObjectiveConfig.eps_high_is must be a finite number" in out
+    assert "steps must be >= 1" in out and "algo.objective: eps_high_is must be a finite number" in out
 
 
 def test_help_alone_imports_nothing_heavy():

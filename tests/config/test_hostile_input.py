@@ -124,7 +124,7 @@ def test_an_alias_bomb_of_a_billion_leaves_is_refused_at_once(tmp_path):
     assert time.perf_counter() - started < 30
 
 
-@pytest.mark.parametrize("key", ["steps", "data.eval_sets", "data.fork_tokens", "algo.objective_overrides"])
+@pytest.mark.parametrize("key", ["steps", "data.eval_sets", "data.fork_tokens", "algo.objective"])
 def test_an_alias_bomb_under_any_key_is_one_short_line(tmp_path, key):
     """A small bomb (10^5 leaves: before, a 580 KB message), in a file and as an override."""
     section, _, field = key.rpartition(".")
@@ -153,7 +153,7 @@ def test_an_alias_inside_the_node_it_names_is_refused(tmp_path):
 @pytest.mark.parametrize("text, line, key, first", [
     ("steps: 3\nseed: 1\nsteps: 5\n", 3, "steps", 1),
     ("rollout:\n  group_size: 4\n  temperature: 0.5\n  group_size: 8\n", 4, "group_size", 2),
-    ("algo:\n  objective_overrides: {eps_high_is: 2, eps_high_is: 3}\n", 2, "eps_high_is", 2),
+    ("algo:\n  objective: {eps_high_is: 2, eps_high_is: 3}\n", 2, "eps_high_is", 2),
 ])
 def test_a_duplicate_key_is_refused_with_its_line(tmp_path, text, line, key, first):
     """Before: the last value was taken silently."""
@@ -162,8 +162,8 @@ def test_a_duplicate_key_is_refused_with_its_line(tmp_path, text, line, key, fir
 
 
 def test_a_duplicate_key_in_an_override_is_refused():
-    err = override_error("objective_overrides={eps_high_is: 2, eps_high_is: 3}")
-    assert err == ("override 'objective_overrides={eps_high_is: 2, eps_high_is: 3}': duplicate key 'eps_high_is' "
+    err = override_error("algo.objective={eps_high_is: 2, eps_high_is: 3}")
+    assert err == ("override 'algo.objective={eps_high_is: 2, eps_high_is: 3}': duplicate key 'eps_high_is' "
                    "(first on line 1): give each key once")
 
 
@@ -213,7 +213,7 @@ def test_many_problems_are_cut_to_a_count(tmp_path):
 def test_values_python_cannot_repr_are_shown_by_size():
     """``repr(10**5000)`` raises ValueError: it was a traceback from the error message itself."""
     with pytest.raises(ConfigError,
-                       match=r"algo.objective: expected one of .*, got <an integer of about 5,000 digits>"):
+                       match=r"algo.objective.name: expected one of .*, got <an integer of about 5,000 digits>"):
         from_dict(TrainConfig, {"algo": {"objective": 10**5000}})
     assert short_repr(10**5000) == "<an integer of about 5,000 digits>"
     assert len(short_repr("a" * 10**6)) < 100 and len(short_repr([list(range(10**5))] * 10**3)) < 200

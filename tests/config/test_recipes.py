@@ -215,7 +215,7 @@ def test_recipes_expand_in_place():
 def test_dr_grpo_recipe_settings():
     cfg = apply_overrides(TrainConfig(), recipe_overrides("dr_grpo"))
     a = cfg.algo
-    assert (a.objective, a.advantage_estimator) == ("ppo", "drgrpo")
+    assert (a.objective.name, a.advantage_estimator) == ("ppo", "drgrpo")
     obj = make_objective(a, max_new_tokens=64)  # the constant normaliser: the longest response
     assert (obj.mask_rule, obj.eps_low, obj.eps_high, obj.eps_high_is) == ("ppo", 0.2, 0.2, None)
     assert (obj.aggregation, obj.token_sum_norm, obj.kl_coef) == ("seq-mean-token-sum-norm", 64.0, 0.0)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from cispo.cli import main
+from cispo.config.algo import ObjectiveSection
+from cispo.config.recipes import recipe_overrides
 from cispo.config.train import (
                                 AlgoConfig,
                                 ConfigError,
@@ -27,7 +29,7 @@ from cispo.config.train import (
                                 )
 from cispo.foundations.suggest import did_you_mean
 from cispo.objective.advantages import ESTIMATORS
-from cispo.objective.loss import PRESETS
+from cispo.objective.loss import PRESETS, preset
 
 SECTIONS = ("model", "data", "rollout", "algo", "optim", "eval")
 
@@ -45,7 +47,7 @@ def _error(overrides: list[str]) -> str:
 
 def test_defaults_round_trip_through_dict_and_yaml(tmp_path):
     d = to_dict(TrainConfig())
-    assert d["optim"]["betas"] == [0.9, 0.95] and d["algo"]["objective"] == "cispo"
+    assert d["optim"]["betas"] == [0.9, 0.95] and d["algo"]["objective"]["name"] == "cispo"
     assert json.loads(json.dumps(d)) == d  # plain data
     assert from_dict(TrainConfig, d) == TrainConfig() == from_dict(TrainConfig, None)
     save_yaml(TrainConfig(), tmp_path / "sub" / "config.yaml")
@@ -53,9 +55,39 @@ def test_defaults_round_trip_through_dict_and_yaml(tmp_path):
     assert back == TrainConfig() and back.optim.betas == (0.9, 0.95)  # a tuple again
 
 
+def test_a_config_yaml_written_before_the_objective_section_still_loads(tmp_path):
+    """A run folder's config.yaml from before ``algo.objective`` was a section (``objective: NAME`` and the
+    untyped ``objective_overrides`` mapping) loads as the section; a field given under both names is refused."""
+    path = tmp_path / "config.yaml"
+    path.write_text("algo:\n  objective: dapo\n  objective_overrides:\n    eps_high_is: null\n    kl_coef: 0.1\n")
+    objective = load_yaml(TrainConfig, path).algo.objective
+    assert (objective.name, objective.overrides()) == ("dapo", {"eps_high_is": None, "kl_coef": 0.1})
+    assert objective.resolve() == preset("dapo", eps_high_is=None, kl_coef=0.1)
+    path.write_text("algo:\n  objective:\n    name: dapo\n    kl_coef: 0.2\n  objective_overrides:\n    kl_coef: 0.1\n")
+    with pytest.raises(ConfigError, match=r"config.yaml:5: algo.objective_overrides is the old name of algo.objective, "
+                                          r"and algo.objective.kl_coef is given under both: give only "):
+        load_yaml(TrainConfig, path)
+
+
+def test_the_objective_section_has_every_field_of_the_objective():
+    """``algo.objective`` sets every field of ObjectiveConfig, with each closed choice its list in the code, and
+    every default takes the preset's value."""
+    from cispo.objective.presets import AGGREGATIONS, KL_ESTIMATORS, MASK_RULES, RATIO_LEVELS, ObjectiveConfig
+
+    names = [f.name for f in dataclasses.fields(ObjectiveSection)]
+    assert names == ["name"] + [f.name for f in dataclasses.fields(ObjectiveConfig)]
+    assert all(getattr(ObjectiveSection(), n) == "preset" for n in names[1:])
+    hints = typing.get_type_hints(ObjectiveSection)
+    for name, choices in [("ratio_level", RATIO_LEVELS), ("mask_rule", MASK_RULES), ("aggregation", AGGREGATIONS),
+                          ("kl_estimator", KL_ESTIMATORS)]:
+        assert typing.get_args(hints[name]) == (*choices, "preset")
+    for name in PRESETS:
+        assert ObjectiveSection(name).resolve() == PRESETS[name]
+
+
 def test_changed_config_round_trips_through_yaml(tmp_path):
     cfg = apply_overrides(TrainConfig(), ["lr=3e-5", "run_name=2024", "trackers=[tensorboard]", "dtype=bfloat16",
-                                          "objective_overrides.eps_high_is=2.0", "data.extra_fields=[a, b]"])
+                                          "eps_high_is=null", "data.extra_fields=[a, b]"])
     save_yaml(cfg, tmp_path / "c.yaml")
     assert load_yaml(TrainConfig, tmp_path / "c.yaml") == cfg
 
@@ -76,7 +108,7 @@ def test_yaml_file_sets_some_fields(tmp_path):
         ("optim:\n  betas: [0.9,\n    x]\n", ":3: optim.betas[1]:"),
         ("rollout:\n  temperatur: 1\n", ":2: rollout.temperatur: unknown key (did you mean 'rollout.temperature'?)"),
         ("lr: 0.1\n", ":1: lr: unknown key (did you mean 'optim.lr'?)"),
-        ("algo:\n  objective: dapoo\n", ":2: algo.objective: expected one of 'cispo', "),
+        ("algo:\n  objective: dapoo\n", ":2: algo.objective.name: expected one of 'cispo', "),
         ("steps: 0\n", ": steps must be >= 1"),
         ("steps: [1\n", ":2: invalid YAML"),
         ("- 1\n", ":1: expected a mapping of config keys"),
@@ -108,7 +140,7 @@ def test_from_dict_names_its_source():
 def test_override_dotted_and_short_names():
     cfg = apply_overrides(TrainConfig(), ["optim.lr=5e-5", "group_size=4", "seed=3", "algo.objective=dapo"])
     assert (cfg.optim.lr, cfg.rollout.group_size, cfg.seed, cfg.data.seed) == (5e-5, 4, 3, 0)  # top level wins
-    assert cfg.algo.objective == "dapo"
+    assert cfg.algo.objective.name == "dapo"
     assert apply_overrides(TrainConfig(), ["lr=5e-5"]).optim == apply_overrides(TrainConfig(), ["optim.lr=5e-5"]).optim
 
 
@@ -128,8 +160,14 @@ def test_override_ambiguous_short_name_lists_candidates():
         ("max_new_tokens=None", lambda c: c.rollout.max_new_tokens, None),
         ("progress=false", lambda c: c.progress, False),
         ("lr=1E-3", lambda c: c.optim.lr, 1e-3),
-        ("objective_overrides.eps_high_is=1e-1", lambda c: c.algo.objective_overrides, {"eps_high_is": 0.1}),
-        ("algo.objective_overrides={eps_high_is: 2.0}", lambda c: c.algo.objective_overrides, {"eps_high_is": 2.0}),
+        ("eps_high_is=1e-1", lambda c: c.algo.objective.overrides(), {"eps_high_is": 0.1}),
+        ("algo.objective.eps_high_is=null", lambda c: c.algo.objective.resolve().eps_high_is, None),  # no bound
+        ("algo.objective={kl_coef: 0.1}", lambda c: (c.algo.objective.name, c.algo.objective.overrides()),
+         ("cispo", {"kl_coef": 0.1})),
+        ("objective=ppo", lambda c: (c.algo.objective.name, c.algo.objective.overrides()), ("ppo", {})),
+        # the untyped mapping this section replaced: read as its fields
+        ("objective_overrides.eps_high_is=1e-1", lambda c: c.algo.objective.overrides(), {"eps_high_is": 0.1}),
+        ("algo.objective_overrides={eps_high_is: 2.0}", lambda c: c.algo.objective.overrides(), {"eps_high_is": 2.0}),
         ("optim={eps: 1e-8}", lambda c: (c.optim.eps, c.optim.lr), (1e-8, 1e-4)),  # a section mapping merges
     ],
 )
@@ -145,8 +183,8 @@ def test_overrides_are_checked_together_not_one_by_one():
 
 def test_override_does_not_change_its_input():
     cfg = TrainConfig()
-    apply_overrides(cfg, ["lr=1e-3", "objective_overrides.eps_high_is=2"])
-    assert cfg == TrainConfig() and cfg.algo.objective_overrides == {}
+    apply_overrides(cfg, ["lr=1e-3", "algo.objective.eps_high_is=2"])
+    assert cfg == TrainConfig() and cfg.algo.objective.overrides() == {}
 
 
 @pytest.mark.parametrize(
@@ -161,14 +199,18 @@ def test_override_does_not_change_its_input():
         (["steps=true"], "steps: expected int, got True"),  # not read as 1
         (["lr=false"], "optim.lr: expected float, got False"),
         (["lr.x=1"], "optim.lr is not a section"),
-        (["objective=dapoo"], "algo.objective: expected one of 'cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', "
-                              "'cispo_lowmask', 'cispo_highmask', "
+        (["objective=dapoo"], "algo.objective.name: expected one of 'cispo', 'ppo', 'grpo', 'dapo', 'gspo', "
+                              "'reinforce', 'cispo_lowmask', 'cispo_highmask', "
                               "got 'dapoo' (did you mean 'dapo'?)"),
         (["advantage_estimator=rlo"], "(did you mean 'rloo'?)"),
         (["engine=vlm"], "rollout.engine: expected one of 'torch', 'vllm', got 'vlm' (did you mean 'vllm'?)"),
         (["dtype=bf16"], "model.dtype: expected one of 'float32', 'bfloat16', 'float16'"),
         (["trackers=[wandbb]"], "unknown tracking sink 'wandbb' (did you mean 'wandb'?)"),
-        (["objective_overrides.eps_hihg_is=1"], "did you mean 'eps_high_is'"),
+        (["algo.objective.eps_hihg_is=1"], "algo.objective.eps_hihg_is: unknown key (did you mean "
+                                          "'algo.objective.eps_high_is'?)"),
+        (["eps_high_is=-1"], "override 'eps_high_is=-1': algo.objective: eps_high_is must be a finite number >= 0"),
+        (["aggregation=token_mean"], "algo.objective.aggregation: expected one of 'token-mean', "),
+        (["kl_coef=abc"], "algo.objective.kl_coef: expected float | Literal['preset'], got 'abc'"),
         (["seed=1", "steps=0"], "overrides 'seed=1', 'steps=0': steps must be >= 1"),
     ],
 )
@@ -184,8 +226,8 @@ def test_override_errors_name_the_key(overrides, expected):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["objective_overrides.kl_coef=0.1", "model.lora_rank=4"],
-         "algo.objective_overrides.kl_coef > 0 cannot be combined with model.lora_rank > 0"),
+        (["kl_coef=0.1", "model.lora_rank=4"],
+         "algo.objective.kl_coef > 0 cannot be combined with model.lora_rank > 0"),
         (["rollout.temperature=0"], "rollout.temperature must be > 0"),
         (["model.dtype=float16", "model.fsdp=true"], "model.dtype float16 cannot be combined with model.fsdp"),
         (["rollout.temperature=-1"], "rollout.temperature must be > 0"),
@@ -267,7 +309,7 @@ def test_data_file_too_small_for_a_held_out_set(tmp_path, capsys):
 
 def test_literal_choices_match_the_code():
     hints = typing.get_type_hints(AlgoConfig)
-    assert typing.get_args(hints["objective"]) == tuple(PRESETS)
+    assert typing.get_args(typing.get_type_hints(ObjectiveSection)["name"]) == tuple(PRESETS)
     assert typing.get_args(hints["advantage_estimator"]) == ESTIMATORS
 
 
@@ -279,9 +321,9 @@ def test_literal_choices_match_the_code():
 def test_help_lists_every_field_with_its_docstring():
     text = format_help(TrainConfig)
     sections = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig) if f.name in SECTIONS}
-    for section, cls in [(None, TrainConfig)] + list(sections.items()):
+    for section, cls in [(None, TrainConfig)] + list(sections.items()) + [("algo.objective", ObjectiveSection)]:
         for name, doc in field_docs(cls).items():
-            if name in SECTIONS:
+            if name in SECTIONS or (section, name) == ("algo", "objective"):
                 continue
             key = name if section is None else f"{section}.{name}"
             assert f"  {key}: " in text
@@ -291,7 +333,10 @@ def test_help_lists_every_field_with_its_docstring():
     assert "  optim.lr: float = 0.0001\n      Peak learning rate.\n" in text
     assert "  optim.betas: tuple[float, float] = (0.9, 0.95)" in text
     assert "  rollout.max_new_tokens: int | None = None" in text
-    assert "  algo.objective: Literal['cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', 'cispo_highmask'] = 'cispo'" in text  # noqa: E501
+    assert ("  algo.objective.name: Literal['cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', "
+            "'cispo_highmask'] = 'cispo'") in text
+    assert "  algo.objective.eps_high_is: float | None | Literal['preset'] = 'preset'\n      IS weight upper" in text
+    assert "\nalgo.objective (ObjectiveSection): The objective, MiniMax-M1 eq. 6: a preset (name), each field" in text
     assert "\noptim (OptimConfig): AdamW, with MiniMax-M1's settings by default.\n" in text
     parser = argparse.ArgumentParser(epilog=text, formatter_class=argparse.RawDescriptionHelpFormatter)
     assert "      Peak learning rate." in parser.format_help()
@@ -326,18 +371,20 @@ def test_did_you_mean():
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("beta=0.04", "beta: unknown key (did you mean 'algo.objective_overrides.kl_coef'? 'beta' in TRL:"),
-        ("kl_coef=0.1", "(did you mean 'algo.objective_overrides.kl_coef'?"),
-        ("epsilon=0.2", "(did you mean 'algo.objective_overrides.eps_low' and 'algo.objective_overrides.eps_high'?"),
-        ("epsilon_high=0.28", "(did you mean 'algo.objective_overrides.eps_high' and "),
-        ("use_kl_loss=true", "(did you mean 'algo.objective_overrides.kl_coef'? 'use_kl_loss' in verl"),
-        ("kl_loss_coef=0.001", "(did you mean 'algo.objective_overrides.kl_coef'?"),
-        ("clip_ratio_low=0.2", "(did you mean 'algo.objective_overrides.eps_low'?"),
-        ("clip_ratio_high=0.28", "(did you mean 'algo.objective_overrides.eps_high'?"),
-        ("algo.beta=0.04", "algo.beta: unknown key (did you mean 'algo.objective_overrides.kl_coef'?"),
-        ("objective_overrides.beta=0.04", "ObjectiveConfig has no field 'beta' (did you mean 'kl_coef'? 'beta' in TRL"),
-        ("objective_overrides.loss_agg_mode=token-mean", "ObjectiveConfig has no field 'loss_agg_mode' (did you mean "
-                                                          "'aggregation'? 'loss_agg_mode' in verl"),
+        ("beta=0.04", "beta: unknown key (did you mean 'algo.objective.kl_coef'? 'beta' in TRL:"),
+        ("algorithm.kl_ctrl.kl_coef=0.1",
+         "(did you mean 'algo.objective.kl_coef'? 'algorithm.kl_ctrl.kl_coef' in verl"),
+        ("epsilon=0.2", "(did you mean 'algo.objective.eps_low' and 'algo.objective.eps_high'?"),
+        ("epsilon_high=0.28", "(did you mean 'algo.objective.eps_high' and "),
+        ("use_kl_loss=true", "(did you mean 'algo.objective.kl_coef'? 'use_kl_loss' in verl"),
+        ("kl_loss_coef=0.001", "(did you mean 'algo.objective.kl_coef'?"),
+        ("clip_ratio_low=0.2", "(did you mean 'algo.objective.eps_low'?"),
+        ("clip_ratio_high=0.28", "(did you mean 'algo.objective.eps_high'?"),
+        ("algo.beta=0.04", "algo.beta: unknown key (did you mean 'algo.objective.kl_coef'?"),
+        ("algo.objective.beta=0.04", "algo.objective.beta: unknown key (did you mean 'algo.objective.kl_coef'? 'beta' "
+                                     "in TRL"),
+        ("objective_overrides.loss_agg_mode=token-mean", "algo.objective.loss_agg_mode: unknown key (did you mean "
+                                                          "'algo.objective.aggregation'? 'loss_agg_mode' in verl"),
         # a mapped name wins over the closest spelling, which misleads (was 'trackers', 'rollout', 'data.extra_fields',
         # 'max_bad_steps', 'steps', 'reward', 'data.reward_workers')
         ("trainer.total_epochs=3", "trainer.total_epochs: unknown key (did you mean 'steps'? 'trainer.total_epochs' in "
@@ -381,7 +428,7 @@ _NEEDS = {  # what a key read needs beside it to make a valid config
 
 
 def _other_names():
-    from cispo.foundations.suggest import OTHER_NAMES
+    from cispo.config.foreign_names import OTHER_NAMES
 
     return OTHER_NAMES
 
@@ -389,7 +436,7 @@ def _other_names():
 def _forms(name: str):
     """``name`` and, for verl's dotted names, its last part where that alone finds the same row."""
     from cispo.config.engine import _own_leaves
-    from cispo.foundations.suggest import lookup
+    from cispo.config.foreign_names import lookup
 
     leaf = name.rsplit(".", 1)[-1]
     same = leaf != name and lookup((leaf,), _own_leaves(TrainConfig)) == (name, _other_names()[name])
@@ -403,7 +450,7 @@ def test_every_trl_and_verl_name_is_read_as_its_key_or_refused_naming_it(name, m
     stderr; or refused in one line that names cispo's key (or says there is none) and the difference."""
     from cispo.config import engine
     from cispo.config.engine import _fields
-    from cispo.foundations.suggest import read_line
+    from cispo.config.foreign_names import read_line
 
     other = _other_names()[name]
     for typed in _forms(name):
@@ -433,10 +480,10 @@ def test_the_read_line_shows_translated_values_once(monkeypatch, capsys):
 
     monkeypatch.setattr(engine, "_ANNOUNCED", set())
     cfg = apply_overrides(TrainConfig(), ["loss_type=dapo", "use_vllm=true", "trainer.logger=[console, file, wandb]"])
-    assert (cfg.algo.objective, cfg.rollout.engine, cfg.trackers) == ("ppo", "vllm", ["jsonl", "wandb"])
+    assert (cfg.algo.objective.name, cfg.rollout.engine, cfg.trackers) == ("ppo", "vllm", ["jsonl", "wandb"])
     apply_overrides(cfg, ["loss_type=dapo"])  # said once per process
     assert capsys.readouterr().err.splitlines() == [
-        "cispo: reading TRL's loss_type=dapo as algo.objective=ppo",
+        "cispo: reading TRL's loss_type=dapo as algo.objective.name=ppo",
         "cispo: reading TRL's use_vllm=true as rollout.engine=vllm",
         "cispo: reading verl's trainer.logger=['console', 'file', 'wandb'] as trackers=['jsonl', 'wandb']"]
 
@@ -448,7 +495,7 @@ def test_the_read_line_shows_translated_values_once(monkeypatch, capsys):
                             "(0.2 unless set); set algo.objective=cispo"),
         ("loss_type=bnpo", "loss_type: 'bnpo' is not read: TRL's bnpo divides by the tokens of the local micro-batch"),
         ("loss_type=sapo", "loss_type: 'sapo' is not read: no cispo value equals it ('loss_type' in TRL is read as "
-                           "algo.objective: grpo -> grpo; dapo -> ppo"),
+                           "algo.objective.name: grpo -> grpo; dapo -> ppo"),
         ("scale_rewards=batch",
          "scale_rewards: 'batch' is not read: TRL's batch divides by the std of the whole batch"),
         ("report_to=all", "report_to: 'all' is not read: TRL's all (every installed integration) is not read"),
@@ -481,7 +528,7 @@ def test_verl_names_in_a_yaml_file_and_a_name_given_twice(tmp_path, monkeypatch,
     cfg = load_yaml(TrainConfig, path)
     assert (cfg.optim.lr, cfg.algo.epochs, cfg.rollout.group_size, cfg.rollout.prompts_per_step, cfg.steps,
             cfg.trackers) == (1e-6, 2, 4, 16, 30, [])
-    assert cfg.algo.objective_overrides == {"aggregation": "seq-mean-token-mean"}
+    assert cfg.algo.objective.overrides() == {"aggregation": "seq-mean-token-mean"}
     assert len(capsys.readouterr().err.splitlines()) == 7
     path.write_text("optim:\n  lr: 1.0e-4\ntrainer:\n  total_epochs: 3\nlearning_rate: 1.0e-5\n")
     with pytest.raises(ConfigError) as e:
@@ -533,7 +580,7 @@ def _yamlish(value) -> str:
 
 
 def names_table() -> str:
-    """docs/integrations.md's table of TRL's and verl's names, from `cispo.foundations.suggest.OTHER_NAMES`."""
+    """docs/integrations.md's table of TRL's and verl's names, from `cispo.config.foreign_names.OTHER_NAMES`."""
     rows = ["| name | in | cispo's key | read | note |", "|---|---|---|---|---|"]
     for name, o in _other_names().items():
         keys = ", ".join(f"`{k}`" for k in o.keys) or "—"
@@ -544,7 +591,7 @@ def names_table() -> str:
 
 
 def test_the_integrations_doc_shows_the_names_table():
-    """docs/integrations.md's table of TRL's and verl's names is `cispo.foundations.suggest.OTHER_NAMES`,
+    """docs/integrations.md's table of TRL's and verl's names is `cispo.config.foreign_names.OTHER_NAMES`,
     row for row (on failure, the expected table is printed: paste it in)."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
     section = doc.split("## TRL's and verl's names in `cispo train`", 1)[1].split("\n## ", 1)[0]
@@ -572,4 +619,25 @@ def test_example_configs_load_with_every_value(path):
         got = cfg
         for part in key.split("."):
             got = getattr(got, part)
-        assert got == value, key
+        if dataclasses.is_dataclass(got) and not isinstance(value, dict):  # objective: cispo, the section's name
+            got = got.name
+        assert to_dict(got) == value, key  # a tuple as YAML's list
+
+
+def test_the_committed_defaults_are_what_print_config_prints(capsys):
+    """examples/defaults.yaml is ``cispo train --print-config`` now (regenerate it with that command when a
+    field or its docstring changes), and it loads back as the defaults."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "defaults.yaml"
+    assert main(["train", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert path.read_text() == printed, "run: cispo train --print-config > examples/defaults.yaml"
+    assert load_yaml(TrainConfig, path) == TrainConfig()
+    assert "\n    # IS weight upper bound 1 + eps_high_is (eq. 5)" in printed
+    assert "\n    eps_high_is: preset\n" in printed
+
+
+def test_print_config_shows_the_config_the_overrides_make(tmp_path, capsys):
+    assert main(["train", "--print-config", "recipe=scalerl", "lr=3e-6"]) == 0
+    path = tmp_path / "run.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert load_yaml(TrainConfig, path) == apply_overrides(TrainConfig(), [*recipe_overrides("scalerl"), "lr=3e-6"])

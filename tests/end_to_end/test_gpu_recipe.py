@@ -171,7 +171,7 @@ def test_the_trainer_side_of_the_fp32_head(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tr, "policy_logprobs", spy)
     with pytest.raises(Seen) as got:
-        tr.Trainer(_policy(), None, preset(cfg.algo.objective), cfg, torch.Generator()).compute_logp_old(_experience())
+        tr.Trainer(_policy(), None, cfg.algo.objective.resolve(), cfg, torch.Generator()).compute_logp_old(_experience())
     assert got.value.args == (True,)
 
 

@@ -60,10 +60,15 @@ def test_max_new_tokens_past_the_context(tiny_model, tmp_path, capsys):
     assert "nothing left to train on" in err and "max_new_tokens=500" in err
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "'x'", "true"])
-def test_an_objective_override_that_is_not_a_number(tiny_model, tmp_path, capsys, value):
-    err = train_error(tmp_path, capsys, f"model.path={tiny_model}", f"algo.objective_overrides.max_log_ratio={value}")
-    assert "ObjectiveConfig.max_log_ratio must be a finite number > 0 or None" in err
+@pytest.mark.parametrize("value, expected", [
+    ("nan", "algo.objective: max_log_ratio must be a finite number > 0 or None, got nan"),
+    ("inf", "algo.objective: max_log_ratio must be a finite number > 0 or None, got inf"),
+    ("'x'", "algo.objective.max_log_ratio: expected float | None | Literal['preset'], got 'x'"),
+    ("true", "algo.objective.max_log_ratio: expected float | None | Literal['preset'], got 'true'"),
+])
+def test_an_objective_override_that_is_not_a_number(tiny_model, tmp_path, capsys, value, expected):
+    err = train_error(tmp_path, capsys, f"model.path={tiny_model}", f"algo.objective.max_log_ratio={value}")
+    assert expected in err
 
 
 def test_a_chat_task_on_a_model_without_a_chat_template(tiny_model, tmp_path, capsys):

@@ -68,7 +68,7 @@ def test_dropout_is_off_in_the_rl_passes_unless_kept(gpt2_dir, keep_dropout):
     pol, cfg = policy(gpt2_dir, f"model.dropout={str(keep_dropout).lower()}")
     exp = batch()
     torch.manual_seed(0)
-    logp_old = Trainer(pol, None, preset(cfg.algo.objective), cfg, torch.Generator()).compute_logp_old(exp)
+    logp_old = Trainer(pol, None, cfg.algo.objective.resolve(), cfg, torch.Generator()).compute_logp_old(exp)
     pol.model.train()  # an update's forward, weights unchanged
     with torch.no_grad(), pol.compute():
         logp_new = policy_logprobs(pol.model, exp, cfg.rollout.temperature) * exp.response_mask

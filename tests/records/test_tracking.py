@@ -280,7 +280,7 @@ def test_mlflow_metrics_read_back_and_resume_continues_the_run(tmp_path, monkeyp
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_dir = tmp_path / "run"
-    config = {"algo": {"objective": "cispo", "objective_overrides": {"eps_high_is": 2.0}}, "steps": 3}
+    config = {"algo": {"objective": {"name": "cispo", "eps_high_is": 2.0}}, "steps": 3}
     sinks = make_sinks(["mlflow"], run_dir, "my-run", config, mlflow_experiment="cispo-tests",
                        mlflow_tracking_uri=mlflow_uri)
     log_all(sinks)
@@ -290,7 +290,7 @@ def test_mlflow_metrics_read_back_and_resume_continues_the_run(tmp_path, monkeyp
     client = MlflowClient(tracking_uri=mlflow_uri)
     run = client.get_run(run_id)
     assert run.info.run_name == "my-run" and run.info.status == "FINISHED"
-    assert run.data.params == {"algo.objective": "cispo", "algo.objective_overrides.eps_high_is": "2.0", "steps": "3"}
+    assert run.data.params == {"algo.objective.name": "cispo", "algo.objective.eps_high_is": "2.0", "steps": "3"}
     assert set(run.data.metrics) == set(expected_series())  # the same names as every sink
     for name, series in expected_series().items():
         got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))

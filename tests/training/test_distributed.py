@@ -50,7 +50,7 @@ def make_setup(objective, split_cost="128"):
 
 def trainer(policy, cfg, optimizer=None, info=DistInfo(), objective=None):
     """A `Trainer` of ``policy`` under ``cfg`` with the mini-batch order seeded 0 (and this rank's ``info``)."""
-    objective = objective or preset(cfg.algo.objective)
+    objective = objective or cfg.algo.objective.resolve()
     return Trainer(policy, optimizer, objective, cfg, torch.Generator().manual_seed(0), info)
 
 

@@ -130,7 +130,7 @@ def test_repeated_faults_stop_with_a_checkpoint(tiny_model, dense_task, monkeypa
     [
         ("algo.updates_per_batch=0", "algo.updates_per_batch must be >= 1"),
         ("group_size=1", "rollout.group_size must be >= 2"),
-        ("objective_overrides.eps_high_is=-1", "eps_high_is must be a finite number >= 0"),
+        ("algo.objective.eps_high_is=-1", "eps_high_is must be a finite number >= 0"),
         ("objective=dapoo", "did you mean 'dapo'"),
         ("max_steps=10", "max_steps: unknown key (did you mean 'steps'? 'max_steps' in TRL"),  # learning_rate is read
         ("optim.lrr=1e-3", "did you mean 'optim.lr'"),

@@ -50,7 +50,7 @@ def _one_update(objective, fused, kl_coef):
     policy, exp, config = _ragged_setup(torch.float64, rows=12)
     exp = _float64_experience(exp)
     cfg = config(f"objective={objective}", f"algo.fused_head={str(fused).lower()}", "updates_per_batch=1",
-                 "micro_batch_size=5", "grad_clip=0", f"algo.objective_overrides.kl_coef={kl_coef}")
+                 "micro_batch_size=5", "grad_clip=0", f"algo.objective.kl_coef={kl_coef}")
     obj = preset(objective, kl_coef=kl_coef)
     before = {k: p.detach().clone() for k, p in policy.model.named_parameters()}
     sgd = torch.optim.SGD(policy.model.parameters(), lr=cfg.optim.lr)

@@ -105,7 +105,7 @@ def test_first_step_against_the_recomputed_pass(tiny_model, dense_task, tmp_path
 def test_the_reference_pass_still_runs(tiny_model, dense_task, tmp_path):
     """With a KL term the frozen reference's log-probs are computed as before (the same numbers); only
     the policy's pass is skipped."""
-    kl = ("algo.objective_overrides.kl_coef=0.1",)
+    kl = ("algo.objective.kl_coef=0.1",)
     rec = _first_step(tiny_model, tmp_path, "recompute", *kl)
     out = _first_step(tiny_model, tmp_path, "rollout", *kl)
     assert out["pass_rows"] == 0

@@ -10,7 +10,6 @@ from cispo.data.tasks import arithmetic
 from cispo.foundations.experience import Completion, collate
 from cispo.models.loading import build_model, build_tokenizer, save_policy
 from cispo.models.policy import Policy, policy_logprobs
-from cispo.objective.loss import preset
 from cispo.records.tracking import read_metrics
 from cispo.rollout import TorchSampler
 from cispo.training.runner import train
@@ -18,7 +17,7 @@ from tests.conftest import small_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KL = "objective_overrides.kl_coef=0.1"
+KL = "algo.objective.kl_coef=0.1"
 
 
 def _error(overrides: list[str]) -> str:
@@ -30,9 +29,9 @@ def _error(overrides: list[str]) -> str:
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["model.ref_path=ref"], "model.ref_path is set but algo.objective_overrides.kl_coef is 0"),
-        ([KL, "model.lora_rank=4"], "algo.objective_overrides.kl_coef > 0 cannot be combined with model.lora_rank"),
-        ([KL, "model.fsdp=true"], "algo.objective_overrides.kl_coef > 0 cannot be combined with model.fsdp"),
+        (["model.ref_path=ref"], "model.ref_path is set but algo.objective.kl_coef is 0"),
+        ([KL, "model.lora_rank=4"], "algo.objective.kl_coef > 0 cannot be combined with model.lora_rank"),
+        ([KL, "model.fsdp=true"], "algo.objective.kl_coef > 0 cannot be combined with model.fsdp"),
     ],
 )
 def test_what_cannot_be_honoured_is_a_config_error(overrides, expected):
@@ -40,7 +39,7 @@ def test_what_cannot_be_honoured_is_a_config_error(overrides, expected):
 
 
 def test_kl_coef_is_accepted():
-    cfg = apply_overrides(TrainConfig(), [KL, "objective_overrides.kl_estimator=k1", "model.ref_path=ref"])
+    cfg = apply_overrides(TrainConfig(), [KL, "kl_estimator=k1", "model.ref_path=ref"])
     assert cfg.model.ref_path == "ref"
 
 
@@ -53,7 +52,7 @@ def test_kl_gradient_matches_the_closed_form():
     ref = build_model(tok, size="tiny", seed=1).eval().requires_grad_(False)
     cfg = apply_overrides(TrainConfig(), [KL, "updates_per_batch=1", "micro_batch_size=3", "group_size=2",
                                           "lr=1e-2", "warmup_updates=0"])
-    obj = preset(cfg.algo.objective, **cfg.algo.objective_overrides)
+    obj = cfg.algo.objective.resolve()
     policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.pad_token_id), torch.device("cpu"),
                     ref_model=ref)
     g = torch.Generator().manual_seed(1)
@@ -103,7 +102,7 @@ def _recorded_kl(monkeypatch) -> list[float]:
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
 def test_run_with_the_initial_policy_as_reference(tiny_model, dense_task, tmp_path, monkeypatch, estimator):
     seen = _recorded_kl(monkeypatch)
-    cfg = small_config(tiny_model, tmp_path, KL, f"objective_overrides.kl_estimator={estimator}", "steps=2",
+    cfg = small_config(tiny_model, tmp_path, KL, f"algo.objective.kl_estimator={estimator}", "steps=2",
                        "eval.every=0", "checkpoint_every=0")
     run_dir = train(cfg).run_dir
     assert seen[0] == 0.0  # first update of the first step: pi_theta == pi_ref token for token
