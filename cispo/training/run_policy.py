@@ -73,7 +73,7 @@ def resolve_chat_template(cfg: TrainConfig, task, named_sets: dict | None = None
     message: a warning counts those that lose a system message or earlier turns."""
     from cispo.data.prompts import chat_samples
 
-    chats, chat_task = chat_samples(cfg.data, task, named_sets or {}), task.chat
+    chats, chat_task = chat_samples(cfg.data, task, named_sets or {}), task is not None and task.chat
     if cfg.model.chat_template == "auto":
         why = auto_reason(cfg, chats)
         cfg = replace(cfg, model=replace(cfg.model, chat_template=why is not None or chat_task))
@@ -126,7 +126,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
                     dist_info: DistInfo = DistInfo()) -> Policy:
     """The policy for ``device``; its weights are loaded onto ``load_device`` (default: ``device``),
     e.g. the CPU for a model that FSDP then shards onto the GPUs. ``dist_info``: this torchrun rank
-    (a vLLM engine is then placed on it, with its own seed)."""
+    (a vLLM engine is then placed on it, with its own seed). ``task``: the run's `PromptSource`, or None for
+    the model of ``model.path`` alone."""
     from cispo.models.loading import load_policy, precision, saved_dtype, stop_token_ids
 
     if cfg.model.chat_template == "auto":  # a caller that did not resolve it with its data (the runner does)
@@ -144,9 +145,10 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of {path} has no EOS token, so a response could never end: set "
                           "eos_token in its tokenizer_config.json")
-    templated = cfg.model.chat_template is True or task.chat
+    chat_task = task is not None and task.chat
+    templated = cfg.model.chat_template is True or chat_task
     if templated and not tokenizer.chat_template:
-        why = (f"data.task={task.name} writes its prompts as chat messages" if task.chat else
+        why = (f"data.task={task.name} writes its prompts as chat messages" if chat_task else
                "model.chat_template is on (chat-message prompts, or data.system_prompt)")
         raise ConfigError(f"{why}, but the tokenizer of {path} has no chat template (a base model?): use an instruct "
                           "model or add a chat_template to its tokenizer_config.json")
