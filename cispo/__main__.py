@@ -1,4 +1,5 @@
 import sys
+
 from cispo.cli import main
 
 sys.exit(main())

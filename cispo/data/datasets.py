@@ -59,10 +59,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 from cispo.foundations.suggest import closest, did_you_mean, hint
 
@@ -455,7 +456,8 @@ def _rows(path: Path, spec: _Spec, split: str | None, name: str | None = None) -
             return ((path, loc, row) for loc, row in _read_datasets_dir(path, spec, split))
         return _read_shards(path, spec, split)
     if split is not None:
-        raise DataError(path, f"split={split!r} only applies to a datasets folder (save_to_disk), a folder of shards or a hub id")
+        raise DataError(path, f"split={split!r} only applies to a datasets folder (save_to_disk), a folder of shards "
+                              "or a hub id")
     return ((path, loc, row) for loc, row in _read_file(path, spec))
 
 

@@ -37,12 +37,22 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from cispo.data.tasks import wordmath_calc
-from cispo.data.tools import (Tool, ToolCall, ToolResult, ToolRunner, ToolSpecError, as_tool, check_python_tool,
-                              load_tools, policy_error, tool_schema)
+from cispo.data.tools import (
+    Tool,
+    ToolCall,
+    ToolResult,
+    ToolRunner,
+    ToolSpecError,
+    as_tool,
+    check_python_tool,
+    load_tools,
+    policy_error,
+    tool_schema,
+)
 
 __all__ = ["ToolEnvironment", "Episodes", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "resolve_tool_format",
            "template_takes_tools", "render_prompt", "prompt_messages", "parse_tool_calls", "inline_call",

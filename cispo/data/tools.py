@@ -38,9 +38,10 @@ import inspect
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from cispo.data.rewards import Outcome, RewardSpecError, describe_error
 from cispo.data.rewards.loading import _resolve, absolute_spec

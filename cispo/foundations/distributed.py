@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import os
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -221,8 +222,14 @@ def shard_model(model: torch.nn.Module, info: DistInfo, device: torch.device,
     from torch.distributed.device_mesh import init_device_mesh
 
     try:
-        from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                                            fully_shard, register_fsdp_forward_method)
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
     except ImportError as e:  # torch < 2.6
         raise ImportError(f"model.fsdp needs FSDP2 (torch >= 2.6; this is {torch.__version__})") from e
     if not info.enabled:

@@ -83,7 +83,7 @@ class Experience:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def to(self, device) -> "Experience":
+    def to(self, device) -> Experience:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(
             self,
@@ -96,7 +96,7 @@ class Experience:
             extras={k: move(v) for k, v in self.extras.items()},
         )
 
-    def select(self, rows: torch.Tensor) -> "Experience":
+    def select(self, rows: torch.Tensor) -> Experience:
         """Rows ``rows``, trimmed to their own longest prompt and response."""
         T_full = self.response_mask.shape[1]
         mask = self.response_mask[rows]  # [b, T]

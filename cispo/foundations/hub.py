@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hub_unreachable() -> str | None:
     """Why the Hugging Face hub cannot be reached (its host name does not resolve: no network), or None.
     ``HF_HUB_OFFLINE`` set counts as None here: the libraries already read only the cache then."""

@@ -218,8 +218,8 @@ def _with_verl_clip(config: Any, cfg: ObjectiveConfig, name: str, overrides: dic
                        f"{LOSS_NAME}: actor.{key}={value} has no effect on preset {name!r}: {why}")
             continue
         if field_name in overrides and overrides[field_name] != value:
-            raise ValueError(f"policy_loss.cispo_overrides.{field_name}={overrides[field_name]} and actor.{key}={value} "
-                             "disagree: give one")
+            raise ValueError(f"policy_loss.cispo_overrides.{field_name}={overrides[field_name]} and "
+                             f"actor.{key}={value} disagree: give one")
         changes[field_name] = float(value)
     dual_clip = _get(config, "clip_ratio_c", VERL_CLIP_DEFAULTS["clip_ratio_c"])
     if dual_clip != VERL_CLIP_DEFAULTS["clip_ratio_c"]:

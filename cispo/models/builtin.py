@@ -36,8 +36,15 @@ from pathlib import Path
 import torch
 
 import cispo.models.pretrain as pretraining
-from cispo.models.cache import (CACHE_RECORD, cache_root, cached_model, install_cache_folder, staging_folder,
-                                verify_checksums, write_checksums)
+from cispo.models.cache import (
+    CACHE_RECORD,
+    cache_root,
+    cached_model,
+    install_cache_folder,
+    staging_folder,
+    verify_checksums,
+    write_checksums,
+)
 from cispo.models.pretrain_config import PretrainConfig
 
 SHIPPED_ROOT = Path(__file__).resolve().parents[1] / "data" / "tasks" / "base_models"
@@ -190,7 +197,8 @@ def main(argv=None):
         if cfg.task.startswith("chain"):  # recurring rechecks: per-step statistics (measure_chain_model)
             report = pretraining.measure_chain_model(out, n=args.measure, seed=args.measure_seed, task_name=cfg.task)
         else:
-            report = pretraining.measure_base_model(out, task=cfg.task, n=args.measure, seed=args.measure_seed).to_dict()
+            report = pretraining.measure_base_model(out, task=cfg.task, n=args.measure,
+                                                    seed=args.measure_seed).to_dict()
         print(json.dumps(report, indent=2))
         print(f"measured in {time.perf_counter() - t:.1f} s")
 

@@ -220,7 +220,8 @@ def split_lora_state(state: dict[str, torch.Tensor], model: torch.nn.Module,
         if sep and owner in lora_layers:
             if rest == "weight":
                 layer = lora_layers[owner]
-                a, b = state.get(f"{owner}.lora_A.{adapter_name}.weight"), state.get(f"{owner}.lora_B.{adapter_name}.weight")
+                a = state.get(f"{owner}.lora_A.{adapter_name}.weight")
+                b = state.get(f"{owner}.lora_B.{adapter_name}.weight")
                 if a is None or b is None:
                     raise ValueError(f"LoRA layer {owner}: only linear adapters named {adapter_name!r} can be saved")
                 delta = (b.float() @ a.float()) * layer.scaling[adapter_name]  # [out, in]

@@ -8,8 +8,8 @@ own distribution.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -193,7 +193,8 @@ def policy_fused_loss(model, exp: Experience, token_loss: TokenLoss, temperature
     -> (loss [], logp [B, T] detached, the log-probs ``policy_logprobs`` returns)"""
     def run():
         head = lm_head(model)
-        loss, logp, _ = fused_head_loss(_response_hidden(model, exp, body, share_prompts), head.weight, exp.response_ids, token_loss,
+        hidden = _response_hidden(model, exp, body, share_prompts)
+        loss, logp, _ = fused_head_loss(hidden, head.weight, exp.response_ids, token_loss,
                                         bias=getattr(head, "bias", None), temperature=temperature,
                                         fp32_head=fp32_head, chunk_size=chunk_size,
                                         transform=logit_transform(model.config))

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from cispo.models.pretrain_config import PretrainConfig
 
-
 # --------------------------------------------------------------------------- data
 
 

@@ -45,7 +45,7 @@ class PretrainConfig:
     chain: fraction of steps with a carry written with the carry dropped. None: the task's
     default (addition 0.5, chain 1.0)."""
 
-    def resolved(self) -> "PretrainConfig":
+    def resolved(self) -> PretrainConfig:
         """This config with every None replaced by the task's default (what `pretrain` runs)."""
         from cispo.data.tasks import get_task
 

@@ -34,13 +34,13 @@ import torch
 
 from cispo.objective.logprobs import IDENTITY, LogitTransform, _check_inputs, _chunk_logits, _dtypes, _grad_head_input
 from cispo.objective.loss import (
-                                  ObjectiveConfig,
-                                  _group_mean_length,
-                                  signed_is_weight,
-                                  kl_penalty,
-                                  log_ratio,
-                                  token_mask,
-                                  )
+    ObjectiveConfig,
+    _group_mean_length,
+    kl_penalty,
+    log_ratio,
+    signed_is_weight,
+    token_mask,
+)
 
 __all__ = ["aggregation_weights", "token_objective", "fused_head_loss"]
 

@@ -60,7 +60,14 @@ from typing import ClassVar
 import torch
 
 from cispo.objective.presets import (  # noqa: F401 - the objective's settings, re-exported
-    AGGREGATIONS, KL_ESTIMATORS, MASK_RULES, PRESETS, RATIO_LEVELS, ObjectiveConfig, preset)
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    MASK_RULES,
+    PRESETS,
+    RATIO_LEVELS,
+    ObjectiveConfig,
+    preset,
+)
 
 LOW_PROB = 0.1  # p_old below this counts as a low-probability ("fork") token in the stats
 

@@ -28,7 +28,8 @@ def _is_number(value) -> bool:
 
 def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"ObjectiveConfig.{field} must be one of {choices}, got {value!r}{did_you_mean(value, choices)}")
+        raise ValueError(f"ObjectiveConfig.{field} must be one of {choices}, got {value!r}"
+                         f"{did_you_mean(value, choices)}")
 
 
 @dataclass(frozen=True)

@@ -217,8 +217,9 @@ def _open_lock(path: Path) -> int:
     except OSError as exc:
         if exc.errno == errno.ELOOP and os.path.islink(path):
             _refuse_unsafe_lock(path, os.lstat(path))
+        why = os.strerror(exc.errno) if exc.errno else exc
         raise RunFolderUnwritable(f"out_dir {path.parent}: cannot create the run's lock file {path.name} "
-                                  f"({os.strerror(exc.errno) if exc.errno else exc}); choose a writable out_dir") from None
+                                  f"({why}); choose a writable out_dir") from None
     try:
         _refuse_unsafe_lock(path, os.fstat(fd))
     except RunFolderUnwritable:

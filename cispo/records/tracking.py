@@ -33,8 +33,9 @@ import re
 import time
 import uuid
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from cispo.config.train import SINK_KINDS, ConfigError, check_sink_kinds  # noqa: F401 - SINK_KINDS: make_sinks' names
 from cispo.foundations.jsonl import jsonl_path, parse_step_lines
@@ -457,7 +458,7 @@ class MultiSink:
             except Exception as e:  # noqa: BLE001
                 warnings.warn(f"cispo: closing {type(sink).__name__} failed: {e}", RuntimeWarning, stacklevel=2)
 
-    def __enter__(self) -> "MultiSink":
+    def __enter__(self) -> MultiSink:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch

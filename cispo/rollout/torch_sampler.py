@@ -143,9 +143,9 @@ class TorchSampler(Sampler):
     ) -> RolloutBatch:
         """Sample one response per prompt; see :class:`RolloutBatch` for the result's layout.
 
-        Rows stop at a stop id ("eos"; ``stop_token_ids``), at ``cfg.max_new_tokens`` ("length") or at the repetition early stop
-        ("repetition"); a stopped row gets pad tokens with mask 0, and the loop ends when every row has
-        stopped. ``generator`` (on the model's device) makes sampling reproducible; greedy decoding
+        Rows stop at a stop id ("eos"; ``stop_token_ids``), at ``cfg.max_new_tokens`` ("length") or at the
+        repetition early stop ("repetition"); a stopped row gets pad tokens with mask 0, and the loop ends when
+        every row has stopped. ``generator`` (on the model's device) makes sampling reproducible; greedy decoding
         (temperature 0) draws no random numbers. ``episodes``: a multi-turn rollout, each row's
         observations fed through its KV cache (:mod:`cispo.rollout.decoding`).
         """

@@ -92,8 +92,14 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from cispo.rollout.base import Episodes, RolloutBatch, Sampler, SamplingConfig, stop_ids
-from cispo.rollout.vllm_engine import (RankPlacement, engine_accepts, engine_kwargs, set_rank_environment,
-                                       supports_head_dtype, tokenizer_source)
+from cispo.rollout.vllm_engine import (
+    RankPlacement,
+    engine_accepts,
+    engine_kwargs,
+    set_rank_environment,
+    supports_head_dtype,
+    tokenizer_source,
+)
 from cispo.rollout.vllm_episodes import draw_seeds, pad_rollout, sample_episodes
 
 INSTALL_HINT = 'VLLMSampler needs vLLM: pip install "cispo[vllm]" (needs a CUDA GPU; see docs/install.md)'

@@ -9,7 +9,6 @@ float summation order).
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 import torch

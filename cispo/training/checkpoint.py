@@ -201,8 +201,7 @@ def gather_full_state(model, optimizer: torch.optim.Optimizer) -> tuple[dict, di
     """(model state dict, optimizer state dict) of a sharded model, gathered in full on rank 0's
     CPU, the optimizer's in ``optimizer.state_dict()``'s format (parameters by index). Every
     rank must call it; ranks other than 0 get empty dicts."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
@@ -219,8 +218,7 @@ def gather_full_state(model, optimizer: torch.optim.Optimizer) -> tuple[dict, di
 def _load_sharded(model, optimizer, weights: dict, optim_state: dict) -> None:
     """Every rank: full state dicts (the optimizer's in ``optimizer.state_dict()`` format) into
     the local shards."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
     names = _param_names(model, optimizer)
@@ -289,7 +287,8 @@ def read_checkpoint(path: Path, device: str = "cpu") -> tuple[dict, dict, dict, 
                         lambda p: torch.load(p, weights_only=True, map_location="cpu"))
     if not isinstance(optim_state, dict) or "state" not in optim_state:
         raise CheckpointError(f"checkpoint file {optim_file} is not an optimizer state dict")
-    if not isinstance(optim_state["state"], dict) or not all(isinstance(e, dict) for e in optim_state["state"].values()):
+    entries = optim_state["state"]
+    if not isinstance(entries, dict) or not all(isinstance(e, dict) for e in entries.values()):
         raise CheckpointError(f"checkpoint file {optim_file} is not an optimizer state dict")
     for index, entry in optim_state["state"].items():
         _check_finite({f"state[{index}].{k}": v for k, v in entry.items()}, optim_file, "optimizer tensor")
@@ -341,8 +340,10 @@ def check_trainer_state(path: Path, state: dict, tensors: dict[str, torch.Tensor
     if not isinstance(retired, list) or not all(_is_count(i) and i < stream_state["num_samples"] for i in retired):
         wrong.append("retired")
     if wrong:
-        raise CheckpointError(f"checkpoint file {state_file}: streams[{rank}] has {', '.join(f'{k}={stream.get(k)!r}' for k in wrong)}"
-                              f"; this run's prompt stream has {', '.join(f'{k}={stream_state[k]!r}' for k in wrong)}")
+        has = ", ".join(f"{k}={stream.get(k)!r}" for k in wrong)
+        want = ", ".join(f"{k}={stream_state[k]!r}" for k in wrong)
+        raise CheckpointError(f"checkpoint file {state_file}: streams[{rank}] has {has}; this run's prompt stream has "
+                              f"{want}")
     for name, current in generator_states.items():
         key = f"generator/{name}/{rank}"
         saved = tensors.get(key)

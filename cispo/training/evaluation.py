@@ -74,8 +74,8 @@ class Evaluation:
 
 @torch.no_grad()
 def evaluate(policy: Policy, samples: list[dict], settings: Evaluation) -> dict:
-    """Held-out accuracy (``settings``: `Evaluation`): greedy, and over ``eval_cfg.num_samples`` = k samples per prompt at
-    ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``; at each k of
+    """Held-out accuracy (``settings``: `Evaluation`): greedy, and over ``eval_cfg.num_samples`` = k samples per
+    prompt at ``eval_cfg.temperature`` the mean (avg@k), pass@k and maj@k (``group_accuracies``; at each k of
     ``eval.pass_at_k`` too, `pass_at`; k = 0: greedy only, and ``eval/accuracy``, the fork rate, the
     length and ``eval/truncated`` (the share cut at ``max_new_tokens``) are the greedy answers';
     ``answer_fn(completion)`` gives the answer maj@k votes on). Each reward call is killed past

@@ -18,7 +18,6 @@ from cispo.foundations.forks import OTHER
 from cispo.foundations.nan import is_nan, nan_mean
 from cispo.objective.loss import LOW_PROB, ObjectiveStats
 
-
 # Per-rank counts and rates: the step's value is their sum over ranks (each rank samples its
 # own groups); the largest length is the largest over ranks; every other metric is a mean.
 SUMMED_OVER_RANKS = frozenset({"rollout/groups_sampled", "rollout/groups_kept", "rollout/reward_errors",

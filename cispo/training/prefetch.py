@@ -10,10 +10,10 @@ join (``update_weights``, as in the synchronous loop), so they are θ_{n-1} whil
     step n:   [take held batch n] -> copy θ_{n-1} to the behaviour copy (vLLM: it has them) -> start sampling n+1
               -> logp_old, K updates on batch n (θ_{n-1} -> θ_n) -> join: hold batch n+1 -> (vLLM: push θ_n)
 
-Nothing runs beside the trainer outside a step: the thread is joined before the step returns (`cispo.training.rl_step`), so the
-held-out evaluation, checkpoints and stop signals see a quiet run. A checkpoint keeps the held batch
-(`rollout_state` / `load_rollout`: ids, log-probs, rewards, episodes, and each prompt's index in the
-stream), so a resumed run trains on exactly the batch the uninterrupted one would have.
+Nothing runs beside the trainer outside a step: the thread is joined before the step returns
+(`cispo.training.rl_step`), so the held-out evaluation, checkpoints and stop signals see a quiet run. A
+checkpoint keeps the held batch (`rollout_state` / `load_rollout`: ids, log-probs, rewards, episodes, and each
+prompt's index in the stream), so a resumed run trains on exactly the batch the uninterrupted one would have.
 
 On a CPU the two sides share the cores: torch's intra-op pool is one per process, so each side runs its ops
 on one thread of its own (`split_threads`); the update passes then run beside the decoding instead of after it.
@@ -75,8 +75,8 @@ class Prefetch:
 
     def drop_failed(self, stream: PromptStream, generator: torch.Generator) -> bool:
         """A stop signal came: a held batch with failed reward calls (perhaps killed by that signal, as in
-        `cispo.training.rl_step.StepInterrupted`) is not kept for a resume; the stream and ``generator`` go back to before
-        it was drawn, so the resumed run samples it anew (with the checkpoint's weights: one update newer than
+        `cispo.training.rl_step.StepInterrupted`) is not kept for a resume; the stream and ``generator`` go back
+        to before it was drawn, so the resumed run samples it anew (with the checkpoint's weights: one update newer than
         the uninterrupted run's, the one place a resume differs from it). True if it dropped one."""
         if self.held is None or not self.held.errors or self._before[0] is None:
             return False

@@ -21,14 +21,29 @@ from cispo.config.train import TrainConfig, to_dict
 from cispo.data.prompts import PromptStream
 from cispo.data.rewards import start_reward_workers
 from cispo.data.rewards.loading import check_reward_fields, members_of
-from cispo.foundations.distributed import (DistInfo, any_rank, barrier, broadcast_parameters, gather_objects,
-                                           init_distributed, rank_seed, shard_model)
+from cispo.foundations.distributed import (
+    DistInfo,
+    any_rank,
+    barrier,
+    broadcast_parameters,
+    gather_objects,
+    init_distributed,
+    rank_seed,
+    shard_model,
+)
 from cispo.foundations.forks import ForkTokens
 from cispo.foundations.threads import auto_threads
 from cispo.models.policy import Policy
 from cispo.objective.presets import ObjectiveConfig
-from cispo.records.runfolder import (check_resume, keep_resolved, prepare_run_dir, run_dir_of, run_name, save_config,
-                                     saved_config)
+from cispo.records.runfolder import (
+    check_resume,
+    keep_resolved,
+    prepare_run_dir,
+    run_dir_of,
+    run_name,
+    save_config,
+    saved_config,
+)
 from cispo.records.samples import SampleFile
 from cispo.records.tracking import check_sinks, make_sinks
 from cispo.rollout import SamplingConfig
@@ -38,11 +53,26 @@ from cispo.training.prefetch import Prefetch, load_rollout, rollout_state, set_u
 from cispo.training.probes import ForkDiagnostics, TokenCounts
 from cispo.training.progress import evaluation_progress, interactive, model_line, reward_workers_line, say
 from cispo.training.rl_step import RLStep
-from cispo.training.run_policy import (check_model, load_policy_for, load_reference, model_folder,
-                                       resolve_chat_template, resolve_device)
+from cispo.training.run_policy import (
+    check_model,
+    load_policy_for,
+    load_reference,
+    model_folder,
+    resolve_chat_template,
+    resolve_device,
+)
 from cispo.training.sampling import StepSampler
-from cispo.training.setup import (absolute_paths, default_max_new_tokens, eval_defaults, fit_prompts, fork_matcher,
-                                  fsdp_settings, make_objective, make_optimizer, sampling_config)
+from cispo.training.setup import (
+    absolute_paths,
+    default_max_new_tokens,
+    eval_defaults,
+    fit_prompts,
+    fork_matcher,
+    fsdp_settings,
+    make_objective,
+    make_optimizer,
+    sampling_config,
+)
 from cispo.training.trainer import Trainer
 
 
@@ -122,7 +152,8 @@ class Run:
         self.saved_step = step
         streams = gather_objects(self.stream.state_dict(), self.dist_info)
         gens = gather_objects({n: g.cpu() for n, g in self.generator_states().items()}, self.dist_info)
-        full_state = gather_full_state(self.policy.model, self.trainer.optimizer) if self.sharded else None  # rank 0's CPU
+        # a sharded model's full state, gathered on rank 0's CPU
+        full_state = gather_full_state(self.policy.model, self.trainer.optimizer) if self.sharded else None
         if self.main:
             fsync_file(self.run_dir / "metrics.jsonl")  # its rows up to `step` are committed by this checkpoint
             state = {"step": step, **self.trainer.state_dict(), "streams": streams,

@@ -166,7 +166,8 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     if cfg.rollout.engine == "vllm":
         from cispo.rollout import VLLMSampler
 
-        sampler = VLLMSampler(str(path), tokenizer, stops, tokenizer.pad_token_id, **vllm_settings(cfg, dist_info, device))
+        settings = vllm_settings(cfg, dist_info, device)
+        sampler = VLLMSampler(str(path), tokenizer, stops, tokenizer.pad_token_id, **settings)
     else:
         sampler = TorchSampler(model, stops, tokenizer.pad_token_id, autocast=autocast,
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,

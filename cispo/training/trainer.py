@@ -32,8 +32,16 @@ from cispo.objective.advantages import batch_std, group_advantages
 from cispo.objective.loss import ObjectiveConfig
 from cispo.rollout import rollout_is_weights
 from cispo.training.batching import micro_batches, minibatches, row_order
-from cispo.training.gradients import (Counts, empty_experience, idle_pass, idle_passes, lr_at, merge_stats,
-                                      micro_batch_loss, optimizer_step)
+from cispo.training.gradients import (
+    Counts,
+    empty_experience,
+    idle_pass,
+    idle_passes,
+    lr_at,
+    merge_stats,
+    micro_batch_loss,
+    optimizer_step,
+)
 from cispo.training.logp_old import logp_old_source, reference_logprobs, rollout_correction
 from cispo.training.metrics import update_metrics
 from cispo.training.probes import Probe

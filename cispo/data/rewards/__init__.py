@@ -14,7 +14,8 @@ import contextlib as _contextlib
 import math as _math
 import numbers as _numbers
 import sys as _sys
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 RewardFn = Callable[..., float]
 

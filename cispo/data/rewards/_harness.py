@@ -52,8 +52,9 @@ _PLAIN = ((int, "i", lambda v: hex(int(v))), (float, "f", lambda v: float.hex(fl
           (complex, "c", lambda v: [float.hex(v.real), float.hex(v.imag)]), (str, "s", str),
           (bytes, "b", lambda v: bytes(v).hex()), (bytearray, "y", lambda v: bytes(v).hex()),
           (list, "l", None), (tuple, "t", None), (frozenset, "F", None), (set, "S", None))
-_MAKE = {"i": lambda v: int(v, 16), "f": float.fromhex, "c": lambda v: complex(float.fromhex(v[0]), float.fromhex(v[1])),
-         "s": str, "b": bytes.fromhex, "y": lambda v: bytearray.fromhex(v)}
+_MAKE = {"i": lambda v: int(v, 16), "f": float.fromhex,
+         "c": lambda v: complex(float.fromhex(v[0]), float.fromhex(v[1])), "s": str, "b": bytes.fromhex,
+         "y": lambda v: bytearray.fromhex(v)}
 _CONTAINERS = {"l": list, "t": tuple, "F": frozenset, "S": set}
 
 
@@ -100,7 +101,12 @@ def _dump(message):
 def _harden():
     """Make the process non-dumpable and install an audit hook that refuses the routes to the process's
     state and to bytecode not made by the compiler. Defence in depth: the verdict does not rest on it."""
-    import collections, ctypes, enum, logging, typing, _thread  # noqa: E401
+    import _thread
+    import collections  # noqa: E401
+    import ctypes
+    import enum
+    import logging
+    import typing
     logging._srcfile = None  # log records without caller lookup (it needs frames, refused below)
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0: no /proc/<pid>/mem, no ptrace
     for name in [n for n in sys.modules if n.split(".")[0] in ("ctypes", "_ctypes")]:
@@ -150,7 +156,8 @@ def _harden():
 
 def _worker(requests, replies):
     """Run the solution sent first, then answer the judge's requests until told to stop (or killed)."""
-    import operator, types  # noqa: E401
+    import operator  # noqa: E401
+    import types
     objects = {}
 
     def handle(value):
@@ -400,7 +407,7 @@ def _main():
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value + 1 if name == "CPU" else value))
     result_fd = int(sys.argv[2])
     if sys.argv[3] == "tests":
-        import ctypes, collections, enum, logging, typing, _thread  # noqa: E401,F401  (the worker's, imported once)
+        import ctypes  # noqa: E401,F401  (the worker's, imported once)
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0: the worker cannot read the judge
         worker = _fork_worker(result_fd)
     payload = json.loads(sys.stdin.buffer.read())

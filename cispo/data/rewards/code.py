@@ -5,12 +5,19 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from cispo.data.rewards._harness import signed_lines
-from cispo.data.rewards.sandbox import (SandboxConfig, SandboxError, SandboxResult, SandboxUnavailable, check_sandbox,
-                                        execute, run_sandboxed)
+from cispo.data.rewards.sandbox import (
+    SandboxConfig,
+    SandboxError,
+    SandboxResult,
+    SandboxUnavailable,
+    check_sandbox,
+    execute,
+    run_sandboxed,
+)
 
 __all__ = ["SandboxConfig", "SandboxResult", "SandboxError", "SandboxUnavailable", "TestReport", "CodeReward",
            "check_sandbox", "run_sandboxed", "run_tests", "extract_code", "code_reward", "code_reward_partial",

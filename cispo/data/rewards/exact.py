@@ -19,8 +19,8 @@ The gold answer is reduced with `gold_answer`: a GSM8K solution (``... #### 72``
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from decimal import Decimal, InvalidOperation
-from typing import Iterable
 
 __all__ = ["exact_match", "extract_final_answer", "extract_boxed", "gold_answer", "normalize_answer",
            "answers_match"]

@@ -54,9 +54,9 @@ import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from cispo.data.rewards import RewardSpecError, cap_message, check_reward_value, describe_error
 from cispo.data.rewards.processes import trial_import
@@ -75,7 +75,8 @@ BUILTIN_REWARDS: dict[str, str] = {
 }
 """Built-in reward names -> ``module:function``, imported only when asked for."""
 
-BUILTIN_FIELDS: dict[str, tuple[str, ...]] = {"math": ("answer",), "math_lenient": ("answer",), "exact_match": ("answer",), "code": ("tests",)}
+BUILTIN_FIELDS: dict[str, tuple[str, ...]] = {"math": ("answer",), "math_lenient": ("answer",),
+                                              "exact_match": ("answer",), "code": ("tests",)}
 """The sample fields each built-in reward needs."""
 
 ISOLATIONS = ("auto", "process", "main")
@@ -189,14 +190,16 @@ def _resolve(spec: str, target: str, trial: bool = True) -> Callable[..., float]
         if not hasattr(obj, part):
             where = module_name if i == 0 else f"{module_name}:{'.'.join(attr.split('.')[:i])}"
             names = [n for n in dir(obj) if not n.startswith("_")]
-            raise RewardSpecError(f"reward {spec!r}: {where!r} has no attribute {part!r}{did_you_mean(part, names, n=3)}")
+            raise RewardSpecError(f"reward {spec!r}: {where!r} has no attribute {part!r}"
+                                  f"{did_you_mean(part, names, n=3)}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise RewardSpecError(f"reward {spec!r}: {attr!r} in {module_name!r} is not callable (it is a {type(obj).__name__})")
+        raise RewardSpecError(f"reward {spec!r}: {attr!r} in {module_name!r} is not callable "
+                              f"(it is a {type(obj).__name__})")
     return obj
 
 
-def load_reward(spec: str, isolation: str = "auto", workers: int | None = None, trial: bool = True) -> "Reward":
+def load_reward(spec: str, isolation: str = "auto", workers: int | None = None, trial: bool = True) -> Reward:
     """The `Reward` named by ``spec``: a built-in name (`BUILTIN_REWARDS`), ``module:function``
     or ``path/to/file.py:function``, written with any signature of the module docstring; or, for
     ``rm:<folder>``, a `cispo.data.rewards.reward_model.RewardModel` (``isolation`` does not apply).
@@ -541,7 +544,8 @@ def reward_names(reward_fn) -> tuple[str, ...] | None:
 
 def _sources(task, data_cfg, named_sets: dict | None):
     """``(role, data file, its extra_fields, samples)`` for each set a run scores with ``task.reward``."""
-    yield "training", data_cfg.path, data_cfg.extra_fields, task.train_samples(data_cfg.seed, data_cfg.num_train_prompts)
+    train = task.train_samples(data_cfg.seed, data_cfg.num_train_prompts)
+    yield "training", data_cfg.path, data_cfg.extra_fields, train
     yield ("held-out", data_cfg.eval_path or data_cfg.path, data_cfg.extra_fields,
            task.eval_samples(data_cfg.seed, data_cfg.num_eval_prompts))
     for name, samples in (named_sets or {}).items():

@@ -58,7 +58,8 @@ ANSWER_PATTERN = r"\banswer\s*(?:is\b\s*:?|:)|####"
 """Where a stated answer begins (case-insensitive): ``Answer:``, ``the answer is``, ``####``."""
 
 DEFAULT_TIMEOUT_SECONDS = 5
-INSTALL_HINT = 'math_reward needs the optional dependency math-verify: pip install "cispo[math]"  (or: pip install "math-verify>=0.7")'
+INSTALL_HINT = ('math_reward needs the optional dependency math-verify: pip install "cispo[math]"  '
+                '(or: pip install "math-verify>=0.7")')
 
 
 @lru_cache(maxsize=1)

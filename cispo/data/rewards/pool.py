@@ -65,8 +65,14 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait
 
 from cispo.data.rewards import Outcome, describe_error, reward_outcome
-from cispo.data.rewards.processes import (OUTPUT_LIMIT_BYTES, OUTPUT_TAIL_CHARS, OutputCapture, signal_name,
-                                          ignore_sigterm, worker_context)
+from cispo.data.rewards.processes import (
+    OUTPUT_LIMIT_BYTES,
+    OUTPUT_TAIL_CHARS,
+    OutputCapture,
+    ignore_sigterm,
+    signal_name,
+    worker_context,
+)
 
 __all__ = ["RewardPool", "pool_for", "reward_job", "shutdown_pools", "OUTPUT_TAIL_CHARS", "OUTPUT_LIMIT_BYTES"]
 

@@ -117,7 +117,7 @@ def _bwrap(cfg: SandboxConfig, as_root: bool) -> str:
                              "SandboxConfig.bwrap")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _seccomp_filter() -> bytes:
     """The BPF program for ``bwrap --seccomp``, built with libseccomp (``pyseccomp``)."""
     try:
@@ -136,7 +136,7 @@ def _seccomp_filter() -> bytes:
                                  "pip install 'cispo[code]' (pyseccomp) and apt-get install libseccomp2") from exc
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _python(configured: str | None, as_root: bool) -> tuple[str, tuple[str, ...]]:
     """The interpreter (real path) and the directories outside ``/usr`` to bind for it."""
     exe = os.path.realpath(configured or sys.executable)
@@ -250,7 +250,7 @@ def run_sandboxed(code: str, cfg: SandboxConfig | None = None) -> SandboxResult:
     return execute(cfg or SandboxConfig(), {"mode": "run", "code": code})[0]
 
 
-@functools.lru_cache(maxsize=None)  # a success is cached per config; an exception is not
+@functools.cache  # a success is cached per config; an exception is not
 def check_sandbox(cfg: SandboxConfig | None = None) -> None:
     """Raise `SandboxUnavailable` (with the reason) unless ``cfg``'s sandbox runs a trivial program here."""
     try:

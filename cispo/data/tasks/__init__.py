@@ -8,9 +8,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Callable
 
 from cispo.data.tasks import arithmetic, chain, wordmath, wordmath_calc
 
@@ -92,7 +92,8 @@ def _addition(digits: tuple[int, ...], name: str) -> Task:
         used_fork=arithmetic.used_fork,
         extract_answer=arithmetic.extract_answer,
         corpus=partial(arithmetic.corpus, digits=digits),
-        pretrain_defaults=dict(steps=1000, batch_size=96, fork_fraction=0.03, derivation_fraction=0.8, wrong_guess_fraction=0.5),
+        pretrain_defaults=dict(steps=1000, batch_size=96, fork_fraction=0.03, derivation_fraction=0.8,
+                               wrong_guess_fraction=0.5),
     )
 
 
@@ -120,7 +121,8 @@ def _chain(steps: tuple[int, ...], name: str, carry_prob: float = chain.CARRY_PR
                 else partial(chain.corpus, steps=steps)),
         max_positions=384,
         stratified_corpus=False,
-        pretrain_defaults=dict(steps=1000, batch_size=48, fork_fraction=0.04, derivation_fraction=0.5, wrong_guess_fraction=1.0),
+        pretrain_defaults=dict(steps=1000, batch_size=48, fork_fraction=0.04, derivation_fraction=0.5,
+                               wrong_guess_fraction=1.0),
         base_task=base_task,
     )
 

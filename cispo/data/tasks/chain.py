@@ -65,8 +65,9 @@ HIDDEN_BUGS = _hidden_bugs()
 """`chain_hidden`'s bug set: (tens digit of the running sum, addend) pairs on which the base model
 drops the carry. A carrying step ``a+b`` (``a`` <= 89, since the sum stays below 100) has one of
 8 x 9 = 72 such pairs; for each tens digit 1-8, 3 of the 9 addends are buggy."""
-TASK_BUGS: dict[str, frozenset[tuple[int, int]]] = {"chain_hidden": HIDDEN_BUGS, "chain_hidden_strict": HIDDEN_BUGS,
-                                                    "chain_hidden_sharp": HIDDEN_BUGS, "chain_hidden_graded": HIDDEN_BUGS}
+TASK_BUGS: dict[str, frozenset[tuple[int, int]]] = {
+    "chain_hidden": HIDDEN_BUGS, "chain_hidden_strict": HIDDEN_BUGS, "chain_hidden_sharp": HIDDEN_BUGS,
+    "chain_hidden_graded": HIDDEN_BUGS}
 """The bug set of each chain variant whose base model errs on a subset of the carrying steps
 (a task not listed: `chain`, `chain_sparse`, errs on every carrying step)."""
 
@@ -205,7 +206,8 @@ def sample_chains(seed: int, n: int, split: str = "train", steps: tuple[int, ...
 
 def samples(seed: int, n: int, split: str = "train", steps: tuple[int, ...] = STEPS,
             carry_prob: float = CARRY_PROB, min_carries: int = 0,
-            bugs: frozenset[tuple[int, int]] | None = None, bug_range: tuple[int, int | None] = (0, None)) -> list[dict]:
+            bugs: frozenset[tuple[int, int]] | None = None,
+            bug_range: tuple[int, int | None] = (0, None)) -> list[dict]:
     """``{"prompt": "23+7+4+8+9=", "answer": "51"}`` dicts from `split`."""
     return [{"prompt": make_prompt(ns), "answer": str(sum(ns))}
             for ns in sample_chains(seed, n, split, steps, carry_prob, min_carries=min_carries, bugs=bugs,

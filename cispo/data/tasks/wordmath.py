@@ -72,8 +72,9 @@ TEMPLATES = {
 }
 
 
-WORKINGS = {"add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}", "mul_sub": "{a} * {b} - {c}",
-            "add_sub": "{a} + {b} - {c}", "add_mul": "{a} + {b} * {c}", "mul_add_div": "({a} * {b} + {c}) / {d}"}
+WORKINGS = {"add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}",
+            "mul_sub": "{a} * {b} - {c}", "add_sub": "{a} + {b} - {c}", "add_mul": "{a} + {b} * {c}",
+            "mul_add_div": "({a} * {b} + {c}) / {d}"}
 """Each template's answer as one arithmetic expression of its numbers (the worked answers of `workings`)."""
 
 KINDS = sorted(TEMPLATES)
