@@ -22,7 +22,8 @@ import pathlib
 import sys
 import types
 import typing
-from typing import Any, Callable, Literal, TypeVar
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import yaml
 

@@ -15,13 +15,24 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Iterable
 
 from cispo.config.algo import AlgoConfig, OptimConfig
 from cispo.config.data import DataConfig, EvalSetConfig
-from cispo.config.engine import (ConfigError, apply_overrides, field_docs, format_help, from_dict, load_yaml,
-                                 note_values, rename_key, save_yaml, section_shorthand, to_dict)
+from cispo.config.engine import (
+    ConfigError,
+    apply_overrides,
+    field_docs,
+    format_help,
+    from_dict,
+    load_yaml,
+    note_values,
+    rename_key,
+    save_yaml,
+    section_shorthand,
+    to_dict,
+)
 from cispo.config.model import ModelConfig
 from cispo.config.rollout import OWNED_ARGUMENTS, RolloutConfig, check_vllm_kwargs  # noqa: F401 - still a name here
 from cispo.foundations.suggest import did_you_mean

@@ -159,7 +159,6 @@ def test_the_recipe_runs_under_torchrun_with_a_stand_in_engine(tmp_path, tiny_mo
 def test_the_trainer_side_of_the_fp32_head(tmp_path, monkeypatch):
     """model.fp32_lm_head reaches the trainer's log-prob passes too (policy_logprobs' fp32_head)."""
     import cispo.training.trainer as tr
-    from cispo.objective.loss import preset
 
     cfg = recipe(tmp_path)
 
