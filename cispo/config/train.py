@@ -15,13 +15,24 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Iterable
 
 from cispo.config.algo import AlgoConfig, OptimConfig
 from cispo.config.data import DataConfig, EvalSetConfig
-from cispo.config.engine import (ConfigError, apply_overrides, field_docs, format_help, from_dict, load_yaml,
-                                 note_values, rename_key, save_yaml, section_shorthand, to_dict)
+from cispo.config.engine import (
+    ConfigError,
+    apply_overrides,
+    field_docs,
+    format_help,
+    from_dict,
+    load_yaml,
+    note_values,
+    rename_key,
+    save_yaml,
+    section_shorthand,
+    to_dict,
+)
 from cispo.config.model import ModelConfig
 from cispo.config.rollout import OWNED_ARGUMENTS, RolloutConfig, check_vllm_kwargs  # noqa: F401 - still a name here
 from cispo.foundations.suggest import did_you_mean
@@ -341,8 +352,9 @@ def _logp_old_checks(cfg: TrainConfig) -> list[Check]:
 
 def _async_checks(cfg: TrainConfig) -> list[Check]:
     """``rollout.async_steps=1`` (docs/async.md): a vLLM engine that stays awake (it samples while the trainer
-    updates), and an anchor that sees the staleness — ``algo.logp_old=rollout`` (the behaviour policy's log-probs) or a rollout correction beside
-    the recomputed pass (its weight is then pi_proximal / pi_behaviour, AReaL's decoupled objective)."""
+    updates), and an anchor that sees the staleness — ``algo.logp_old=rollout`` (the behaviour policy's log-probs)
+    or a rollout correction beside the recomputed pass (its weight is then pi_proximal / pi_behaviour, AReaL's
+    decoupled objective)."""
     a, r = cfg.algo, cfg.rollout
     if r.async_steps == 0:
         return []

@@ -134,7 +134,6 @@ def test_update_flops_counts_a_shared_prompt_once_per_group():
     positions once per G rows, each row keeping its T - 1 response positions and their attention over the prompt."""
     sys.path.insert(0, str(REPO))
     from benchmarks._common import update_flops
-
     from cispo.data.tasks.arithmetic import ALPHABET
     from cispo.models.loading import build_model, build_tokenizer
 

@@ -12,9 +12,9 @@ from cispo.config.train import ConfigError, TrainConfig, apply_overrides
 from cispo.objective.loss import policy_loss, preset
 from cispo.records.tracking import read_metrics
 from cispo.rollout import rollout_is_weights, truncated_is_weights
+from cispo.training.logp_old import rollout_correction
 from cispo.training.metrics import mismatch_kl
 from cispo.training.runner import train
-from cispo.training.logp_old import rollout_correction
 from tests.conftest import small_config
 
 F64 = dict(dtype=torch.float64)

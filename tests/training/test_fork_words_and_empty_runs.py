@@ -15,8 +15,8 @@ from cispo.config.train import TrainConfig, apply_overrides, save_yaml
 from cispo.data.prompts import FileSource
 from cispo.foundations.experience import Completion, collate
 from cispo.records.tracking import read_metrics
-from cispo.training.setup import fork_matcher
 from cispo.training.metrics import tracked_fork
+from cispo.training.setup import fork_matcher
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
