@@ -26,8 +26,8 @@ from pathlib import Path
 # Start-up imports nothing heavy: `cispo --help`, `cispo train --help` and a config error answer
 # before torch, transformers or pandas would have loaded (each command imports what it runs).
 
-INPUT_ERRORS = ("cispo.config.yaml_input.ConfigError", "cispo.data.datasets.DataError", "cispo.data.rewards.RewardSpecError",
-                "builtins.FileExistsError", "cispo.data.tasks.UnknownTaskError")
+INPUT_ERRORS = ("cispo.config.yaml_input.ConfigError", "cispo.data.datasets.DataError",
+                "cispo.data.rewards.RewardSpecError", "builtins.FileExistsError", "cispo.data.tasks.UnknownTaskError")
 """Bad input: one line on stderr, exit status 2, no traceback."""
 RUN_ERRORS = ("cispo.training.checkpoint.CheckpointError", "cispo.models.cache.ChecksumError")
 """A run that cannot go on (its checkpoints, a shipped model that fails its checksums): one line, exit status 1."""
@@ -186,7 +186,8 @@ def _samples_file(path: str | None):
     except (OSError, RuntimeError) as e:  # a symlink loop
         raise ConfigError(f"--samples {path}: cannot resolve it ({e})") from None
     if run is not None:
-        what = f"the run's own {target.name} in" if target.parent == run and target.name in RUN_OWN_FILES else "inside the run folder"
+        own_file = target.parent == run and target.name in RUN_OWN_FILES
+        what = f"the run's own {target.name} in" if own_file else "inside the run folder"
         raise ConfigError(f"--samples {path}: {what} {run}; cispo eval writes no file into a run folder. Choose a "
                           f"path outside it, e.g. {run.parent / (run.name + '.eval.jsonl')}")
     if target.is_dir():
@@ -241,7 +242,8 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cispo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="cispo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
     def add(name, help_text, config, fn):
@@ -252,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    p = add("train", "train a policy with CISPO (or another preset) on a verifiable task", "cispo.config.train:TrainConfig",
-            cmd_train)
+    p = add("train", "train a policy with CISPO (or another preset) on a verifiable task",
+            "cispo.config.train:TrainConfig", cmd_train)
     p.add_argument("--resume", action="store_true",
                    help="continue the run from its last intact checkpoint, with its saved config.yaml (key=value "
                    "may change only: steps, checkpoint_every, eval.*, trackers, ...; see docs/reliability.md)")
@@ -279,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help="run folders (with metrics.jsonl or metrics.jsonl.gz), or folders of runs (a "
                    "common out_dir)")
-    p.add_argument("-o", "--output", default="plot.html", help="output path; .png and .html are written (default plot.html)")
+    p.add_argument("-o", "--output", default="plot.html",
+                   help="output path; .png and .html are written (default plot.html)")
     p.add_argument("--metrics", help="comma-separated metric names (default: reward, accuracy, fork rate, "
                    "capped / dropped fractions, entropy, length, KL: each that some run logged)")
     p.add_argument("--title", default="", help="figure and page title (default: the run names)")

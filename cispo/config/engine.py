@@ -121,7 +121,8 @@ def _problem(cls: type, err: dict) -> str:
         return f"{_dotted(loc[:-1])}: expected {_type_name(fields[loc[:-1]])}, got {short_repr(err.get('input'))}"
     key, tp, got = _dotted(loc), fields.get(loc), err.get("input")
     if len(key) > 200:  # a 1 MB key: no suggestion can help, and comparing it would be slow
-        return f"{short_repr(key)}: unknown key" if err["type"] == "extra_forbidden" else f"{short_repr(key)}: {err['msg']}"
+        what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        return f"{short_repr(key)}: {what}"
     if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
         same_leaf = [_dotted(k) for k in fields if k[-1] == loc[-1]]  # 'lr' where 'optim.lr' belongs
         hint = (did_you_mean(key, same_leaf, len(same_leaf), 0) if same_leaf else "") or other_name_hint(
@@ -135,7 +136,8 @@ def _problem(cls: type, err: dict) -> str:
         note = _VALUE_NOTES.get(cls, {}).get(key, {}).get(got) if isinstance(got, str) else None
         hint = f" ({note})" if note else did_you_mean(got, choices) if isinstance(got, str) and len(got) <= 200 else ""
         return f"{key}: expected one of {', '.join(map(repr, choices))}, got {short_repr(got)}{hint}"
-    return f"{key}: expected {_type_name(tp)}, got {short_repr(got)}" if tp else f"{key}: {err['msg']}, got {short_repr(got)}"
+    expected = f"expected {_type_name(tp)}" if tp else err["msg"]
+    return f"{key}: {expected}, got {short_repr(got)}"
 
 
 _RENAMED: dict[type, dict[KeyPath, tuple[KeyPath, Callable[[Any], Any]]]] = {}
@@ -494,8 +496,8 @@ def _override_value(text: str, tp: Any, source: str) -> Any:
         value = yaml.load(text, Loader=ConfigLoader)
     except yaml.YAMLError as exc:
         if not _accepts_str(tp):
-            why = exc.problem if isinstance(exc, RefusedYAML) else f"cannot parse {short_repr(text)} as a YAML value: " \
-                f"{getattr(exc, 'problem', None) or exc}"
+            why = exc.problem if isinstance(exc, RefusedYAML) else (
+                f"cannot parse {short_repr(text)} as a YAML value: {getattr(exc, 'problem', None) or exc}")
             raise ConfigError(f"{source}: {why}") from None
         value = text
     if isinstance(value, (list, dict)) and _accepts_container(tp):
@@ -527,7 +529,8 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
         if len(item) > MAX_CONFIG_BYTES:
             raise ConfigError(f"{source}: longer than {MAX_CONFIG_BYTES >> 20} MiB; no setting takes one")
         if len(path) > MAX_DEPTH:
-            raise ConfigError(f"{source}: a key of {len(path):,} parts; no setting is nested more than {MAX_DEPTH} deep")
+            raise ConfigError(f"{source}: a key of {len(path):,} parts; no setting is nested more than "
+                              f"{MAX_DEPTH} deep")
         if path[:1] not in fields:
             found = [k for k in fields if k[-1] == path[0]] or [k for k in _RENAMED.get(cls, {}) if k[-1] == path[0]]
             if len(found) > 1:
@@ -569,7 +572,8 @@ def field_docs(cls: type) -> dict[str, str]:
     """The docstring below each field of dataclass ``cls`` ("" where none), by field name."""
     docs = dict.fromkeys((f.name for f in dataclasses.fields(cls)), "")
     for c in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)] if _fields(cls) else []):
-        docs.update({k: v["description"] for k, v in _adapter(c).json_schema()["properties"].items() if "description" in v})
+        properties = _adapter(c).json_schema()["properties"]
+        docs.update({k: v["description"] for k, v in properties.items() if "description" in v})
     return docs
 
 

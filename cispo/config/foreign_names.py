@@ -108,7 +108,8 @@ def _lora_targets(value: Any) -> Any:
 _PROMPTS_NOT_CUT = ("cispo never cuts a prompt: one whose tokens and rollout.max_new_tokens do not fit the model's "
                     "context is left out")
 _TOKEN_TIS = ("cispo's correction truncates each token's weight, min(pi_old / pi_rollout, algo.tis_cap) (TRL's "
-              "token_truncate, off by default); TRL's default mode, sequence_mask, zeroes whole sequences above its cap")
+              "token_truncate, off by default); TRL's default mode, sequence_mask, zeroes whole sequences above its "
+              "cap")
 _SAMPLING = "cispo samples with rollout.temperature and rollout.top_p only"
 
 _A, _R, _M = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
@@ -138,7 +139,8 @@ OTHER_NAMES: dict[str, OtherName] = {
         "true), which changes its gradient even on-policy"),
     "epsilon": OtherName(
         "TRL", (_OBJ + "eps_low", _OBJ + "eps_high"),
-        "TRL's epsilon is the clip's lower edge 1 - epsilon and, unless epsilon_high is set, its upper edge 1 + epsilon"),
+        "TRL's epsilon is the clip's lower edge 1 - epsilon and, unless epsilon_high is set, its upper edge "
+        "1 + epsilon"),
     "epsilon_high": OtherName(
         "TRL", (_OBJ + "eps_high", _OBJ + "eps_high_is"),
         "the clip's upper edge 1 + epsilon_high; with loss_type=cispo TRL caps the IS weight at epsilon_high itself: "
@@ -152,8 +154,8 @@ OTHER_NAMES: dict[str, OtherName] = {
         "grpo -> grpo; dapo -> ppo (TRL's dapo clips at 1 -/+ epsilon, 0.2, unless epsilon_high is set; cispo's dapo "
         "at 0.2 and 0.28)",
         _values({"grpo": "grpo", "dapo": "ppo"}, {
-            "cispo": "TRL's cispo caps the IS weight at epsilon_high itself (0.2 unless set); set algo.objective=cispo, "
-                     "whose cap is 1 + eps_high_is = 5 (TRL's epsilon_high=5.0)",
+            "cispo": "TRL's cispo caps the IS weight at epsilon_high itself (0.2 unless set); set "
+                     "algo.objective=cispo, whose cap is 1 + eps_high_is = 5 (TRL's epsilon_high=5.0)",
             "dr_grpo": "TRL's dr_grpo divides by max_completion_length: set algo.objective=ppo with "
                        "algo.objective.aggregation=seq-mean-token-sum-norm and algo.objective.token_sum_norm=that "
                        "length",
@@ -263,7 +265,8 @@ OTHER_NAMES: dict[str, OtherName] = {
         "both edges of verl's clip 1 -/+ clip_ratio where clip_ratio_low / clip_ratio_high are null (verl's defaults "
         "set them: 0.2)"),
     _A + "clip_ratio_low": OtherName(
-        "verl", (_OBJ + "eps_low",), "the clip's lower edge; with loss_mode=cispo the IS weight's lower bound: eps_low_is"),
+        "verl", (_OBJ + "eps_low",),
+        "the clip's lower edge; with loss_mode=cispo the IS weight's lower bound: eps_low_is"),
     _A + "clip_ratio_high": OtherName(
         "verl", (_OBJ + "eps_high",), "the clip's upper edge; with loss_mode=cispo the IS weight's cap: eps_high_is"),
     _A + "clip_ratio_c": OtherName("verl", (), "verl's dual-clip of A < 0 tokens; the unified objective has none"),
@@ -281,7 +284,8 @@ OTHER_NAMES: dict[str, OtherName] = {
     _A + "loss_scale_factor": OtherName(
         "verl", (_OBJ + "token_sum_norm",), "null: the padded response length, in both", _same, (512, 512)),
     _A + "entropy_coeff": OtherName("verl", (), "cispo has no entropy bonus"),
-    _A + "use_kl_loss": OtherName("verl", (_OBJ + "kl_coef",), "no switch here: a coefficient > 0 turns the KL loss on"),
+    _A + "use_kl_loss": OtherName(
+        "verl", (_OBJ + "kl_coef",), "no switch here: a coefficient > 0 turns the KL loss on"),
     _A + "kl_loss_coef": OtherName(
         "verl", (_OBJ + "kl_coef",),
         "verl applies it only with use_kl_loss=true; cispo's coefficient > 0 turns the KL loss on"),
@@ -319,8 +323,8 @@ OTHER_NAMES: dict[str, OtherName] = {
     _R + "prompt_length": OtherName("verl", (), _PROMPTS_NOT_CUT),
     _R + "name": OtherName(
         "verl", ("rollout.engine",), "vllm -> vllm (in the trainer's process); sglang and trtllm have no equivalent",
-        _values({"vllm": "vllm"}, {"sglang": "cispo samples with torch or vllm", "trtllm": "cispo samples with torch or "
-                                   "vllm"}), ("vllm", "vllm")),
+        _values({"vllm": "vllm"}, {"sglang": "cispo samples with torch or vllm",
+                                   "trtllm": "cispo samples with torch or vllm"}), ("vllm", "vllm")),
     _R + "gpu_memory_utilization": OtherName("verl", ("rollout.vllm_gpu_memory_utilization",), "", _same, (0.5, 0.5)),
     _R + "enforce_eager": OtherName("verl", ("rollout.vllm_enforce_eager",), "", _same, (True, True)),
     _R + "max_num_batched_tokens": OtherName("verl", ("rollout.vllm_max_num_batched_tokens",), "", _same,
@@ -355,7 +359,8 @@ OTHER_NAMES: dict[str, OtherName] = {
         (200, 200)),
     "trainer.save_freq": OtherName(
         "verl", ("checkpoint_every",), "every N RL steps and at the end, in both",
-        _at_least_one("verl's -1 never saves; cispo always saves at the end (checkpoint_every=0: only then)"), (20, 20)),
+        _at_least_one("verl's -1 never saves; cispo always saves at the end (checkpoint_every=0: only then)"),
+        (20, 20)),
     "trainer.test_freq": OtherName(
         "verl", ("eval.every",), "every N RL steps, before the first and after the last, in both",
         _at_least_one("verl's -1 never evaluates during training; cispo always evaluates before the first step and "
@@ -364,8 +369,8 @@ OTHER_NAMES: dict[str, OtherName] = {
         "verl", ("trackers",),
         "tensorboard, wandb, mlflow as they are; file -> jsonl (metrics.jsonl is always written); console is dropped "
         "(cispo's progress bar)", _logger, (["console", "wandb"], ["wandb"])),
-    "trainer.experiment_name": OtherName("verl", ("run_name",), "the run's name (cispo's run folder is out_dir/run_name)",
-                                         _same, ("gsm8k", "gsm8k")),
+    "trainer.experiment_name": OtherName(
+        "verl", ("run_name",), "the run's name (cispo's run folder is out_dir/run_name)", _same, ("gsm8k", "gsm8k")),
     "trainer.project_name": OtherName(
         "verl", (), "cispo's runs have no project: W&B reads WANDB_PROJECT, MLflow MLFLOW_EXPERIMENT_NAME"),
     "trainer.default_local_dir": OtherName(
@@ -398,8 +403,8 @@ OTHER_NAMES: dict[str, OtherName] = {
         _at_least_one("verl's 0 samples until the batch is full; cispo's rounds are capped (at most 10^4)"), (10, 10)),
     "algorithm.rollout_correction.bypass_mode": OtherName(
         "verl", ("algo.logp_old",),
-        "true -> rollout (pi_old is the sampler's log-probs, not recomputed), false -> recompute; cispo takes them only "
-        "from its own torch sampler at float32, without dropout or a rollout correction beside it",
+        "true -> rollout (pi_old is the sampler's log-probs, not recomputed), false -> recompute; cispo takes them "
+        "only from its own torch sampler at float32, without dropout or a rollout correction beside it",
         _values({True: "rollout", False: "recompute"}), (True, "rollout")),
     "custom_reward_function.path": OtherName(
         "verl", ("data.reward",), "cispo names the file and the function together: data.reward=PATH:NAME"),

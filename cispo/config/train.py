@@ -352,8 +352,9 @@ def _logp_old_checks(cfg: TrainConfig) -> list[Check]:
 
 def _async_checks(cfg: TrainConfig) -> list[Check]:
     """``rollout.async_steps=1`` (docs/async.md): a vLLM engine that stays awake (it samples while the trainer
-    updates), and an anchor that sees the staleness — ``algo.logp_old=rollout`` (the behaviour policy's log-probs) or a rollout correction beside
-    the recomputed pass (its weight is then pi_proximal / pi_behaviour, AReaL's decoupled objective)."""
+    updates), and an anchor that sees the staleness — ``algo.logp_old=rollout`` (the behaviour policy's log-probs)
+    or a rollout correction beside the recomputed pass (its weight is then pi_proximal / pi_behaviour, AReaL's
+    decoupled objective)."""
     a, r = cfg.algo, cfg.rollout
     if r.async_steps == 0:
         return []

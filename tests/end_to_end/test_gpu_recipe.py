@@ -1,5 +1,5 @@
-"""docs/real-models.md's "One GPU node" recipe, examples/qwen7b-dapo-math-8gpu-vllm.yaml (vLLM colocated, sleep level 2, FP32 head on both sides,
-FSDP2 mixed precision): each of its GPU settings reaches its destination.
+"""docs/real-models.md's "One GPU node" recipe, examples/qwen7b-dapo-math-8gpu-vllm.yaml (vLLM colocated, sleep
+level 2, FP32 head on both sides, FSDP2 mixed precision): each of its GPU settings reaches its destination.
 
 vLLM's place is taken by the stand-in engine of ``tests/fake_vllm.py`` (it accepts only vLLM 0.33.0's
 ``LLM`` arguments); the run is on a CPU with gloo. Not run on a GPU.
@@ -121,8 +121,9 @@ tiny model rarely makes informative: dynamic sampling off) and the sizes."""
 
 
 def test_the_recipe_runs_under_torchrun_with_a_stand_in_engine(tmp_path, tiny_model):
-    """`torchrun --nproc_per_node 2 -m cispo train --config examples/qwen7b-dapo-math-8gpu-vllm.yaml` (CPU sizes): FSDP2 over bf16
-    autocast, one engine per rank, sleep level 2 every step, the weights pushed through reload_weights."""
+    """`torchrun --nproc_per_node 2 -m cispo train --config examples/qwen7b-dapo-math-8gpu-vllm.yaml` (CPU sizes):
+    FSDP2 over bf16 autocast, one engine per rank, sleep level 2 every step, the weights pushed through
+    reload_weights."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(fake_vllm.SITECUSTOMIZE)
     log = tmp_path / "engine.jsonl"
@@ -170,7 +171,8 @@ def test_the_trainer_side_of_the_fp32_head(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tr, "policy_logprobs", spy)
     with pytest.raises(Seen) as got:
-        tr.Trainer(_policy(), None, cfg.algo.objective.resolve(), cfg, torch.Generator()).compute_logp_old(_experience())
+        trainer = tr.Trainer(_policy(), None, cfg.algo.objective.resolve(), cfg, torch.Generator())
+        trainer.compute_logp_old(_experience())
     assert got.value.args == (True,)
 
 

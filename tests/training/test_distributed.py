@@ -43,8 +43,8 @@ def make_setup(objective, split_cost="128"):
                                 torch.randint(3, len(tok), (n_r,), generator=g), torch.zeros(n_r), "eos", ""))
     exp = collate(comps, torch.randn(B, generator=g), tok.pad_token_id)
     # logp_old off-policy enough that masks and caps bite
-    exp.logp_old = (trainer(policy, cfg).compute_logp_old(exp) + 0.5 * torch.randn(exp.response_mask.shape, generator=g)) \
-        * exp.response_mask
+    logp_old = trainer(policy, cfg).compute_logp_old(exp)
+    exp.logp_old = (logp_old + 0.5 * torch.randn(exp.response_mask.shape, generator=g)) * exp.response_mask
     return policy, cfg, exp
 
 

@@ -1,6 +1,7 @@
 """The fork diagnostics per string and the mechanism check: positive-advantage, low-probability fork
-tokens above 1 + eps_high (the paper's case: PPO's upper mask drops their gradient, CISPO keeps it), and the share of the gradient-mass proxy (1 - p) |w A|
-that lies above the bound — on a batch whose every number is computed by hand below."""
+tokens above 1 + eps_high (the paper's case: PPO's upper mask drops their gradient, CISPO keeps it), and the
+share of the gradient-mass proxy (1 - p) |w A| that lies above the bound — on a batch whose every number is
+computed by hand below."""
 
 import math
 
