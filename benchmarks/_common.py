@@ -260,8 +260,8 @@ def ours_setup(size: str = "default", group_size: int = 8, updates: int = 16, pr
 
     import torch
 
-    import cispo.training.setup as setup_mod
     import cispo.training.sampling as sampling_mod
+    import cispo.training.setup as setup_mod
     from cispo.config.train import TrainConfig, apply_overrides
     from cispo.data.prompts import PromptStream
     from cispo.data.tasks import get_task

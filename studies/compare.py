@@ -32,13 +32,12 @@ from typing import Any, Literal
 
 from cispo.config.algo import ObjectiveSection
 from cispo.config.train import ConfigError, TrainConfig, apply_overrides
-from studies.arms import ArmConfig, describe, resolve_arms
-from studies.stats import at_edge, final_accuracy, mean_accuracy, pick_lr
-from studies.tables import (analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep,
-                            sweep_gaps)
 from cispo.foundations.nan import nan_mean
 from cispo.records.runfolder import is_finished
 from cispo.records.tracking import read_metrics
+from studies.arms import ArmConfig, describe, resolve_arms
+from studies.stats import at_edge, final_accuracy, mean_accuracy, pick_lr
+from studies.tables import analyse, curve, format_sweep, format_table, plot_comparison, plot_sweep, sweep_gaps
 
 
 @dataclass

@@ -67,14 +67,37 @@ from typing import Literal
 from studies.compute_fit import fit_runs
 from studies.doc_quotes import MARKER, check_doc, update_doc  # noqa: F401  (the report's doc check)
 from studies.mechanism_gate import gate
-from studies.stats import (COLLAPSE_FLOOR, at_edge, censored_steps, collapsed, fieller_ratio, final_accuracy,
-                           holm, mean_accuracy, mean_band, mean_over_last_steps, paired_t, pick_lr, slope,
-                           steps_to_own_fraction, wilson)
+from studies.stats import (
+    COLLAPSE_FLOOR,
+    at_edge,
+    censored_steps,
+    collapsed,
+    fieller_ratio,
+    final_accuracy,
+    holm,
+    mean_accuracy,
+    mean_band,
+    mean_over_last_steps,
+    paired_t,
+    pick_lr,
+    slope,
+    steps_to_own_fraction,
+    wilson,
+)
 from studies.study_runs import Groups, RunData, group_eval_runs, load_study
 from studies.study_tables import ci as _ci
-from studies.study_tables import (comparison_values, compute_fit_table, count_values, drop_table, tally,
-                                  has_mechanism_log, mechanism_level_table, paired_steps, paired_steps_table,
-                                  steps_per_seed_table)
+from studies.study_tables import (
+    comparison_values,
+    compute_fit_table,
+    count_values,
+    drop_table,
+    has_mechanism_log,
+    mechanism_level_table,
+    paired_steps,
+    paired_steps_table,
+    steps_per_seed_table,
+    tally,
+)
 from studies.study_tables import pm as _pm
 
 

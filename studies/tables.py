@@ -9,9 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from studies.stats import (COLLAPSE_FLOOR, censored_steps, collapsed, final_accuracy, mean_accuracy,
-                           mean_band, steps_to_target, wilson)
 from cispo.foundations.nan import nan_mean
+from studies.stats import (
+    COLLAPSE_FLOOR,
+    censored_steps,
+    collapsed,
+    final_accuracy,
+    mean_accuracy,
+    mean_band,
+    steps_to_target,
+    wilson,
+)
 
 
 def curve(rows: list[dict], key: str) -> dict[int, float]:

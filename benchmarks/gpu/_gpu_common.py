@@ -144,8 +144,8 @@ def synthetic_tokenizer(vocab: int):
     """``build_tokenizer`` over the addition task's characters plus filler code points, so that
     it has exactly ``vocab`` ids (every id the model can sample decodes to one character)."""
     if vocab not in _TOKENIZERS:
-        from cispo.models.loading import SPECIAL_TOKENS, build_tokenizer
         from cispo.data.tasks import get_task
+        from cispo.models.loading import SPECIAL_TOKENS, build_tokenizer
 
         alphabet = get_task("addition").alphabet
         filler = (chr(c) for c in range(0x100, 0x30000) if not 0xD800 <= c < 0xE000)
@@ -218,7 +218,7 @@ def train_config(**sections):
 
 
 @torch.no_grad()
-def calibrate_eos(model, s: "Sizes", dev: "Device", eos: int = 1, mean_length: float | None = None) -> dict:
+def calibrate_eos(model, s: Sizes, dev: Device, eos: int = 1, mean_length: float | None = None) -> dict:
     """Make the random model end its responses after ~``mean_length`` tokens (default: half of
     ``s.max_new_tokens``), as a trained one does: sample a few rows, find the token sampled at the
     rate closest to 1 / mean_length, and swap its row of the (tied) embedding with EOS's. Returns what

@@ -12,8 +12,18 @@ import time
 from dataclasses import replace
 
 import torch
-from benchmarks.gpu._gpu_common import (NO_CUDA, Device, Skipped, build_qwen, calibrate_eos, log, num_params, synthetic_tokenizer,
-                         train_config)
+
+from benchmarks.gpu._gpu_common import (
+    NO_CUDA,
+    Device,
+    Skipped,
+    build_qwen,
+    calibrate_eos,
+    log,
+    num_params,
+    synthetic_tokenizer,
+    train_config,
+)
 
 
 def user_policy(ctx, model, tok, cfg, sampler=None):

@@ -10,7 +10,16 @@ import platform
 import statistics
 
 import torch
-from benchmarks.gpu._gpu_common import NO_CUDA, build_qwen, fp32_sampler_head, log, num_params, synthetic_tokenizer, train_config
+
+from benchmarks.gpu._gpu_common import (
+    NO_CUDA,
+    build_qwen,
+    fp32_sampler_head,
+    log,
+    num_params,
+    synthetic_tokenizer,
+    train_config,
+)
 from benchmarks.gpu._gpu_report import plot_figure3
 
 

@@ -52,10 +52,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
 from benchmarks.gpu._gpu_common import TINY, Device, Sizes, Skipped, log, parse_sets, peak_tflops  # noqa: E402
 from benchmarks.gpu._gpu_report import write_report  # noqa: E402
-from benchmarks.gpu._gpu_rl import (section_checkpoint, section_decode_batch, section_head_share,  # noqa: E402
-                                    section_long_responses, section_rl)
-from benchmarks.gpu._gpu_sections import (section_environment, section_lm_head,  # noqa: E402
-                                          section_logprob_agreement, section_precision)
+from benchmarks.gpu._gpu_rl import (  # noqa: E402
+    section_checkpoint,
+    section_decode_batch,
+    section_head_share,
+    section_long_responses,
+    section_rl,
+)
+from benchmarks.gpu._gpu_sections import (  # noqa: E402
+    section_environment,
+    section_lm_head,
+    section_logprob_agreement,
+    section_precision,
+)
 
 RUNNERS = {
     "environment": section_environment, "lm_head": section_lm_head, "precision": section_precision,

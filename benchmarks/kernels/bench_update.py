@@ -31,8 +31,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
-from benchmarks._common import (interleaved, load_average, machine_note, median, model_desc, set_threads, spread,  # noqa: E402
-                     table, update_flops)
+from benchmarks._common import (  # noqa: E402
+    interleaved,
+    load_average,
+    machine_note,
+    median,
+    model_desc,
+    set_threads,
+    spread,
+    table,
+    update_flops,
+)
 
 
 def build(args):

@@ -35,7 +35,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
 from benchmarks._common import PHASES, load_average, machine_note, median, ours_setup, ours_steps, set_threads, table  # noqa: E402
-
 from cispo.models.loading import MAX_POSITIONS, MODEL_SIZES  # noqa: E402
 
 

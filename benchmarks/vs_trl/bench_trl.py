@@ -130,7 +130,6 @@ def main(argv=None) -> None:
             runs[side].append(worker(a, "ours" if side == "ours" else "trl"))
     B = a.prompts * a.group_size
     from benchmarks._common import model_desc
-
     from cispo.data.tasks import get_task
     from cispo.models.loading import build_model, build_tokenizer
 

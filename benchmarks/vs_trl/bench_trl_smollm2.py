@@ -93,7 +93,6 @@ def measured(a, rows: list[dict], model, steps: int) -> dict:
 
 def worker_cispo(a, bf16: bool) -> dict:
     from benchmarks._common import ours_setup, ours_steps
-
     from cispo.rollout.static_cache import unsupported_reason
 
     threads = worker_threads(a.threads, "ours")

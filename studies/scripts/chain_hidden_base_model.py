@@ -21,9 +21,9 @@ import torch
 
 from cispo.models.builtin import ensure_builtin_model
 from cispo.models.cache import read_checksums
-from studies.chain_probe import probe
 from cispo.models.loading import load_policy
 from cispo.models.pretrain import measure_chain_model
+from studies.chain_probe import probe
 
 
 def main(task: str, n_prompts: int, samples_per_step: int, tasks: list[str], out: str) -> None:

@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     from cispo.foundations.experience import collate
     from cispo.foundations.threads import auto_threads
     from cispo.training.run_policy import load_policy_for, resolve_device
-    from cispo.training.setup import default_max_new_tokens, fork_matcher, sampling_config
     from cispo.training.sampling import sample_groups
+    from cispo.training.setup import default_max_new_tokens, fork_matcher, sampling_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=32)

@@ -7,7 +7,6 @@ from dataclasses import replace
 import pytest
 
 from cispo.config.train import ConfigError
-
 from studies.compare import CompareConfig, SweepConfig, compare, run_configs, sweep, tune, tuning_configs
 from studies.stats import mean_band, steps_to_target
 from studies.tables import analyse, format_sweep, format_table, sweep_gaps

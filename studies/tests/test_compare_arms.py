@@ -5,10 +5,10 @@ import math
 import pytest
 
 from cispo.config.train import ConfigError, apply_overrides
+from cispo.objective.loss import PRESETS, preset
 from studies.arms import BUILTIN_ARMS, ArmConfig, resolve_arms
 from studies.compare import CompareConfig, SweepConfig, base_config, run_configs, warmup_updates
-from studies.stats import (censored_steps, collapsed, fieller_ratio, holm, paired_t, wilson)
-from cispo.objective.loss import PRESETS, preset
+from studies.stats import censored_steps, collapsed, fieller_ratio, holm, paired_t, wilson
 
 
 def test_builtin_arms_are_the_presets_and_the_ablations():

@@ -10,8 +10,17 @@ import numpy as np
 import pytest
 
 from studies.cli import main
-from studies.compute_fit import (AXES, bootstrap_fit, compute_curve, fit_arm, fit_curve, fit_runs, pooled,
-                                 sigmoid_curve, start_value)
+from studies.compute_fit import (
+    AXES,
+    bootstrap_fit,
+    compute_curve,
+    fit_arm,
+    fit_curve,
+    fit_runs,
+    pooled,
+    sigmoid_curve,
+    start_value,
+)
 from studies.study_data import COLUMNS
 from studies.study_runs import RunData
 from studies.study_tables import AXIS_WORDS

@@ -9,12 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from studies.cli import main
 from cispo.config.train import TrainConfig, apply_overrides, save_yaml
+from studies.cli import main
 from studies.stats import fieller_ratio, paired_t
 from studies.study_data import COLUMNS, collect, read_csv
-from studies.study_report import (MARKER, Settings, check_doc, comparisons, group_eval_runs, load_study,
-                                  report, update_doc)
+from studies.study_report import (
+    MARKER,
+    Settings,
+    check_doc,
+    comparisons,
+    group_eval_runs,
+    load_study,
+    report,
+    update_doc,
+)
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
@@ -391,9 +399,9 @@ def test_the_v3_mechanism_gate_applies_the_protocols_criteria():
 def test_the_committed_v3_gate_verdicts_recompute_from_their_data():
     """Each studies/results/v3/gate/RUN.gate.json is the gate script's output on RUN/metrics.jsonl
     (committed as RUN/metrics.jsonl.gz)."""
-    from studies.mechanism_gate import gate
     from cispo.foundations.jsonl import has_jsonl
     from cispo.records.tracking import read_metrics
+    from studies.mechanism_gate import gate
 
     verdicts = sorted((ROOT / "studies" / "results" / "v3" / "gate").glob("*.gate.json"))
     assert len(verdicts) >= 3

@@ -5,8 +5,18 @@ both the never-learned and the collapsed counts. Synthetic runs, 4 arms × 8 see
 import pytest
 
 from studies.stats import paired_t, wilson
-from studies.study_report import (RunData, Settings, collapse_counts, collapse_table, comparisons,
-                                  comparisons_table, group_eval_runs, holm_of_declared, load_study, report)
+from studies.study_report import (
+    RunData,
+    Settings,
+    collapse_counts,
+    collapse_table,
+    comparisons,
+    comparisons_table,
+    group_eval_runs,
+    holm_of_declared,
+    load_study,
+    report,
+)
 from studies.study_tables import comparison_values, count_values, drop_steps, drop_table
 
 # Per arm and seed (m, f): the held-out curve is [0, m, f, f] at steps 0, 5, 10, 15, so

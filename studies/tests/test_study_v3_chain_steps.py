@@ -12,12 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from cispo.records.tracking import read_metrics
 from studies.mechanism_gate import gate
 from studies.study_data import collect
-from studies.study_report import (RunData, Settings, group_eval_runs, mechanism_level, q1_rows, q1_table,
-                                  report, steps_outputs)
+from studies.study_report import (
+    RunData,
+    Settings,
+    group_eval_runs,
+    mechanism_level,
+    q1_rows,
+    q1_table,
+    report,
+    steps_outputs,
+)
 from studies.study_tables import mechanism_level_table, paired_steps
-from cispo.records.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 T3 = 3.182446  # t_{0.975, 3}, from a printed table (4 seeds)

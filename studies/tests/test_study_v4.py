@@ -4,8 +4,8 @@ on every response token."""
 import math
 from pathlib import Path
 
-from studies.mechanism_gate import gate_all_tokens, paper_case_all_tokens
 from cispo.records.tracking import read_metrics
+from studies.mechanism_gate import gate_all_tokens, paper_case_all_tokens
 
 GATE = Path(__file__).resolve().parents[1] / "results" / "v3" / "gate"
 
