@@ -252,7 +252,8 @@ def summary_table(groups: Groups, part: str, st: Settings) -> str:
     for task, k, arms in _groups_of(groups, part):
         target = target_of(arms, st)
         for arm, runs in arms.items():
-            m = lambda name, p=3: _pm([measure(r, name, target, st) for r in runs.values()], p)  # noqa: E731
+            m = lambda name, p=3, runs=runs, target=target: _pm(  # noqa: E731
+                [measure(r, name, target, st) for r in runs.values()], p)
             hits = [censored_steps(r.curve(), target)[1] for r in runs.values()] if target is not None else []
             flags = [f for f in (collapsed(r.curve(), st.floor) for r in runs.values()) if f is not None]
             lines.append(f"| {task} | {k} | {_arm_label(arm, runs, part)} | {_lrs(runs)} | {len(runs)} "

@@ -71,7 +71,8 @@ def steps_per_seed_table(cells: list[tuple[str, int, float, dict[str, Steps]]], 
              "|---|---|---|---|" + "---|" * (len(seeds) + 1)]
     for task, k, target, arms in cells:
         for arm, steps in arms.items():
-            cell = lambda s: "–" if s not in steps else f"{steps[s][0]:g}" + ("" if steps[s][1] else "*")  # noqa: E731
+            cell = lambda s, steps=steps: (  # noqa: E731
+                "–" if s not in steps else f"{steps[s][0]:g}" + ("" if steps[s][1] else "*"))
             lines.append(f"| {task} | {k} | {target:.3f} | {arm} | " + " | ".join(cell(s) for s in seeds)
                          + f" | {sum(r for _, r in steps.values())}/{len(steps)} |")
     lines += ["", f"Steps to target per run: the first evaluated step at which held-out accuracy is ≥ the target, "

@@ -39,7 +39,7 @@ def analyse(runs: dict[str, list[list[dict]]], reference: str, final_evals: int 
         hit = [s for s in reached if s is not None]
         flags = [collapsed(c) for c in acc[algo]]
         learned = [f for f in flags if f is not None]
-        mean_of = lambda key: mean_band([nan_mean(curve(rows, key).values()) for rows in rs])  # noqa: E731
+        mean_of = lambda key, rs=rs: mean_band([nan_mean(curve(rows, key).values()) for rows in rs])  # noqa: E731
         table["arms"][algo] = {
             "seeds": len(rs),
             "final_accuracy": mean_band(final[algo]),
@@ -196,9 +196,7 @@ def plot_sweep(gaps: dict, path: Path) -> Path:
     c = next((row.get("contrast", "cispo") for row in gaps.values()), "cispo").upper()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for b in bases:
-        for ax, key, name in ((axes[0], "final_accuracy_gap", "final held-out accuracy gap"),
-                              (axes[1], "mean_accuracy_gap", "mean held-out accuracy over training, gap"),
-                              (axes[2], "steps_to_target_gap", "steps-to-target gap")):
+        for ax, key in zip(axes, ("final_accuracy_gap", "mean_accuracy_gap", "steps_to_target_gap")):
             pts = [(k, gaps[k][b][key]) for k in ks if b in gaps[k] and key in gaps[k][b]]
             if not pts:
                 continue

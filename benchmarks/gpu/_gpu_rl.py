@@ -282,7 +282,7 @@ def section_decode_batch(ctx) -> None:
         prompts = torch.randint(3, s.vocab, (b, s.prompt_len), generator=torch.Generator().manual_seed(b)).tolist()
         gen = torch.Generator(device=dev.device).manual_seed(0)
         sampler.generate(prompts[:1], replace(sampling, max_new_tokens=2), generator=gen)  # warm-up
-        batch, secs = dev.timed(lambda: sampler.generate(prompts, sampling, generator=gen))
+        batch, secs = dev.timed(lambda prompts=prompts, gen=gen: sampler.generate(prompts, sampling, generator=gen))
         tokens = int(batch.response_mask.sum())
         res["rows"].append({"batch": b, "seconds": secs, "tokens_per_s": tokens / secs,
                             "ms_per_step": 1000 * secs / s.decode_tokens})

@@ -86,7 +86,7 @@ def section_lm_head(ctx) -> None:
         for name, fn in variants.items():
             h, w = (t.detach().requires_grad_(mode == "fwd+bwd") for t in (h0, w0))
 
-            def op():
+            def op(fn=fn, h=h, w=w, mode=mode):  # this iteration's values, bound as defaults
                 lp = fn(h, w)
                 if mode == "fwd+bwd":
                     lp.sum().backward()

@@ -117,7 +117,7 @@ def decode_pairs(args, modes=("hf", "static")) -> list[list]:
                     for mode in modes}
         for n in args.new_tokens_list:
             cfg = SamplingConfig(max_new_tokens=n, temperature=1.0, repetition_stop_tokens=None)
-            fns = {mode: (lambda s=s: s.generate(ids, cfg, torch.Generator().manual_seed(args.seed)))
+            fns = {mode: (lambda s=s, ids=ids, cfg=cfg: s.generate(ids, cfg, torch.Generator().manual_seed(args.seed)))
                    for mode, s in samplers.items()}
             t0 = time.perf_counter()
             fns[modes[1]]()  # the first call compiles (compiled mode)

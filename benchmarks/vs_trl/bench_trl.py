@@ -119,8 +119,8 @@ def main(argv=None) -> None:
         return
     try:
         import trl
-    except ImportError:
-        raise SystemExit("bench_trl needs trl (pip install 'cispo[bench]')")
+    except ImportError as e:
+        raise SystemExit("bench_trl needs trl (pip install 'cispo[bench]')") from e
 
     print(machine_note(int(a.threads) if a.threads != "default" else 0) + f"; trl {trl.__version__}")
     t0 = time.perf_counter()

@@ -218,8 +218,8 @@ def main(argv=None) -> None:
         return
     try:
         import trl
-    except ImportError:
-        raise SystemExit("bench_trl_smollm2 needs trl (pip install 'cispo[bench]')")
+    except ImportError as e:
+        raise SystemExit("bench_trl_smollm2 needs trl (pip install 'cispo[bench]')") from e
     import torch
 
     print(machine_note(int(a.threads) if a.threads != "default" else 0)

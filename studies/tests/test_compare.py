@@ -108,7 +108,7 @@ def test_tuning_per_k_extends_an_edge_choice_once(tmp_path, monkeypatch):
                       out_dir=str(tmp_path))
     peak = {1: 1e-3, 4: 1e-4}  # best rate of the grid per K: at K = 1 the edge
     for k in (1, 4):
-        for (arm, lr, seed), r in tuning_configs(cfg, k).items():
+        for (_arm, lr, _seed), r in tuning_configs(cfg, k).items():
             assert r.config.algo.updates_per_batch == k and r.config.run_name.endswith(f"__K{k}__seed100")
             _write_metrics(r, [0.0] + [0.9 if lr == peak[k] else 0.3] * 3)
     [(key, beyond)] = tuning_configs(cfg, 1, [3.16e-3], ["dapo"]).items()  # 1e-3 × √10, 3 digits
