@@ -60,7 +60,8 @@ def table(headers: list[str], rows: list[list]) -> str:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
 def _fmt(c) -> str:

@@ -88,7 +88,8 @@ def _environment(r: dict) -> list[str]:
 def _lm_head(r: dict) -> list[str]:
     lines = [f"V={r['vocab']}, N={r['tokens']}, H={r['hidden']}, chunk {r['chunk']}; bf16 inputs; "
              f"one fp32 [N, V] block = {r['fp32_logits_gib']:.2f} GiB", "",
-             "| mode | variant | s (median) | peak extra GiB | max abs err vs fp64 | error |", "|---|---|---|---|---|---|"]
+             "| mode | variant | s (median) | peak extra GiB | max abs err vs fp64 | error |",
+             "|---|---|---|---|---|---|"]
     return lines + [f"| {x['mode']} | {x['variant']} | {_f(x['seconds'], '.4g')} | {_f(x['peak_extra_gib'])} | "
                     f"{_f(x['max_abs_err_vs_fp64'])} | {x.get('error', '')} |" for x in r["rows"]] + [""]
 

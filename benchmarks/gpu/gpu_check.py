@@ -49,7 +49,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.gpu._gpu_common import TINY, Device, Sizes, Skipped, log, parse_sets, peak_tflops  # noqa: E402
 from benchmarks.gpu._gpu_report import write_report  # noqa: E402
 from benchmarks.gpu._gpu_rl import (  # noqa: E402

@@ -4,7 +4,7 @@ extra memory, forward and forward+backward, at Qwen2.5-0.5B's hidden size (896).
     python benchmarks/kernels/bench_logprobs.py                 # V=32k N=16k and V=152k N=4k (minutes)
     python benchmarks/kernels/bench_logprobs.py --tiny          # seconds
     python benchmarks/kernels/bench_logprobs.py --configs 32000x8192 --chunk-sizes 4096,1024
-    python benchmarks/kernels/bench_logprobs.py --modes fwd+bwd --configs 32000x4096   # incl. the fused head + objective
+    python benchmarks/kernels/bench_logprobs.py --modes fwd+bwd --configs 32000x4096   # + the fused head + objective
 
 In fwd+bwd mode a third variant runs: ``fused`` (``cispo.objective.fused_head.fused_head_loss``, the
 gradient formed chunk by chunk in the forward, no recompute) on the same loss, sum_t up_t logp_t.
@@ -33,7 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import load_average, machine_note, median, peak_rss_mib, reset_peak_rss, rss_mib, table  # noqa: E402
 
 HIDDEN = 896  # Qwen2.5-0.5B

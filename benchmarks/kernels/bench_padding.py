@@ -44,7 +44,8 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import median, table  # noqa: E402
 
 
@@ -188,7 +189,8 @@ def main(argv=None) -> None:
                    help="comma-separated length distributions (builtin-fork=p, lognormal)")
     p.add_argument("--ln-median", type=float, default=16.0)
     p.add_argument("--ln-sigma", type=float, default=0.8)
-    p.add_argument("--max-len", type=int, default=57, help="cap of the lognormal (the trainer's default max_new_tokens)")
+    p.add_argument("--max-len", type=int, default=57,
+                   help="cap of the lognormal (the trainer's default max_new_tokens)")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--tiny", action="store_true", help="3 seeds, 8 prompts: under a second")
     args = p.parse_args(argv)

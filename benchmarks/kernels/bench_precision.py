@@ -2,7 +2,8 @@
 (autocast, the default for model.dtype=bfloat16) and pure bfloat16 weights
 (model.master_weights=false), on a small random Llama on CPU.
 
-    python benchmarks/kernels/bench_precision.py [--hidden 512 --layers 4 --vocab 8192 --rows 8 --len 128 --repeats 5] [--tiny]
+    python benchmarks/kernels/bench_precision.py [--tiny]
+    python benchmarks/kernels/bench_precision.py --hidden 512 --layers 4 --vocab 8192 --rows 8 --len 128 --repeats 5
 
 Each mode runs in its own subprocess (peak RSS = ru_maxrss of that process); modes are
 interleaved repeat by repeat and the median step time is reported. The machine is shared:

@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import (  # noqa: E402
     interleaved,
     load_average,
@@ -208,7 +209,8 @@ def main(argv=None) -> None:
               f"{pairs[-1]:.3f}); bare {median(times['bare']):.4f} s, update {median(times['update']):.4f} s")
     if args.fused_head:
         pairs = sorted(f / u for f, u in zip(times["fused"], times["update"]))
-        print(f"fused / chunked update time: median of pairs {median(pairs):.3f} (range {pairs[0]:.3f}-{pairs[-1]:.3f})")
+        print(f"fused / chunked update time: median of pairs {median(pairs):.3f} "
+              f"(range {pairs[0]:.3f}-{pairs[-1]:.3f})")
     if not args.no_profile:
         prof = profile_once(run)
         w = prof["wall"]
@@ -218,7 +220,8 @@ def main(argv=None) -> None:
         print(table(["category", "s", "share"], [[k, v, f"{v / w:.0%}"] for k, v in prof["cats"].items()]))
         if mm_s > 0 and prof["mm_flops"]:
             print(f"inside the matmul ops: {prof['mm_flops'] / 1e9:.2f} GFLOP (the profiler's count) in {mm_s:.2f} s = "
-                  f"{prof['mm_flops'] / mm_s / 1e9:.1f} GFLOP/s = {prof['mm_flops'] / mm_s / mm_rate:.0%} of the big-mm rate; "
+                  f"{prof['mm_flops'] / mm_s / 1e9:.1f} GFLOP/s = "
+                  f"{prof['mm_flops'] / mm_s / mm_rate:.0%} of the big-mm rate; "
                   f"matmul self time = {mm_s / median(times['update']):.0%} of the unprofiled update time")
         print("top ops by self time: " + "; ".join(f"{name} {s * 1e3:.0f} ms x{c}" for s, c, name in prof["top"]))
     print(f"\n{args.repeats} interleaved repeats after a warm-up; 1-min load average at end {load_average():.2f}")

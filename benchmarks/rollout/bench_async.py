@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import machine_note, median, ours_setup, set_threads, table, with_prefetch  # noqa: E402
 
 

@@ -5,7 +5,7 @@ on the same model and prompts, and our sampler with vs without its KV cache.
     python benchmarks/rollout/bench_rollout.py --tiny
     python benchmarks/rollout/bench_rollout.py --size small --batch-sizes 64 --new-tokens 64 --threads 2
     python benchmarks/rollout/bench_rollout.py --decode-pairs     # lean static-cache decode vs the forward path
-    python benchmarks/rollout/bench_rollout.py --profile --batch-sizes 128 --new-tokens 60   # where the decode's time goes
+    python benchmarks/rollout/bench_rollout.py --profile --batch-sizes 128 --new-tokens 60   # the decode's time, by op
     python benchmarks/rollout/bench_rollout.py --compile-pairs --cpu-time   # the decode step compiled vs eager
 
 ``--decode-pairs``: ``TorchSampler(decode="static")`` (cispo.rollout.static_cache) against
@@ -38,7 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import interleaved, load_average, machine_note, median, model_desc, set_threads, spread, table  # noqa: E402
 
 

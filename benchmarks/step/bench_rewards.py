@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import interleaved, median, spread, table  # noqa: E402
 
 REWARDS = '''

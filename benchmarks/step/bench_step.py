@@ -4,7 +4,7 @@
     python benchmarks/step/bench_step.py --tiny
     python benchmarks/step/bench_step.py --only profile       # just the one-step breakdown
     python benchmarks/step/bench_step.py --only padding       # unsorted vs length-sorted micro-batches
-    python benchmarks/step/bench_step.py --model-path ~/.cache/cispo/models/loading/addition-<hash>   # a pretrained policy
+    python benchmarks/step/bench_step.py --model-path ~/.cache/cispo/models/loading/addition-<hash>   # a saved policy
 
 Runs ``cispo.training.rl_step.RLStep`` in this process on the built-in addition task (CPU, fp32,
 ``--threads``), with the built-in Llama (random init unless ``--model-path``) and the
@@ -33,7 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import PHASES, load_average, machine_note, median, ours_setup, ours_steps, set_threads, table  # noqa: E402
 from cispo.models.loading import MAX_POSITIONS, MODEL_SIZES  # noqa: E402
 
@@ -66,7 +67,8 @@ def main(argv=None) -> None:
     from cispo.training.setup import default_max_new_tokens
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="default", help="built-in model size of the base (cispo.models.loading.MODEL_SIZES)")
+    p.add_argument("--size", default="default",
+                   help="built-in model size of the base (cispo.models.loading.MODEL_SIZES)")
     p.add_argument("--max-new-tokens", type=int, default=default_max_new_tokens(get_task("addition")),
                    help="L (default: the trainer's for the addition task)")
     p.add_argument("--rounds", type=int, default=3)

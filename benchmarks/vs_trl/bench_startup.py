@@ -45,7 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import load_average, machine_note, median, spread, table  # noqa: E402
 
 PHASES = [  # (label, from mark, to mark)
@@ -257,7 +258,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=16, help="RL steps per run")
     p.add_argument("--rounds", type=int, default=3, help="rounds of one run per arm, the order reversed every other")
     p.add_argument("--baseline-tree", help="a folder holding another cispo/ package (an older checkout): a third arm")
-    p.add_argument("--imports", type=int, default=10, help="top-level imports to list from one -X importtime run (0: none)")
+    p.add_argument("--imports", type=int, default=10,
+                   help="top-level imports to list from one -X importtime run (0: none)")
     p.add_argument("--trl", action="store_true", help="a third arm: the workload through TRL's GRPOTrainer (needs trl)")
     p.add_argument("--threads", default="1", help="torch threads of every arm (default 1), or 'default': each its own")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

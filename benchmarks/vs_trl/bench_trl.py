@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import machine_note  # noqa: E402
 from benchmarks.vs_trl._trl_common import grpo_config, report, run_worker, train_timed, worker_threads  # noqa: E402
 
@@ -136,8 +137,9 @@ def main(argv=None) -> None:
     desc = model_desc(build_model(build_tokenizer(get_task("addition").alphabet), size=a.size))
     ours_with = f"; ours with {' '.join(a.ours_set)}" if a.ours_set else ""
     threads = {side: sorted({s["threads"] for w in ws for s in w}) for side, ws in runs.items()}
-    print(f"built-in '{a.size}' = {desc}; B = {a.prompts} prompts x G={a.group_size} = {B} rows, K = {a.updates} optimizer "
-          f"steps of {B // a.updates} rows x {a.epochs} epoch(s), L = {a.max_new_tokens} tokens, EOS {a.eos}; threads "
+    print(f"built-in '{a.size}' = {desc}; B = {a.prompts} prompts x G={a.group_size} = {B} rows, "
+          f"K = {a.updates} optimizer steps of {B // a.updates} rows x {a.epochs} epoch(s), "
+          f"L = {a.max_new_tokens} tokens, EOS {a.eos}; threads "
           f"ours {threads['ours']}, TRL {threads['TRL']}; {a.rounds} round(s) x {a.steps - 1} measured steps per "
           f"side{ours_with}")
     report(runs, "ours", "TRL")

@@ -3,10 +3,12 @@ the ``wordmath`` task, the same workload on both sides, interleaved in one run; 
 rate as a share of this machine's measured fp32 and bf16 matmul rates.
 
     python benchmarks/vs_trl/bench_trl_smollm2.py        # needs trl and builtin:smollm2-135m; the defaults below
-    python benchmarks/vs_trl/bench_trl_smollm2.py --pairs 3 --steps 2 --prompts 4 --group 8 --max-new-tokens 64 --updates 4
+    python benchmarks/vs_trl/bench_trl_smollm2.py --pairs 3 --steps 2 --prompts 4 --group 8 --max-new-tokens 64 \\
+        --updates 4
     python benchmarks/vs_trl/bench_trl_smollm2.py --bf16-steps 1 --bf16-repeats 1    # also cispo under bf16 autocast
-    python benchmarks/vs_trl/bench_trl_smollm2.py --cispo-set 'algo.minibatch_order=by_group'   # cispo with other settings
-    python benchmarks/vs_trl/bench_trl_smollm2.py --pairs 1 --steps 1 --prompts 2 --group 2 --max-new-tokens 8 --updates 1
+    python benchmarks/vs_trl/bench_trl_smollm2.py --cispo-set 'algo.minibatch_order=by_group'   # other cispo settings
+    python benchmarks/vs_trl/bench_trl_smollm2.py --pairs 1 --steps 1 --prompts 2 --group 2 --max-new-tokens 8 \\
+        --updates 1
 
 The workload, the same on both sides: the model ``--model`` (default ``builtin:smollm2-135m``, cispo's
 converted fp32 folder of the packaged GGUF, ``cispo.models.packaged``; each side loads it from that folder); the
@@ -65,7 +67,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.* and this checkout's cispo
+# the repository root, so that benchmarks.* and this checkout's cispo import
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks._common import MATMUL_SHAPE, machine_note, matmul_rate, median, table, update_flops  # noqa: E402
 from benchmarks.vs_trl._trl_common import grpo_config, report, run_worker, train_timed, worker_threads  # noqa: E402
 
@@ -207,7 +210,8 @@ def main(argv=None) -> None:
     p.add_argument("--mm-shape", type=lambda v: tuple(int(x) for x in v.split(",")), default=MATMUL_SHAPE,
                    metavar="M,K,N", help="the matmul timed: [M, K] x [N, K]^T (default %(default)s)")
     p.add_argument("--cispo-set", default="", metavar="'KEY=VALUE ...'",
-                   help="cispo settings on top of the workload's, space-separated (e.g. 'algo.minibatch_order=by_group')")
+                   help="cispo settings on top of the workload's, space-separated "
+                        "(e.g. 'algo.minibatch_order=by_group')")
     p.add_argument("--in-process", action="store_true", help="run every worker in this process (tests)")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
