@@ -92,7 +92,8 @@ def probe(model, tokenizer, task_name: str = "chain_hidden", n_prompts: int = 20
     lp_right, _ = _teacher_forced(model, tokenizer, contexts, [st["right"] for st in steps], w_id)
     lp_written, p_w = _teacher_forced(model, tokenizer, contexts, [st["written"] for st in steps], w_id)
     carry = [i for i, st in enumerate(steps) if st["group"] != "no_carry"]
-    lp_dropped, _ = _teacher_forced(model, tokenizer, [contexts[i] for i in carry], [steps[i]["dropped"] for i in carry], w_id)
+    lp_dropped, _ = _teacher_forced(model, tokenizer, [contexts[i] for i in carry],
+                                    [steps[i]["dropped"] for i in carry], w_id)
     for i, st in enumerate(steps):
         st.update(p_right=math.exp(lp_right[i]), p_w=p_w[i], p_dropped=0.0)
     for i, lp in zip(carry, lp_dropped):
@@ -150,7 +151,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     model, tokenizer = load_policy(args.model)
     report = {"model": str(args.model),
-              "command": "python -m studies.chain_probe " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+              "command": "python -m studies.chain_probe "
+                         + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
               **probe(model, tokenizer, args.task, args.prompts, args.samples_per_step, args.seed)}
     report["wall_s"] = time.perf_counter() - t0
     text = json.dumps(report, indent=1)

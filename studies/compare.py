@@ -124,7 +124,8 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            ("seeds", len(self.seeds) >= 1 and len(set(self.seeds)) == len(self.seeds), "must be distinct, >= 1 of them"),
+            ("seeds", len(self.seeds) >= 1 and len(set(self.seeds)) == len(self.seeds),
+             "must be distinct, >= 1 of them"),
             ("tune_seeds", not set(self.tune_seeds) & set(self.seeds),
              f"must be disjoint from seeds (shared: {sorted(set(self.tune_seeds) & set(self.seeds))})"),
             ("tune_seeds", len(self.tune_seeds) >= 1 or not self.tune_lrs, "must hold >= 1 seed when tune_lrs is set"),
@@ -136,7 +137,8 @@ class CompareConfig:
             ("lr_from", all(a in self.arms for a in self.lr_from),
              f"names arms that are not compared: {sorted(set(self.lr_from) - set(self.arms))}"),
             ("lr_from", not _has_cycle(self.lr_from), "has a cycle (an arm takes its rate from itself)"),
-            ("minibatch_prompts", self.minibatch_prompts is None or self.minibatch_prompts >= 1, "must be >= 1 or None"),
+            ("minibatch_prompts", self.minibatch_prompts is None or self.minibatch_prompts >= 1,
+             "must be >= 1 or None"),
             ("warmup_fraction", self.warmup_fraction is None or 0 < self.warmup_fraction <= 1,
              "must be in (0, 1] or None"),
         ]
@@ -212,7 +214,8 @@ def base_config(cfg: CompareConfig, arm: ArmConfig | None = None, k: int | None 
     if cfg.minibatch_prompts is not None:
         fair.append(f"rollout.prompts_per_step={k * cfg.minibatch_prompts}")
     if cfg.warmup_fraction is not None:
-        fair.append(f"optim.warmup_updates={warmup_updates(c.optim.warmup_updates, cfg.warmup_fraction, c.steps * k * c.algo.epochs)}")
+        total = c.steps * k * c.algo.epochs  # optimizer updates over the run
+        fair.append(f"optim.warmup_updates={warmup_updates(c.optim.warmup_updates, cfg.warmup_fraction, total)}")
     return apply_overrides(c, fair)
 
 
@@ -269,7 +272,8 @@ def tuning_configs(cfg: CompareConfig, k: int | None = None, lrs: list[float] | 
             continue
         for lr in lrs or cfg.tune_lrs:
             for seed in cfg.tune_seeds:
-                out[(name, lr, seed)] = one_run(base, name, arm, seed, lr, "tune", part_name(cfg), prefix=f"tune_lr{lr:g}__")
+                out[(name, lr, seed)] = one_run(base, name, arm, seed, lr, "tune", part_name(cfg),
+                                                prefix=f"tune_lr{lr:g}__")
     return out
 
 
@@ -326,9 +330,9 @@ def tune(cfg: CompareConfig, ks: list[int] | None = None) -> CompareConfig:
             chosen[f"{arm}@{k}"] = pick_lr(per_lr, cfg.tune_tie)
     if scores:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "tuning.json").write_text(json.dumps({"score": cfg.tune_score, "seeds": cfg.tune_seeds,
-                                                     "scores": scores, "chosen": {**previous.get("chosen", {}), **chosen}},
-                                                    indent=1))
+        record = {"score": cfg.tune_score, "seeds": cfg.tune_seeds, "scores": scores,
+                  "chosen": {**previous.get("chosen", {}), **chosen}}
+        (out / "tuning.json").write_text(json.dumps(record, indent=1))
         (out / "tuning.md").write_text(format_tuning(scores, cfg) + "\n")
     return replace(cfg, learning_rates=chosen)
 
@@ -342,7 +346,8 @@ def with_tuning_from(cfg: CompareConfig) -> CompareConfig:
     return replace(cfg, learning_rates={**loaded, **cfg.learning_rates})
 
 
-def _scores(cfg: CompareConfig, runs: dict[tuple[str, float, int], Run], arm: str, lrs: list[float]) -> dict[float, float]:
+def _scores(cfg: CompareConfig, runs: dict[tuple[str, float, int], Run], arm: str,
+            lrs: list[float]) -> dict[float, float]:
     """lr -> the arm's tuning score at that rate, mean over the tuning seeds."""
     return {lr: nan_mean(tuning_score(read_metrics(runs[(arm, lr, s)].dir / "metrics.jsonl"), cfg.tune_score,
                                       cfg.final_evals) for s in cfg.tune_seeds) for lr in lrs}
@@ -367,8 +372,8 @@ def format_tuning(scores: dict[str, float], cfg: CompareConfig) -> str:
         else "final held-out accuracy"
     lines += ["", f"Score: {what}, mean over tuning seeds {cfg.tune_seeds} (one run per seed and cell); the highest "
               f"wins, scores within {cfg.tune_tie:g} of it tie and a tie goes to the smallest rate. \"At grid edge\": "
-              "the optimum may lie outside the grid" + (" (already extended once past an edge choice)." if cfg.tune_extend
-                                                        else ".")]
+              "the optimum may lie outside the grid"
+              + (" (already extended once past an edge choice)." if cfg.tune_extend else ".")]
     return "\n".join(lines)
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 
 MARKER = re.compile(r"<!-- study:(?P<name>\S+) -->(?P<body>.*?)<!-- /study:(?P=name) -->", re.S)
-"""A quoted table or number in a doc: ``<!-- study:ratio/main/chain/K16 -->0.52 [0.41, 0.66]<!-- /study:ratio/main/chain/K16 -->``;
+"""A quoted table or number in a doc, e.g.
+``<!-- study:ratio/main/chain/K16 -->0.52 [0.41, 0.66]<!-- /study:ratio/main/chain/K16 -->``;
 a table sits on its own lines between the two markers."""
 
 

@@ -54,7 +54,8 @@ def plot_gaps(groups, part: str, contrast: str, path: Path) -> Path | None:
         for base in (a for a in arms if a != contrast):
             seeds = sorted(set(arms[contrast]) & set(arms[base]))
             if len(seeds) >= 2:
-                t = paired_t([mean_accuracy(arms[contrast][s].curve()) - mean_accuracy(arms[base][s].curve()) for s in seeds])
+                t = paired_t([mean_accuracy(arms[contrast][s].curve()) - mean_accuracy(arms[base][s].curve())
+                              for s in seeds])
                 lines.setdefault((task, base), []).append((k, t))
     fig, ax = plt.subplots(figsize=(6, 4))
     for (task, base), pts in sorted(lines.items()):

@@ -262,9 +262,10 @@ def summary_table(groups: Groups, part: str, st: Settings) -> str:
                          f"| {m('steps_to_90', 1)} | {m('rollout/response_length', 1)} "
                          f"| {m('rollout/fork_tokens_per_response', 2)} | {sum(flags)}/{len(flags)} |")
     lines += ["", f"mean ± 95% t half-width over seeds. Final: mean of the last {st.final_evals} evaluations. Steps to "
-              f"target: target = {st.reference}'s final held-out accuracy (mean over its seeds) at that task and K; a run "
-              "that never reaches it counts as its last step + one evaluation interval. Response length and W (fork) "
-              f"tokens per response: means over the last 5 steps. Collapsed: of the runs whose peak reached {st.floor:g}."]
+              f"target: target = {st.reference}'s final held-out accuracy (mean over its seeds) at that task and K; "
+              "a run that never reaches it counts as its last step + one evaluation interval. Response length and W "
+              "(fork) tokens per response: means over the last 5 steps. Collapsed: of the runs whose peak reached "
+              f"{st.floor:g}."]
     return "\n".join(lines)
 
 
@@ -338,12 +339,12 @@ def comparisons_table(rows: list[dict], fam: Family) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t, p = r["t"], (1 if r["measure"].startswith("steps") else 3)
-        lines.append(f"| {r['task']} | {r['K']} | {_label(r['measure'])} | {r['a']} − {r['b']} | {t.n} | {t.mean:+.{p}f} "
-                     f"| {_ci(t.lo, t.hi, p)} | {t.p:.3g} | {r['holm_p']:.3g} | {r['family']} "
+        lines.append(f"| {r['task']} | {r['K']} | {_label(r['measure'])} | {r['a']} − {r['b']} | {t.n} "
+                     f"| {t.mean:+.{p}f} | {_ci(t.lo, t.hi, p)} | {t.p:.3g} | {r['holm_p']:.3g} | {r['family']} "
                      f"| {'yes' if r['holm_p'] <= 0.05 else 'no'} |")
     what = "over all its measures" if fam.pooled else "per measure"
-    lines += ["", f"Paired by seed; two-sided 95% t-intervals (unadjusted) and paired t-tests; Holm's correction within "
-              f"each task's family {what} (family = its number of tests); significant: Holm p <= 0.05."]
+    lines += ["", "Paired by seed; two-sided 95% t-intervals (unadjusted) and paired t-tests; Holm's correction "
+              f"within each task's family {what} (family = its number of tests); significant: Holm p <= 0.05."]
     if isinstance(fam.pairs, tuple):
         lines.append("The family is declared: its size counts every declared test; one that could not run (an arm "
                      "missing) counts as p = 1.")
@@ -380,8 +381,9 @@ def q1_table(rows: list[dict], st: Settings, note: str = "") -> str:
     """The ≤ 50% rule's table; `note` (``Settings.q1_notes``) replaces the sentence that calls the
     row against the reference the primary test."""
     c = st.contrast
-    lines = [f"| task | K | {c} vs | target | seeds | {c} steps (censored) | its steps (censored) | ratio | Fieller 95% CI "
-             f"| T_{c} − 0.5·T_other | 95% CI | ≤ 50% of the steps |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| task | K | {c} vs | target | seeds | {c} steps (censored) | its steps (censored) | ratio "
+             f"| Fieller 95% CI | T_{c} − 0.5·T_other | 95% CI | ≤ 50% of the steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         (rat, lo, hi), t, n = r["ratio"], r["rule"], len(r["c"])
         cm, dm = (sum(x for x, _ in v) / n for v in (r["c"], r["d"]))
@@ -392,7 +394,8 @@ def q1_table(rows: list[dict], st: Settings, note: str = "") -> str:
               f"{st.final_evals} evaluations). Steps to target per run, censored at the last step + one evaluation "
               f"interval (censored runs in brackets). Rule: d = T_{c} − 0.5·T_other paired by seed; yes if the 95% "
               f"t-interval of mean d lies below 0, no if above, else unclear. "
-              + (f"Against {st.reference}: the primary, uncorrected test; the other rows are secondary. " if not note else "")
+              + (f"Against {st.reference}: the primary, uncorrected test; the other rows are secondary. "
+                 if not note else "")
               + "Ratio of mean steps with Fieller's interval: descriptive."]
     return "\n".join(lines + (["", note] if note else []))
 
@@ -423,7 +426,8 @@ def slope_table(rows: list[dict], st: Settings) -> str:
         lines.append(f"| {r['task']} | {st.contrast} − {r['base']} | {t.n} | {t.mean:+.4f} | {_ci(t.lo, t.hi, 4)} "
                      f"| {'yes' if t.lo > 0 else 'no'} |")
     lines += ["", "Gap: mean held-out accuracy over training, paired by seed; per seed the least-squares slope on "
-              "log2 K over the K values that seed ran; t-interval over seeds. Grows: only if the interval lies above 0."]
+              "log2 K over the K values that seed ran; t-interval over seeds. Grows: only if the interval lies "
+              "above 0."]
     return "\n".join(lines)
 
 
@@ -444,8 +448,8 @@ def collapse_table(groups: Groups, part: str, st: Settings) -> str:
             frac = f"{hit / learned:.2f}" if learned else "n/a"
             lines.append(f"| {task} | {k} | {_arm_label(arm, runs, part)} | {_lrs(runs)} | {learned} | {hit} | {frac} "
                          f"| [{lo:.2f}, {hi:.2f}] | {never} | [{nlo:.2f}, {nhi:.2f}] |")
-    lines += ["", "Collapsed: held-out accuracy below half its peak P (over all evaluations) from some evaluation after "
-              f"the peak to the last one; never learned: P < {st.floor:g} (left out of the fraction). Wilson 95% "
+    lines += ["", "Collapsed: held-out accuracy below half its peak P (over all evaluations) from some evaluation "
+              f"after the peak to the last one; never learned: P < {st.floor:g} (left out of the fraction). Wilson 95% "
               "intervals: collapsed out of the runs that learned, never learned out of all the arm's runs. Two arms "
               "differ only where their intervals do not overlap."]
     return "\n".join(lines)
@@ -505,8 +509,8 @@ def tuning_table(runs: list[RunData], part: str, st: Settings) -> str | None:
         best = pick_lr(mean, st.tune_tie)
         lines.append(f"| {task} | {k} | {arm} | " + " | ".join(f"{mean[lr]:.3f}" if lr in mean else "n/a" for lr in lrs)
                      + f" | {best:g} | {'yes' if at_edge(best, mean) else 'no'} |")
-    lines += ["", f"Score: {st.tune_score.replace('_', ' ')} (mean over the tuning seeds); the highest wins, scores within "
-              f"{st.tune_tie:g} of it tie and a tie goes to the smallest rate."]
+    lines += ["", f"Score: {st.tune_score.replace('_', ' ')} (mean over the tuning seeds); the highest wins, "
+              f"scores within {st.tune_tie:g} of it tie and a tie goes to the smallest rate."]
     return "\n".join(lines)
 
 
@@ -536,7 +540,8 @@ def compute_table(runs: list[RunData]) -> tuple[str, dict[str, float]]:
 # --------------------------------------------------------------------------------------
 
 
-def report(csv_path: str | Path | list[str | Path], out_dir: str | Path | None = None, st: Settings = Settings()) -> dict[str, str]:
+def report(csv_path: str | Path | list[str | Path], out_dir: str | Path | None = None,
+           st: Settings = Settings()) -> dict[str, str]:
     """name -> text of every table (``summary/PART``, ``mechanism/PART``, ``comparisons/PART``,
     ``q1/PART``, ``slope/PART``, ``collapse/PART``, ``steps/PART``, ``steps_paired/PART``,
     ``mechanism_check/PART``, ``drops/PART`` (post hoc), ``compute_fit/PART`` (with
@@ -576,8 +581,9 @@ def report(csv_path: str | Path | list[str | Path], out_dir: str | Path | None =
             out[f"collapse/{part}"] = collapse_table(groups, part, st)
             out.update(count_values(part, collapse_counts(groups, part, st)))
             if part in st.posthoc_drops:
-                out[f"drops/{part}"] = drop_table([(task, k, arm, {s: r.curve() for s, r in runs.items()}) for task, k, arms
-                                                   in _groups_of(groups, part) for arm, runs in arms.items()], st.floor)
+                cells = [(task, k, arm, {s: r.curve() for s, r in runs.items()})
+                         for task, k, arms in _groups_of(groups, part) for arm, runs in arms.items()]
+                out[f"drops/{part}"] = drop_table(cells, st.floor)
             out.update(steps_outputs(groups, part, st))
             if level := mechanism_level(groups, part):
                 out[f"mechanism_check/{part}"] = level

@@ -36,7 +36,8 @@ def load_study(paths: str | Path | list[str | Path]) -> list[RunData]:
     source: dict[tuple[str, str], Path] = {}
     paths = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if len(set(paths)) < len(paths):
-        raise ValueError(f"a data file is given twice: {', '.join(sorted({str(p) for p in paths if paths.count(p) > 1}))}")
+        twice = sorted({str(p) for p in paths if paths.count(p) > 1})
+        raise ValueError(f"a data file is given twice: {', '.join(twice)}")
     for path in paths:
         for i, row in enumerate(read_csv(path), start=2):
             key = (row["part"], row["run"])
@@ -62,7 +63,8 @@ def group_eval_runs(runs: list[RunData]) -> Groups:
             m = r.meta
             cell = out[(m["part"], m["task"], int(m["K"]))][m["arm"]]
             if int(m["seed"]) in cell:
-                raise ValueError(f"part {m['part']}, task {m['task']}, K {m['K']}: arm {m['arm']} has seed {m['seed']} "
-                                 f"twice ({cell[int(m['seed'])].meta['run']} and {m['run']}); put them in separate parts")
+                raise ValueError(f"part {m['part']}, task {m['task']}, K {m['K']}: arm {m['arm']} has seed "
+                                 f"{m['seed']} twice ({cell[int(m['seed'])].meta['run']} and {m['run']}); put them "
+                                 "in separate parts")
             cell[int(m["seed"])] = r
     return out

@@ -63,7 +63,8 @@ def paired_steps(a: Steps, b: Steps) -> dict | None:
             "censored_both": sum(not a[s][1] and not b[s][1] for s in seeds)}
 
 
-def steps_per_seed_table(cells: list[tuple[str, int, float, dict[str, Steps]]], reference: str, final_evals: int) -> str:
+def steps_per_seed_table(cells: list[tuple[str, int, float, dict[str, Steps]]], reference: str,
+                         final_evals: int) -> str:
     """One row per (task, K, arm) of `cells` = [(task, K, target, arm -> Steps)]: T per seed,
     ``*`` where censored, ``–`` where the arm has no run of that seed."""
     seeds = sorted({s for *_, arms in cells for steps in arms.values() for s in steps})
@@ -77,7 +78,8 @@ def steps_per_seed_table(cells: list[tuple[str, int, float, dict[str, Steps]]], 
                          + f" | {sum(r for _, r in steps.values())}/{len(steps)} |")
     lines += ["", f"Steps to target per run: the first evaluated step at which held-out accuracy is ≥ the target, "
               f"{reference}'s final held-out accuracy (mean over its seeds of the mean of its last {final_evals} "
-              "evaluations) at that task and K. `*`: never reached, censored at the last step + one evaluation interval."]
+              "evaluations) at that task and K. `*`: never reached, censored at the last step + one evaluation "
+              "interval."]
     return "\n".join(lines)
 
 
@@ -122,10 +124,11 @@ def mechanism_level_table(cells: list[tuple[str, int, dict[str, list[dict]]]]) -
             lines.append(f"| {task} | {k} | {arm} | {len(gates)} | "
                          + " | ".join(pm([g[key] for g in gates], p) for key, p in LEVELS) + f" | {with_w} |")
     lines += ["", "Per run, the figures of `python -m studies.mechanism_gate` (criteria (i) and (ii) of the "
-              "v3 gate, over the run's steps 1–40): the steps of 11–40 in which a positive-advantage fork token with "
-              "p_old < 0.1 had r > 1 + eps_high, and the mean over steps 1–40 (steps without a positive fork token left "
-              "out) of the positive fork tokens' and the other positive tokens' gradient-mass share above the bound. "
-              "Then mean ± 95% t half-width over the arm's runs. Descriptive only: the level, not the gate's verdict."]
+              "v3 gate, over the run's steps 1–40): the steps of 11–40 in which a positive-advantage fork token "
+              "with p_old < 0.1 had r > 1 + eps_high, and the mean over steps 1–40 (steps without a positive fork "
+              "token left out) of the positive fork tokens' and the other positive tokens' gradient-mass share above "
+              "the bound. Then mean ± 95% t half-width over the arm's runs. Descriptive only: the level, not the "
+              "gate's verdict."]
     return "\n".join(lines)
 
 
@@ -190,9 +193,10 @@ def drop_table(cells: list[tuple[str, int, str, dict[int, dict[int, float]]]], f
             where.append(f"{s}: {max(c.values()):.3f}, {c[low]:.3f} ({low}), {c[max(c)]:.3f}; {', '.join(map(str, d))}")
         lines.append(f"| {task} | {k} | {arm} | {len(curves)} | {len(hit)} | [{lo:.2f}, {hi:.2f}] | "
                      f"{' · '.join(where) or 'none'} |")
-    lines += ["", "**Post hoc** (chosen after seeing this part's curves; not in the protocol, no decision rests on it): a "
-              f"drop is an evaluation below half the run's peak held-out accuracy so far, once that peak is >= {floor:g}; "
-              "unlike the protocol's collapse, the run may recover. Wilson 95% intervals out of the arm's runs."]
+    lines += ["", "**Post hoc** (chosen after seeing this part's curves; not in the protocol, no decision rests on "
+              "it): a drop is an evaluation below half the run's peak held-out accuracy so far, once that peak is "
+              f">= {floor:g}; unlike the protocol's collapse, the run may recover. Wilson 95% intervals out of the "
+              "arm's runs."]
     return "\n".join(lines)
 
 
@@ -222,7 +226,8 @@ def compute_fit_table(cells: list[tuple[str, int, str, ArmFit | str]], axis: str
     if axis not in AXIS_WORDS:
         raise ValueError(f"unknown compute axis {axis!r}: one of {', '.join(AXIS_WORDS)}")
     words, p = AXIS_WORDS[axis]
-    lines = ["| task | K | arm | seeds | R0 | A | 95% CI | B | 95% CI | C_mid | 95% CI | rmse | points | failed refits |",
+    lines = ["| task | K | arm | seeds | R0 | A | 95% CI | B | 95% CI | C_mid | 95% CI | rmse | points "
+             "| failed refits |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for task, k, arm, a in cells:
         if isinstance(a, str):
@@ -234,12 +239,13 @@ def compute_fit_table(cells: list[tuple[str, int, str, ArmFit | str]], axis: str
                      f"| {f.C_mid:.{p}f}{_at_bound(f.C_mid, 0.0, C_MID_MAX * f.C_max)} | {_interval(b.C_mid, p)} "
                      f"| {f.rmse:.3f} | {f.n_points} | {b.failed}/{b.n_boot} |")
     lines += ["", f"**Descriptive** (no test, no decision rests on it): ScaleRL's compute–performance curve (arXiv "
-              f"2510.13786, eq. 1), R(C) − R0 = (A − R0) / (1 + (C_mid / C)^B), R the held-out accuracy, C the {words}. "
-              "Per arm, least squares on the pooled points of all its seeds with C > 0; R0 = the mean step-0 held-out "
-              f"accuracy of its runs, fixed; A in [R0, 1], B in (0, {B_MAX:g}], C_mid in (0, {C_MID_MAX:g} × the largest "
-              "C]; `*`: the estimate sits at one of these bounds (a limit of the fit, not a measurement). rmse over the "
-              f"fitted points. 95% percentile bootstrap intervals over seeds ({n_boot} resamples of the seeds with "
-              "replacement, generator seed 0, R0 fixed; failed refits left out). A, B and C_mid trade off against each "
-              "other (a higher A with a smaller B can fit the same points), so one parameter's interval is not a "
-              "comparison of two curves; where two arms' intervals overlap, the fit does not show them to differ."]
+              "2510.13786, eq. 1), R(C) − R0 = (A − R0) / (1 + (C_mid / C)^B), R the held-out accuracy, "
+              f"C the {words}. Per arm, least squares on the pooled points of all its seeds with C > 0; R0 = the mean "
+              f"step-0 held-out accuracy of its runs, fixed; A in [R0, 1], B in (0, {B_MAX:g}], C_mid in "
+              f"(0, {C_MID_MAX:g} × the largest C]; `*`: the estimate sits at one of these bounds (a limit of the fit, "
+              f"not a measurement). rmse over the fitted points. 95% percentile bootstrap intervals over seeds "
+              f"({n_boot} resamples of the seeds with replacement, generator seed 0, R0 fixed; failed refits left "
+              "out). A, B and C_mid trade off against each other (a higher A with a smaller B can fit the same "
+              "points), so one parameter's interval is not a comparison of two curves; where two arms' intervals "
+              "overlap, the fit does not show them to differ."]
     return "\n".join(lines)

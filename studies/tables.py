@@ -84,9 +84,11 @@ def format_table(table: dict) -> str:
     for algo, row in table["arms"].items():
         lo, hi = row["collapse_interval"]
         lines.append(
-            f"| {algo} | {_fmt_lr(table.get('learning_rates', {}).get(algo))} | {row['seeds']} | {fmt(row['initial_accuracy'])} | {fmt(row['final_accuracy'])} "
+            f"| {algo} | {_fmt_lr(table.get('learning_rates', {}).get(algo))} | {row['seeds']} "
+            f"| {fmt(row['initial_accuracy'])} | {fmt(row['final_accuracy'])} "
             f"| {fmt(row.get('mean_accuracy'))} | {fmt(row['steps_to_target'], 1)} | {row['reached_target']} "
-            f"| {fmt(row.get('steps_to_90'), 1)} | {row.get('reached_90', 'n/a')} | {row['collapsed']} [{lo:.2f}, {hi:.2f}] "
+            f"| {fmt(row.get('steps_to_90'), 1)} | {row.get('reached_90', 'n/a')} "
+            f"| {row['collapsed']} [{lo:.2f}, {hi:.2f}] "
             f"| {fmt(row['final_fork_rate'])} "
             f"| {fmt(row['frac_ppo_dropped_fork'])} | {fmt(row['frac_capped'])} | {fmt(row['entropy'])} |"
         )
@@ -127,7 +129,8 @@ def plot_comparison(runs: dict[str, list[list[dict]]], path: Path, title: str) -
             stats = [mean_band([c[s] for c in curves]) for s in steps]
             m = [s[0] for s in stats]
             ax.plot(steps, m, label=algo)
-            fill_band(ax, steps, [a - s[2] for a, s in zip(m, stats)], [a + s[2] for a, s in zip(m, stats)], key, alpha=0.2)
+            fill_band(ax, steps, [a - s[2] for a, s in zip(m, stats)], [a + s[2] for a, s in zip(m, stats)], key,
+                      alpha=0.2)
         style_axis(ax, name)
     return save_figure(fig, path, title)
 

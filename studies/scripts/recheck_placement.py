@@ -5,9 +5,10 @@ From a run's ``samples.jsonl`` (the logged training completions, `log_samples_ev
 written), whether a ``W`` follows it, grouped into *buggy* (the task's `chain.TASK_BUGS`: the
 base model errs there, so the recheck pays), *other carrying* and *no carry*; and how often a
 buggy step's direct result is already right (a "direct fix", no recheck needed). From its
-``metrics.jsonl`` (each read from its ``.gz`` in a run committed under studies/results/), per phase: the ``W`` tokens of the training batches (`fork/w/count`), those with
-a positive advantage (`fork/w/pos`), of them above 1 + eps_high (`fork/w/pos_above`) and the
-paper's case (`fork/w/pos_lowp_above`), and their mean p_old.
+``metrics.jsonl`` (each read from its ``.gz`` in a run committed under studies/results/), per
+phase: the ``W`` tokens of the training batches (`fork/w/count`), those with a positive advantage
+(`fork/w/pos`), of them above 1 + eps_high (`fork/w/pos_above`) and the paper's case
+(`fork/w/pos_lowp_above`), and their mean p_old.
 
     python -m studies.scripts.recheck_placement chain_hidden studies/results/v3/gate/chain_hidden_dapo_s100
 """

@@ -8,7 +8,8 @@ fine-tuned on worked answers before RL, as ReTool's cold start, so that its call
 The demonstrations are ``wordmath_calc.demonstrations``: ``--n`` train problems of ``--data-seed`` (not the
 held-out split), each answered in one line of working, ``539 / 11 = <calc>539/11</calc><result>49</result>``
 then ``#### 49`` (``--plain``: ``539 / 11 = 49`` under wordmath's prompt; ``--call-share F``: a seeded share F of
-the problems answered with the call, the rest by hand, all under the calculator's prompt: a rare call). The loss is the mean cross-entropy
+the problems answered with the call, the rest by hand, all under the calculator's prompt: a rare call). The loss
+is the mean cross-entropy
 
     L = - (1 / |T|) sum_{t in T} log pi(y_t | y_<t)
 

@@ -3,13 +3,15 @@ per run the greedy held-out accuracy under ``wordmath_working`` before -> after,
 held-out answer length and the share of final answers cut at the 64-token limit (``eval/truncated``,
 logged from session 14 on; a descriptive column added in session 15 after DAPO seed 1 ran to the limit;
 for the three seed-0 runs, which came before it, measured in session 16 by re-evaluating their final
-checkpoint, ``posthoc_eval.json`` beside ``summary.json``, marked "re-evaluated"); per objective the mean gain; per seed the paired differences of the final
-accuracy CISPO - DAPO and CISPO - GRPO, with their mean and range. A pilot: three seeds give no
+checkpoint, ``posthoc_eval.json`` beside ``summary.json``, marked "re-evaluated"); per objective the
+mean gain; per seed the paired differences of the final accuracy CISPO - DAPO and CISPO - GRPO, with
+their mean and range. A pilot: three seeds give no
 test worth the name, so none is computed. A last table (added in session 16, after all runs but one
 were in; descriptive) says how far the objectives' updates could differ at all: per run, over its
 steps, the mean share of tokens whose IS weight CISPO's cap bounds (``objective/frac_capped``), the
 mean share PPO's trust region drops or would drop (``objective/frac_ppo_dropped``, logged for every
-objective at its own edges eps_low / eps_high: CISPO's defaults 0.2 / 0.2, DAPO's 0.2 / 0.28), the mean ``objective/approx_kl`` and the largest ratio (``objective/ratio_max``).
+objective at its own edges eps_low / eps_high: CISPO's defaults 0.2 / 0.2, DAPO's 0.2 / 0.28), the
+mean ``objective/approx_kl`` and the largest ratio (``objective/ratio_max``).
 
     python studies/results/smollm2/pilot_table.py            # from the repository root
 
@@ -51,7 +53,8 @@ def read_run(path: Path) -> dict | None:
     if cut is None and posthoc.exists():
         again = json.loads(posthoc.read_text())["metrics"]
         if again["eval/accuracy_greedy"] != acc["after"]:
-            raise SystemExit(f"{posthoc}: re-evaluated accuracy {again['eval/accuracy_greedy']} != logged {acc['after']}")
+            raise SystemExit(f"{posthoc}: re-evaluated accuracy {again['eval/accuracy_greedy']} "
+                             f"!= logged {acc['after']}")
         return {**read_summary(s), "cut": again["eval/truncated"], "cut_reevaluated": True}
     return {**read_summary(s), "cut": cut, "cut_reevaluated": False}
 
@@ -83,7 +86,8 @@ def paired(runs: dict, a: str, b: str) -> list[float]:
 
 def table(runs: dict) -> str:
     """The markdown tables: runs, per-objective mean gain, paired differences."""
-    lines = ["| objective | seed | held-out before | after | gain | final answer length (tokens) | final answers cut at the limit |",
+    lines = ["| objective | seed | held-out before | after | gain | final answer length (tokens) "
+             "| final answers cut at the limit |",
              "|---|---|---|---|---|---|---|"]
     for o in OBJECTIVES:
         for s in SEEDS:
@@ -102,14 +106,16 @@ def table(runs: dict) -> str:
         d = paired(runs, "cispo", b)
         stats = f"{sum(d) / len(d):+.3f} | {min(d):+.2f} .. {max(d):+.2f}" if d else "- | -"
         lines.append(f"| cispo - {b} | {len(d)} | {stats} |")
-    lines += ["", "| objective | seed | steps with an update | tokens capped (CISPO's weight bound) | tokens PPO's mask drops or would drop | mean approx KL | largest ratio |",
+    lines += ["", "| objective | seed | steps with an update | tokens capped (CISPO's weight bound) "
+              "| tokens PPO's mask drops or would drop | mean approx KL | largest ratio |",
               "|---|---|---|---|---|---|---|"]
     for o in OBJECTIVES:
         for s in SEEDS:
             t = trust_region(run_dir(o, s))
             if t is not None:
                 capped = f"{t['capped']:.2%}" if o == "cispo" else "- (no weight bound)"
-                lines.append(f"| {o} | {s} | {t['steps']} | {capped} | {t['dropped']:.2%} | {t['kl']:.4f} | {t['ratio_max']:.2f} |")
+                lines.append(f"| {o} | {s} | {t['steps']} | {capped} | {t['dropped']:.2%} | {t['kl']:.4f} "
+                             f"| {t['ratio_max']:.2f} |")
     return "\n".join(lines)
 
 
