@@ -39,4 +39,5 @@ def tiny_model(tmp_path_factory):
 def dense_task(monkeypatch):
     """The built-in addition task with `digit_reward` in place of its 0/1 reward."""
     base = cispo.data.tasks.get_task("addition")
-    monkeypatch.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
+    monkeypatch.setattr(cispo.data.tasks, "get_task",
+                        lambda name="addition": dataclasses.replace(base, reward=digit_reward))

@@ -13,9 +13,11 @@ from studies.stats import censored_steps, collapsed, fieller_ratio, holm, paired
 
 def test_builtin_arms_are_the_presets_and_the_ablations():
     assert set(PRESETS) <= set(BUILTIN_ARMS)
-    assert {"cispo_seqmean", "cispo_cap0.2", "cispo_cap1", "cispo_cap2", "cispo_cap4", "cispo_cap8"} <= set(BUILTIN_ARMS)
+    ablations = {"cispo_seqmean", "cispo_cap0.2", "cispo_cap1", "cispo_cap2", "cispo_cap4", "cispo_cap8"}
+    assert ablations <= set(BUILTIN_ARMS)
     seqmean = BUILTIN_ARMS["cispo_seqmean"]
-    assert preset(seqmean.objective, **seqmean.objective_overrides) == preset("cispo", aggregation="seq-mean-token-mean")
+    seqmean_preset = preset("cispo", aggregation="seq-mean-token-mean")
+    assert preset(seqmean.objective, **seqmean.objective_overrides) == seqmean_preset
     assert preset("cispo", **BUILTIN_ARMS["cispo_cap0.2"].objective_overrides).eps_high_is == 0.2
     assert preset("cispo", **BUILTIN_ARMS["cispo_cap4"].objective_overrides) == PRESETS["cispo"]
 
@@ -93,7 +95,8 @@ def test_intervals_by_hand():
     assert holm([0.5, float("nan")])[0] == 0.5
     lo, hi = wilson(2, 8)  # by the formula: (p + z²/2n ± z sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)
     z, n, ph = 1.959964, 8, 0.25
-    centre, half = (ph + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(ph * (1 - ph) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    centre = (ph + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(ph * (1 - ph) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     assert (lo, hi) == pytest.approx((centre - half, centre + half), abs=1e-6)
     assert wilson(0, 0) == (0.0, 1.0)
 

@@ -100,7 +100,8 @@ def test_too_few_points_no_start_and_no_convergence_are_clear_errors(monkeypatch
 
 def test_the_bootstrap_counts_the_resamples_it_cannot_fit():
     """Seed 1 has one point after C = 0: a resample of seed 1 alone cannot be fitted."""
-    curves = {0: {float(c): float(r) for c, r in zip(STEPS, sigmoid_curve(STEPS, **TRUE, R0=R0))}, 1: {0.0: R0, 5.0: 0.1}}
+    curves = {0: {float(c): float(r) for c, r in zip(STEPS, sigmoid_curve(STEPS, **TRUE, R0=R0))},
+              1: {0.0: R0, 5.0: 0.1}}
     b = bootstrap_fit(curves, R0, n_boot=60, seed=3)
     draws = np.random.default_rng(3).integers(0, 2, size=(60, 2))
     assert b.failed == int((draws == 1).all(axis=1).sum()) > 0 and b.n_boot == 60
@@ -138,7 +139,8 @@ def _csv(path: Path) -> Path:
     for arm, (A, B, mid) in ARMS.items():
         for seed in range(3):
             meta = {"part": "toy", "role": "eval", "arm": arm, "spec": arm, "objective": arm, "task": "chain",
-                    "K": "16", "seed": str(seed), "lr": "0.0001", "run": f"{arm}__chain__K16__seed{seed}", "steps": "40"}
+                    "K": "16", "seed": str(seed), "lr": "0.0001", "run": f"{arm}__chain__K16__seed{seed}",
+                    "steps": "40"}
             for step in range(41):
                 row = {**meta, "step": str(step)}
                 if step % 4 == 0:
@@ -166,7 +168,8 @@ def test_cli_compute_fit_writes_the_table_and_leaves_the_rest_unchanged(tmp_path
     table = fit.pop("compute_fit_toy.md")
     assert plain == fit  # every other table and number as without the option
     assert not any(name.startswith("compute_fit") for name in plain)
-    rows = {r[2]: r for r in (line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| chain |"))}
+    cells = (line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("| chain |"))
+    rows = {r[2]: r for r in cells}
     for arm, (A, B, mid) in ARMS.items():  # the seed shifts average out: the pooled fit is the clean curve's
         r = rows[arm]
         assert (r[3], r[4], r[12], r[13]) == ("3", "0.000", "30", "0/1000")  # seeds, R0, points, failed refits

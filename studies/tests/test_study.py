@@ -28,8 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 # held-out accuracy at steps 0, 2, 4, 6, 8 per (arm, seed); final = mean of the last two
 CURVES = {
-    ("dapo", 0): [0.0, 0.2, 0.4, 0.6, 0.8], ("dapo", 1): [0.0, 0.2, 0.4, 0.65, 0.68], ("dapo", 2): [0.0, 0.1, 0.3, 0.6, 0.9],
-    ("cispo", 0): [0.0, 0.5, 0.8, 0.8, 0.8], ("cispo", 1): [0.0, 0.8, 0.8, 0.9, 0.9], ("cispo", 2): [0.0, 0.4, 0.6, 0.8, 0.85],
+    ("dapo", 0): [0.0, 0.2, 0.4, 0.6, 0.8], ("dapo", 1): [0.0, 0.2, 0.4, 0.65, 0.68],
+    ("dapo", 2): [0.0, 0.1, 0.3, 0.6, 0.9],
+    ("cispo", 0): [0.0, 0.5, 0.8, 0.8, 0.8], ("cispo", 1): [0.0, 0.8, 0.8, 0.9, 0.9],
+    ("cispo", 2): [0.0, 0.4, 0.6, 0.8, 0.85],
     ("grpo", 0): [0.0, 0.6, 0.2, 0.1, 0.1],  # collapsed: below 0.3 after its peak, to the end
     ("grpo", 1): [0.0, 0.05, 0.05, 0.05, 0.05],  # never learned (peak 0.05 < 0.1)
     ("grpo", 2): [0.0, 0.3, 0.5, 0.6, 0.7],
@@ -72,10 +74,12 @@ def study(tmp_path_factory):
             "steps": 8, "eval_k": 4}
     for (arm, seed), accs in CURVES.items():
         _write_run(root / "main" / f"{arm}__chain__K16__seed{seed}", accs,
-                   {**base, "role": "eval", "arm": arm, "spec": arm, "objective": arm, "seed": seed, "lr": 1e-4}, 3600.0)
+                   {**base, "role": "eval", "arm": arm, "spec": arm, "objective": arm, "seed": seed, "lr": 1e-4},
+                   3600.0)
     for lr, accs in TUNING.items():
         _write_run(root / "main" / f"tune_lr{lr:g}__dapo__chain__K16__seed100", accs,
-                   {**base, "role": "tune", "arm": "dapo", "spec": "dapo", "objective": "dapo", "seed": 100, "lr": lr}, 1800.0)
+                   {**base, "role": "tune", "arm": "dapo", "spec": "dapo", "objective": "dapo", "seed": 100, "lr": lr},
+                   1800.0)
     for (arm, k, seed), accs in SWEEP.items():
         _write_run(root / "ksweep" / f"{arm}__chain__K{k}__seed{seed}", accs,
                    {**base, "part": "ksweep", "K": k, "role": "eval", "arm": arm, "spec": arm, "objective": arm,
@@ -84,8 +88,8 @@ def study(tmp_path_factory):
     _write_run(plain, [0.1, 0.2, 0.3, 0.4, 0.5], None)
     from cispo.training.setup import eval_defaults  # as `cispo train` saves it: the task's evaluation sizes filled in
 
-    save_yaml(eval_defaults(apply_overrides(TrainConfig(), ["seed=0", "updates_per_batch=4",
-                                                            "algo.objective.eps_high_is=2"])), plain / "config.yaml")
+    overrides = ["seed=0", "updates_per_batch=4", "algo.objective.eps_high_is=2"]
+    save_yaml(eval_defaults(apply_overrides(TrainConfig(), overrides)), plain / "config.yaml")
     # a run still going (no summary.json): its half curve must not enter the data
     _write_run(root / "main" / "cispo__chain__K16__seed3", [0.0, 0.9, 0.9, 0.9, 0.9],
                {**base, "role": "eval", "arm": "cispo", "spec": "cispo", "objective": "cispo", "seed": 3, "lr": 1e-4},
@@ -106,7 +110,8 @@ def test_the_csv_holds_every_run_and_step_and_is_reproducible(study):
     assert {(r["arm"], r["K"], r["seed"], r["lr"], r["wall_s"], r["role"], r["commit"], r["base_model"])
             for r in cispo1} == {("cispo", "16", "1", "0.0001", "3600", "eval", "0123456789ab", "builtin:feedc0ffee12")}
     plain = [r for r in rows if r["part"] == "extra"]
-    assert {(r["arm"], r["K"], r["role"], r["wall_s"], r["eval_k"]) for r in plain} == {("cispo(eps_high_is=2.0)", "4", "eval", "", "4")}
+    assert ({(r["arm"], r["K"], r["role"], r["wall_s"], r["eval_k"]) for r in plain}
+            == {("cispo(eps_high_is=2.0)", "4", "eval", "", "4")})
     again, _, _, _ = collect([root], root / "again.csv.gz")
     assert again.read_bytes() == csv_path.read_bytes()  # no timestamp in the gzip stream
     assert gzip.decompress(csv_path.read_bytes()).decode().splitlines()[0] == ",".join(COLUMNS)
@@ -132,7 +137,8 @@ def test_the_csv_is_the_same_from_compressed_run_files(study, tmp_path):
 def test_the_committed_run_files_are_compressed():
     """A fresh clone stays small (issue 43): no plain JSONL file over 100 KB under studies/results/
     (`python -m cispo.foundations.jsonl FILE.jsonl...` compresses one in place)."""
-    big = [str(f.relative_to(ROOT)) for f in (ROOT / "studies" / "results").rglob("*.jsonl") if f.stat().st_size > 100_000]
+    big = [str(f.relative_to(ROOT)) for f in (ROOT / "studies" / "results").rglob("*.jsonl")
+           if f.stat().st_size > 100_000]
     assert not big, f"compress these with `python -m cispo.foundations.jsonl`: {big}"
 
 
@@ -212,8 +218,9 @@ def test_q1_rule_collapse_tuning_and_compute(study):
 
 def test_doc_check_finds_a_wrong_quote_and_update_fixes_it(study):
     *_, out = study
-    doc = ("# Results\n\nCISPO needs <!-- study:ratio/main/chain/K16/dapo -->0.99 [0.1, 2]<!-- /study:ratio/main/chain/K16/dapo --> "
-           "of DAPO's steps.\n\n<!-- study:summary/main -->\n| old |\n<!-- /study:summary/main -->\n")
+    doc = ("# Results\n\nCISPO needs <!-- study:ratio/main/chain/K16/dapo -->0.99 [0.1, 2]"
+           "<!-- /study:ratio/main/chain/K16/dapo --> of DAPO's steps.\n\n"
+           "<!-- study:summary/main -->\n| old |\n<!-- /study:summary/main -->\n")
     problems = check_doc(doc, out, "results.md")
     assert len(problems) == 2 and problems[0].startswith("results.md:3: ratio/main/chain/K16/dapo: the doc says '0.99")
     fixed = update_doc(doc, out)

@@ -147,7 +147,8 @@ def test_two_data_files_are_parts_side_by_side_and_a_run_in_both_is_an_error(tmp
     assert sorted(r.meta["part"] for r in runs) == ["main", "v3_chain"]
     out = report([tmp_path / "a.csv", tmp_path / "b.csv"])
     assert "summary/main" in out and "summary/v3_chain" in out
-    assert out["hours/main"] == out["hours/v3_chain"] and float(out["hours/total"]) == pytest.approx(2 * 60 / 3600, abs=0.01)
+    assert out["hours/main"] == out["hours/v3_chain"]
+    assert float(out["hours/total"]) == pytest.approx(2 * 60 / 3600, abs=0.01)
     _csv(tmp_path / "c.csv", "main", "cispo__chain__K16__seed0", [0.0, 0.1, 0.1])
     with pytest.raises(ValueError, match=r"c.csv:2: run cispo__chain__K16__seed0 of part main is also in .*a.csv"):
         load_study([tmp_path / "a.csv", tmp_path / "c.csv"])
@@ -161,8 +162,8 @@ def test_post_hoc_drops_by_hand():
     assert drop_steps({0: 0.0, 5: 0.05, 10: 0.44, 15: 0.05, 20: 0.23, 25: 0.5, 30: 0.2}, 0.1) == [15, 30]
     assert drop_steps({0: 0.0, 5: 0.08, 10: 0.03}, 0.1) == []  # the peak never reached the floor
     curve = {0: 0.0, 5: 0.05, 10: 0.44, 15: 0.05, 20: 0.23, 25: 0.5, 30: 0.2}
-    table = drop_table([("chain", 16, "cispo", {0: {0: 0.0, 5: 0.5}, 1: curve}), ("chain", 16, "dapo", {0: {0: 0.0}, 1: {0: 0.3}})],
-                       0.1)
+    table = drop_table([("chain", 16, "cispo", {0: {0: 0.0, 5: 0.5}, 1: curve}),
+                        ("chain", 16, "dapo", {0: {0: 0.0}, 1: {0: 0.3}})], 0.1)
     lo, hi = wilson(1, 2)
     # seed 1: peak 0.5, lowest at a drop 0.05 (step 15), last 0.2; drops at 15 and 30
     assert f"| chain | 16 | cispo | 2 | 1 | [{lo:.2f}, {hi:.2f}] | 1: 0.500, 0.050 (15), 0.200; 15, 30 |" in table

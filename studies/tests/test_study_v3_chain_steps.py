@@ -75,7 +75,8 @@ def test_steps_to_target_per_seed_and_paired_by_hand():
         row = (f"| chain | 16 | {a} − {b} | 4 | {mean:+.1f} | [{mean - half:+.1f}, {mean + half:+.1f}] "
                f"| {cens[0]} / {cens[1]} / {cens[2]} |")
         assert row in table
-        assert out[f"steps_paired/v3_chain/chain/K16/{a}-{b}"] == f"{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]"
+        assert (out[f"steps_paired/v3_chain/chain/K16/{a}-{b}"]
+                == f"{mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}]")
     assert "| chain | 16 | cispo_lowmask − cispo | 4 | -5.0 | [-24.5, +14.5] | 0 / 2 / 0 |" in table
     assert statistics.variance(DIFFS[("cispo_lowmask", "cispo")][0]) == 150
     assert "outside the Holm family" in table and "| p |" not in table  # intervals only, no test
@@ -118,9 +119,11 @@ def _gate_rows(late_hits, fork_share, other_share):
 
 def test_mechanism_level_per_arm_by_hand():
     gates = [gate(_gate_rows(3, 0.2, 0.1)), gate(_gate_rows(5, None, 0.3))]
-    assert [g["late_steps_with_paper_case"] for g in gates] == [3, 5] and math.isnan(gates[1]["fork_pos_mass_above_mean"])
+    assert [g["late_steps_with_paper_case"] for g in gates] == [3, 5]
+    assert math.isnan(gates[1]["fork_pos_mass_above_mean"])
     table = mechanism_level_table([("chain", 16, {"cispo": gates})])
-    # steps 11-40: [3, 5] -> 4 ± 12.706 · 1.414 / 1.414 = 12.7; fork share: one run, 0.2; other: [0.1, 0.3] -> 0.2 ± 1.271
+    # steps 11-40: [3, 5] -> 4 ± 12.706 · 1.414 / 1.414 = 12.7; fork share: one run, 0.2;
+    # other: [0.1, 0.3] -> 0.2 ± 1.271
     assert f"| chain | 16 | cispo | 2 | 4.0 ± {T1:.1f} | 0.200 ± 0.000 | 0.200 ± {T1 * 0.1:.3f} | 1 |" in table
     assert "Descriptive only" in table
 

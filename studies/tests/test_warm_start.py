@@ -58,7 +58,8 @@ def test_own_number_calls_are_calls_made_of_the_problems_numbers():
     assert tables.own_number_call(problem, "<calc>2+3</calc> then <calc>3 * 12</calc>")  # the second is own
     assert not tables.own_number_call(problem, "You have a calculator: write <calc>2+3</calc>")  # the echo
     assert not tables.own_number_call(problem, "<calc>12*4</calc>") and not tables.own_number_call(problem, "12 * 3")
-    assert not tables.own_number_call(problem, "<calc></calc>") and not tables.own_number_call(problem, "<calc>x</calc>")
+    assert not tables.own_number_call(problem, "<calc></calc>")
+    assert not tables.own_number_call(problem, "<calc>x</calc>")
 
 
 def test_a_call_share_mixes_called_and_hand_written_answers_under_the_calculators_prompt(warm):
