@@ -187,8 +187,9 @@ class Run:
 
     def meta(self) -> dict[str, Any]:
         c = self.config
-        return {"part": self.part, "role": self.role, "arm": self.arm, "spec": self.spec, "objective": c.algo.objective.name,
-                "objective_overrides": c.algo.objective.overrides(), "task": c.data.task,
+        return {"part": self.part, "role": self.role, "arm": self.arm, "spec": self.spec,
+                "objective": c.algo.objective.name, "objective_overrides": c.algo.objective.overrides(),
+                "task": c.data.task,
                 "K": c.algo.updates_per_batch, "seed": c.seed, "lr": c.optim.lr,
                 "prompts_per_step": c.rollout.prompts_per_step, "group_size": c.rollout.group_size,
                 "warmup_updates": c.optim.warmup_updates, "steps": c.steps}
