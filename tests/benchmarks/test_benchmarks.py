@@ -87,7 +87,10 @@ def _trl_importable() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _trl_importable(), reason="trl is not importable in this interpreter (pip install 'cispo[bench]')")
+NO_TRL = "trl is not importable in this interpreter (pip install 'cispo[bench]')"
+
+
+@pytest.mark.skipif(not _trl_importable(), reason=NO_TRL)
 def test_bench_trl_tiny():
     out = subprocess.run([sys.executable, str(BENCH / "vs_trl" / "bench_trl.py"), "--tiny"], capture_output=True,
                          text=True, timeout=240, cwd=REPO, check=False)
@@ -101,14 +104,15 @@ def _number(pattern: str, text: str) -> float:
     return float(found.group(1))
 
 
-@pytest.mark.skipif(not _trl_importable(), reason="trl is not importable in this interpreter (pip install 'cispo[bench]')")
+@pytest.mark.skipif(not _trl_importable(), reason=NO_TRL)
 def test_bench_trl_smollm2_end_to_end(tmp_path):
     """The SmolLM2 benchmark's whole path on a tiny random Llama with SmolLM2's tokenizer and chat template
     (every worker in one process, a small matmul): both trainers take the same prompts, cispo samples
     on the static-cache decode, and the ratio and every FLOP share are printed as finite numbers."""
     model = save_tiny_smollm2(tmp_path / "tiny_smollm")
     out = subprocess.run([sys.executable, str(BENCH / "vs_trl" / "bench_trl_smollm2.py"), "--model", str(model),
-                          "--pairs", "1", "--steps", "1", "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--updates", "1",
+                          "--pairs", "1", "--steps", "1", "--prompts", "2", "--group", "2", "--max-new-tokens", "4",
+                          "--updates", "1",
                           "--threads", "1", "--in-process", "--bf16-steps", "1", "--mm-repeats", "1",
                           "--mm-shape", "64,64,64"], capture_output=True, text=True, timeout=240, cwd=REPO,
                          check=False)
@@ -147,11 +151,12 @@ def test_update_flops_counts_a_shared_prompt_once_per_group():
     assert shared["attention"] == 12 * c.num_hidden_layers * c.hidden_size * (P * P + rows * (T - 1) * (2 * P + T - 1))
 
 
-@pytest.mark.skipif(not _trl_importable(), reason="trl is not importable in this interpreter (pip install 'cispo[bench]')")
+@pytest.mark.skipif(not _trl_importable(), reason=NO_TRL)
 def test_bench_startup_against_trl_tiny():
     """The toy workload end to end through TRL's GRPOTrainer as a third arm: it runs and the pair ratio prints."""
-    out = subprocess.run([sys.executable, str(BENCH / "vs_trl" / "bench_startup.py"), "--tiny", "--trl", "--imports", "0"],
-                         capture_output=True, text=True, timeout=240, cwd=REPO, check=False)
+    script = BENCH / "vs_trl" / "bench_startup.py"
+    out = subprocess.run([sys.executable, str(script), "--tiny", "--trl", "--imports", "0"], capture_output=True,
+                         text=True, timeout=240, cwd=REPO, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| trl " in out.stdout and math.isfinite(_number(r"TRL / cispo whole process x([\d.]+)", out.stdout))
 
@@ -196,7 +201,8 @@ def _check_sections(report: dict, names, tmp_path: Path) -> None:
         nulls = sec["null_reasons"]
         for path, value in _leaves(sec["results"]):
             if value is None:  # only where the section says why (e.g. CUDA memory on a CPU)
-                assert any(path == k or path.startswith(k + ".") for k in nulls), f"{name}.{path} is null without a reason"
+                assert any(path == k or path.startswith(k + ".") for k in nulls), \
+                    f"{name}.{path} is null without a reason"
             elif isinstance(value, float):
                 assert math.isfinite(value), f"{name}.{path} = {value}"
         assert all(isinstance(r, str) and r for r in nulls.values())
@@ -294,8 +300,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_gpu_check_a_section_past_its_cap_stops_and_keeps_what_it_measured(tmp_path):
     """``--cap-scale`` shrinks each section's cap: rl_compiled, whose training step is made to stall, is
     stopped at 21 s with its partial results (the EOS calibration) in the report; the next section runs."""
-    cmd = [sys.executable, "-c", STALLED_RL_STEP, str(GPU_CHECK), "--tiny", "--out", str(tmp_path), "--cap-scale", "0.3",
-           "--sections", "rl_compiled,environment"]
+    cmd = [sys.executable, "-c", STALLED_RL_STEP, str(GPU_CHECK), "--tiny", "--out", str(tmp_path),
+           "--cap-scale", "0.3", "--sections", "rl_compiled,environment"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
