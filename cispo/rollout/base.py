@@ -174,6 +174,12 @@ class Sampler:
     """
 
     own_weights: bool = False
+    model: torch.nn.Module | None = None
+    """The module it samples from when that is the trainer's own model (the torch sampler); None for an engine
+    with weights of its own. ``algo.logp_old=rollout`` reads it: the sampler's log-probs are the trainer's only
+    when it samples ``policy.model`` itself."""
+    autocast: torch.dtype | None = None
+    """The autocast dtype its passes run under (None: none, or not the trainer's passes at all)."""
 
     def generate(
         self,

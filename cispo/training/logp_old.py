@@ -85,9 +85,9 @@ def not_same_policy(policy: Policy) -> str | None:
     In float32 the LM head's code path (``model.fp32_lm_head``'s chunked head or the model's own) is the
     same arithmetic. Both take log_softmax(logits / temperature), before top-p truncation."""
     sampler = policy.sampler
-    if getattr(sampler, "model", None) is not policy.model:
+    if sampler.model is not policy.model:
         return f"the sampler ({type(sampler).__name__}) does not sample from the trainer's model"
-    if getattr(sampler, "autocast", None) != policy.autocast:
+    if sampler.autocast != policy.autocast:
         return f"the sampler computes under autocast {sampler.autocast}, the trainer under {policy.autocast}"
     low = policy.autocast or next((p.dtype for p in policy.model.parameters() if p.dtype != torch.float32), None)
     if low is not None:

@@ -11,6 +11,7 @@ import torch
 
 import cispo.training.trainer as trainer
 from cispo.config.train import apply_overrides
+from cispo.rollout import Sampler
 from cispo.training.logp_old import MEASURED, not_same_policy, rollout_as_old
 from cispo.training.runner import train
 from tests.conftest import small_config
@@ -151,7 +152,7 @@ def test_default_and_values(tiny_model, tmp_path):
         small_config(tiny_model, tmp_path, "algo.logp_old=bypass")
 
 
-class _Sampler:
+class _Sampler(Sampler):
     def __init__(self, model, autocast=None, fp32_head=True):
         self.model, self.autocast, self.fp32_head = model, autocast, fp32_head
 
@@ -166,7 +167,8 @@ class _Policy:
 def test_what_the_config_cannot_tell_is_checked_at_the_run(tiny_model, tmp_path, capsys):
     cfg = small_config(tiny_model, tmp_path, "algo.logp_old=rollout")
     assert not_same_policy(_Policy()) is None
-    assert "does not sample from the trainer's model" in not_same_policy(_Policy(lambda m: object()))
+    engine = _Policy(lambda m: Sampler())  # an engine with weights of its own: no model
+    assert "does not sample from the trainer's model" in not_same_policy(engine)
     assert "autocast" in not_same_policy(_Policy(lambda m: _Sampler(m, torch.bfloat16)))
     assert not_same_policy(_Policy(lambda m: _Sampler(m, fp32_head=False))) is None  # float32 either way
     assert "bfloat16" in not_same_policy(_Policy(autocast=torch.bfloat16))  # a model saved in bf16
