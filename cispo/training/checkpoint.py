@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cispo.models.lora import has_lora
+from cispo.training.held_batch import HeldBatchError, HeldBatchLimits, check_held_batch
 
 _NAME = re.compile(r"^step_(\d{6,})$")
 _STATE_KEYS = ("step",)  # the rest of the state is the caller's
@@ -302,13 +303,15 @@ def _is_count(value) -> bool:
 @dataclass(frozen=True)
 class Expected:
     """What a checkpoint must match to be restored by this process: its ``rank`` of ``world_size``, its
-    prompt stream's state now (``stream_state``: the same prompts and seed) and its generators'
-    (``generator_states``: the shapes)."""
+    prompt stream's state now (``stream_state``: the same prompts and seed), its generators'
+    (``generator_states``: the shapes) and, with ``rollout.async_steps=1``, what the batch sampled ahead must
+    fit (``held_batch``: the vocabulary and the stream; None: a held batch is not trained on, not checked)."""
 
     rank: int
     world_size: int
     stream_state: dict
     generator_states: dict[str, torch.Tensor]
+    held_batch: HeldBatchLimits | None = None
 
 
 def check_trainer_state(path: Path, state: dict, tensors: dict[str, torch.Tensor], expected: Expected) -> None:
@@ -317,8 +320,8 @@ def check_trainer_state(path: Path, state: dict, tensors: dict[str, torch.Tensor
     what `cispo.training.run.Run` writes and can restore for ``expected.rank`` of ``expected.world_size``:
     ``update_count`` a count, ``streams`` one prompt-stream state per rank, this rank's for the same prompts
     and seed as ``expected.stream_state``, and a ``generator/<name>/<rank>`` byte tensor shaped as each of
-    ``expected.generator_states``. ``ValueError`` (not a damaged checkpoint: no older one would do) when
-    it was written by another number of processes."""
+    ``expected.generator_states``, and the batch sampled ahead fit to train on (`check_held`). ``ValueError``
+    (not a damaged checkpoint: no older one would do) when it was written by another number of processes."""
     rank, world_size = expected.rank, expected.world_size
     stream_state, generator_states = expected.stream_state, expected.generator_states
     state_file, rng_file = path / "trainer_state.json", path / "rng.safetensors"
@@ -352,6 +355,27 @@ def check_trainer_state(path: Path, state: dict, tensors: dict[str, torch.Tensor
         if saved.dtype != current.dtype or saved.shape != current.shape:
             raise CheckpointError(f"checkpoint file {rng_file}: {key} is {saved.dtype} {tuple(saved.shape)}, a "
                                   f"generator state is {current.dtype} {tuple(current.shape)}")
+    if expected.held_batch is not None:
+        check_held(state_file, state, expected.held_batch)
+
+
+def check_held(state_file: Path, state: dict, limits: HeldBatchLimits) -> None:
+    """``CheckpointError`` naming ``state_file`` and the field unless the batch a ``rollout.async_steps=1``
+    checkpoint holds for the next step (``prefetched``; None: none was kept, the stream went back before it)
+    fits this run (`cispo.training.held_batch.check_held_batch`), or when a checkpoint that says it was written
+    with ``async_steps=1`` has lost it: the uninterrupted run trained on that batch, so a resume from here would
+    differ from it (the previous checkpoint, with its own held batch, would not)."""
+    if "prefetched" not in state:
+        if state.get("async_steps") == 1:
+            raise CheckpointError(f"checkpoint file {state_file} was written with rollout.async_steps=1 but holds no "
+                                  "batch sampled ahead (prefetched): a run resumed from it would differ from the "
+                                  "uninterrupted one")
+        return
+    if state["prefetched"] is not None:
+        try:
+            check_held_batch(state["prefetched"], limits)
+        except HeldBatchError as e:
+            raise CheckpointError(f"checkpoint file {state_file}: the batch sampled ahead is damaged: {e}") from e
 
 
 def _check_fits(path: Path, model, optimizer: torch.optim.Optimizer, weights: dict, origin: dict,

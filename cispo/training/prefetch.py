@@ -34,6 +34,7 @@ from cispo.data.prompts import FillReport, PromptStream
 from cispo.foundations.distributed import DistInfo
 from cispo.foundations.experience import Completion
 from cispo.models.policy import Policy
+from cispo.training.held_batch import DTYPES, TENSORS
 from cispo.training.logp_old import not_same_policy
 from cispo.training.sampling import StepRollout
 
@@ -160,14 +161,11 @@ def rollout_state(rollout: StepRollout, stream: PromptStream) -> dict:
 
 
 def load_rollout(state: dict, stream: PromptStream) -> StepRollout:
-    """`rollout_state`'s inverse over the same data (``stream`` holds the same samples)."""
+    """`rollout_state`'s inverse over the same data (``stream`` holds the same samples); a checkpoint's is
+    checked first (`cispo.training.held_batch.check_held_batch`, from the checkpoint's check)."""
     groups = [[load_completion(c, stream) for c in g] for g in state["groups"]]
     sampled = [[load_completion(c, stream) for c in g] for g in state["sampled"]]
     return StepRollout(groups, FillReport(**state["report"]), list(state["errors"]), sampled)
-
-
-TENSORS = ("response_ids", "logp_rollout", "env_mask")
-"""A completion's tensor fields (stored as ``{"data": list, "dtype": name}``; None stays None)."""
 
 
 def completion_state(c: Completion, stream: PromptStream) -> dict:
@@ -183,11 +181,11 @@ def completion_state(c: Completion, stream: PromptStream) -> dict:
 
 
 def load_completion(state: dict, stream: PromptStream) -> Completion:
-    """`completion_state`'s inverse."""
+    """`completion_state`'s inverse (dtypes only from `DTYPES`; a field with a default may be absent)."""
     s = dict(state)
     s["sample"] = stream.samples[s["sample"]]
     for name in TENSORS:
-        t = s[name]
-        s[name] = None if t is None else torch.tensor(t["data"], dtype=getattr(torch, t["dtype"]))
-    s["reward_extras"] = tuple(tuple(pair) for pair in s["reward_extras"])
+        t = s.get(name)
+        s[name] = None if t is None else torch.tensor(t["data"], dtype=DTYPES[t["dtype"]])
+    s["reward_extras"] = tuple(tuple(pair) for pair in s.get("reward_extras", ()))
     return Completion(**s)

@@ -158,8 +158,10 @@ class Run:
             fsync_file(self.run_dir / "metrics.jsonl")  # its rows up to `step` are committed by this checkpoint
             state = {"step": step, **self.trainer.state_dict(), "streams": streams,
                      "world_size": self.dist_info.world_size}
-            if self.prefetch is not None and self.prefetch.held is not None:  # sampled for the next step
-                state["prefetched"] = rollout_state(self.prefetch.held, self.stream)
+            if self.prefetch is not None:  # the batch sampled for the next step; None: it samples anew (stream rewound)
+                state["async_steps"] = 1  # so a resume tells a held batch removed from one never held
+                held = self.prefetch.held
+                state["prefetched"] = None if held is None else rollout_state(held, self.stream)
             tensors = {f"generator/{n}/{r}": t for r, g in enumerate(gens) for n, t in g.items()}
             content = Checkpoint(self.policy.model, self.policy.tokenizer, self.trainer.optimizer, state, tensors,
                                  full_state)
@@ -174,9 +176,10 @@ class Run:
         self.saved_step = state["step"]
         self.policy.sampler.update_weights(self.policy.model)  # a separate inference engine (vLLM) takes them
         self.stream.load_state_dict(state["streams"][rank])
-        if "prefetched" in state and self.prefetch is not None:  # the batch sampled for the step after it
-            self.prefetch.held = load_rollout(state["prefetched"], self.stream)
-        elif "prefetched" in state and self.main:
+        held = state.get("prefetched")  # checked with the checkpoint (`check_trainer_state`)
+        if held is not None and self.prefetch is not None:  # the batch sampled for the step after it
+            self.prefetch.held = load_rollout(held, self.stream)
+        elif held is not None and self.main:
             print("cispo: the checkpoint holds a batch sampled ahead (rollout.async_steps=1); with async_steps=0 it "
                   "is not trained on and the run samples anew", file=sys.stderr)
         for name, gen in self.generators.items():

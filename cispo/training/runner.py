@@ -34,6 +34,7 @@ from cispo.records.samples import sample_records
 from cispo.records.tracking import read_metrics
 from cispo.training.checkpoint import Expected, check_trainer_state, load_latest_checkpoint, nonfinite_parameters
 from cispo.training.evaluation import answers_per_prompt
+from cispo.training.held_batch import HeldBatchLimits
 from cispo.training.metrics import reduce_over_ranks
 from cispo.training.progress import evaluation_count, evaluation_done_line, evaluation_plan, say, step_progress
 from cispo.training.rl_step import StepInterrupted
@@ -83,6 +84,14 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
 # --------------------------------------------------------------------------- resume
 
 
+def held_batch_limits(run: Run) -> HeldBatchLimits | None:
+    """What a checkpoint's batch sampled ahead must fit to be trained on (``rollout.async_steps=1``): the
+    model's vocabulary (its embedding rows) and the prompt stream; None without a batch sampled ahead."""
+    if run.prefetch is None:
+        return None
+    return HeldBatchLimits(run.policy.model.get_input_embeddings().num_embeddings, len(run.stream.samples))
+
+
 def resume_or_start(run: Run, resume: bool) -> int:
     """The step the loop continues after: the newest intact checkpoint's (its weights, optimizer,
     streams, generators and counters restored; the sinks and samples.jsonl cut back to it), else 0,
@@ -90,7 +99,7 @@ def resume_or_start(run: Run, resume: bool) -> int:
     found = None
     if resume:
         expected = Expected(run.dist_info.rank, run.dist_info.world_size, run.stream.state_dict(),
-                            run.generator_states())
+                            run.generator_states(), held_batch_limits(run))
         check = partial(check_trainer_state, expected=expected)
         found = load_latest_checkpoint(run.run_dir, run.policy.model, run.trainer.optimizer,
                                        report=None if run.main else _quiet, check=check)
