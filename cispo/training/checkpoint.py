@@ -14,8 +14,9 @@ Loading checks every file before anything is applied: a checkpoint that cannot b
 a non-finite weight or optimizer tensor, that does not fit the model and optimizer (a weight or
 an Adam moment of another shape, another number of parameters), whose ``step`` is not its
 folder's, or whose trainer state the trainer cannot restore (`check_trainer_state`: counts,
-prompt streams, generator states) raises ``CheckpointError`` naming the file and what is wrong;
-``load_latest_checkpoint`` then reports it and falls back to the previous one.
+prompt streams, generator states, the batch sampled ahead by ``rollout.async_steps=1``) raises
+``CheckpointError`` naming the file and what is wrong; ``load_latest_checkpoint`` then reports it
+and falls back to the previous one.
 
 A model sharded with FSDP2 (``cispo.foundations.distributed.shard_model``) is checkpointed in the same
 format: every rank takes part in ``gather_full_state`` (full weights and optimizer state,

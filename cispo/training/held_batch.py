@@ -90,7 +90,7 @@ def check_completion(c, limits: HeldBatchLimits, where: str) -> None:
               f"is not one 0 / 1 per response token ({len(response)})")
     for name, may_be_none in _TEXT.items():
         value = c.get(name)
-        _need(isinstance(value, str) or (value is None and may_be_none and name not in _REQUIRED),
+        _need(isinstance(value, str) or (value is None and may_be_none),
               f"{where}.{name}", f"is {_show(value)}, not text")
     for name in ("task_reward", "reward"):
         _need(_finite(c.get(name, 0.0)), f"{where}.{name}", f"is {_show(c.get(name))}, not a finite number")
@@ -123,7 +123,10 @@ def _tensor(value, dtypes: tuple[str, ...], where: str) -> list:
 
 def _finite_as(value: dict) -> bool:
     """Whether a stored float tensor's values are finite in its own dtype (1e300 is not, as float32)."""
-    return bool(torch.isfinite(torch.tensor(value["data"], dtype=DTYPES[value["dtype"]])).all())
+    try:
+        return bool(torch.isfinite(torch.tensor(value["data"], dtype=DTYPES[value["dtype"]])).all())
+    except (OverflowError, RuntimeError):  # an integer too large for any float
+        return False
 
 
 def _check_ids(ids, vocab_size: int, where: str) -> None:
