@@ -13,7 +13,8 @@ Two tool formats (``data.tool_format``; `resolve_tool_format`):
 * ``chat`` (TRL's convention, for chat templates that render tools, e.g. Qwen2.5): the prompt
   carries the tools' JSON schemas (`render_prompt`); a segment that ends with a stop token (EOS,
   ``<|im_end|>``) is read for Hermes-style calls, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  (one or several, `parse_tool_calls`). None: the episode ends. Else every call runs, and the
+  (one or several, `parse_tool_calls`; one nesting deeper than `MAX_CALL_DEPTH` is an error observation,
+  never parsed). None: the episode ends. Else every call runs, and the
   observation is the chat template's own rendering of the tool turn(s) and of the next assistant
   turn's opening: the text by which rendering ``[user, assistant, tool...]`` with the generation
   prompt extends rendering ``[user, assistant]`` (TRL's minimal conversation), after the end of the
@@ -22,7 +23,8 @@ Two tool formats (``data.tool_format``; `resolve_tool_format`):
   string ``</tag>`` — the stop string completed by the segment's last token, whose text may run on
   past it (SmolLM2 spells ``</calc>.`` as ``</``, ``calc``, ``>.``); the call is the text between the
   last ``<tag>`` and that ``</tag>``, passed as the tool's first argument (the calculator's tag is
-  ``calc``: `INLINE_TAGS`; any other tool's is its name). The observation is
+  ``calc``: `INLINE_TAGS`; any other tool's is its name; two tools that take one tag, such as a tool of
+  yours named ``calc`` beside the calculator, are refused: `inline_tags`). The observation is
   ``<result>OUTPUT</result>`` with every ``<`` of the output written ``&lt;`` (`inline_observation`),
   so an observation never holds a tag; a failed call's is ``<result>error: ...</result>``. A segment
   that ends with a stop token ends the episode.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -54,10 +57,10 @@ from cispo.data.tools import (
     tool_schema,
 )
 
-__all__ = ["ToolEnvironment", "Episodes", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "resolve_tool_format",
-           "template_takes_tools", "render_prompt", "prompt_messages", "parse_tool_calls", "inline_call",
-           "inline_observation", "chat_observation", "fit_observation", "build_environment",
-           "environment_from_config"]
+__all__ = ["ToolEnvironment", "Episodes", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "MAX_CALL_DEPTH", "read_json",
+           "json_depth", "resolve_tool_format", "template_takes_tools", "render_prompt", "prompt_messages",
+           "parse_tool_calls", "inline_tags", "inline_call", "inline_observation", "chat_observation",
+           "fit_observation", "build_environment", "environment_from_config"]
 
 TOOL_FORMATS = ("auto", "chat", "inline")
 INLINE_TAGS = {"calculator": "calc"}
@@ -66,6 +69,11 @@ TASK_TOOLS = {name: (wordmath_calc.TOOLS, wordmath_calc.TOOL_FORMAT)
               for name in (wordmath_calc.NAME, wordmath_calc.EXAMPLE_NAME, wordmath_calc.LARGE_NAME)}
 """A built-in task's own tools and format, used where ``data.tools`` is None / ``data.tool_format`` auto."""
 CUT_NOTE = " [cut]"
+MAX_CALL_DEPTH = 32
+"""The deepest a chat tool call's JSON may nest (``[`` and ``{``, the call's own object counted): a deeper call
+is an error observation, never parsed (`read_json`). Real calls nest a few levels."""
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -132,19 +140,43 @@ def resolve_tool_format(tokenizer, tool_format: str = "auto", task: str | None =
 def parse_tool_calls(text: str) -> list[ToolCall | str]:
     """The Hermes / Qwen2.5 tool calls in ``text``, in order: each ``<tool_call>`` block's JSON object as a
     `ToolCall` (``arguments``, or ``parameters``; a JSON string of them is read too), or, where a block
-    is no such object, the error message saying why. [] when there is no block."""
+    is no such object, the error message saying why. [] when there is no block. A block (or a string of
+    arguments) nesting deeper than `MAX_CALL_DEPTH` is such an error, never parsed (`read_json`)."""
     out: list[ToolCall | str] = []
     for block in _tool_call_blocks(text):
         try:
-            call = json.loads(block.strip())
+            call = read_json(block.strip())
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 raise ValueError('expected {"name": ..., "arguments": {...}}')
             arguments = call.get("arguments", call.get("parameters", {}))
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            arguments = read_json(arguments, depth=2) if isinstance(arguments, str) else arguments
             out.append(ToolCall(call["name"], arguments if arguments is not None else {}))
         except ValueError as e:  # json.JSONDecodeError is a ValueError
             out.append(f"the tool call is not valid JSON of a call: {e}")
     return out
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of ``[`` / ``{`` in JSON text, strings left out (an unbalanced text's too: each
+    opening counts until it is closed). Linear in the length, no recursion."""
+    depth = deepest = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub('""', text)):
+        depth = depth + 1 if m.group() in "[{" else max(0, depth - 1)
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def read_json(text: str, depth: int = 1):
+    """``json.loads(text)`` of a policy's text, ``depth`` levels below the call's own object: ValueError
+    where it would nest deeper than `MAX_CALL_DEPTH` in all (checked before it is parsed: Python's JSON
+    reader, the record's writer, pickling and a template's ``tojson`` all recurse, and ~1000 levels end
+    the process's stack), and where parsing runs out of stack or memory anyway."""
+    if json_depth(text) + depth - 1 > MAX_CALL_DEPTH:
+        raise ValueError(f"it nests deeper than {MAX_CALL_DEPTH} levels of [ and {{")
+    try:
+        return json.loads(text)
+    except (RecursionError, MemoryError):
+        raise ValueError("it nests too deeply to read") from None
 
 
 def _tool_call_blocks(text: str) -> list[str]:
@@ -158,6 +190,23 @@ def _tool_call_blocks(text: str) -> list[str]:
         blocks.append(text[start + len(TOOL_CALL_OPEN) : end])
         i = end + len(TOOL_CALL_CLOSE)
     return blocks
+
+
+def inline_tags(tools: list[Tool]) -> dict[str, str]:
+    """Each tool's inline tag (`INLINE_TAGS`, else its name) -> the tool's name. ToolSpecError, in one line
+    naming both, where two tools take one tag (a tool named ``calc`` beside the built-in calculator): one
+    of them could never be called, so the run is refused rather than one silently dropped."""
+    tags: dict[str, Tool] = {}
+    for tool in tools:
+        tag = INLINE_TAGS.get(tool.name, tool.name)
+        if tag in tags:
+            first, mine = (tags[tag], tool) if not tool.builtin else (tool, tags[tag])
+            where = [t.spec or "given in code" for t in (first, mine)]
+            raise ToolSpecError(f"data.tools: tools {first.name!r} ({where[0]}) and {mine.name!r} ({where[1]}) both "
+                                f"take the inline tag <{tag}>, so one of them could never be called: "
+                                f"rename {mine.name!r}")
+        tags[tag] = tool
+    return {tag: tool.name for tag, tool in tags.items()}
 
 
 def inline_call(text: str, tags: dict[str, str]) -> tuple[str, str | None]:
@@ -279,7 +328,8 @@ class ToolEnvironment:
         self.tools: list[Tool] = [as_tool(t) for t in tools]
         self.tool_format = resolve_tool_format(tokenizer, tool_format)
         self.max_observation_tokens, self.system_prompt = max_observation_tokens, system_prompt
-        self.tags = {INLINE_TAGS.get(t.name, t.name): t.name for t in self.tools}
+        self.tags = inline_tags(self.tools) if self.tool_format == "inline" else {}
+        """Each tool's inline tag -> its name (``inline``; `inline_tags`); {} in ``chat``."""
         if self.tool_format == "inline":
             for tool in self.tools:
                 tool.argument  # noqa: B018 - refuses a tool that takes no argument, now

@@ -22,7 +22,9 @@ down, killed and replaced past ``timeout_s``, their output captured, at most
 address space. A call that raises, hangs, exits or crashes its worker gives a `ToolResult` whose
 ``error`` says so and whose ``text``, what the policy is shown, is a short ``error: ...``
 (`policy_error`); an output longer than `TOOL_OUTPUT_CHARS` is cut with a note (`cap_output`). No
-call ever raises in the trainer.
+call ever raises in the trainer. What a tool returns is made plain text in its worker (`as_text`: a
+``str`` subclass is copied without running its methods, a raising ``__str__`` is a failed call), and
+only builtin values cross back to the trainer, as JSON, never as pickled objects (``pool``).
 
 Built-ins: `calculator` (exact arithmetic over a parsed expression: no names, no calls, bounded
 sizes) and `python` (a program run in the code sandbox, ``cispo.data.rewards.sandbox``).
@@ -50,7 +52,8 @@ from cispo.foundations.suggest import did_you_mean
 
 __all__ = ["ToolCall", "ToolResult", "Tool", "ToolSpecError", "ToolRunner", "BUILTIN_TOOLS", "TOOL_OUTPUT_CHARS",
            "TOOL_MEMORY_BYTES", "split_specs", "load_tool", "load_tools", "as_tool", "tool_schema", "cap_output",
-           "policy_error", "calculator", "evaluate", "format_number", "python", "check_python_tool"]
+           "policy_error", "as_text", "plain_str", "calculator", "evaluate", "format_number", "python",
+           "check_python_tool"]
 
 BUILTIN_TOOLS: dict[str, str] = {"calculator": "cispo.data.tools:calculator", "python": "cispo.data.tools:python"}
 """Built-in tool names -> ``module:function``."""
@@ -222,8 +225,21 @@ def tool_schema(fn) -> dict:
 
 def as_text(value) -> str:
     """A tool's return value as the text the policy is shown: its ``str``, as TRL shows it (``7``,
-    ``{'a': 1}``)."""
-    return value if isinstance(value, str) else str(value)
+    ``{'a': 1}``), always a builtin ``str`` (`plain_str`): a ``str`` subclass is copied without running any
+    method of its class, and what another value's ``str`` returns is copied so. ValueError, saying so, where
+    that ``str`` raises (in a worker, where it runs: one failed call)."""
+    if issubclass(type(value), str):
+        return plain_str(value)
+    try:
+        return plain_str(str(value))
+    except Exception as e:  # noqa: BLE001 - a hostile or broken __str__ / __repr__
+        raise ValueError(f"the tool returned a value whose text could not be read ({describe_error(e)})") from None
+
+
+def plain_str(text: str) -> str:
+    """``text`` (a ``str`` or an instance of a subclass) as a builtin ``str``, copied by ``str.__str__`` itself:
+    no method of a subclass runs (its ``__str__``, ``__len__``, ``__reduce__`` when pickled)."""
+    return str.__str__(text)
 
 
 def cap_output(text: str, limit: int = TOOL_OUTPUT_CHARS) -> str:
@@ -352,7 +368,7 @@ class ToolRunner:
             message = f"unknown tool {call.name!r}; the tools: {', '.join(self.tools) or 'none'}"
             return ToolResult(policy_error(message), message, 0.0)
         if not isinstance(call.arguments, dict):
-            message = f"the arguments of {call.name!r} must be a JSON object, got {as_text(call.arguments)[:80]}"
+            message = f"the arguments of {call.name!r} must be a JSON object, got a {type(call.arguments).__name__}"
             return ToolResult(policy_error(message), message, 0.0)
         return None
 
@@ -366,9 +382,13 @@ class ToolRunner:
 
 
 def _result(outcome: Outcome, seconds: float) -> ToolResult:
+    """The `ToolResult` of a call's `Outcome` (its value, plain text made where the call ran: `call_tool`)."""
     if outcome.error is not None:
         return ToolResult(policy_error(outcome.error), outcome.error, seconds)
-    return ToolResult(str(outcome.value), None, seconds)
+    if type(outcome.value) is not str:
+        message = f"the tool's result is no text ({type(outcome.value).__name__})"
+        return ToolResult(policy_error(message), message, seconds)
+    return ToolResult(outcome.value, None, seconds)
 
 
 # ---------------------------------------------------------------------------------------

@@ -34,6 +34,10 @@ trainer. Here every call runs in a worker process of a `RewardPool`:
    `OUTPUT_TAIL_CHARS` of its output; a worker may write at most `OUTPUT_LIMIT_BYTES` to any
    file before its writes fail (``RLIMIT_FSIZE``, POSIX);
 6. the arguments are pickled into the worker: a reward that mutates them changes its own copy.
+   What comes back is never pickled: each result is JSON of builtin values made in the worker
+   (`to_wire`: a number, text or None, an error message, numeric extras; a ``str`` / ``float``
+   subclass copied without running its methods), so no object of the job's reaches the trainer,
+   whose unpickling would run its code.
 
 The same machinery runs other code that must not hurt the run: a pool's ``job`` (`RewardPool`;
 default `reward_job`, the reward) is loaded once per worker from the spec, and its calls return an
@@ -56,6 +60,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import json
 import os
 import pickle
 import threading
@@ -74,7 +79,8 @@ from cispo.data.rewards.processes import (
     worker_context,
 )
 
-__all__ = ["RewardPool", "pool_for", "reward_job", "shutdown_pools", "OUTPUT_TAIL_CHARS", "OUTPUT_LIMIT_BYTES"]
+__all__ = ["RewardPool", "pool_for", "reward_job", "shutdown_pools", "to_wire", "from_wire", "WIRE_TEXT_CHARS",
+           "OUTPUT_TAIL_CHARS", "OUTPUT_LIMIT_BYTES"]
 
 AHEAD_S = 0.05
 """A worker is sent as many calls ahead (waiting in its pipe while it runs one) as it runs in
@@ -82,6 +88,8 @@ about this long at the recent call time, at least 1, at most `MAX_AHEAD`: a fast
 worker does not wait for a round trip through the dispatcher after each call (on a loaded
 machine each one cost ~10 ms), and a slow reward's calls are not held behind one another."""
 MAX_AHEAD = 16
+WIRE_TEXT_CHARS = 1 << 16
+"""The most characters of any text a worker sends back (a tool's output, an error message, an extra's name)."""
 MAX_SENDS = 3
 """The most workers one call is sent to when each dies (or is stopped) before the call starts."""
 LIVENESS_CHECK_S = 0.1
@@ -144,23 +152,70 @@ def score_call(spec: str, *args, job=reward_job, what: str = "reward") -> Outcom
 
 def worker_main(spec: str, conn, job=reward_job, what: str = "reward") -> None:
     """A worker process: load the job, send its pid (ready), then for each pickled call it
-    receives send None (started), run it and send ``(value, error, seconds, extras)``, until the
-    pool closes the pipe."""
+    receives send null (started), run it and send ``[value, error, seconds, extras]`` (`to_wire`),
+    until the pool closes the pipe. Every message is JSON of builtin values."""
     os.set_inheritable(conn.fileno(), False)  # programs the job runs do not hold the pipe
     start_worker(spec, job, what)
-    conn.send(os.getpid())
+    conn.send_bytes(json.dumps(os.getpid()).encode())
     while True:
         try:
             call = conn.recv_bytes()
         except (EOFError, OSError):  # the pool closed
             return
-        conn.send(None)
+        conn.send_bytes(b"null")
         started = time.perf_counter()
         try:
-            value, error, extras = score_call(spec, *pickle.loads(call), job=job, what=what)
+            outcome = score_call(spec, *pickle.loads(call), job=job, what=what)
         except BaseException as e:  # noqa: BLE001 - e.g. an argument whose class cannot be imported here
-            value, error, extras = 0.0, f"could not run in a worker process: {describe_error(e)}", ()
-        conn.send((value, error, time.perf_counter() - started, extras))
+            outcome = Outcome(0.0, f"could not run in a worker process: {describe_error(e)}")
+        conn.send_bytes(to_wire(outcome, time.perf_counter() - started, what))
+
+
+def _plain_text(value) -> str | None:
+    """A ``str`` (or an instance of a subclass) as a builtin ``str``, copied by ``str.__str__`` (no method of
+    the subclass runs), at most `WIRE_TEXT_CHARS`; None for anything else."""
+    return str.__str__(value)[:WIRE_TEXT_CHARS] if issubclass(type(value), str) else None
+
+
+def _plain_number(value) -> float | None:
+    """An ``int`` / ``float`` (or a subclass's instance, ``bool`` too) as a builtin ``float``, read by the
+    builtin types' own methods; None for anything else."""
+    if issubclass(type(value), float):
+        return float.__float__(value)
+    return float(int.__int__(value)) if issubclass(type(value), int) else None
+
+
+def to_wire(outcome: Outcome, seconds: float, what: str = "reward") -> bytes:
+    """What a worker sends back for one call, made here in the worker: ``[value, error, seconds, extras]``
+    as JSON of builtin values only — the value a number, text (a tool's) or None, the error text or None,
+    the extras ``[text, number]`` pairs (`_plain_text`, `_plain_number`: a subclass is copied without
+    running its methods). A value of another type is a failed call. So no object of the job's is pickled
+    into the trainer, where unpickling it would run its code (``__reduce__``)."""
+    try:
+        value = _plain_text(outcome.value) if issubclass(type(outcome.value), str) else _plain_number(outcome.value)
+        error = None if outcome.error is None else (_plain_text(outcome.error) or f"the {what} failed")
+        if value is None and outcome.value is not None:
+            value, error = 0.0, error or f"the {what}'s result is neither a number nor text"
+        extras = [[_plain_text(k), _plain_number(v)] for k, v in outcome.extras]
+        extras = [pair for pair in extras if None not in pair]
+        return json.dumps([value, error, float(seconds), extras]).encode()
+    except BaseException as e:  # noqa: BLE001 - a hostile extras sequence, ...: one failed call
+        return json.dumps([0.0, f"the {what}'s result could not be sent ({describe_error(e)})", float(seconds),
+                           []]).encode()
+
+
+def from_wire(data: bytes) -> tuple:
+    """``(value, error, seconds, extras)`` of a worker's result message (`to_wire`); ValueError where it is
+    no such message (nothing a worker sends is unpickled here)."""
+    try:
+        value, error, seconds, extras = json.loads(data)
+        extras = tuple((k, float(v)) for k, v in extras if isinstance(k, str) and type(v) in (int, float))
+    except (ValueError, TypeError, RecursionError, MemoryError):
+        raise ValueError("a message that is no call's result") from None
+    if not (value is None or type(value) in (int, float, str)) or not (error is None or type(error) is str) \
+            or type(seconds) not in (int, float):
+        raise ValueError("a message that is no call's result")
+    return value, error, float(seconds), extras
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,29 +264,38 @@ class _Proc:
         self.process.start()
         theirs.close()
         self.ready, self.calls = False, collections.deque()
+        self.failure: str | None = None
 
     @property
     def deadline(self) -> float | None:
         return self.calls[0].deadline if self.calls else None
 
     def take_messages(self) -> bool:
-        """Read every message already sent: the ready pid, then for each call its start (None,
-        which sets its deadline) and its result (which completes it). False once the pipe is
-        closed (the worker is gone)."""
+        """Read every message already sent: the ready pid, then for each call its start (null,
+        which sets its deadline) and its result (`from_wire`, which completes it). False once the
+        pipe is closed (the worker is gone), or once it sent a message that is none of these (then
+        `failure` says so, and its started call fails with it)."""
+        if self.failure is not None:
+            return False
         try:
             while self.conn.poll(0):
-                message = self.conn.recv()
+                data = self.conn.recv_bytes()
                 if not self.ready:
                     self.ready = True
-                elif message is None:
+                elif not self.calls:
+                    raise ValueError("a message while it had no call")
+                elif data == b"null":
                     call = self.calls[0]
                     call.started = True
                     call.deadline = None if call.timeout_s is None else time.monotonic() + call.timeout_s
                 else:
-                    value, error, seconds, extras = message
+                    value, error, seconds, extras = from_wire(data)
                     self.calls.popleft().future.set_result(Outcome(value, error, extras))
                     self.call_time.add(seconds)
         except (EOFError, OSError):
+            return False
+        except ValueError as e:
+            self.failure = f"the {self.what}'s worker process sent {e}; it was replaced"
             return False
         return True
 
@@ -406,7 +470,7 @@ class RewardPool:
             if open_pipe and proc.process.is_alive():
                 continue
             self._procs.remove(proc)
-            self._requeue(proc.end())
+            self._requeue(proc.end(proc.failure))
             if not proc.ready:  # e.g. os._exit while importing the reward in the worker
                 self._start_failed = True
                 if not any(p.ready for p in self._procs):

@@ -337,8 +337,8 @@ def equations(working: str) -> list[tuple[Fraction | None, Fraction | None]]:
     """Every ``E = c`` in ``working`` whose left side ``E`` is arithmetic with at least one operator
     (``x`` / ``×`` read as times, ``÷`` as divided by), in order: ``(exact value of E, c)``. "2 x 4 = 8 - 7 = 1"
     holds two; "6 marbles - 3 marbles = 3" none (the text between numbers is not arithmetic). An ``E``
-    longer than `MAX_EXPRESSION_CHARS`, or a ``c`` that is no well-formed number ("= 1,05"), is
-    ``None``: an equation that cannot be checked."""
+    longer than `MAX_EXPRESSION_CHARS` or nested too deeply to read on the stack left, or a ``c`` that is no
+    well-formed number ("= 1,05"), is ``None``: an equation that cannot be checked."""
     working = working.translate(_AS_MINUS)
     run_starts = {m.end(): m.start() for m in _EXPRESSION_RUN.finditer(working)}  # "=" ends any run
     out = []
@@ -356,6 +356,8 @@ def equations(working: str) -> list[tuple[Fraction | None, Fraction | None]]:
             out.append((_evaluate(tree, lhs), exact))
         except (SyntaxError, ValueError, ZeroDivisionError):
             continue
+        except (RecursionError, MemoryError):  # nested past what the stack holds here: not checked
+            out.append((None, exact))
     return out
 
 
