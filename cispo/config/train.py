@@ -24,7 +24,6 @@ from cispo.config.engine import (
     ConfigError,
     apply_overrides,
     field_docs,
-    format_help,
     from_dict,
     load_yaml,
     note_values,
@@ -39,7 +38,7 @@ from cispo.foundations.suggest import did_you_mean
 
 __all__ = [
     "AlgoConfig", "DataConfig", "EvalConfig", "EvalSetConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
-    "TrainConfig", "ConfigError", "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml",
+    "TrainConfig", "ConfigError", "apply_overrides", "field_docs", "from_dict", "load_yaml",
     "save_yaml", "to_dict",
 ]
 
