@@ -1,10 +1,12 @@
-"""The config described for people: ``cispo train --help`` (`format_help`: every field with its type, default
-and docstring, by section) and ``cispo train --print-config`` (`commented_yaml`: the full config as YAML, each
-field after its docstring). Both read the fields' docstrings (`cispo.config.engine.field_docs`)."""
+"""The config written out, ``config.yaml`` (`save_yaml`), and described for people: ``cispo train --help``
+(`format_help`: every field with its type, default and docstring, by section) and ``cispo train --print-config``
+(`commented_yaml`: the full config as YAML, each field after its docstring). Both read the fields' docstrings
+(`cispo.config.engine.field_docs`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Any
 
 import yaml
@@ -61,3 +63,13 @@ def format_help(cls: type) -> str:
 
     section(cls, (), f"{cls.__name__}: {_class_doc(cls)}")
     return "\n".join(out).rstrip() + "\n"
+
+
+def save_yaml(cfg: Any, path: str | pathlib.Path) -> None:
+    """Every field of a config (defaults included) as a YAML file that ``load_yaml`` reads
+    back to an equal config. Parent folders are created."""
+    text = yaml.dump(to_dict(cfg), Dumper=ConfigDumper, sort_keys=False, default_flow_style=False, width=88)
+    target = pathlib.Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(f"# {type(cfg).__name__}: {_class_doc(type(cfg))} Written by cispo.config.save_yaml; "
+                      f"every field, defaults included.\n{text}", encoding="utf-8")

@@ -33,7 +33,6 @@ from cispo.config.yaml_input import (
     MAX_CONFIG_BYTES,
     MAX_DEPTH,
     MAX_INT_CHARS,
-    ConfigDumper,
     ConfigError,
     ConfigLoader,
     RefusedYAML,
@@ -46,7 +45,7 @@ from cispo.foundations.suggest import did_you_mean
 
 __all__ = ["ConfigError", "MAX_ALIAS_NODES", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_INT_CHARS", "MAX_PROBLEMS",
            "apply_overrides", "field_docs", "from_dict", "load_yaml", "note_values",
-           "rename_key", "save_yaml", "section_shorthand", "short_repr", "to_dict"]
+           "rename_key", "section_shorthand", "short_repr", "to_dict"]
 T = TypeVar("T")
 KeyPath = tuple  # field names (str) and list indices (int), as in pydantic's error locations
 
@@ -368,8 +367,8 @@ def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
     data, refused = _read_other_names(cls, data, where)
     for key, tp in _fields(cls).items():  # pydantic reads true as 1 where a number is due: refused
         value = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, key, data)
-        if isinstance(value, bool) and {int, float} & {tp, *typing.get_args(tp)} and bool not in typing.get_args(tp):
-            raise ConfigError(f"{where(key)}: {_dotted(key)}: expected {_type_name(tp)}, got {value!r}")
+        if _bool_for_number(tp, value):
+            raise ConfigError(f"{where(key)}: {_dotted(key)}: expected {_type_name(tp)}, got {short_repr(value)}")
     import pydantic
 
     try:
@@ -379,6 +378,29 @@ def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
     if refused:
         raise ConfigError(_problem_lines(cls, [], where, refused))
     return built
+
+
+def _numeric(tp: Any) -> bool:
+    """Whether type ``tp`` takes numbers and not booleans: int, float, a Literal of numbers (``Literal[0, 1]``),
+    or a union of them with None or other types."""
+    args = typing.get_args(tp)
+    if tp in (int, float):
+        return True
+    if typing.get_origin(tp) is typing.Literal:
+        return bool(args) and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+    return bool(args) and bool not in args and any(_numeric(a) for a in args if a is not type(None))
+
+
+def _bool_for_number(tp: Any, value: Any) -> bool:
+    """A boolean given where a number is due (``true`` for ``Literal[0, 1]``), also inside a list of numbers
+    (``reward_weights=[true, false]``): pydantic would read it as 1 or 0."""
+    if isinstance(value, bool):
+        return _numeric(tp)
+    if not isinstance(value, (list, tuple)):
+        return False
+    lists = [a for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) in (list, tuple)]
+    return any(isinstance(v, bool) for v in value) and any(_numeric(typing.get_args(a)[0]) for a in lists
+                                                          if typing.get_args(a))
 
 
 def _problem_lines(cls: type, errors: list[dict], where: Callable[[KeyPath], str], first: list[str] = ()) -> str:
@@ -453,16 +475,6 @@ def to_dict(cfg: Any) -> Any:
     return [to_dict(v) for v in cfg] if isinstance(cfg, (list, tuple)) else cfg
 
 
-def save_yaml(cfg: Any, path: str | pathlib.Path) -> None:
-    """Every field of a config (defaults included) as a YAML file that ``load_yaml`` reads
-    back to an equal config. Parent folders are created."""
-    text = yaml.dump(to_dict(cfg), Dumper=ConfigDumper, sort_keys=False, default_flow_style=False, width=88)
-    target = pathlib.Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(f"# {type(cfg).__name__}: {_class_doc(type(cfg))} Written by cispo.config.save_yaml; "
-                      f"every field, defaults included.\n{text}", encoding="utf-8")
-
-
 def _accepts_container(tp: Any) -> bool:
     """``list[str]``, ``dict[str, Any]``, ``tuple[float, float]``, ``list[str] | Literal['all'] | None``..."""
     origin = typing.get_origin(tp)
@@ -512,7 +524,7 @@ def _set_overrides(cls: type, data: dict, overrides, elsewhere: Callable[[KeyPat
     """``data`` (plain config data, changed in place) with ``overrides`` set (`apply_overrides`), and the
     locator of each problem's source: the override that set its key, else ``elsewhere(key path)`` (a file's
     line), else all the overrides. -> (data, where)"""
-    fields, sources = _fields(cls), {}
+    fields, sources, by_other_name = _fields(cls), {}, set()
     for item in overrides:
         source = f"override {short_repr(item)}"
         key, sep, text = item.partition("=") if isinstance(item, str) else ("", "", "")
@@ -531,7 +543,8 @@ def _set_overrides(cls: type, data: dict, overrides, elsewhere: Callable[[KeyPat
                                   f"{', '.join(map(_dotted, found))}; use the full dotted key")
             path = found[0] + path[1:] if found else path  # an unknown key: pydantic names it
         other = _other_name(cls, path) if _cispo_key(cls, _dotted(path)) is None else None
-        if other and other[1].read:  # TRL's or verl's name of a key: read as that key, in its place among the overrides
+        foreign = bool(other and other[1].read)
+        if foreign:  # TRL's or verl's name of a key: read as that key, in its place among the overrides
             tp = fields.get(_cispo_key(cls, other[1].keys[0])) if other[1].as_is else None  # else: TRL's / verl's value
             try:
                 path, value = _read_other(cls, path, _override_value(text.strip(), tp, source), other[1])
@@ -549,6 +562,11 @@ def _set_overrides(cls: type, data: dict, overrides, elsewhere: Callable[[KeyPat
                 raise ConfigError(f"{source}: {_dotted(path[:i + 1])} is not a section")
         if dataclasses.is_dataclass(fields.get(path)) and isinstance(value, dict):
             value = {**(node.get(path[-1]) or {}), **value}
+        if path in sources and (foreign or path in by_other_name):  # learning_rate=... optim.lr=...: which one?
+            raise ConfigError(f"{source}: sets {_dotted(path)}, which {sources[path]} sets too (one of them by TRL's "
+                              "or verl's name): give it once")
+        if foreign:
+            by_other_name.add(path)
         node[path[-1]], sources[path] = value, source
     every = source if len(overrides) == 1 else "overrides " + ", ".join(map(short_repr, overrides))
 

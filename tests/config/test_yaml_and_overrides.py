@@ -539,8 +539,11 @@ def test_verl_names_in_a_yaml_file_and_a_name_given_twice(tmp_path, monkeypatch,
         "RL steps of rollout.prompts_per_step prompts each; verl's total_epochs counts passes over the data set: steps "
         "= total_epochs x prompts / data.train_batch_size)",
         f"{path}:5: learning_rate: TRL's name of optim.lr, which is given too: give only optim.lr"]
-    cfg = apply_overrides(TrainConfig(), ["optim.lr=1e-4", "learning_rate=1e-5"])  # overrides: the last one wins
-    assert cfg.optim.lr == 1e-5
+    # on the command line too: one key under two names is refused, as in a file (the same name twice: the last wins)
+    for both in (["optim.lr=1e-4", "learning_rate=1e-5"], ["learning_rate=1e-5", "lr=1e-4"]):
+        with pytest.raises(ConfigError, match="sets optim.lr, which override .* sets too .*give it once"):
+            apply_overrides(TrainConfig(), both)
+    assert apply_overrides(TrainConfig(), ["lr=1e-4", "optim.lr=2e-4"]).optim.lr == 2e-4
 
 
 def test_trackers_takes_one_sink_as_a_string(tmp_path):
@@ -672,3 +675,21 @@ def test_a_file_and_override_problem_names_its_source(tmp_path):
     with pytest.raises(ConfigError, match=r"override 'optim\.lr=abc': optim\.lr"):
         load_yaml(TrainConfig, path, ["optim.lr=abc"])
     assert load_yaml(TrainConfig, path, ["objective=ppo", "algo.objective.eps_high=0.3"]).algo.objective.name == "ppo"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.reward_weights=[true, false]", r"data\.reward_weights: expected list\[float\] \| None, got \[True, False\]"),
+    ("rollout.async_steps=true", r"rollout\.async_steps: expected Literal\[0, 1\], got True"),
+    ("algo.rollout_is_upper=3", r"algo\.rollout_is is off, so algo\.rollout_is_upper would be ignored"),
+    ("algo.rollout_is_mode=mask", r"algo\.rollout_is is off, so algo\.rollout_is_mode would be ignored"),
+])
+def test_values_that_would_be_misread_or_ignored_are_refused(override, message):
+    """A boolean where numbers are due (also inside a list: pydantic reads true as 1) and a rollout correction's
+    settings with no correction to read them are refused in one line, not taken silently."""
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(TrainConfig(), [override])
+
+
+def test_trl_report_to_none_on_the_command_line_means_no_trackers():
+    """``report_to=none`` (TRL's spelling; the command line reads none as null) is no trackers, as in a file."""
+    assert apply_overrides(TrainConfig(), ["report_to=none"]).trackers == []
