@@ -50,8 +50,9 @@ def config_class(name: str) -> type:
 def _build_config(cls, config_file: str | None, overrides: list[str]):
     from cispo.config.train import apply_overrides, load_yaml
 
-    cfg = load_yaml(cls, config_file) if config_file else cls()
-    return apply_overrides(cfg, overrides)
+    if config_file:  # the file and the command line are one configuration, checked once
+        return load_yaml(cls, config_file, overrides)
+    return apply_overrides(cls(), overrides)
 
 
 def cmd_train(args) -> int:
@@ -65,7 +66,7 @@ def cmd_train(args) -> int:
     else:
         cfg = _build_config(TrainConfig, args.config, overrides)
     if args.print_config:  # the config the run would have, every field with its meaning; no run
-        from cispo.config.engine import commented_yaml
+        from cispo.config.describe import commented_yaml
 
         print(commented_yaml(cfg), end="")
         return 0
@@ -235,7 +236,7 @@ class CommandParser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         if self.config is not None:
-            from cispo.config.train import format_help
+            from cispo.config.describe import format_help
 
             self.epilog = format_help(config_class(self.config))
         return super().format_help()

@@ -33,7 +33,6 @@ from cispo.config.yaml_input import (
     MAX_CONFIG_BYTES,
     MAX_DEPTH,
     MAX_INT_CHARS,
-    ConfigDumper,
     ConfigError,
     ConfigLoader,
     RefusedYAML,
@@ -45,8 +44,8 @@ from cispo.config.yaml_input import (
 from cispo.foundations.suggest import did_you_mean
 
 __all__ = ["ConfigError", "MAX_ALIAS_NODES", "MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_INT_CHARS", "MAX_PROBLEMS",
-           "apply_overrides", "commented_yaml", "field_docs", "format_help", "from_dict", "load_yaml", "note_values",
-           "rename_key", "save_yaml", "section_shorthand", "short_repr", "to_dict"]
+           "apply_overrides", "field_docs", "from_dict", "load_yaml", "note_values",
+           "rename_key", "section_shorthand", "short_repr", "to_dict"]
 T = TypeVar("T")
 KeyPath = tuple  # field names (str) and list indices (int), as in pydantic's error locations
 
@@ -368,8 +367,8 @@ def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
     data, refused = _read_other_names(cls, data, where)
     for key, tp in _fields(cls).items():  # pydantic reads true as 1 where a number is due: refused
         value = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, key, data)
-        if isinstance(value, bool) and {int, float} & {tp, *typing.get_args(tp)} and bool not in typing.get_args(tp):
-            raise ConfigError(f"{where(key)}: {_dotted(key)}: expected {_type_name(tp)}, got {value!r}")
+        if _bool_for_number(tp, value):
+            raise ConfigError(f"{where(key)}: {_dotted(key)}: expected {_type_name(tp)}, got {short_repr(value)}")
     import pydantic
 
     try:
@@ -379,6 +378,29 @@ def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
     if refused:
         raise ConfigError(_problem_lines(cls, [], where, refused))
     return built
+
+
+def _numeric(tp: Any) -> bool:
+    """Whether type ``tp`` takes numbers and not booleans: int, float, a Literal of numbers (``Literal[0, 1]``),
+    or a union of them with None or other types."""
+    args = typing.get_args(tp)
+    if tp in (int, float):
+        return True
+    if typing.get_origin(tp) is typing.Literal:
+        return bool(args) and all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+    return bool(args) and bool not in args and any(_numeric(a) for a in args if a is not type(None))
+
+
+def _bool_for_number(tp: Any, value: Any) -> bool:
+    """A boolean given where a number is due (``true`` for ``Literal[0, 1]``), also inside a list of numbers
+    (``reward_weights=[true, false]``): pydantic would read it as 1 or 0."""
+    if isinstance(value, bool):
+        return _numeric(tp)
+    if not isinstance(value, (list, tuple)):
+        return False
+    lists = [a for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) in (list, tuple)]
+    return any(isinstance(v, bool) for v in value) and any(_numeric(typing.get_args(a)[0]) for a in lists
+                                                          if typing.get_args(a))
 
 
 def _problem_lines(cls: type, errors: list[dict], where: Callable[[KeyPath], str], first: list[str] = ()) -> str:
@@ -397,9 +419,14 @@ def _problem_lines(cls: type, errors: list[dict], where: Callable[[KeyPath], str
     return "\n".join(lines)
 
 
-def from_dict(cls: type[T], data: dict[str, Any] | None, source: str = "<dict>") -> T:
-    """Config ``cls`` from plain nested data; ``None`` or a missing key: the defaults. Wrong
-    types, unknown keys and failed checks raise ``ConfigError`` s starting with ``source``."""
+def from_dict(cls: type[T], data: dict[str, Any] | None, source: str = "<dict>",
+              overrides: list[str] | tuple[str, ...] = ()) -> T:
+    """Config ``cls`` from plain nested data; ``None`` or a missing key: the defaults; ``overrides`` (``key=value``)
+    on top, checked as one configuration with it (`load_yaml`). Wrong types, unknown keys and failed checks
+    raise ``ConfigError`` s starting with ``source`` (or the override that set the key)."""
+    if overrides:
+        data = _shorthands(cls, copy.deepcopy(data or {}))
+        return _build(cls, *_set_overrides(cls, data, overrides, lambda loc: source))
     return _build(cls, data, lambda loc: source)
 
 
@@ -416,10 +443,12 @@ def _line(node: yaml.Node | None, loc: KeyPath) -> str:
     return line
 
 
-def load_yaml(cls: type[T], path: str | pathlib.Path) -> T:
-    """Config ``cls`` from a YAML file (empty: the defaults). Errors name the file, line and
-    key: ``run.yaml:12: optim.lr: expected float, got 'abc'``; a file that is not a regular file
-    or too large (`read_config_text`), and YAML that `ConfigLoader` refuses, are one line each."""
+def load_yaml(cls: type[T], path: str | pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> T:
+    """Config ``cls`` from a YAML file (empty: the defaults) with the command line's ``key=value`` ``overrides``
+    on top (`apply_overrides`), checked once as one configuration: a file that needs a key the command line
+    gives is not refused on its own. Errors name the file, line and key (``run.yaml:12: optim.lr: expected
+    float, got 'abc'``) or the override; a file that is not a regular file or too large (`read_config_text`),
+    and YAML that `ConfigLoader` refuses, are one line each."""
     _fields(cls)
     text = read_config_text(path)
     try:
@@ -430,7 +459,11 @@ def load_yaml(cls: type[T], path: str | pathlib.Path) -> T:
         raise ConfigError(f"{path}:1: expected a mapping of config keys at top level, got {type(data).__name__}")
     sections = {k for k, v in (data or {}).items() if v is None and dataclasses.is_dataclass(_fields(cls).get((k,)))}
     data = {**(data or {}), **dict.fromkeys(sections, {})}  # 'optim:' with nothing below: its defaults
-    return _build(cls, data, lambda loc: f"{path}{_line(node, loc)}")
+    in_file = lambda loc: f"{path}{_line(node, loc)}"  # noqa: E731
+    if overrides:  # onto the file's keys (a section given by its shorthand value first made a mapping)
+        data, where = _set_overrides(cls, _shorthands(cls, data), overrides, in_file)
+        return _build(cls, data, where)
+    return _build(cls, data, in_file)
 
 
 def to_dict(cfg: Any) -> Any:
@@ -440,41 +473,6 @@ def to_dict(cfg: Any) -> Any:
     if isinstance(cfg, dict):
         return {k: to_dict(v) for k, v in cfg.items()}
     return [to_dict(v) for v in cfg] if isinstance(cfg, (list, tuple)) else cfg
-
-
-def save_yaml(cfg: Any, path: str | pathlib.Path) -> None:
-    """Every field of a config (defaults included) as a YAML file that ``load_yaml`` reads
-    back to an equal config. Parent folders are created."""
-    text = yaml.dump(to_dict(cfg), Dumper=ConfigDumper, sort_keys=False, default_flow_style=False, width=88)
-    target = pathlib.Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(f"# {type(cfg).__name__}: {_class_doc(type(cfg))} Written by cispo.config.save_yaml; "
-                      f"every field, defaults included.\n{text}", encoding="utf-8")
-
-
-def commented_yaml(cfg: Any) -> str:
-    """Every field of config ``cfg`` as YAML that `load_yaml` reads back to an equal config, each field
-    after its docstring as comments (``cispo train --print-config``), each section after its class's."""
-    lines = [f"# {type(cfg).__name__}: {_class_doc(type(cfg))} Every field, with its meaning (cispo train "
-             "--print-config)."]
-
-    def section(obj: Any, indent: str) -> None:
-        docs = field_docs(type(obj))
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            doc = docs[f.name] or (_class_doc(type(value)) if dataclasses.is_dataclass(value) else "")
-            if not lines[-1].endswith(":"):  # a blank line between fields, none below a section's name
-                lines.append("")
-            lines.extend(f"{indent}# {line.strip()}".rstrip() for line in doc.splitlines())
-            if dataclasses.is_dataclass(value):
-                lines.append(f"{indent}{f.name}:")
-                section(value, indent + "  ")
-                continue
-            text = yaml.dump(to_dict(value), Dumper=ConfigDumper, default_flow_style=True, width=10_000)
-            lines.append(f"{indent}{f.name}: {text.removesuffix(chr(10)).removesuffix(chr(10) + '...').strip()}")
-
-    section(cfg, "")
-    return "\n".join(lines) + "\n"
 
 
 def _accepts_container(tp: Any) -> bool:
@@ -518,8 +516,15 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
     override by `short_repr`."""
     if not overrides:
         return cfg
-    cls, data, sources = type(cfg), to_dict(cfg), {}
-    fields = _fields(cls)
+    data, where = _set_overrides(type(cfg), to_dict(cfg), overrides, None)
+    return _build(type(cfg), data, where)
+
+
+def _set_overrides(cls: type, data: dict, overrides, elsewhere: Callable[[KeyPath], str] | None):
+    """``data`` (plain config data, changed in place) with ``overrides`` set (`apply_overrides`), and the
+    locator of each problem's source: the override that set its key, else ``elsewhere(key path)`` (a file's
+    line), else all the overrides. -> (data, where)"""
+    fields, sources, by_other_name = _fields(cls), {}, set()
     for item in overrides:
         source = f"override {short_repr(item)}"
         key, sep, text = item.partition("=") if isinstance(item, str) else ("", "", "")
@@ -538,7 +543,8 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
                                   f"{', '.join(map(_dotted, found))}; use the full dotted key")
             path = found[0] + path[1:] if found else path  # an unknown key: pydantic names it
         other = _other_name(cls, path) if _cispo_key(cls, _dotted(path)) is None else None
-        if other and other[1].read:  # TRL's or verl's name of a key: read as that key, in its place among the overrides
+        foreign = bool(other and other[1].read)
+        if foreign:  # TRL's or verl's name of a key: read as that key, in its place among the overrides
             tp = fields.get(_cispo_key(cls, other[1].keys[0])) if other[1].as_is else None  # else: TRL's / verl's value
             try:
                 path, value = _read_other(cls, path, _override_value(text.strip(), tp, source), other[1])
@@ -555,11 +561,20 @@ def apply_overrides(cfg: T, overrides: list[str] | tuple[str, ...]) -> T:
             if not isinstance(node, dict):
                 raise ConfigError(f"{source}: {_dotted(path[:i + 1])} is not a section")
         if dataclasses.is_dataclass(fields.get(path)) and isinstance(value, dict):
-            value = {**node[path[-1]], **value}
+            value = {**(node.get(path[-1]) or {}), **value}
+        if path in sources and (foreign or path in by_other_name):  # learning_rate=... optim.lr=...: which one?
+            raise ConfigError(f"{source}: sets {_dotted(path)}, which {sources[path]} sets too (one of them by TRL's "
+                              "or verl's name): give it once")
+        if foreign:
+            by_other_name.add(path)
         node[path[-1]], sources[path] = value, source
     every = source if len(overrides) == 1 else "overrides " + ", ".join(map(short_repr, overrides))
-    return _build(cls, data, lambda loc: next(
-        (sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources), every))
+
+    def where(loc: KeyPath) -> str:
+        own = next((sources[loc[:n]] for n in range(len(loc), 0, -1) if loc[:n] in sources), None)
+        return own or (elsewhere(loc) if elsewhere is not None else every)
+
+    return data, where
 
 
 def _class_doc(cls: type) -> str:
@@ -575,28 +590,3 @@ def field_docs(cls: type) -> dict[str, str]:
         properties = _adapter(c).json_schema()["properties"]
         docs.update({k: v["description"] for k, v in properties.items() if "description" in v})
     return docs
-
-
-def format_help(cls: type) -> str:
-    """Every field of config ``cls``: dotted key, type, default and docstring, by section."""
-    fields, out = _fields(cls), [
-        "Config fields. Override any with KEY=VALUE: KEY is a dotted path (section.field) or a",
-        "field name that occurs in one place only; VALUE is YAML (3e-4, true, null, [1, 2], {a: 1}).", ""]
-
-    def section(c: type, prefix: KeyPath, title: str) -> None:
-        out.append(title)
-        subs, docs = [], field_docs(c)
-        for f in dataclasses.fields(c):
-            key = prefix + (f.name,)
-            if dataclasses.is_dataclass(fields[key]):
-                subs.append(key)
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out.append(f"  {_dotted(key)}: {_type_name(fields[key])} = {default!r}")
-            out.extend(f"      {line}".rstrip() for line in docs[f.name].splitlines())
-        for key in subs:
-            sub = fields[key]
-            section(sub, key, f"\n{_dotted(key)} ({sub.__name__}): {_class_doc(sub)}")
-
-    section(cls, (), f"{cls.__name__}: {_class_doc(cls)}")
-    return "\n".join(out).rstrip() + "\n"

@@ -88,7 +88,7 @@ def _report_to(value: Any) -> Any:
     """TRL's ``report_to`` as cispo's ``trackers`` (which checks the sink names itself)."""
     if _is(value, "all"):
         raise ValueError("TRL's all (every installed integration) is not read: name the sinks")
-    return [] if _is(value, "none") else value
+    return [] if value is None or _is(value, "none") else value  # none: read as null on the command line
 
 
 def _logger(value: Any) -> Any:

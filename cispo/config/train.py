@@ -13,6 +13,7 @@ cispo.config.train import ModelConfig, to_dict`` keeps working.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable
@@ -20,16 +21,15 @@ from dataclasses import dataclass, field, fields, is_dataclass
 
 from cispo.config.algo import AlgoConfig, OptimConfig
 from cispo.config.data import DataConfig, EvalSetConfig
+from cispo.config.describe import save_yaml
 from cispo.config.engine import (
     ConfigError,
     apply_overrides,
     field_docs,
-    format_help,
     from_dict,
     load_yaml,
     note_values,
     rename_key,
-    save_yaml,
     section_shorthand,
     to_dict,
 )
@@ -39,7 +39,7 @@ from cispo.foundations.suggest import did_you_mean
 
 __all__ = [
     "AlgoConfig", "DataConfig", "EvalConfig", "EvalSetConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
-    "TrainConfig", "ConfigError", "apply_overrides", "field_docs", "format_help", "from_dict", "load_yaml",
+    "TrainConfig", "ConfigError", "apply_overrides", "field_docs", "from_dict", "load_yaml",
     "save_yaml", "to_dict",
 ]
 
@@ -299,7 +299,7 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
     """The schedule of updates: refuses fewer than one update, epoch or micro-batch row, more
     updates than a batch has rows (a mini-batch would be empty); and the rollout correction's: a TIS
     cap that is not positive, tis_cap next to rollout_is (one name for one correction), bounds that are
-    negative, not finite, out of order or both None."""
+    negative, not finite, out of order or both None, and bounds or a mode set with no correction to read them."""
     a, r = cfg.algo, cfg.rollout
     rows = r.prompts_per_step * r.group_size
     lower, upper = a.rollout_is_lower, a.rollout_is_upper
@@ -319,7 +319,20 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
          f"must be > algo.rollout_is_lower = {lower}"),
         ("algo.rollout_is", a.rollout_is is None or lower is not None or upper is not None,
          "needs a bound: algo.rollout_is_lower, algo.rollout_is_upper or both"),
+        ("algo.rollout_is", a.rollout_is is not None or _is_default(a, IS_SETTINGS),
+         f"is off, so {', '.join(f'algo.{k}' for k in IS_SETTINGS if not _is_default(a, (k,)))} would be ignored: "
+         "set the correction's level (algo.rollout_is=token, seq-mean or seq-sum) or leave its settings out"),
     ]
+
+
+IS_SETTINGS = ("rollout_is_mode", "rollout_is_lower", "rollout_is_upper")
+"""The rollout correction's settings, read only with ``algo.rollout_is``."""
+
+
+def _is_default(section, names) -> bool:
+    """Whether each field of ``names`` of config ``section`` has its default value."""
+    defaults = {f.name: f.default for f in dataclasses.fields(section)}
+    return all(getattr(section, n) == defaults[n] for n in names)
 
 
 def _logp_old_checks(cfg: TrainConfig) -> list[Check]:

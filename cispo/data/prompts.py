@@ -39,6 +39,7 @@ class PromptStream:
         self.index = 0
         self._order = self._permutation(0)
         self.retired: set[int] = set()  # samples no longer taken (`retire`)
+        self.all_retired = 0  # times every sample was retired and all were handed out again
         self._position = {id(s): i for i, s in enumerate(self.samples)}
 
     def index_of(self, sample: dict) -> int:
@@ -64,8 +65,10 @@ class PromptStream:
     def take(self, n: int) -> list[dict]:
         """The next ``n`` samples (crossing epoch boundaries as needed), retired ones skipped."""
         if len(self.retired) == len(self.samples):
-            print(f"cispo: data.retire_pass_rate: all {len(self.samples)} training prompts retired; "
-                  "sampling them all again", file=sys.stderr)
+            if not self.all_retired:  # said once: with few prompts it can come every step
+                print(f"cispo: data.retire_pass_rate: all {len(self.samples)} training prompts retired; sampling them "
+                      "all again (each time it happens again; said once)", file=sys.stderr)
+            self.all_retired += 1
             self.retired.clear()
         out = []
         while len(out) < n:

@@ -438,15 +438,18 @@ def resume_config(config_file: str | None, overrides: list[str]) -> TrainConfig:
     ``config.yaml`` with the keys that FILE sets and the overrides on top (``train`` then
     checks them against ``RESUME_SAFE_FIELDS``). A run folder without ``config.yaml`` (none yet):
     the config as given."""
-    given = load_yaml(TrainConfig, config_file) if config_file else TrainConfig()
-    given = apply_overrides(given, overrides)
+    if config_file:  # the file and the command line as one configuration, checked once
+        given = load_yaml(TrainConfig, config_file, overrides)
+    else:
+        given = apply_overrides(TrainConfig(), overrides)
     saved = saved_config(run_dir_of(given))
     if saved is None:
         return given
-    cfg = saved
     if config_file:
         raw = yaml.safe_load(Path(config_file).read_text())
-        cfg = from_dict(TrainConfig, _overlay(to_dict(saved), raw, to_dict(given)), source=str(config_file))
-    cfg = apply_overrides(cfg, overrides)
+        cfg = from_dict(TrainConfig, _overlay(to_dict(saved), raw, to_dict(given)), source=str(config_file),
+                        overrides=overrides)
+    else:
+        cfg = apply_overrides(saved, overrides)
     cfg = replace(cfg, out_dir=given.out_dir)  # where the folder was found
     return cfg if run_name(cfg) == run_name(given) else replace(cfg, run_name=run_name(given))

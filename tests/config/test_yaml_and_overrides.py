@@ -14,6 +14,7 @@ import pytest
 
 from cispo.cli import main
 from cispo.config.algo import ObjectiveSection
+from cispo.config.describe import format_help
 from cispo.config.recipes import recipe_overrides
 from cispo.config.train import (
                                 AlgoConfig,
@@ -21,7 +22,6 @@ from cispo.config.train import (
                                 TrainConfig,
                                 apply_overrides,
                                 field_docs,
-                                format_help,
                                 from_dict,
                                 load_yaml,
                                 save_yaml,
@@ -539,8 +539,11 @@ def test_verl_names_in_a_yaml_file_and_a_name_given_twice(tmp_path, monkeypatch,
         "RL steps of rollout.prompts_per_step prompts each; verl's total_epochs counts passes over the data set: steps "
         "= total_epochs x prompts / data.train_batch_size)",
         f"{path}:5: learning_rate: TRL's name of optim.lr, which is given too: give only optim.lr"]
-    cfg = apply_overrides(TrainConfig(), ["optim.lr=1e-4", "learning_rate=1e-5"])  # overrides: the last one wins
-    assert cfg.optim.lr == 1e-5
+    # on the command line too: one key under two names is refused, as in a file (the same name twice: the last wins)
+    for both in (["optim.lr=1e-4", "learning_rate=1e-5"], ["learning_rate=1e-5", "lr=1e-4"]):
+        with pytest.raises(ConfigError, match="sets optim.lr, which override .* sets too .*give it once"):
+            apply_overrides(TrainConfig(), both)
+    assert apply_overrides(TrainConfig(), ["lr=1e-4", "optim.lr=2e-4"]).optim.lr == 2e-4
 
 
 def test_trackers_takes_one_sink_as_a_string(tmp_path):
@@ -641,3 +644,52 @@ def test_print_config_shows_the_config_the_overrides_make(tmp_path, capsys):
     path = tmp_path / "run.yaml"
     path.write_text(capsys.readouterr().out)
     assert load_yaml(TrainConfig, path) == apply_overrides(TrainConfig(), [*recipe_overrides("scalerl"), "lr=3e-6"])
+
+
+@pytest.mark.parametrize("file_text,overrides", [
+    ("data:\n  path: p.jsonl\n", ["model.path=m", "data.reward=math", "max_new_tokens=8"]),
+    ("rollout:\n  prompts_per_step: 1\n  group_size: 2\n", ["updates_per_batch=1"]),
+    ("data:\n  train_files: [a.parquet]\n", ["data.reward=math", "model.path=m", "max_new_tokens=8"]),
+])
+def test_a_config_file_and_the_command_line_are_one_configuration(tmp_path, file_text, overrides):
+    """A file that needs a key the command line gives (``data.path`` in the file, ``model.path`` and the reward
+    on the command line) is checked with it, not refused on its own first; `cispo train --config` does the same."""
+    from cispo.cli import _build_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(file_text)
+    with pytest.raises(ConfigError):  # the file alone is incomplete (the way it was refused before)
+        load_yaml(TrainConfig, path)
+    cfg = _build_config(TrainConfig, str(path), overrides)
+    assert cfg == load_yaml(TrainConfig, path, overrides)
+    assert apply_overrides(cfg, []) == cfg
+
+
+def test_a_file_and_override_problem_names_its_source(tmp_path):
+    """A wrong value from the command line names its override, one from the file its line, once both are read."""
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 1\noptim:\n  lr: abc\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml:3: optim\.lr"):
+        load_yaml(TrainConfig, path, ["seed=2"])
+    path.write_text("seed: 1\n")
+    with pytest.raises(ConfigError, match=r"override 'optim\.lr=abc': optim\.lr"):
+        load_yaml(TrainConfig, path, ["optim.lr=abc"])
+    assert load_yaml(TrainConfig, path, ["objective=ppo", "algo.objective.eps_high=0.3"]).algo.objective.name == "ppo"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.reward_weights=[true, false]", r"data\.reward_weights: expected list\[float\] \| None, got \[True, False\]"),
+    ("rollout.async_steps=true", r"rollout\.async_steps: expected Literal\[0, 1\], got True"),
+    ("algo.rollout_is_upper=3", r"algo\.rollout_is is off, so algo\.rollout_is_upper would be ignored"),
+    ("algo.rollout_is_mode=mask", r"algo\.rollout_is is off, so algo\.rollout_is_mode would be ignored"),
+])
+def test_values_that_would_be_misread_or_ignored_are_refused(override, message):
+    """A boolean where numbers are due (also inside a list: pydantic reads true as 1) and a rollout correction's
+    settings with no correction to read them are refused in one line, not taken silently."""
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(TrainConfig(), [override])
+
+
+def test_trl_report_to_none_on_the_command_line_means_no_trackers():
+    """``report_to=none`` (TRL's spelling; the command line reads none as null) is no trackers, as in a file."""
+    assert apply_overrides(TrainConfig(), ["report_to=none"]).trackers == []

@@ -52,6 +52,11 @@ def test_every_prompt_retired_hands_them_out_again(capsys):
         stream.retire(s)
     assert len(stream.take(3)) == 3 and not stream.retired
     assert "all 3 training prompts retired" in capsys.readouterr().err
+    for _ in range(5):  # with few prompts it comes again and again: said once, counted every time
+        for s in stream.samples:
+            stream.retire(s)
+        stream.take(3)
+    assert capsys.readouterr().err == "" and stream.all_retired == 6
 
 
 def test_the_rate_is_checked():
