@@ -208,7 +208,9 @@ def combine(outcomes: list[Outcome], weights, names) -> Scored:
     * a failed call (raised, returned a non-number, timed out, crashed its worker) counts as r_i = 0
       and is a reward error, as one reward's failed call is (TRL stops the step instead);
     * a completion every reward abstained on scores 0 and is a reward error (TRL gives it a zero
-      advantage); with one reward that is its None's message, as it always was.
+      advantage); with one reward that is its None's message, as it always was;
+    * a sum that is not finite (finite rewards and weights can overflow: 1e308 + 1e308, 1e10 * 1e308)
+      scores 0 and is a reward error, as a reward that returned inf is: no advantage is made of inf.
 
     ``names`` None: a built-in task's reward (no parts). With several rewards each error is prefixed by
     its reward's name and joined by `` | ``."""
@@ -220,6 +222,9 @@ def combine(outcomes: list[Outcome], weights, names) -> Scored:
     value = sum(w * v for w, v in paid) if paid else 0.0
     if not paid:
         errors.append("every reward returned None (none applies to it): scored 0" if several else outcomes[0].error)
+    elif not _math.isfinite(value):
+        errors.append(f"the weighted sum of the rewards is {value} (it overflows a float): scored 0")
+        value = 0.0
     parts = dict(zip(names, (o.value for o in outcomes))) if names else {}
     return Scored(value, " | ".join(errors) or None, parts, tuple(x for o in outcomes for x in o.extras))
 
