@@ -130,6 +130,7 @@ def cmd_eval(args) -> int:
     cfg = _build_config(TrainConfig, config_file, args.overrides + model)
     from cispo.data.prompts import load_eval_sets, load_source  # the config is good: now torch and the rest
     from cispo.data.rewards import start_reward_workers
+    from cispo.foundations.text import valid_json_line
     from cispo.records.samples import HELD_OUT, eval_records
     from cispo.records.tracking import json_safe
     from cispo.training.evaluation import Evaluation, answers_per_prompt, evaluate, evaluate_sets
@@ -145,7 +146,7 @@ def cmd_eval(args) -> int:
     with _samples_file(args.samples) as out:
         def on_groups(set_name, mode, groups) -> None:  # --samples: every completion, as it is scored
             if out is not None:
-                out.writelines(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n"
+                out.writelines(valid_json_line(json_safe(r), allow_nan=False) + "\n"
                                for r in eval_records(set_name, mode, groups, task.extract_answer))
 
         start_reward_workers(task.reward)  # while the model loads
