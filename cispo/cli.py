@@ -131,6 +131,7 @@ def cmd_eval(args) -> int:
     cfg = _build_config(TrainConfig, config_file, args.overrides + model)
     from cispo.data.prompts import load_eval_sets, load_source  # the config is good: now torch and the rest
     from cispo.data.rewards import start_reward_workers
+    from cispo.foundations.text import valid_json_line
     from cispo.records.samples import HELD_OUT, eval_records
     from cispo.records.tracking import json_safe
     from cispo.training.evaluation import Evaluation, answers_per_prompt, evaluate, evaluate_sets
@@ -146,7 +147,7 @@ def cmd_eval(args) -> int:
     with _samples_file(args.samples) as out:
         def on_groups(set_name, mode, groups) -> None:  # --samples: every completion, as it is scored
             if out is not None:
-                out.writelines(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n"
+                out.writelines(valid_json_line(json_safe(r), allow_nan=False) + "\n"
                                for r in eval_records(set_name, mode, groups, task.extract_answer))
 
         start_reward_workers(task.reward)  # while the model loads
@@ -172,7 +173,8 @@ def _samples_file(path: str | None):
     the block ends without an error (a failed eval leaves ``path`` as it was); None when not asked.
     Refused with a `ConfigError` naming it, before any model is loaded: a path in a run folder
     (a run's own ``metrics.jsonl`` would be replaced; ``--overwrite`` deletes the folder), a folder,
-    a file that cannot be written."""
+    a file that cannot be written, and anything there that is not a regular file (a device such as
+    ``/dev/full``, a FIFO, a socket): the rename would replace it with a regular file."""
     if not path:
         yield None
         return
@@ -193,6 +195,11 @@ def _samples_file(path: str | None):
                           f"path outside it, e.g. {run.parent / (run.name + '.eval.jsonl')}")
     if target.is_dir():
         raise ConfigError(f"--samples {path}: a folder; give the name of a file to write")
+    kind = _not_a_regular_file(target)
+    if kind:
+        via = f" ({target})" if target != Path(path).expanduser().absolute() else ""
+        raise ConfigError(f"--samples {path}: {kind}{via}, not a regular file; cispo eval writes its completions to a "
+                          f"new file and renames it over the path, which would replace it. Give a file's path")
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     try:
         f = open(tmp, "x", encoding="utf-8")  # "x": never through a file or link already there
@@ -211,6 +218,23 @@ def _samples_file(path: str | None):
     except OSError as e:
         raise ConfigError(f"--samples {path}: cannot replace it ({e.strerror or e}); the completions are in "
                           f"{tmp}") from None
+
+
+def _not_a_regular_file(path: Path) -> str | None:
+    """What ``path`` is ("a character device", "a FIFO", ...) when something other than a regular file
+    or a folder is there; None when it is one of those or nothing is there (``path`` is already resolved:
+    not followed again)."""
+    import stat
+
+    try:
+        mode = path.lstat().st_mode
+    except OSError:  # nothing there (or nothing that can be looked at: opening beside it fails in turn)
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kinds = [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def cmd_plot(args) -> int:

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cispo.foundations.suggest import closest, did_you_mean, hint
+from cispo.foundations.text import invalid_at
 
 __all__ = ["load_prompts", "load_prompts_with_report", "DataError", "LoadReport", "looks_like_hub_id"]
 
@@ -182,6 +183,16 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def _check_text(field_name: str, text: str, what: str = "text") -> str:
+    """``text``, or a `_RowError` where it is not valid Unicode: a lone surrogate (``"\\ud800"`` in the
+    JSON), which no tokenizer encodes and no UTF-8 file holds, would end the run far from this row."""
+    at = invalid_at(text)
+    if at is None:
+        return text
+    raise _RowError(field_name, f"{what} is not valid Unicode: a lone surrogate U+{ord(text[at]):04X} at "
+                                f"character {at} (a \\u escape of half a UTF-16 pair?)")
+
+
 def _chat_prompt(messages: list, field_name: str) -> tuple[str, list[dict]]:
     if not messages:
         raise _RowError(field_name, "empty chat message list")
@@ -189,6 +200,8 @@ def _chat_prompt(messages: list, field_name: str) -> tuple[str, list[dict]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             got = f"keys {sorted(m)}" if isinstance(m, dict) else _type_name(m)
             raise _RowError(field_name, f"message {j} is not a {{'role': str, 'content': str}} dict (got {got})")
+        _check_text(field_name, m["role"], f"message {j}'s role")
+        _check_text(field_name, m["content"], f"message {j}'s content")
     users = [m for m in messages if m["role"] == "user"]
     if not users:
         roles = sorted({m["role"] for m in messages})
@@ -239,7 +252,7 @@ def _convert(row: Any, spec: _Spec) -> dict:
     if isinstance(raw_prompt, str):
         if not raw_prompt.strip():
             raise _RowError(spec.prompt_field, "empty prompt")
-        sample["prompt"] = raw_prompt
+        sample["prompt"] = _check_text(spec.prompt_field, raw_prompt, "the prompt")
     elif isinstance(raw_prompt, list):
         sample["prompt"], sample["messages"] = _chat_prompt(raw_prompt, spec.prompt_field)
     else:
@@ -255,7 +268,7 @@ def _convert(row: Any, spec: _Spec) -> dict:
         answer = str(raw_answer)
         if not answer.strip():
             raise _RowError(spec.answer_field, "empty answer")
-        sample["answer"] = answer
+        sample["answer"] = _check_text(spec.answer_field, answer, "the answer")
     if spec.all_extras:
         for key, value in row.items():
             if key != spec.prompt_field and key not in RESERVED:

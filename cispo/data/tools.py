@@ -49,6 +49,7 @@ from cispo.data.rewards import Outcome, RewardSpecError, describe_error
 from cispo.data.rewards.loading import _resolve, absolute_spec
 from cispo.data.rewards.pool import pool_for
 from cispo.foundations.suggest import did_you_mean
+from cispo.foundations.text import valid_text
 
 __all__ = ["ToolCall", "ToolResult", "Tool", "ToolSpecError", "ToolRunner", "BUILTIN_TOOLS", "TOOL_OUTPUT_CHARS",
            "TOOL_MEMORY_BYTES", "split_specs", "load_tool", "load_tools", "as_tool", "tool_schema", "cap_output",
@@ -382,13 +383,16 @@ class ToolRunner:
 
 
 def _result(outcome: Outcome, seconds: float) -> ToolResult:
-    """The `ToolResult` of a call's `Outcome` (its value, plain text made where the call ran: `call_tool`)."""
+    """The `ToolResult` of a call's `Outcome` (its value, plain text made where the call ran: `call_tool`), its
+    text and error valid Unicode (`valid_text`: a lone surrogate in a tool's output or message, which no
+    tokenizer encodes, is replaced; the run goes on)."""
     if outcome.error is not None:
-        return ToolResult(policy_error(outcome.error), outcome.error, seconds)
+        error = valid_text(outcome.error)
+        return ToolResult(policy_error(error), error, seconds)
     if type(outcome.value) is not str:
         message = f"the tool's result is no text ({type(outcome.value).__name__})"
         return ToolResult(policy_error(message), message, seconds)
-    return ToolResult(outcome.value, None, seconds)
+    return ToolResult(valid_text(outcome.value), None, seconds)
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ The file stops growing, with one note on stderr, once it would pass ``samples_ma
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import warnings
@@ -32,6 +31,7 @@ import torch
 from cispo.foundations.experience import Completion, Experience
 from cispo.foundations.forks import count_in_text
 from cispo.foundations.jsonl import parse_step_lines
+from cispo.foundations.text import valid_json_line
 from cispo.objective.loss import ObjectiveStats
 
 SAMPLE_FIELDS = ("step", "group", "prompt", "completion", "reward", "task_reward", "advantage", "length",
@@ -170,8 +170,9 @@ class SampleFile:
         self.full = False
 
     def append(self, records: list[dict]) -> bool:
-        """Append ``records``; False (and a note on stderr, once) when the size bound stops it."""
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        """Append ``records``; False (and a note on stderr, once) when the size bound stops it. Text UTF-8
+        cannot write (a lone surrogate, in a tool call's JSON arguments say) is replaced (`valid_json_line`)."""
+        text = "".join(valid_json_line(r) + "\n" for r in records)
         size = self.path.stat().st_size if self.path.exists() else 0
         if size + len(text.encode()) > self.max_bytes:
             if not self.full:
@@ -190,7 +191,7 @@ class SampleFile:
         check_run_file(self.path)
         if not self.path.exists():
             return
-        replace_atomically(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+        replace_atomically(self.path, "".join(valid_json_line(r) + "\n"
                                               for r in rows_up_to(self.path, step)))
 
 

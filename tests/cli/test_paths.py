@@ -237,3 +237,31 @@ def test_samples_into_a_run_folder_are_refused(relative_run, tmp_path, capsys, m
     assert ("the run's own metrics.jsonl in" if "metrics" in where else "inside the run folder") in err[-1]
     assert f"{run}; cispo eval writes no file into a run folder" in err[-1]
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-device"])
+def test_samples_onto_a_device_or_fifo_are_refused(tiny_model, tmp_path, capsys, monkeypatch, kind):
+    """Was: ``--samples PATH`` wrote a temporary file and renamed it over PATH whatever was there:
+    as root, ``--samples /dev/full`` replaced the system's device with a regular file. Anything there
+    that is not a regular file (a FIFO; a symlink to a character device) is one line naming it and
+    what it is, before the model loads; it is left as it was and no temporary file is written."""
+    import stat
+
+    import cispo.training.run_policy
+
+    monkeypatch.setattr(cispo.training.run_policy, "load_policy_for", lambda *a, **k: pytest.fail("model loaded"))
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(os.devnull)  # only looked at: the refusal comes before anything is opened
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["eval", "--model", str(tiny_model), "--samples", str(path), "model.device=cpu",
+                 "progress=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    what = "a FIFO" if kind == "fifo" else f"a character device ({os.path.realpath(os.devnull)})"
+    assert err.startswith(f"cispo eval: error: --samples {path}: {what}, not a regular file;"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert stat.S_ISFIFO(path.lstat().st_mode) if kind == "fifo" else path.is_symlink()
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)

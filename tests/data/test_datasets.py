@@ -177,6 +177,27 @@ def test_row_errors_name_file_line_and_field(tmp_path, row, kwargs, message):
     assert str(p) in str(info.value)
 
 
+@pytest.mark.parametrize("row, field, what", [
+    ('{"prompt": "What is \\ud800 2+2?", "answer": "4"}', "prompt", "the prompt"),
+    ('{"prompt": [{"role": "user", "content": "ok"}, {"role": "user", "content": "x\\udfff"}], "answer": "1"}',
+     "prompt", "message 1's content"),
+    ('{"prompt": "x", "answer": "\\udc80"}', "answer", "the answer"),
+])
+def test_text_that_is_not_valid_unicode_is_refused_naming_file_line_and_field(tmp_path, row, field, what):
+    """Was: a prompt holding a lone surrogate (a JSON ``\\ud800`` escape: half a UTF-16 pair) loaded, then
+    ended the run in the tokenizer with a traceback naming no file or line. Now it is refused at load, in
+    one line naming the file, the line and the field; with on_error="skip" the row is skipped."""
+    p = write_jsonl(tmp_path / "data.jsonl", [{"prompt": "ok", "answer": "1"}, row])
+    with pytest.raises(DataError) as info:
+        load_prompts(p)
+    message = str(info.value)
+    assert message.startswith(f"{p}: line 2: field {field!r}: {what} is not valid Unicode: a lone surrogate U+")
+    assert "\n" not in message and info.value.location == "line 2"
+    message.encode("utf-8")  # printable: the refusal itself holds no surrogate
+    samples, report = load_prompts_with_report(p, on_error="skip")
+    assert samples == [{"prompt": "ok", "answer": "1"}] and report.skipped == 1
+
+
 def test_line_numbers_count_blank_lines(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, "", "", "{oops"])
     with pytest.raises(DataError, match=r"d\.jsonl: line 4: invalid JSON"):

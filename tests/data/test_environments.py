@@ -239,6 +239,32 @@ def test_a_long_output_is_cut_and_keeps_its_closing(smol):
     assert len(obs) <= 40 and text.startswith("<result>&lt;b>hey") and text.endswith(" [cut]</result>")
 
 
+def half_pair(text: str) -> str:
+    """Returns text that is not valid Unicode (a lone surrogate), or raises with such a message.
+
+    Args:
+        text: What to do.
+    """
+    if text == "raise":
+        raise ValueError("bad \udcff input")
+    return "a\ud800b"
+
+
+def test_a_tools_text_that_is_not_valid_unicode_becomes_a_replacement_character(smol, qwen):
+    """Was: a tool's output (or error message) holding a lone surrogate went to the tokenizer as it was:
+    a TypeError that ended the run. Now each lone surrogate is U+FFFD, in the observation and the record."""
+    episodes = inline_env(smol, tools=(half_pair,)).start([{"prompt": "q"}, {"prompt": "q"}])
+    segments = [ids(smol, "<half_pair>x</half_pair>"), ids(smol, "<half_pair>raise</half_pair>")]
+    out = episodes.respond([0, 1], segments, [False, False])
+    assert [smol.decode(o) for o in out] == ["<result>a\ufffdb</result>",
+                                             "<result>error: ValueError: bad \ufffd input</result>"]
+    assert episodes.record(1)["calls"][0]["error"] == "ValueError: bad \ufffd input"
+    env = ToolEnvironment(qwen, [half_pair], "chat", 2, CountingRunner([half_pair]))
+    call = '<tool_call>{"name": "half_pair", "arguments": {"text": "x"}}</tool_call><|im_end|>'
+    obs = env.start([{"prompt": "q"}]).respond([0], [ids(qwen, call)], [True])[0]
+    assert "<tool_response>\na\ufffdb\n</tool_response>" in qwen.decode(obs)
+
+
 def test_the_record_keeps_a_segment_no_respond_took(smol):
     episodes = inline_env(smol).start([{"prompt": "q"}])
     segment = ids(smol, "I think it is 7 and")

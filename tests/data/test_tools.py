@@ -233,3 +233,33 @@ def test_the_python_tool_runs_in_the_sandbox(netns):
     assert python("print('before')\n1 / 0") == "before\nerror: ZeroDivisionError: division by zero"
     assert python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)").startswith("error: ")
     assert python("while True: pass").endswith(("error: timed out after 3.0 s", "error: CPU time limit"))
+
+
+SURROGATES = '''
+def echo(text: str) -> str:
+    """Returns text that is not valid Unicode, or raises with such a message.
+
+    Args:
+        text: What to do.
+    """
+    if text == "raise":
+        raise ValueError("bad \\udcff input")
+    return "half a pair: \\ud800."
+'''
+
+
+@pytest.mark.parametrize("isolation", ["main", "process"])
+def test_a_tools_text_that_is_not_valid_unicode_is_replaced(tmp_path, isolation):
+    """Was: a tool's output or error message with a lone surrogate reached the tokenizer as it was (a
+    TypeError that ended the run) and samples.jsonl (a UnicodeEncodeError). Now each lone surrogate is
+    U+FFFD where the result enters the trainer: the call's text and its error encode as UTF-8."""
+    (tmp_path / "surrogates.py").write_text(SURROGATES)
+    runner = ToolRunner(load_tools(f"{tmp_path}/surrogates.py:echo"), timeout_s=30.0, workers=1, isolation=isolation)
+    try:
+        output, raised = runner.run([ToolCall("echo", {"text": "x"}), ToolCall("echo", {"text": "raise"})])
+    finally:
+        runner.close()
+    assert output == ("half a pair: \ufffd.", None, output.seconds)
+    assert raised.text == "error: ValueError: bad \ufffd input" and raised.error == "ValueError: bad \ufffd input"
+    for text in (output.text, raised.text, raised.error):
+        text.encode("utf-8")

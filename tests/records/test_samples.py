@@ -77,6 +77,20 @@ def test_sample_file_is_size_bounded_and_truncates_on_resume(tmp_path, capsys):
     assert "a \\| b" in markdown_table([{"prompt": "a | b", "reward": 0.5}], ("prompt", "reward"))
 
 
+def test_a_record_with_text_that_is_not_valid_unicode_is_saved_replaced(tmp_path):
+    """Was: a lone surrogate anywhere in a record (a tool call's JSON arguments ``{"a": "\\ud800"}`` the
+    policy wrote, a reward's message) raised UnicodeEncodeError in the append and ended the run. Now each
+    is written as U+FFFD; the rest of the record and the lines before it are kept."""
+    f = SampleFile(tmp_path / "samples.jsonl", max_mb=1)
+    record = {"step": 1, "reward_error": "x\udcff",
+              "calls": [{"name": "add\ud800", "arguments": {"\ud801": ["\udc00"]}}]}
+    assert f.append([{"step": 1, "completion": "fine"}, record])
+    rows = [json.loads(line) for line in f.path.read_text(encoding="utf-8").splitlines()]
+    assert rows == [{"step": 1, "completion": "fine"},
+                    {"step": 1, "reward_error": "x\ufffd",
+                     "calls": [{"name": "add\ufffd", "arguments": {"\ufffd": ["\ufffd"]}}]}]
+
+
 def test_training_run_saves_samples_and_reports_pass_and_maj(tiny_model, dense_task, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -17,6 +17,8 @@ import sys as _sys
 from collections.abc import Callable
 from typing import NamedTuple
 
+from cispo.foundations.text import valid_text as _valid_text
+
 RewardFn = Callable[..., float]
 
 __all__ = ["RewardFn", "RewardSpecError", "Outcome", "Scored", "overlong_penalty", "shaped_reward", "safe_reward",
@@ -89,12 +91,13 @@ def cap_message(text: str, head: int = MESSAGE_HEAD_CHARS, tail: int = MESSAGE_T
 
 def describe_error(e: BaseException) -> str:
     """``"Type: message"`` (or just ``"Type"``) of an exception, for a reward's error record; a
-    long message is cut (`cap_message`), one whose ``str`` itself fails is said to be unreadable."""
+    long message is cut (`cap_message`), one whose ``str`` itself fails is said to be unreadable, and
+    a lone surrogate in it (text UTF-8 cannot write to ``samples.jsonl``) is replaced (`valid_text`)."""
     try:
         message = str(e)
     except Exception as inner:  # noqa: BLE001 - a hostile __str__
         message = f"(its message could not be read: {type(inner).__name__})"
-    return cap_message(f"{type(e).__name__}: {message}" if message else type(e).__name__)
+    return _valid_text(cap_message(f"{type(e).__name__}: {message}" if message else type(e).__name__))
 
 
 class Outcome(NamedTuple):
@@ -208,10 +211,13 @@ def combine(outcomes: list[Outcome], weights, names) -> Scored:
     * a failed call (raised, returned a non-number, timed out, crashed its worker) counts as r_i = 0
       and is a reward error, as one reward's failed call is (TRL stops the step instead);
     * a completion every reward abstained on scores 0 and is a reward error (TRL gives it a zero
-      advantage); with one reward that is its None's message, as it always was.
+      advantage); with one reward that is its None's message, as it always was;
+    * a sum that is not finite (finite rewards and weights can overflow: 1e308 + 1e308, 1e10 * 1e308)
+      scores 0 and is a reward error, as a reward that returned inf is: no advantage is made of inf.
 
     ``names`` None: a built-in task's reward (no parts). With several rewards each error is prefixed by
-    its reward's name and joined by `` | ``."""
+    its reward's name and joined by `` | ``. The error is valid text (`valid_text`) wherever the reward ran:
+    it is written to ``samples.jsonl``."""
     several = len(outcomes) > 1
     failed = [(n, o.error) for n, o in zip(names or [None] * len(outcomes), outcomes)
               if o.error is not None and o.value is not None]
@@ -220,8 +226,11 @@ def combine(outcomes: list[Outcome], weights, names) -> Scored:
     value = sum(w * v for w, v in paid) if paid else 0.0
     if not paid:
         errors.append("every reward returned None (none applies to it): scored 0" if several else outcomes[0].error)
+    elif not _math.isfinite(value):
+        errors.append(f"the weighted sum of the rewards is {value} (it overflows a float): scored 0")
+        value = 0.0
     parts = dict(zip(names, (o.value for o in outcomes))) if names else {}
-    return Scored(value, " | ".join(errors) or None, parts, tuple(x for o in outcomes for x in o.extras))
+    return Scored(value, _valid_text(" | ".join(errors)) or None, parts, tuple(x for o in outcomes for x in o.extras))
 
 
 def score_completions(reward_fn: RewardFn, calls: list, timeout_s: float | None = None) -> list[Scored]:

@@ -62,6 +62,7 @@ from cispo.data.rewards import RewardSpecError, cap_message, check_reward_value,
 from cispo.data.rewards.processes import trial_import
 from cispo.data.rewards.reward_model import REWARD_MODEL_PREFIX, RewardModel, load_reward_model
 from cispo.foundations.suggest import did_you_mean
+from cispo.foundations.text import valid_text
 
 __all__ = ["load_reward", "load_rewards", "Reward", "RewardSet", "BUILTIN_REWARDS", "RewardSpecError", "ISOLATIONS",
            "convention_of", "check_reward_fields", "absolute_spec", "field_of", "members_of", "reward_names",
@@ -316,7 +317,7 @@ class Extras:
     def add(self, key, value) -> None:
         number = number_or_none(value)
         if number is not None:
-            self.items.append((str(key), number))
+            self.items.append((valid_text(str(key)), number))  # a metric's name: written to metrics.jsonl
 
     def log_metric(self, name, value) -> None:
         self.add(name, value)

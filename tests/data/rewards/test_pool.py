@@ -224,6 +224,24 @@ def test_every_reward_failing_is_still_counted_in_training_and_evaluation(tiny_m
     assert eval_rows and all(r["eval/reward_errors"] == 8 * (1 + 2) for r in eval_rows)  # greedy + 2 samples each
 
 
+def fails_in_half_a_pair(prompt, completion, **sample):
+    raise RuntimeError("verifier down \ud800 here")
+
+
+def test_a_rewards_message_that_is_not_valid_unicode_is_saved_replaced(tiny_model, monkeypatch, tmp_path):
+    """Was: a reward's exception message holding a lone surrogate reached samples.jsonl as it was: a
+    UnicodeEncodeError that ended the run at its first step. Now the message is valid text (U+FFFD for
+    each lone surrogate) and the run goes on, its reward errors counted."""
+    base = cispo.data.tasks.get_task("addition")
+    monkeypatch.setattr(cispo.data.tasks, "get_task",
+                        lambda name="addition": dataclasses.replace(base, reward=fails_in_half_a_pair))
+    result = train(small_config(tiny_model, tmp_path, "steps=1", "eval.every=0", "max_sampling_rounds=1",
+                                "dynamic_sampling=false"))
+    assert read_metrics(result.run_dir / "metrics.jsonl")[-1]["rollout/reward_errors"] == 16.0
+    rows = [json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert rows and {r["reward_error"] for r in rows} == {"RuntimeError: verifier down \ufffd here"}
+
+
 RUN_REWARD = '''
 import os, sys
 

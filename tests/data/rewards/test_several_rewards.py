@@ -2,6 +2,7 @@
 what they say: ``accuracy`` only for a 0/1 verifier, each reward's mean and std, the extras a
 reward reports (a verl dict's other keys, TRL's ``log_metric`` / ``log_extra``)."""
 
+import functools
 import json
 import re
 
@@ -112,6 +113,26 @@ def test_the_task_reward_is_the_weighted_sum_of_the_rewards_that_apply(rewards_f
     assert isinstance(single, Reward)
     [alone] = score_completions(single, [("p", "ab", code)], timeout_s=30)
     assert alone.value == 0.0 and "returned NoneType" in alone.error and alone.parts == {"math_only": None}
+
+
+def constant(value, prompt, completion, **sample):
+    return value
+
+
+@pytest.mark.parametrize("rewards, weights", [([1e308, 1e308], [1.0, 1.0]), ([1e308], [1e10]),
+                                               ([1e308, -1e308], [2.0, 2.0])])
+def test_a_weighted_sum_that_overflows_is_a_reward_error_scored_0(rewards, weights):
+    """Was: finite rewards whose weighted sum overflows (1e308 + 1e308 = inf, 1e10 * 1e308 = inf,
+    2e308 - 2e308 = nan) gave a reward of inf (or nan) with no error. Now it scores 0 with an error
+    saying why, as a reward that returned inf does; each reward's own value stays in its part."""
+    members = tuple(functools.partial(constant, v) for v in rewards)
+    names = tuple(f"r{i}" for i in range(len(rewards)))
+    [scored] = score_completions(RewardSet(members, tuple(weights), names), [("p", "c", {})])
+    assert scored.value == 0.0
+    assert scored.error is not None and "weighted sum of the rewards is" in scored.error and "scored 0" in scored.error
+    assert scored.parts == dict(zip(names, rewards))
+    [fine] = score_completions(RewardSet(members, (1e-10,) * len(rewards), names), [("p", "c", {})])
+    assert fine.error is None and fine.value == pytest.approx(sum(1e-10 * r for r in rewards))
 
 
 @pytest.mark.parametrize("isolation", ["main", "process"])
