@@ -170,6 +170,9 @@ class PromptSource(Protocol):
     """The reward's mean is an accuracy (a 0/1 verifier): ``rollout/accuracy``, ``eval/accuracy``."""
     reward: Callable[..., float]
     """``reward(prompt, completion, **sample) -> float``."""
+    scores_policy_text: bool
+    """The reward and `extract_answer` read the policy's own text (the environment's observations taken out by
+    their mask, ``cispo.training.sampling.policy_text``), not the transcript."""
 
     def train_samples(self, seed: int, n: int) -> list[dict]:
         """``n`` training samples (seeded where random)."""
@@ -198,6 +201,8 @@ class FileSource:
     chat: bool = False  # the chat template only where model.chat_template asks
     accuracy: bool = False
     """Whether the reward's mean is an accuracy (a built-in 0/1 verifier's, ``Reward.binary``)."""
+    scores_policy_text: bool = False
+    """A user's reward reads the whole transcript, the tools' observations included."""
 
     def train_samples(self, seed: int, n: int) -> list[dict]:
         return list(self.train[:n])

@@ -30,6 +30,13 @@ class Completion:
     reward_extras: tuple = ()  # (key, number) pairs the reward calls reported besides their rewards
     env_mask: torch.Tensor | None = None  # [T_i] 1 at the environment's tokens (multi-turn); None: all the policy's
     episode: dict | None = None  # the environment's record of the episode (segments, tool calls), for samples.jsonl
+    scored_text: str | None = None  # what the reward read where it is not `text`: the policy's own tokens' text
+
+    @property
+    def answer_text(self) -> str:
+        """The text the reward scored and the answer is read from (maj@k, ``parsed_answer``): `scored_text` where
+        the task scores the policy's own text (``cispo.training.sampling.policy_text``), else `text`."""
+        return self.text if self.scored_text is None else self.scored_text
 
     @property
     def length(self) -> int:

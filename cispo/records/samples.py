@@ -117,12 +117,12 @@ def eval_records(set_name: str, mode: str, groups: list[list[Completion]], answe
     """``cispo eval --samples``: one record per completion of an evaluation (``evaluate``'s
     ``on_groups``): ``set``, ``mode`` (greedy / sampled), ``prompt_index``, ``sample_index`` (of
     the k), the whole ``prompt`` and ``completion``, ``reward``, ``parsed_answer``
-    (``answer_fn(completion)``, the task's answer extractor; None without one),
+    (``answer_fn`` of the text the reward scored, `Completion.answer_text`; None without one),
     ``reference_answer`` (the sample's ``answer``), ``length``, ``finish_reason``,
     ``reward_error``."""
     return [{"set": set_name, "mode": mode, "prompt_index": g, "sample_index": j,
              "prompt": c.sample.get("prompt"), "completion": c.text, "reward": c.task_reward,
-             "parsed_answer": answer_fn(c.text) if answer_fn else None,
+             "parsed_answer": answer_fn(c.answer_text) if answer_fn else None,
              "reference_answer": c.sample.get("answer"), "length": c.length, "finish_reason": c.finish_reason,
              "reward_error": c.reward_error}
             for g, group in enumerate(groups) for j, c in enumerate(group)]

@@ -64,12 +64,15 @@ class Evaluation:
     accuracy: bool = True
     on_groups: Callable | None = None
     on_progress: Callable | None = None
+    policy_text: bool = False
+    """The reward reads the policy's own text, not the transcript (`cispo.training.sampling.Scoring`)."""
 
     @staticmethod
     def of_task(task, cfg, max_new_tokens: int, seed: int, on_progress: Callable | None = None) -> Evaluation:
         """The settings a run's config ``cfg`` gives for ``task`` (its reward, fork strings and answers)."""
         return Evaluation(task.reward, cfg.eval, max_new_tokens, seed, tracked_fork(task), task.extract_answer,
-                          cfg.data.reward_timeout_s, reports_accuracy(task), on_progress=on_progress)
+                          cfg.data.reward_timeout_s, reports_accuracy(task), on_progress=on_progress,
+                          policy_text=task.scores_policy_text)
 
 
 @torch.no_grad()
@@ -91,7 +94,7 @@ def evaluate(policy: Policy, samples: list[dict], settings: Evaluation) -> dict:
     ev, eval_cfg, max_new_tokens = settings, settings.eval_cfg, settings.max_new_tokens
     answer_fn, used_fork = ev.answer_fn, ev.used_fork
     generator = torch.Generator(device=policy.device).manual_seed(ev.seed)
-    scoring = Scoring(ev.reward_fn, ev.reward_timeout_s)
+    scoring = Scoring(ev.reward_fn, ev.reward_timeout_s, policy_text=ev.policy_text)
     greedy = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
     sampled = SamplingConfig(max_new_tokens=max_new_tokens, temperature=eval_cfg.temperature)
     out, errors, num_samples = {}, [], sample_count(eval_cfg)
@@ -179,8 +182,8 @@ def pass_at(rewards: list[float], k: int) -> float:
 def group_accuracies(groups: list[list[Completion]], answer_fn=None, k: int | None = None) -> dict[str, float]:
     """Over prompts (one group of n samples each), the mean of
     pass@k = `pass_at` (for 0/1 verifiers: at least one of k is right; at k = n: max_j R_j), and
-    maj@k  = R of the most frequent answer among the group's first k (``answer_fn(text)``, default the
-    stripped text; None answers do not vote; a tie goes to the answer seen first; no answer at all: 0).
+    maj@k  = R of the most frequent answer among the group's first k (``answer_fn`` of `Completion.answer_text`,
+    default the stripped text; None answers do not vote; a tie goes to the answer seen first; no answer at all: 0).
     ``k``: None, the whole group."""
     answer_fn = answer_fn or str.strip
     pass_k, maj_k = [], []
@@ -189,7 +192,7 @@ def group_accuracies(groups: list[list[Completion]], answer_fn=None, k: int | No
         pass_k.append(pass_at([c.task_reward for c in group], size))
         votes: dict[str, list[Completion]] = {}
         for c in group[:size]:
-            answer = answer_fn(c.text)
+            answer = answer_fn(c.answer_text)
             if answer is not None:
                 votes.setdefault(answer, []).append(c)
         best = max(votes.values(), key=len, default=None)  # first of the largest: insertion order

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import groupby
 
 import torch
 
@@ -33,6 +34,10 @@ class Scoring:
     timeout_s: float | None = None
     overlong_buffer: int | None = None
     overlong_scope: str = "all"
+    policy_text: bool = False
+    """The reward reads the policy's own text (`policy_text`: the environment's tokens taken out by ``env_mask``)
+    instead of the transcript (a task's ``scores_policy_text``: ``wordmath_calc``, whose calculator results
+    must never state, hedge or restate an answer for the policy)."""
 
 
 def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling: SamplingConfig, scoring: Scoring,
@@ -44,7 +49,8 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
 
     With an environment (``policy.environment``) each response is an episode: the policy's segments and
     the environment's observations (``env_mask``), recorded on the completion (``episode``); the reward
-    reads the whole transcript, the overlong penalty the policy's tokens."""
+    reads the whole transcript, or with ``scoring.policy_text`` the policy's own text (`policy_text`, kept as
+    ``scored_text``), the overlong penalty the policy's tokens."""
     prompt_ids = [policy.encode(s) for s in samples]
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
     episodes = None if policy.environment is None else \
@@ -54,7 +60,9 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
     response_ids = [batch.response_ids[i, : lengths[i]].cpu() for i in range(len(rows))]
     env_masks = [None if batch.env_mask is None else batch.env_mask[i, : lengths[i]].cpu() for i in range(len(rows))]
     texts = [policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
-    calls = [(samples[i // group_size]["prompt"], texts[i],
+    own = [policy_text(policy.tokenizer, ids, mask) if scoring.policy_text and mask is not None else None
+           for ids, mask in zip(response_ids, env_masks)]  # None: the reward reads `texts`
+    calls = [(samples[i // group_size]["prompt"], texts[i] if own[i] is None else own[i],
               {k: v for k, v in samples[i // group_size].items() if k != "prompt"}) for i in range(len(rows))]
     scored = score_completions(scoring.reward_fn, calls, scoring.timeout_s)  # [Scored(task reward, error, ...)]   [B]
     groups: list[list[Completion]] = []
@@ -64,12 +72,24 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
             task_reward, error, parts, extras = scored[i]
             c = Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
                            batch.finish_reason[i], texts[i], task_reward, 0.0, error, parts, extras, env_masks[i],
-                           None if episodes is None else episodes.record(i))
+                           None if episodes is None else episodes.record(i), own[i])
             c.reward = shaped_reward(task_reward, c.policy_length, sampling.max_new_tokens, scoring.overlong_buffer,
                                      scoring.overlong_scope)
             group.append(c)
         groups.append(group)
     return groups
+
+
+def policy_text(tokenizer, response_ids: torch.Tensor, env_mask: torch.Tensor) -> str:
+    """What the policy wrote in a response: each run of its own tokens (``env_mask`` 0) decoded on its own
+    (special tokens removed) and the runs joined, the environment's tokens (``env_mask`` 1) left out. The
+    mask says whose a token is, so nothing the policy writes can pass for the environment's or hide its own
+    words as an observation: ``</calc`` + a special token + ``>`` reads ``</calc>`` but made no call, and
+    a ``<result>`` it writes after it stays its own text.   # response_ids, env_mask: [T_i]"""
+    if response_ids.shape != env_mask.shape:
+        raise ValueError(f"env_mask {tuple(env_mask.shape)} does not match the response {tuple(response_ids.shape)}")
+    runs = groupby(zip(response_ids.tolist(), env_mask.tolist()), key=lambda pair: pair[1] == 0)
+    return "".join(tokenizer.decode([i for i, _ in run], skip_special_tokens=True) for mine, run in runs if mine)
 
 
 @dataclass
@@ -99,7 +119,7 @@ class StepSampler:
     def scoring(self) -> Scoring:
         cfg = self.cfg
         return Scoring(self.task.reward, cfg.data.reward_timeout_s, cfg.rollout.overlong_buffer,
-                       cfg.rollout.overlong_scope)
+                       cfg.rollout.overlong_scope, self.task.scores_policy_text)
 
     def sample(self, policy: Policy, keep_all: bool = False) -> StepRollout:
         """This rank's ``prompts_per_step / world_size`` groups from ``policy``, sampled and scored, refilled

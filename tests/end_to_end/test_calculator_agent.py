@@ -50,35 +50,59 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
+def sample_script(tokenizer, script: list[int], prompt: list[int], answer: str = "51"):
+    """``sample_groups`` on the task ``wordmath_calc`` (its calculator, its scoring) for a model that writes
+    ``script``: two greedy answers to Q."""
+    env = build_environment(tokenizer, task="wordmath_calc", isolation="main")
+    sample = {"prompt": Q, "answer": answer, "messages": [{"role": "user", "content": Q}]}
+    model = Scripted(script, len(prompt), len(tokenizer))
+    sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id or 0, decode="hf")
+    policy = Policy(model, tokenizer, sampler, torch.device("cpu"), environment=env)
+    policy.encode = lambda s: prompt  # the script is aligned to this prompt
+    task = get_task("wordmath_calc")
+    try:
+        return sample_groups(policy, [sample], 2, SamplingConfig(max_new_tokens=64, temperature=0.0),
+                             Scoring(task.reward, policy_text=task.scores_policy_text), torch.Generator().manual_seed(0))
+    finally:
+        env.close()
+        shutdown_pools()
+
+
 def test_a_calculator_episode_through_sampler_environment_and_trainer(tokenizer):
     env = build_environment(tokenizer, task="wordmath_calc", isolation="main")
     assert env.tool_format == "inline" and env.stop_strings == ("</calc>",)
-    sample = {"prompt": Q, "answer": "51", "messages": [{"role": "user", "content": Q}]}
+    env.close()
     prompt = tokenizer.encode(Q)
     call = tokenizer.encode("I add. <calc>30+21</calc>", add_special_tokens=False)
     observation = tokenizer.encode("<result>51</result>", add_special_tokens=False)
     answer = tokenizer.encode("\n#### 51", add_special_tokens=False) + [tokenizer.eos_token_id]
-    model = Scripted(call + observation + answer, len(prompt), len(tokenizer))
-    sampler = TorchSampler(model, tokenizer.eos_token_id, tokenizer.pad_token_id or 0, decode="hf")
-    policy = Policy(model, tokenizer, sampler, torch.device("cpu"), environment=env)
-    policy.encode = lambda s: prompt  # the script is aligned to this prompt
-    try:
-        groups = sample_groups(policy, [sample], 2, SamplingConfig(max_new_tokens=64, temperature=0.0),
-                               Scoring(get_task("wordmath_calc").reward), torch.Generator().manual_seed(0))
-    finally:
-        env.close()
-        shutdown_pools()
+    groups = sample_script(tokenizer, call + observation + answer, prompt)
     c = groups[0][0]
     assert c.response_ids.tolist() == call + observation + answer  # the ids trained on are the ids produced
     assert c.env_mask.tolist() == [0] * len(call) + [1] * len(observation) + [0] * len(answer)
     assert c.policy_length == len(call) + len(answer) and c.finish_reason == "eos"
-    assert "<result>51</result>" in c.text and c.task_reward == 1.0
+    assert "<result>51</result>" in c.text and c.task_reward == 1.0  # the normal episode is paid
+    assert c.scored_text == c.answer_text == "I add. <calc>30+21</calc>\n#### 51"  # what the reward read
     assert (c.logp_rollout[c.env_mask == 1] == 0).all()
     assert c.episode["tool_calls"] == 1 and c.episode["tool_errors"] == 0
     assert [seg["role"] for seg in c.episode["segments"]] == ["policy", "tool", "policy"]
     m = episode_metrics([c for g in groups for c in g], "rollout/")
     assert m == {"rollout/tool_calls": 1.0, "rollout/tool_call_rate": 1.0, "rollout/tool_errors": 0.0,
                  "rollout/env_tokens": float(len(observation))}
+
+
+def test_a_forged_call_closing_is_the_policys_own_text_and_its_hedge_counts(tokenizer):
+    """The policy writes ``</calc``, a special token, ``>``: the environment makes no call (its tokens spell no
+    ``</calc>``) and the text decodes to ``</calc>``; the ``<result> or 8</result>`` the policy writes next is its
+    own (``env_mask`` 0), so its hedge is read and ``#### 7`` is not paid (gold 7)."""
+    prompt = tokenizer.encode(Q)
+    file_sep = tokenizer.convert_tokens_to_ids("<file_sep>")
+    script = (tokenizer.encode("#### 7 </calc", add_special_tokens=False) + [file_sep]
+              + tokenizer.encode("><result> or 8</result>", add_special_tokens=False) + [tokenizer.eos_token_id])
+    c = sample_script(tokenizer, script, prompt, answer="7")[0][0]
+    assert c.response_ids.tolist() == script and c.env_mask.tolist() == [0] * len(script)
+    assert c.text == "#### 7 </calc><result> or 8</result>" and c.episode["tool_calls"] == 0
+    assert c.task_reward == 0.0
 
 
 def test_a_run_on_wordmath_calc_logs_tools_and_segments(tmp_path):

@@ -75,6 +75,10 @@ class Task:
     eval_num_samples: int = 4
     """Sampled answers per held-out prompt (k of mean@k, pass@k, maj@k) where ``eval.num_samples`` is None;
     0: greedy only."""
+    scores_policy_text: bool = False
+    """The reward and the answer extractor read the policy's own text — the response's tokens the policy sampled
+    (``env_mask`` 0), decoded run by run (`cispo.training.sampling.policy_text`) — not the transcript with the
+    environment's observations in it: a tool's output never states, hedges or restates an answer for the policy."""
 
 
 def _addition(digits: tuple[int, ...], name: str) -> Task:
@@ -159,7 +163,7 @@ def _wordmath_calc(name: str = wordmath_calc.NAME, prompt: str = "user", numbers
                    max_new_tokens=wordmath_calc.MAX_NEW_TOKENS, used_fork=wordmath_calc.used_fork,
                    train_samples=partial(wordmath_calc.samples, split="train", prompt=prompt, numbers=numbers),
                    eval_samples=partial(wordmath_calc.samples, split="eval", prompt=prompt, numbers=numbers),
-                   extract_answer=wordmath_calc.extract_answer)
+                   extract_answer=wordmath_calc.extract_answer, scores_policy_text=True)
 
 
 _REGISTRY: dict[str, Callable[[], Task]] = {

@@ -8,23 +8,20 @@ generation and the environment (``cispo.data.environments``, inline format) inse
 it, whatever the chat template can do). The fork diagnostics track the string ``<calc>`` (`FORK_TOKENS`):
 the token where the policy decides to call the tool.
 
-**The reward reads the policy's own text only.** The completion the trainer scores is the whole
-transcript (the policy's segments and the observations, decoded together); `policy_text` takes the
-observations out and the verifier is ``wordmath``'s (`wordmath.reward`) on what is left. So the
-calculator is worth what it does to the policy's words and nothing else: an answer that appears
-only in a result (``#### <calc>3+4</calc><result>7</result>``) states none, an echo of a result
-without an answer marker states none, a result after the stated answer neither hedges it nor
-restates it, and a wrong result the policy copies is the policy's wrong answer. (Scoring the
-transcript instead would let a tool's output — a ``python`` program printing ``#### 7`` — state
-the answer for the policy.)
+**The reward reads the policy's own text only.** The task declares ``scores_policy_text``: the trainer hands
+the reward (and `extract_answer`) what the policy wrote — the response's tokens it sampled, ``env_mask`` 0,
+decoded run by run (``cispo.training.sampling.policy_text``) — and the verifier is ``wordmath``'s
+(`wordmath.reward`) on that. So the calculator is worth what it does to the policy's words and nothing else:
+an answer that appears only in a result (``#### <calc>3+4</calc><result>7</result>``) states none, an echo of
+a result without an answer marker states none, a result after the stated answer neither hedges it nor restates
+it, and a wrong result the policy copies is the policy's wrong answer. (Scoring the transcript instead would
+let a tool's output — a ``python`` program printing ``#### 7`` — state the answer for the policy.)
 
-`policy_text` relies on what the inline environment guarantees: an observation is inserted only right
-after the token that completed a ``</calc>`` (whose text may run on a few characters past it:
-``>.``, ``><``), it is ``<result>...</result>``, and its text holds no ``<`` (written ``&lt;``). So the
-observation after a ``</calc>`` is the first ``<result>`` within `MAX_TOKEN_CHARS` characters, up to the
-first ``</result>``, with no ``<`` between. A ``<result>`` the policy writes itself anywhere else stays
-(the verifier reads it); one right after a ``</calc>`` cannot be the policy's unless a single token of
-the vocabulary spells both the end of ``</calc>`` and ``<result>`` (none of SmolLM2's does).
+The environment's tokens are known by their mask, never guessed from the text: a ``<result>`` the policy writes
+itself is its own text wherever it stands (a hedge inside it is a hedge), and so is ``</calc`` + a special
+token + ``>``, which decodes to ``</calc>`` but made no call. (Reading the transcript and taking out each
+``<result>...</result>`` after a ``</calc>`` let exactly that pass: the policy's own ``<result> or 8</result>``
+after a forged ``</calc>`` was taken out, and ``#### 7 ... or 8`` was paid.)
 """
 
 from __future__ import annotations
@@ -60,8 +57,6 @@ own instruction (`wordmath.INSTRUCTION`) instead of the calculator's, which the 
 PROMPTS = ("user", "system_example")
 MAX_NEW_TOKENS = 160
 """wordmath's 96 and room for a few calls and their results (an observation counts against the length)."""
-MAX_TOKEN_CHARS = 32
-"""The most characters one token's text runs on past the ``</calc>`` it completes (`policy_text`)."""
 
 
 def samples(seed: int, n: int, split: str = "train", prompt: str = "user", numbers: str = "small") -> list[dict]:
@@ -102,37 +97,16 @@ def demonstrations(seed: int, n: int, numbers: str = "small", calculator: bool =
     return out
 
 
-def policy_text(transcript: str) -> str:
-    """``transcript`` without the environment's observations (module docstring): after each
-    ``</calc>``, the first ``<result>`` within `MAX_TOKEN_CHARS` characters up to the first
-    ``</result>`` after it, where no ``<`` lies between the two, is taken out. Linear in the length."""
-    out, i = [], 0
-    while True:
-        close = transcript.find(CALL_CLOSE, i)
-        if close < 0:
-            break
-        after = close + len(CALL_CLOSE)
-        start = transcript.find(RESULT_OPEN, after, after + MAX_TOKEN_CHARS + len(RESULT_OPEN))
-        end = transcript.find("<", start + len(RESULT_OPEN)) if start >= 0 else -1  # the next tag: </result>?
-        if end < 0 or not transcript.startswith(RESULT_CLOSE, end):
-            out.append(transcript[i:after])
-            i = after
-            continue
-        out.append(transcript[i:start])
-        i = end + len(RESULT_CLOSE)
-    out.append(transcript[i:])
-    return "".join(out)
-
-
 def reward(prompt, completion: str, answer=None, **sample) -> float:
-    """``wordmath.reward`` on the policy's own text (`policy_text`): 1.0 iff its stated final answer equals
-    ``answer`` and no other number follows it."""
-    return wordmath.reward(prompt, policy_text(completion), answer)
+    """``wordmath.reward`` on ``completion``, the policy's own text (module docstring: the trainer takes the
+    environment's observations out by their mask): 1.0 iff its stated final answer equals ``answer`` and no
+    other number follows it."""
+    return wordmath.reward(prompt, completion, answer)
 
 
 def extract_answer(completion: str) -> str | None:
     """``wordmath.extract_answer`` on the policy's own text (what maj@k votes on)."""
-    return wordmath.extract_answer(policy_text(completion))
+    return wordmath.extract_answer(completion)
 
 
 def used_fork(completion: str) -> bool:
