@@ -61,8 +61,9 @@ def sample_script(tokenizer, script: list[int], prompt: list[int], answer: str =
     policy.encode = lambda s: prompt  # the script is aligned to this prompt
     task = get_task("wordmath_calc")
     try:
-        return sample_groups(policy, [sample], 2, SamplingConfig(max_new_tokens=64, temperature=0.0),
-                             Scoring(task.reward, policy_text=task.scores_policy_text), torch.Generator().manual_seed(0))
+        scoring = Scoring(task.reward, policy_text=task.scores_policy_text)
+        return sample_groups(policy, [sample], 2, SamplingConfig(max_new_tokens=64, temperature=0.0), scoring,
+                             torch.Generator().manual_seed(0))
     finally:
         env.close()
         shutdown_pools()
