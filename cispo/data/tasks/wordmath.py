@@ -11,14 +11,23 @@ The verifier scores the **stated final answer** — ``#### N``, ``Answer: N`` / 
 last-number verifier was gamed on SmolLM2 score 0 (`final_answer`):
 
 * the final answer equals the gold one → 1.0, after any amount of working;
-* another number anywhere after it — on its line or on the lines after, in digits or as an
-  English number word — → 0.0, unless it restates the same value: a hedge ("#### 51, or maybe 52",
-  "#### 7\\nor 8", "#### 7 is wrong, it is nine"), a second different answer, or an echo of the
-  question's numbers after the answer; a bare restatement ("#### 51\\nThe answer is: 51") is fine;
+* another number anywhere after it — on its line or on the lines after, in digits or in English
+  words — → 0.0, unless it restates the same value: a hedge ("#### 51, or maybe 52", "#### 7\\nor 8",
+  "#### 7 is wrong, it is nine", "#### 7 or the eighth", "#### 7 and a half"), a second different answer,
+  or an echo of the question's numbers after the answer; a bare restatement ("#### 51\\nThe answer is: 51",
+  "#### 7. Seven is the answer") is fine, and so are unit words and plain text ("#### 7 apples");
 * no stated final answer → 0.0: an echo of the question ("30 + 21 =") and a bare number (right or
   wrong) state none. (A last-number rule would pay for listing several results, which RL found.)
 
-Numbers are ASCII digits ("7²", "7½", "٧" are not 7), compared exactly as decimals (never floats:
+Numbers in words (`_NUMBER_WORD`) are read a word at a time, a tens-units compound as one ("twenty-one",
+"twentyone"): cardinals (`NUMBER_WORDS`), ordinals as their number (`ORDINAL_WORDS`: "the eighth" is 8; "first"
+and "second" alone are plain text), and parts or multiples of a quantity — "half", "quarter", "twice",
+"thrice", an ordinal's plural ("two thirds") — as another number always (`OTHER_QUANTITY_WORDS`). So a longer
+number in words restates nothing ("#### 700 (seven hundred)" states 7 and 100) and "the one", "one more"
+read 1: the rule errs strict, and the task asks for nothing after the answer. Other languages and Roman
+numerals are not read.
+
+A paid answer is ASCII digits ("7²", "7½", "٧" are not 7), compared exactly as decimals (never floats:
 6.99999999999999999 is not 7; 7.0 is); a comma is read only between groups of three digits ("1,234"
 and "1234" are the same answer; "1,2", "5,6", "10,00" are no number). Unicode minus signs
 (`MINUS_SIGNS`) read as ``-``. Every scan is linear in the completion's length (no regex that
@@ -219,8 +228,23 @@ _TENS = ("twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ni
 NUMBER_WORDS = {**{w: i for i, w in enumerate(_UNITS)}, **{w: 20 + 10 * i for i, w in enumerate(_TENS)},
                 "hundred": 100, "thousand": 1000, "million": 10 ** 6, "billion": 10 ** 9, "dozen": 12}
 """English number words read as numbers after a final answer ("#### 7 or maybe eight" hedges)."""
-_NUMBER_WORD = re.compile(rf"\b(?:({'|'.join(_TENS)})[- ]({'|'.join(_UNITS[1:10])})|({'|'.join(NUMBER_WORDS)}))\b",
-                          re.IGNORECASE)
+_UNIT_ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth")
+ORDINAL_WORDS = {**{w: i for i, w in enumerate(_UNIT_ORDINALS[2:], 3)}, "tenth": 10, "eleventh": 11, "twelfth": 12,
+                 **{f"{w[:-1] if w.endswith('t') else w}th": NUMBER_WORDS[w] for w in _UNITS[13:]},
+                 **{f"{w[:-1]}ieth": NUMBER_WORDS[w] for w in _TENS},
+                 **{f"{w}th": NUMBER_WORDS[w] for w in ("hundred", "thousand", "million", "billion")}}
+"""Ordinal words read as their number after a final answer ("#### 7, no, the eighth" hedges; "the seventh"
+restates 7), and in compounds ("twenty-first"). "first" and "second" alone are plain text: "at first", "a
+second look" and "seconds" say no number ("1st", "2nd" in digits are read as numerals)."""
+OTHER_QUANTITY_WORDS = ("half", "halves", "quarter", "quarters", "twice", "thrice")
+"""Words that state a part or a multiple of a quantity: after a final answer they are always another
+number ("#### 7 and a half", "#### 7, or twice that"); so is an ordinal's plural, a fraction ("two thirds")."""
+_NUMBER_WORD = re.compile(
+    rf"\b(?:(?P<tens>{'|'.join(_TENS)})[- ]?+(?P<unit>{'|'.join(_UNITS[1:10] + _UNIT_ORDINALS)})"
+    rf"|(?P<ordinal>{'|'.join(ORDINAL_WORDS)})(?P<plural>s?+)|(?P<word>{'|'.join(NUMBER_WORDS)})"
+    rf"|(?P<other>{'|'.join(OTHER_QUANTITY_WORDS)}))\b", re.IGNORECASE)
+"""A number in English words, one word (or one tens-units compound: "twenty-one", "twenty one", "twentyone",
+"twenty-first") at a time."""
 
 
 def _number(numeral: str) -> Decimal | None:
@@ -229,9 +253,15 @@ def _number(numeral: str) -> Decimal | None:
     return Decimal(numeral.replace(",", "")) if _WELL_FORMED.fullmatch(numeral) else None
 
 
-def _word_value(m: re.Match) -> int:
-    tens, unit, word = (g and g.lower() for g in m.groups())
-    return NUMBER_WORDS[tens] + NUMBER_WORDS[unit] if tens else NUMBER_WORDS[word]
+def _word_value(m: re.Match) -> int | None:
+    """The number a `_NUMBER_WORD` match states: a cardinal's or an ordinal's value, None for a part or a multiple
+    of a quantity (`OTHER_QUANTITY_WORDS`, an ordinal's plural: a fraction), which restates no answer."""
+    tens, unit, ordinal, plural, word, _ = (g and g.lower() for g in m.groups())
+    if tens:
+        return NUMBER_WORDS[tens] + (NUMBER_WORDS[unit] if unit in NUMBER_WORDS else _UNIT_ORDINALS.index(unit) + 1)
+    if ordinal:
+        return None if plural else ORDINAL_WORDS[ordinal]
+    return NUMBER_WORDS[word] if word else None
 
 
 def _other_numeral(text: str) -> bool:

@@ -132,6 +132,47 @@ def test_no_other_number_may_follow_the_final_answer(completion, gold, score):
     assert wordmath.reward(Q, completion, answer=gold) == score
 
 
+# An answer in words after the paid one (the docstring's rule: every number read after the final answer restates it;
+# numbers in words are read a word, or a tens-units compound, at a time): hedges in words, ordinals, parts and
+# multiples state another number; unit words, plain text and a restatement in words do not.
+WORD_VERDICTS = [
+    ("#### 7 or eight", 0.0),
+    ("#### 7, maybe eight", 0.0),
+    ("#### 7, the 8th", 0.0),  # an ordinal in digits is a numeral
+    ("#### 7 or the eighth", 0.0),  # ... and in words
+    ("#### 7 or Eighth", 0.0),
+    ("#### 7 or the eleventh", 0.0),
+    ("#### 7 or ninetieth", 0.0),
+    ("#### 7 or twenty-first", 0.0),
+    ("#### 7 or twentyone", 0.0),  # a tens-units compound written as one word
+    ("#### 7 or seven-eighths", 0.0),  # a fraction: an ordinal's plural
+    ("#### 7 and a half", 0.0),  # parts and multiples of a quantity
+    ("#### 7, or twice that", 0.0),
+    ("#### 7 or thrice", 0.0),
+    ("#### 7, the third time", 0.0),  # an ordinal of another number, whatever it counts
+    ("#### 7 apples", 1.0),  # unit words and plain text
+    ("#### 7 apples in all, I hope this helps!", 1.0),
+    ("#### 7. Seven is the answer", 1.0),  # restated in words
+    ("#### 7, the seventh", 1.0),
+    ("#### 7\nFirst I took 30 away", 0.0),  # a number after the answer
+    ("#### 7\nAt first she had more, a second look says so", 1.0),  # "first", "second" alone are plain text
+]
+
+
+@pytest.mark.parametrize("completion, score", WORD_VERDICTS)
+def test_an_answer_in_words_after_the_final_answer_is_a_hedge(completion, score):
+    assert wordmath.reward(Q, completion, answer="7") == score
+
+
+def test_numbers_in_words_are_read_word_by_word():
+    """A tens-units compound is one number ("twenty-one" restates 21); a longer number in words is read a word at a
+    time, so "seven hundred" after 700 states 7 and 100: not a restatement (the verifier stays strict)."""
+    assert wordmath.reward(Q, "#### 21 (twenty-one, twenty one, twentyone, the twenty-first)", answer="21") == 1.0
+    assert wordmath.reward(Q, "#### 700 (seven hundred)", answer="700") == 0.0
+    assert wordmath.reward(Q, "#### 12, a dozen", answer="12") == 1.0
+    assert wordmath.reward(Q, "The answer is eighth.", answer="8") == 0.0  # stated, not in digits
+
+
 @pytest.mark.parametrize("minus", ["\u2212", "\u2013", "\ufe63", "\uff0d"])
 def test_working_with_a_unicode_minus_sign_pays(minus):
     completion = f"10 {minus} 3 = 7\n#### 7"
