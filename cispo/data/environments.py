@@ -60,7 +60,7 @@ from cispo.data.tools import (
 __all__ = ["ToolEnvironment", "Episodes", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "MAX_CALL_DEPTH", "read_json",
            "json_depth", "resolve_tool_format", "template_takes_tools", "render_prompt", "prompt_messages",
            "parse_tool_calls", "inline_tags", "inline_call", "inline_observation", "chat_observation",
-           "fit_observation", "build_environment", "environment_from_config"]
+           "fit_observation", "kept_results", "dropped_note", "build_environment", "environment_from_config"]
 
 TOOL_FORMATS = ("auto", "chat", "inline")
 INLINE_TAGS = {"calculator": "calc"}
@@ -260,25 +260,68 @@ def chat_observation(tokenizer, calls: list[dict], tool_messages: list[dict], st
 
 
 def fit_observation(tokenizer, render: Callable[[list[str]], str], contents: list[str], cap: int) -> list[int]:
-    """The ids of ``render(contents)``, at most ``cap`` of them: where it is longer, each content is cut to
-    an equal share of what the rendering's own text leaves (its first tokens, then `CUT_NOTE`; smaller
-    where the rendering grows it), so the closing text stays; where even that is too long, the ids are
-    cut at ``cap``."""
+    """The ids of ``render(contents)``, at most ``cap`` of them, the rendering's own text (a template's closing
+    ``</tool_response>``, the next turn's opening) always whole where it fits at all. Where it is longer: the
+    trailing results that leave no room are dropped whole (`kept_results`), the last kept one saying how many
+    (`dropped_note`); each kept content is cut to an equal share of what the rendering's own text leaves (its
+    first tokens, then `CUT_NOTE`; smaller where the rendering grows it). Only where the rendering of one
+    result with nothing in it is itself longer than ``cap`` are the ids cut at ``cap``."""
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     ids = encode(render(contents))
     if len(ids) <= cap:
         return ids
-    n = max(1, len(contents))
-    share = max(0, (cap - len(encode(render([CUT_NOTE] * len(contents))))) // n)
+    kept = kept_results(tokenizer, render, contents, cap)
+    if kept == 0:
+        return ids[:cap]
+    note = dropped_note(len(contents) - kept)
+    contents = contents[:kept]
+    whole = encode(render([*contents[:-1], contents[-1] + note]))
+    if len(whole) <= cap:  # the kept results fit whole
+        return whole
+    share = max(0, (cap - len(encode(render(_with_note([CUT_NOTE] * kept, note))))) // kept)
     for _ in range(8):  # the rendering may grow a content (escaping): shrink the share by what is over
         cut = [tokenizer.decode(encode(c)[:share]) + CUT_NOTE if len(encode(c)) > share else c for c in contents]
-        ids = encode(render(cut))
+        ids = encode(render(_with_note(cut, note)))
         if len(ids) <= cap or share == 0:
             break
-        share = max(0, share - max(1, math.ceil((len(ids) - cap) / n)))
+        share = max(0, share - max(1, math.ceil((len(ids) - cap) / kept)))
     return ids if len(ids) <= cap else ids[:cap]
+
+
+MIN_RESULT_TOKENS = 8
+"""The fewest tokens of a result `kept_results` keeps room for (a shorter result: all of it)."""
+
+
+def dropped_note(n: int) -> str:
+    """What the last kept result of an observation says of the ``n`` results dropped after it ("" for none)."""
+    return "" if n == 0 else f" [{n} more tool result{'s' if n > 1 else ''} cut: the observation's limit]"
+
+
+def _with_note(contents: list[str], note: str) -> list[str]:
+    return [*contents[:-1], contents[-1] + note] if contents else contents
+
+
+def kept_results(tokenizer, render: Callable[[list[str]], str], contents: list[str], cap: int) -> int:
+    """How many leading results of ``contents`` an observation of ``cap`` ids keeps: the most whose rendering,
+    each cut to `MIN_RESULT_TOKENS` tokens (then `CUT_NOTE`) and the last saying how many were dropped
+    (`dropped_note`), fits ``cap`` (a binary search: a rendering grows with its results); 0 where not even one
+    does (a template's own text longer than ``cap``)."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    heads = [encode(c) for c in contents]
+    floor = [c if len(h) <= MIN_RESULT_TOKENS else tokenizer.decode(h[:MIN_RESULT_TOKENS]) + CUT_NOTE
+             for c, h in zip(contents, heads)]
+    lo, hi = 0, len(contents)
+    while lo < hi:
+        k = (lo + hi + 1) // 2
+        if len(encode(render(_with_note(floor[:k], dropped_note(len(contents) - k))))) <= cap:
+            lo = k
+        else:
+            hi = k - 1
+    return lo
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,6 +335,7 @@ class _Row:
     showed last (`Episodes.pauses`) that no `Episodes.respond` took yet."""
 
     segments: list[dict] = field(default_factory=list)
+    observations: list[list[int]] = field(default_factory=list)  # each tool segment's ids, in order
     calls: list[dict] = field(default_factory=list)
     turns: int = 0
     pending: list[int] | None = None
@@ -420,16 +464,34 @@ class Episodes:
             out.append(self._observe(r, plan, done))
         return out
 
-    def record(self, row: int) -> dict:
+    def record(self, row: int, fed: int | None = None) -> dict:
         """What ``samples.jsonl`` shows of the row's episode: ``{"segments": [{"role": "policy" | "tool",
         "text": ...}, ...], "tool_calls": n, "tool_errors": n, "calls": [{"name", "arguments", "error",
-        "seconds"}, ...]}`` (a segment's text decoded without special tokens; an observation's as inserted)."""
+        "seconds"}, ...]}`` (a segment's text decoded without special tokens; an observation's as inserted).
+        ``fed``: the observation ids the sampler fed into the row's context in all (its ``env_mask``'s sum):
+        where the response's length left room for fewer than the environment returned, the observations
+        read as fed (the last one cut, ``"tokens_cut": n``; one never fed is left out)."""
         state = self._rows[row]
-        segments = list(state.segments)
+        segments = list(state.segments) if fed is None else self._fed_segments(state, fed)
         if state.pending:
             segments.append({"role": "policy", "text": self.tokenizer.decode(state.pending, skip_special_tokens=True)})
         return {"segments": segments, "tool_calls": len(state.calls),
                 "tool_errors": sum(c["error"] is not None for c in state.calls), "calls": list(state.calls)}
+
+    def _fed_segments(self, state: _Row, fed: int) -> list[dict]:
+        """The row's segments with each observation as far as ``fed`` ids in all reached (`record`)."""
+        out, observations, left = [], iter(state.observations), fed
+        for segment in state.segments:
+            if segment["role"] != "tool":
+                out.append(segment)
+                continue
+            ids = next(observations)
+            if len(ids) <= left:
+                out.append(segment)
+            elif left > 0:
+                out.append({**segment, "text": self.tokenizer.decode(ids[:left]), "tokens_cut": len(ids) - left})
+            left = max(0, left - len(ids))
+        return out
 
     # -- one row ---------------------------------------------------------------------
 
@@ -478,6 +540,7 @@ class Episodes:
             ids = self._chat_ids(plan, texts)
         state.turns += 1
         state.segments.append({"role": "tool", "text": self.tokenizer.decode(ids)})
+        state.observations.append(list(ids))
         return ids
 
     def _chat_ids(self, plan: _Plan, texts: list[str]) -> list[int]:

@@ -64,12 +64,17 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
             task_reward, error, parts, extras = scored[i]
             c = Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
                            batch.finish_reason[i], texts[i], task_reward, 0.0, error, parts, extras, env_masks[i],
-                           None if episodes is None else episodes.record(i))
+                           None if episodes is None else episodes.record(i, fed=_fed(env_masks[i])))
             c.reward = shaped_reward(task_reward, c.policy_length, sampling.max_new_tokens, scoring.overlong_buffer,
                                      scoring.overlong_scope)
             group.append(c)
         groups.append(group)
     return groups
+
+
+def _fed(env_mask) -> int | None:
+    """The observation ids a row was fed (``env_mask``'s sum; None without one): what its record shows."""
+    return None if env_mask is None else int(env_mask.sum())
 
 
 @dataclass
