@@ -60,7 +60,8 @@ from cispo.data.tools import (
 __all__ = ["ToolEnvironment", "Episodes", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "MAX_CALL_DEPTH", "read_json",
            "json_depth", "resolve_tool_format", "template_takes_tools", "render_prompt", "prompt_messages",
            "parse_tool_calls", "inline_tags", "inline_call", "inline_observation", "chat_observation",
-           "fit_observation", "kept_results", "dropped_note", "build_environment", "environment_from_config"]
+           "fit_observation", "kept_results", "dropped_note", "build_environment", "task_tools",
+           "check_tools", "environment_from_config"]
 
 TOOL_FORMATS = ("auto", "chat", "inline")
 INLINE_TAGS = {"calculator": "calc"}
@@ -569,19 +570,57 @@ def build_environment(tokenizer, tools=None, tool_format: str = "auto", max_turn
     `Tool` s / functions); None: the built-in ``task``'s own (`TASK_TOOLS`: ``wordmath_calc``'s
     calculator), else none; ``[]``: none. The ``python`` tool is refused where the code sandbox does not run
     (`check_python_tool`). The tools' worker processes are started now (`ToolRunner.start`)."""
-    if tools is None:
-        tools = list(TASK_TOOLS[task][0]) if task in TASK_TOOLS else []
-    specs = [tools] if isinstance(tools, str) else list(tools)
-    if not specs:
+    loaded = task_tools(tools, task)
+    if not loaded:
         return None
-    loaded = [t for s in specs for t in (load_tools(s) if isinstance(s, str) else [as_tool(s)])]
-    if any(t.builtin and t.name == "python" for t in loaded):
-        check_python_tool()
     fmt = resolve_tool_format(tokenizer, tool_format, task)
     runner = ToolRunner(loaded, timeout_s=timeout_s, workers=workers, isolation=isolation)
     env = ToolEnvironment(tokenizer, loaded, fmt, max_turns, runner, max_observation_tokens, system_prompt)
     runner.start()
     return env
+
+
+def task_tools(tools, task: str | None = None) -> list[Tool]:
+    """The `Tool` s of ``data.tools`` (specs, or `Tool` s / functions; None: the built-in ``task``'s own,
+    `TASK_TOOLS`, else none), loaded (a user module imported first in a throw-away process: `load_tool`),
+    the ``python`` tool refused where the code sandbox does not run (`check_python_tool`). ToolSpecError,
+    in one line naming the spec, for any that names no usable function."""
+    if tools is None:
+        tools = list(TASK_TOOLS[task][0]) if task in TASK_TOOLS else []
+    if not isinstance(tools, (str, list, tuple)):
+        raise ToolSpecError(f"data.tools: expected a tool spec or a list of them, got {tools!r}")
+    specs = [tools] if isinstance(tools, str) else list(tools)
+    if all(isinstance(s, str) for s in specs):  # one list: two specs naming one tool are refused too
+        loaded = load_tools(specs)
+    else:
+        loaded = [t for s in specs for t in (load_tools(s) if isinstance(s, str) else [as_tool(s)])]
+    if any(t.builtin and t.name == "python" for t in loaded):
+        check_python_tool()
+    return loaded
+
+
+def check_tools(data_cfg, tokenizer=None) -> list[Tool]:
+    """``data.tools`` checked before any weights load, so that a mistake is one line, not a traceback after
+    the model loaded: each spec loads (`task_tools`), no two tools share a name, and, in the format the run
+    will use (``data.tool_format``; ``auto``: the task's own, else by ``tokenizer``'s chat template, where
+    given), each tool can be called: inline, its tag is its own and it takes an argument (`inline_tags`);
+    chat, it has a JSON schema (`tool_schema`) and the template renders tools (`resolve_tool_format`).
+    Returns the tools ([] without any)."""
+    task = data_cfg.task if data_cfg.path is None else None
+    tools = task_tools(data_cfg.tools, task)
+    if not tools:
+        return tools
+    fmt = data_cfg.tool_format
+    if tokenizer is not None or fmt == "auto" and task in TASK_TOOLS:
+        fmt = resolve_tool_format(tokenizer, fmt, task)
+    if fmt == "inline":
+        inline_tags(tools)
+        for tool in tools:
+            tool.argument  # noqa: B018 - refuses a tool that takes no argument
+    elif fmt == "chat":
+        for tool in tools:
+            tool_schema(tool)
+    return tools
 
 
 def environment_from_config(tokenizer, data_cfg, rollout_cfg) -> ToolEnvironment | None:

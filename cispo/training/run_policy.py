@@ -63,6 +63,26 @@ def check_model(cfg: TrainConfig) -> None:
         check_chat_template(resolve_model_path(cfg.model.path))
 
 
+def check_run_tools(cfg: TrainConfig) -> None:
+    """The run's tools (``data.tools``, or a built-in task's own) checked before any weights load
+    (``cispo.data.environments.check_tools``: one ``ToolSpecError`` line naming the spec): where the format
+    depends on the chat template (``data.tool_format=chat``, or ``auto`` beside no built-in task of its own),
+    by the tokenizer of ``model.path`` (a packaged or built-in model's: as it loads)."""
+    from cispo.data.environments import TASK_TOOLS, check_tools
+    from cispo.models.packaged import is_packaged
+
+    task = cfg.data.task if cfg.data.path is None else None
+    own_format = cfg.data.tool_format == "inline" or cfg.data.tool_format == "auto" and task in TASK_TOOLS
+    tokenizer = None
+    if cfg.data.tools not in (None, [], "") and not own_format and cfg.model.path and not is_packaged(cfg.model.path):
+        from transformers import AutoTokenizer
+
+        from cispo.models.loading import from_pretrained
+
+        tokenizer = from_pretrained(AutoTokenizer, cfg.model.path)
+    check_tools(cfg.data, tokenizer)
+
+
 def resolve_chat_template(cfg: TrainConfig, task, named_sets: dict | None = None) -> TrainConfig:
     """``cfg`` with ``model.chat_template=auto`` resolved once the data is read (``config.yaml`` then
     records what the run does): true when prompts of the run are chat message lists
