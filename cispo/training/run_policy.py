@@ -57,10 +57,29 @@ def check_model(cfg: TrainConfig) -> None:
     for path in (cfg.model.path, cfg.model.ref_path):
         if path and not is_packaged(path):
             check_model_folder(path)
+    check_extras(cfg)
     if cfg.model.chat_template is True and cfg.model.path:
         from cispo.models.loading import check_chat_template
 
         check_chat_template(resolve_model_path(cfg.model.path))
+
+
+EXTRAS = {"peft": ("model.lora_rank", "cispo[lora]"), "vllm": ("rollout.engine=vllm", "cispo[vllm]")}
+"""An optional package -> (the setting that needs it, the extra that installs it)."""
+
+
+def check_extras(cfg: TrainConfig) -> None:
+    """ConfigError, in one line naming the setting and the extra to install, where the run needs an optional
+    package this install lacks (LoRA: peft; ``rollout.engine=vllm``: vLLM): said before anything loads, not
+    as an ImportError traceback after the model did."""
+    import importlib.util
+
+    needed = [name for name, wanted in (("peft", bool(cfg.model.lora_rank)), ("vllm", cfg.rollout.engine == "vllm"))
+              if wanted]
+    for name in needed:
+        if importlib.util.find_spec(name) is None:
+            setting, extra = EXTRAS[name]
+            raise ConfigError(f"{setting} needs {name}, which is not installed: pip install \"{extra}\"")
 
 
 def check_run_tools(cfg: TrainConfig) -> None:

@@ -1,8 +1,10 @@
-"""``cispo train`` with a ``data.tools`` mistake: one line on stderr naming the spec, exit status 2, no
-traceback, said before any weights load (a tool file that exits at import does not end cispo)."""
+"""``cispo train`` with a ``data.tools`` mistake or a missing optional package (peft, vLLM): one line on stderr
+naming the spec or the extra to install, exit status 2, no traceback, said before any weights load (a tool file
+that exits at import does not end cispo)."""
 
 import json
 import shutil
+import sys
 
 import pytest
 
@@ -69,3 +71,15 @@ def test_a_tool_mistake_is_one_line_before_the_model_loads(tools, message, chat_
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("cispo train: error: data.tool")
     assert message in err
+
+
+@pytest.mark.parametrize("setting, package", [("model.lora_rank=4", "peft"), ("rollout.engine=vllm", "vllm")])
+def test_a_missing_extra_is_one_line_naming_it(setting, package, tiny_model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, package, None)  # as if it were not installed
+    monkeypatch.setattr(cispo.training.run, "set_up_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    args = ["train", f"model.path={tiny_model}", "model.device=cpu", "progress=false", f"out_dir={tmp_path}",
+            "steps=1", setting]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert f'needs {package}, which is not installed: pip install "cispo[' in err
