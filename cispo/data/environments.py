@@ -60,7 +60,8 @@ from cispo.data.tools import (
 __all__ = ["ToolEnvironment", "Episodes", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "MAX_CALL_DEPTH", "read_json",
            "json_depth", "resolve_tool_format", "template_takes_tools", "render_prompt", "prompt_messages",
            "parse_tool_calls", "inline_tags", "inline_call", "inline_observation", "chat_observation",
-           "fit_observation", "build_environment", "environment_from_config"]
+           "fit_observation", "kept_results", "dropped_note", "build_environment", "task_tools",
+           "check_tools", "environment_from_config"]
 
 TOOL_FORMATS = ("auto", "chat", "inline")
 INLINE_TAGS = {"calculator": "calc"}
@@ -260,25 +261,68 @@ def chat_observation(tokenizer, calls: list[dict], tool_messages: list[dict], st
 
 
 def fit_observation(tokenizer, render: Callable[[list[str]], str], contents: list[str], cap: int) -> list[int]:
-    """The ids of ``render(contents)``, at most ``cap`` of them: where it is longer, each content is cut to
-    an equal share of what the rendering's own text leaves (its first tokens, then `CUT_NOTE`; smaller
-    where the rendering grows it), so the closing text stays; where even that is too long, the ids are
-    cut at ``cap``."""
+    """The ids of ``render(contents)``, at most ``cap`` of them, the rendering's own text (a template's closing
+    ``</tool_response>``, the next turn's opening) always whole where it fits at all. Where it is longer: the
+    trailing results that leave no room are dropped whole (`kept_results`), the last kept one saying how many
+    (`dropped_note`); each kept content is cut to an equal share of what the rendering's own text leaves (its
+    first tokens, then `CUT_NOTE`; smaller where the rendering grows it). Only where the rendering of one
+    result with nothing in it is itself longer than ``cap`` are the ids cut at ``cap``."""
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     ids = encode(render(contents))
     if len(ids) <= cap:
         return ids
-    n = max(1, len(contents))
-    share = max(0, (cap - len(encode(render([CUT_NOTE] * len(contents))))) // n)
+    kept = kept_results(tokenizer, render, contents, cap)
+    if kept == 0:
+        return ids[:cap]
+    note = dropped_note(len(contents) - kept)
+    contents = contents[:kept]
+    whole = encode(render([*contents[:-1], contents[-1] + note]))
+    if len(whole) <= cap:  # the kept results fit whole
+        return whole
+    share = max(0, (cap - len(encode(render(_with_note([CUT_NOTE] * kept, note))))) // kept)
     for _ in range(8):  # the rendering may grow a content (escaping): shrink the share by what is over
         cut = [tokenizer.decode(encode(c)[:share]) + CUT_NOTE if len(encode(c)) > share else c for c in contents]
-        ids = encode(render(cut))
+        ids = encode(render(_with_note(cut, note)))
         if len(ids) <= cap or share == 0:
             break
-        share = max(0, share - max(1, math.ceil((len(ids) - cap) / n)))
+        share = max(0, share - max(1, math.ceil((len(ids) - cap) / kept)))
     return ids if len(ids) <= cap else ids[:cap]
+
+
+MIN_RESULT_TOKENS = 8
+"""The fewest tokens of a result `kept_results` keeps room for (a shorter result: all of it)."""
+
+
+def dropped_note(n: int) -> str:
+    """What the last kept result of an observation says of the ``n`` results dropped after it ("" for none)."""
+    return "" if n == 0 else f" [{n} more tool result{'s' if n > 1 else ''} cut: the observation's limit]"
+
+
+def _with_note(contents: list[str], note: str) -> list[str]:
+    return [*contents[:-1], contents[-1] + note] if contents else contents
+
+
+def kept_results(tokenizer, render: Callable[[list[str]], str], contents: list[str], cap: int) -> int:
+    """How many leading results of ``contents`` an observation of ``cap`` ids keeps: the most whose rendering,
+    each cut to `MIN_RESULT_TOKENS` tokens (then `CUT_NOTE`) and the last saying how many were dropped
+    (`dropped_note`), fits ``cap`` (a binary search: a rendering grows with its results); 0 where not even one
+    does (a template's own text longer than ``cap``)."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    heads = [encode(c) for c in contents]
+    floor = [c if len(h) <= MIN_RESULT_TOKENS else tokenizer.decode(h[:MIN_RESULT_TOKENS]) + CUT_NOTE
+             for c, h in zip(contents, heads)]
+    lo, hi = 0, len(contents)
+    while lo < hi:
+        k = (lo + hi + 1) // 2
+        if len(encode(render(_with_note(floor[:k], dropped_note(len(contents) - k))))) <= cap:
+            lo = k
+        else:
+            hi = k - 1
+    return lo
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,6 +336,7 @@ class _Row:
     showed last (`Episodes.pauses`) that no `Episodes.respond` took yet."""
 
     segments: list[dict] = field(default_factory=list)
+    observations: list[list[int]] = field(default_factory=list)  # each tool segment's ids, in order
     calls: list[dict] = field(default_factory=list)
     turns: int = 0
     pending: list[int] | None = None
@@ -420,16 +465,34 @@ class Episodes:
             out.append(self._observe(r, plan, done))
         return out
 
-    def record(self, row: int) -> dict:
+    def record(self, row: int, fed: int | None = None) -> dict:
         """What ``samples.jsonl`` shows of the row's episode: ``{"segments": [{"role": "policy" | "tool",
         "text": ...}, ...], "tool_calls": n, "tool_errors": n, "calls": [{"name", "arguments", "error",
-        "seconds"}, ...]}`` (a segment's text decoded without special tokens; an observation's as inserted)."""
+        "seconds"}, ...]}`` (a segment's text decoded without special tokens; an observation's as inserted).
+        ``fed``: the observation ids the sampler fed into the row's context in all (its ``env_mask``'s sum):
+        where the response's length left room for fewer than the environment returned, the observations
+        read as fed (the last one cut, ``"tokens_cut": n``; one never fed is left out)."""
         state = self._rows[row]
-        segments = list(state.segments)
+        segments = list(state.segments) if fed is None else self._fed_segments(state, fed)
         if state.pending:
             segments.append({"role": "policy", "text": self.tokenizer.decode(state.pending, skip_special_tokens=True)})
         return {"segments": segments, "tool_calls": len(state.calls),
                 "tool_errors": sum(c["error"] is not None for c in state.calls), "calls": list(state.calls)}
+
+    def _fed_segments(self, state: _Row, fed: int) -> list[dict]:
+        """The row's segments with each observation as far as ``fed`` ids in all reached (`record`)."""
+        out, observations, left = [], iter(state.observations), fed
+        for segment in state.segments:
+            if segment["role"] != "tool":
+                out.append(segment)
+                continue
+            ids = next(observations)
+            if len(ids) <= left:
+                out.append(segment)
+            elif left > 0:
+                out.append({**segment, "text": self.tokenizer.decode(ids[:left]), "tokens_cut": len(ids) - left})
+            left = max(0, left - len(ids))
+        return out
 
     # -- one row ---------------------------------------------------------------------
 
@@ -478,6 +541,7 @@ class Episodes:
             ids = self._chat_ids(plan, texts)
         state.turns += 1
         state.segments.append({"role": "tool", "text": self.tokenizer.decode(ids)})
+        state.observations.append(list(ids))
         return ids
 
     def _chat_ids(self, plan: _Plan, texts: list[str]) -> list[int]:
@@ -506,19 +570,57 @@ def build_environment(tokenizer, tools=None, tool_format: str = "auto", max_turn
     `Tool` s / functions); None: the built-in ``task``'s own (`TASK_TOOLS`: ``wordmath_calc``'s
     calculator), else none; ``[]``: none. The ``python`` tool is refused where the code sandbox does not run
     (`check_python_tool`). The tools' worker processes are started now (`ToolRunner.start`)."""
-    if tools is None:
-        tools = list(TASK_TOOLS[task][0]) if task in TASK_TOOLS else []
-    specs = [tools] if isinstance(tools, str) else list(tools)
-    if not specs:
+    loaded = task_tools(tools, task)
+    if not loaded:
         return None
-    loaded = [t for s in specs for t in (load_tools(s) if isinstance(s, str) else [as_tool(s)])]
-    if any(t.builtin and t.name == "python" for t in loaded):
-        check_python_tool()
     fmt = resolve_tool_format(tokenizer, tool_format, task)
     runner = ToolRunner(loaded, timeout_s=timeout_s, workers=workers, isolation=isolation)
     env = ToolEnvironment(tokenizer, loaded, fmt, max_turns, runner, max_observation_tokens, system_prompt)
     runner.start()
     return env
+
+
+def task_tools(tools, task: str | None = None) -> list[Tool]:
+    """The `Tool` s of ``data.tools`` (specs, or `Tool` s / functions; None: the built-in ``task``'s own,
+    `TASK_TOOLS`, else none), loaded (a user module imported first in a throw-away process: `load_tool`),
+    the ``python`` tool refused where the code sandbox does not run (`check_python_tool`). ToolSpecError,
+    in one line naming the spec, for any that names no usable function."""
+    if tools is None:
+        tools = list(TASK_TOOLS[task][0]) if task in TASK_TOOLS else []
+    if not isinstance(tools, (str, list, tuple)):
+        raise ToolSpecError(f"data.tools: expected a tool spec or a list of them, got {tools!r}")
+    specs = [tools] if isinstance(tools, str) else list(tools)
+    if all(isinstance(s, str) for s in specs):  # one list: two specs naming one tool are refused too
+        loaded = load_tools(specs)
+    else:
+        loaded = [t for s in specs for t in (load_tools(s) if isinstance(s, str) else [as_tool(s)])]
+    if any(t.builtin and t.name == "python" for t in loaded):
+        check_python_tool()
+    return loaded
+
+
+def check_tools(data_cfg, tokenizer=None) -> list[Tool]:
+    """``data.tools`` checked before any weights load, so that a mistake is one line, not a traceback after
+    the model loaded: each spec loads (`task_tools`), no two tools share a name, and, in the format the run
+    will use (``data.tool_format``; ``auto``: the task's own, else by ``tokenizer``'s chat template, where
+    given), each tool can be called: inline, its tag is its own and it takes an argument (`inline_tags`);
+    chat, it has a JSON schema (`tool_schema`) and the template renders tools (`resolve_tool_format`).
+    Returns the tools ([] without any)."""
+    task = data_cfg.task if data_cfg.path is None else None
+    tools = task_tools(data_cfg.tools, task)
+    if not tools:
+        return tools
+    fmt = data_cfg.tool_format
+    if tokenizer is not None or fmt == "auto" and task in TASK_TOOLS:
+        fmt = resolve_tool_format(tokenizer, fmt, task)
+    if fmt == "inline":
+        inline_tags(tools)
+        for tool in tools:
+            tool.argument  # noqa: B018 - refuses a tool that takes no argument
+    elif fmt == "chat":
+        for tool in tools:
+            tool_schema(tool)
+    return tools
 
 
 def environment_from_config(tokenizer, data_cfg, rollout_cfg) -> ToolEnvironment | None:

@@ -173,6 +173,8 @@ def load_tools(value, trial: bool = True) -> list[Tool]:
 def _check_names(tools: list[Tool]) -> None:
     seen: dict[str, Tool] = {}
     for tool in tools:
+        if tool.name in seen and tool.spec is not None and seen[tool.name].spec == tool.spec:
+            raise ToolSpecError(f"data.tools: tool {tool.spec!r} is given twice: give each tool once")
         if tool.name in seen:
             where = [t.spec or "given in code" for t in (seen[tool.name], tool)]
             raise ToolSpecError(f"data.tools: two tools are named {tool.name!r} ({where[0]} and {where[1]}): the "

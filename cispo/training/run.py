@@ -55,6 +55,7 @@ from cispo.training.progress import evaluation_progress, interactive, model_line
 from cispo.training.rl_step import RLStep
 from cispo.training.run_policy import (
     check_model,
+    check_run_tools,
     load_policy_for,
     load_reference,
     model_folder,
@@ -275,6 +276,7 @@ def set_up_data(cfg: TrainConfig, main: bool = True):
     named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
     cfg = resolve_chat_template(cfg, task, named_sets)  # model.chat_template=auto: by the prompts read
     check_reward_fields(task, cfg.data, named_sets)  # before any model is loaded or sampled from
+    check_run_tools(cfg)  # data.tools: a spec that names no usable tool, said before any weights load
     workers = reward_workers_line(members_of(task.reward))
     if main and workers:
         say(workers)

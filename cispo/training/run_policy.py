@@ -57,10 +57,49 @@ def check_model(cfg: TrainConfig) -> None:
     for path in (cfg.model.path, cfg.model.ref_path):
         if path and not is_packaged(path):
             check_model_folder(path)
+    check_extras(cfg)
     if cfg.model.chat_template is True and cfg.model.path:
         from cispo.models.loading import check_chat_template
 
         check_chat_template(resolve_model_path(cfg.model.path))
+
+
+EXTRAS = {"peft": ("model.lora_rank", "cispo[lora]"), "vllm": ("rollout.engine=vllm", "cispo[vllm]")}
+"""An optional package -> (the setting that needs it, the extra that installs it)."""
+
+
+def check_extras(cfg: TrainConfig) -> None:
+    """ConfigError, in one line naming the setting and the extra to install, where the run needs an optional
+    package this install lacks (LoRA: peft; ``rollout.engine=vllm``: vLLM): said before anything loads, not
+    as an ImportError traceback after the model did."""
+    import importlib.util
+
+    needed = [name for name, wanted in (("peft", bool(cfg.model.lora_rank)), ("vllm", cfg.rollout.engine == "vllm"))
+              if wanted]
+    for name in needed:
+        if importlib.util.find_spec(name) is None:
+            setting, extra = EXTRAS[name]
+            raise ConfigError(f"{setting} needs {name}, which is not installed: pip install \"{extra}\"")
+
+
+def check_run_tools(cfg: TrainConfig) -> None:
+    """The run's tools (``data.tools``, or a built-in task's own) checked before any weights load
+    (``cispo.data.environments.check_tools``: one ``ToolSpecError`` line naming the spec): where the format
+    depends on the chat template (``data.tool_format=chat``, or ``auto`` beside no built-in task of its own),
+    by the tokenizer of ``model.path`` (a packaged or built-in model's: as it loads)."""
+    from cispo.data.environments import TASK_TOOLS, check_tools
+    from cispo.models.packaged import is_packaged
+
+    task = cfg.data.task if cfg.data.path is None else None
+    own_format = cfg.data.tool_format == "inline" or cfg.data.tool_format == "auto" and task in TASK_TOOLS
+    tokenizer = None
+    if cfg.data.tools not in (None, [], "") and not own_format and cfg.model.path and not is_packaged(cfg.model.path):
+        from transformers import AutoTokenizer
+
+        from cispo.models.loading import from_pretrained
+
+        tokenizer = from_pretrained(AutoTokenizer, cfg.model.path)
+    check_tools(cfg.data, tokenizer)
 
 
 def resolve_chat_template(cfg: TrainConfig, task, named_sets: dict | None = None) -> TrainConfig:

@@ -72,7 +72,7 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
             task_reward, error, parts, extras = scored[i]
             c = Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
                            batch.finish_reason[i], texts[i], task_reward, 0.0, error, parts, extras, env_masks[i],
-                           None if episodes is None else episodes.record(i), own[i])
+                           None if episodes is None else episodes.record(i, fed=_fed(env_masks[i])), own[i])
             c.reward = shaped_reward(task_reward, c.policy_length, sampling.max_new_tokens, scoring.overlong_buffer,
                                      scoring.overlong_scope)
             group.append(c)
@@ -90,6 +90,11 @@ def policy_text(tokenizer, response_ids: torch.Tensor, env_mask: torch.Tensor) -
         raise ValueError(f"env_mask {tuple(env_mask.shape)} does not match the response {tuple(response_ids.shape)}")
     runs = groupby(zip(response_ids.tolist(), env_mask.tolist()), key=lambda pair: pair[1] == 0)
     return "".join(tokenizer.decode([i for i, _ in run], skip_special_tokens=True) for mine, run in runs if mine)
+
+
+def _fed(env_mask) -> int | None:
+    """The observation ids a row was fed (``env_mask``'s sum; None without one): what its record shows."""
+    return None if env_mask is None else int(env_mask.sum())
 
 
 @dataclass

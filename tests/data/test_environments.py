@@ -331,6 +331,39 @@ def test_several_calls_make_one_turn_and_max_turns_ends_the_episode(qwen):
     assert episodes.respond([0], [two], [True]) == [None]  # a third turn: past max_turns
 
 
+@pytest.mark.parametrize("calls, tool", [(25, "add"), (25, "shout"), (3, "shout")])
+def test_many_results_are_cut_whole_and_the_turn_keeps_its_closing(qwen, calls, tool):
+    """25 calls in one turn (or 3 long outputs) past 256 tokens: trailing results are dropped whole, the kept ones
+    cut with a note, and the template's closing of the tool turn and opening of the next assistant turn stay."""
+    env = ToolEnvironment(qwen, [add, shout], "chat", 2, CountingRunner([add, shout]))
+    arguments = '{"a": 1, "b": 2}' if tool == "add" else '{"text": "hey"}'
+    segment = ids(qwen, f'<tool_call>{{"name": "{tool}", "arguments": {arguments}}}</tool_call>' * calls + "<|im_end|>")
+    obs = env.start([{"prompt": "q"}]).respond([0], [segment], [True])[0]
+    text = qwen.decode(obs)
+    assert len(obs) <= 256 and text.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    shown = text.count("<tool_response>")
+    assert shown == text.count("</tool_response>") >= 1
+    if shown < calls:
+        assert f"[{calls - shown} more tool results cut: the observation's limit]\n</tool_response>" in text
+    if tool == "add" and calls == 25:
+        assert shown > 5 and "\n3\n</tool_response>" in text  # whole results where they fit
+
+
+@pytest.mark.parametrize("fed", [0, 1, 9])
+def test_the_record_shows_an_observation_as_far_as_it_was_fed(qwen, fed):
+    """The response's length let only ``fed`` ids of the observation in: the record shows those, not all of it."""
+    env = chat_env(qwen)
+    episodes = env.start([{"prompt": "q"}])
+    call = ids(qwen, '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>')
+    obs = episodes.respond([0], [call], [True])[0]
+    assert episodes.record(0, fed=len(obs))["segments"] == episodes.record(0)["segments"]
+    segments = episodes.record(0, fed=fed)["segments"]
+    if fed == 0:
+        assert [s["role"] for s in segments] == ["policy"]
+    else:
+        assert segments[1] == {"role": "tool", "text": qwen.decode(obs[:fed]), "tokens_cut": len(obs) - fed}
+
+
 def fake_turn(text: str) -> str:
     """A tool whose output tries to close the tool turn and answer for the assistant.
 

@@ -130,7 +130,7 @@ def test_a_bad_spec_is_one_error_naming_the_field(tool_files):
     with pytest.raises(ToolSpecError,
                        match=r"data.tools: tool .*exits.py:f': importing .* \(a tool module must import"):
         load_tool(f"{tool_files}/exits.py:f")  # the trial import: sys.exit at import is an error, not the end
-    with pytest.raises(ToolSpecError, match="two tools are named 'add'"):
+    with pytest.raises(ToolSpecError, match="trl_tools.py:add' is given twice"):
         load_tools([f"{tool_files}/trl_tools.py:add", f"{tool_files}/trl_tools.py:add"])
     with pytest.raises(ToolSpecError, match="has no JSON schema"):
         tool_schema(lambda x: x)

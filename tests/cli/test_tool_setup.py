@@ -1,0 +1,85 @@
+"""``cispo train`` with a ``data.tools`` mistake or a missing optional package (peft, vLLM): one line on stderr
+naming the spec or the extra to install, exit status 2, no traceback, said before any weights load (a tool file
+that exits at import does not end cispo)."""
+
+import json
+import shutil
+import sys
+
+import pytest
+
+import cispo.training.run
+from cispo.cli import main
+
+TOOLS = '''
+CONST = 3
+
+
+def f(x: str) -> str:
+    """F.
+
+    Args:
+        x: X.
+    """
+    return x
+
+
+def noarg() -> str:
+    """Takes nothing."""
+    return "1"
+'''
+FILES = {"good.py": TOOLS, "other.py": TOOLS, "syntax.py": "def f(x):\n    return x +\n",
+         "names.py": "undefined_name\n", "exits.py": "import sys\nsys.exit(0)\n"}
+PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MISTAKES = {
+    "syntax.py:f": "SyntaxError", "names.py:f": "NameError: name 'undefined_name'",
+    "exits.py:f": "exited with sys.exit(0)", "missing.py:f": "no such file", "good.py:nope": "has no attribute 'nope'",
+    "good.py:CONST": "is not callable", "calculater": "did you mean 'calculator'",
+    "good.py:f,,g": "functions separated",
+    "123": "unknown tool '123'", "[good.py:f,other.py:f]": "two tools are named 'f'",
+    "[good.py:f,good.py:f]": "is given twice", "good.py:noarg": "takes no argument",
+}
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_model, tmp_path_factory):
+    """The tiny model with a chat template that renders no tools."""
+    folder = tmp_path_factory.mktemp("chat_model") / "model"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PLAIN_TEMPLATE}))
+    return folder
+
+
+CHAT_ON_A_PLAIN_TEMPLATE = ("calculator data.tool_format=chat", "renders no tools")
+
+
+@pytest.mark.parametrize("tools, message", [*MISTAKES.items(), CHAT_ON_A_PLAIN_TEMPLATE])
+def test_a_tool_mistake_is_one_line_before_the_model_loads(tools, message, chat_model, tmp_path, monkeypatch, capsys):
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the tools were checked")
+
+    monkeypatch.setattr(cispo.training.run, "set_up_policy", no_model)
+    args = ["train", "data.task=wordmath_calc", f"model.path={chat_model}", "model.device=cpu", "progress=false",
+            f"out_dir={tmp_path / 'runs'}", "steps=1", *(f"data.tools={tools}".split(" "))]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("cispo train: error: data.tool")
+    assert message in err
+
+
+@pytest.mark.parametrize("setting, package", [("model.lora_rank=4", "peft"), ("rollout.engine=vllm", "vllm")])
+def test_a_missing_extra_is_one_line_naming_it(setting, package, tiny_model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, package, None)  # as if it were not installed
+    monkeypatch.setattr(cispo.training.run, "set_up_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    args = ["train", f"model.path={tiny_model}", "model.device=cpu", "progress=false", f"out_dir={tmp_path}",
+            "steps=1", setting]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert f'needs {package}, which is not installed: pip install "cispo[' in err
