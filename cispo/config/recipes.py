@@ -63,9 +63,21 @@ def recipe_overrides(name: str) -> list[str]:
 
 
 def expand_recipes(overrides: list[str] | tuple[str, ...]) -> list[str]:
-    """``overrides`` with each ``recipe=NAME`` replaced, in its place, by the recipe's overrides."""
+    """``overrides`` with each ``recipe=NAME`` replaced, in its place, by the recipe's overrides. A key given
+    before the recipe that the recipe also sets is refused (`ConfigError`): the recipe would replace it
+    silently; given after it, it overrides the recipe's value (the order is the command line's)."""
     out: list[str] = []
     for item in overrides:
         key, sep, value = item.partition("=") if isinstance(item, str) else ("", "", "")
-        out.extend(recipe_overrides(value.strip()) if sep and key.strip() == "recipe" else [item])
+        if not (sep and key.strip() == "recipe"):
+            out.append(item)
+            continue
+        recipe = recipe_overrides(value.strip())
+        sets = {k.partition("=")[0].strip().split(".")[-1]: k.partition("=")[0].strip() for k in recipe}
+        for earlier in out:
+            leaf = earlier.partition("=")[0].strip().split(".")[-1]
+            if leaf in sets:
+                raise ConfigError(f"override {earlier!r} comes before recipe={value.strip()}, which sets "
+                                  f"{sets[leaf]} itself and would replace it: put recipe= first")
+        out.extend(recipe)
     return out

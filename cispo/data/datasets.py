@@ -59,12 +59,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
+from cispo.foundations.jsonl import bounded_lines
 from cispo.foundations.suggest import closest, did_you_mean, hint
 from cispo.foundations.text import invalid_at
 
@@ -282,15 +284,20 @@ def _convert(row: Any, spec: _Spec) -> dict:
 # Each yields (location, row); a row that cannot even be decoded is a _RowError instance.
 
 
+MAX_LINE_BYTES = 32 << 20
+"""The longest JSONL line read (32 MiB): a longer one is a bad row, read past without being kept."""
 NESTED_TOO_DEEPLY = "JSON nested too deeply to read (hundreds of levels of [ or {): not a prompt row"
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in bounded_lines(f, MAX_LINE_BYTES):
+            loc = f"line {lineno}"
+            if raw is None:
+                yield loc, _RowError(None, f"a line longer than {MAX_LINE_BYTES >> 20} MiB: no prompt row needs one")
+                continue
             if not raw.strip():
                 continue
-            loc = f"line {lineno}"
             try:
                 text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
@@ -475,6 +482,9 @@ def _rows(path: Path, spec: _Spec, split: str | None, name: str | None = None) -
 
 
 def _read_file(path: Path, spec: _Spec) -> Iterator[tuple[str, Any]]:
+    if not stat.S_ISREG(path.stat().st_mode):  # /dev/zero would be read until memory runs out; a FIFO blocks
+        raise DataError(path, "not a regular file (a device, FIFO or socket, perhaps behind a symlink): give a data "
+                              "file or folder")
     suffix = path.suffix.lower()
     if suffix in PARQUET_SUFFIXES:
         return _read_parquet(path, spec)

@@ -41,6 +41,20 @@ def has_jsonl(path: str | Path) -> bool:
     return jsonl_path(path).is_file()
 
 
+def bounded_lines(file, limit: int):
+    """``(line number, raw line)`` of binary ``file``, each at most ``limit`` bytes read into memory; a longer
+    line gives ``None`` (its bytes are read past in 1 MiB pieces, never kept: a 1 GB line costs 1 MiB)."""
+    lineno = 0
+    while raw := file.readline(limit + 1):
+        lineno += 1
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):
+                raw = file.readline(1 << 20)
+            yield lineno, None
+            continue
+        yield lineno, raw
+
+
 def read_jsonl_bytes(path: str | Path) -> bytes:
     """The bytes of ``path`` or, when only it exists, of ``<path>.gz`` decompressed
     (`jsonl_path`); ``FileNotFoundError`` when neither does, ``ValueError`` naming a ``.gz``

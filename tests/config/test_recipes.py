@@ -255,3 +255,18 @@ def test_a_recipe_typed_as_an_objective_points_to_the_recipe():
         assert f"recipe={recipe}" in str(e.value) and "did you mean 'grpo'" not in str(e.value)
     with pytest.raises(ConfigError, match="did you mean 'grpo'"):
         apply_overrides(TrainConfig(), ["algo.objective=grpoo"])  # a typo still gets the nearest preset
+
+
+def test_a_key_before_a_recipe_that_sets_it_is_refused():
+    """``eps_high_is=2 recipe=scalerl``: the recipe would replace the explicit key silently; refused in one line.
+    After the recipe, a key overrides the recipe's value, as the command line's order says."""
+    from cispo.config.engine import ConfigError
+    from cispo.config.recipes import expand_recipes
+
+    with pytest.raises(ConfigError, match=r"'algo.objective.eps_high_is=2' comes before recipe=scalerl, which sets "
+                                          r"algo.objective.eps_high_is itself"):
+        expand_recipes(["algo.objective.eps_high_is=2", "recipe=scalerl"])
+    with pytest.raises(ConfigError, match="'objective=dapo' comes before recipe=scalerl"):
+        expand_recipes(["objective=dapo", "recipe=scalerl"])
+    after = expand_recipes(["lr=1e-5", "recipe=scalerl", "algo.objective.eps_high_is=2"])
+    assert after[0] == "lr=1e-5" and after[-1] == "algo.objective.eps_high_is=2"

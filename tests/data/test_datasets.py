@@ -238,3 +238,32 @@ def test_skip_mode_counts_and_reports(tmp_path, caplog):
     all_bad = write_jsonl(tmp_path / "bad.jsonl", ["{", "[]"])
     with pytest.raises(DataError, match="no usable samples: all 2 rows were skipped"):
         load_prompts(all_bad, on_error="skip")
+
+
+def test_a_data_file_that_is_no_regular_file_is_refused_unread(tmp_path):
+    """A ``.jsonl`` that is a symlink to /dev/zero was read until memory ran out (a FIFO would block): refused
+    before reading, naming the file."""
+    import os
+
+    link = tmp_path / "prompts.jsonl"
+    link.symlink_to(os.devnull)  # a character device, looked at only
+    with pytest.raises(DataError, match=r"prompts\.jsonl: not a regular file"):
+        load_prompts(link)
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=r"pipe\.jsonl: not a regular file"):
+        load_prompts(fifo)
+
+
+def test_a_jsonl_line_longer_than_the_cap_is_a_bad_row_read_past(tmp_path, monkeypatch):
+    """A line over `MAX_LINE_BYTES` is a bad row named by its line (was: read whole into memory, a 1 GB line an
+    allocator abort); the rows after it are read, and with on_error=skip it is skipped."""
+    import cispo.data.datasets as datasets
+
+    monkeypatch.setattr(datasets, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n' + json.dumps({"prompt": "x" * 5000, "answer": "2"}) + "\n"
+                    + '{"prompt": "c", "answer": "3"}\n')
+    with pytest.raises(DataError, match=r"line 2.*longer than 0 MiB"):
+        load_prompts(path)
+    assert [s["prompt"] for s in load_prompts(path, on_error="skip")] == ["a", "c"]
