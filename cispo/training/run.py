@@ -54,6 +54,7 @@ from cispo.training.probes import ForkDiagnostics, TokenCounts
 from cispo.training.progress import evaluation_progress, interactive, model_line, reward_workers_line, say
 from cispo.training.rl_step import RLStep
 from cispo.training.run_policy import (
+    check_chat_template,
     check_model,
     check_run_tools,
     load_policy_for,
@@ -217,8 +218,10 @@ def set_up(cfg: TrainConfig, resume: bool, overwrite: bool) -> Run:
     cfg, task, named_sets, sampling, obj = set_up_data(cfg, dist_info.is_main)
     run_dir = prepare_run_dir(cfg, resume, overwrite) if dist_info.is_main else run_dir
     policy, optimizer = set_up_policy(cfg, task, obj, device, dist_info)
+    samples = task.train_samples(cfg.data.seed, cfg.data.num_train_prompts)
+    check_chat_template(policy, samples[0] if samples else None)  # a template that fails: one line, before any step
     # each rank samples whole groups from its own shard of the prompts, with its own seeds
-    train_samples = fit_prompts(policy, task.train_samples(cfg.data.seed, cfg.data.num_train_prompts),
+    train_samples = fit_prompts(policy, samples,
                                 sampling.max_new_tokens, "training")
     stream = PromptStream(train_samples[dist_info.rank :: dist_info.world_size], seed=cfg.seed)
     eval_samples = fit_prompts(policy, task.eval_samples(cfg.data.seed, cfg.data.num_eval_prompts),

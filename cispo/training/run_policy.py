@@ -305,3 +305,19 @@ def check_head(model, path) -> None:
         raise ValueError(f"{path}: the trainer's log-probs of {type(model).__name__} differ from the model's own "
                          f"by up to {err:.3g} nats: it post-processes its logits in a way "
                          "cispo.objective.logprobs.logit_transform does not know; please report it")
+
+
+def check_chat_template(policy: Policy, sample: dict | None) -> None:
+    """With a chat template: ``sample`` (the first prompt) rendered once before any step, so that a template
+    that fails (a Jinja error, a raise_exception in it) or renders nothing is one `ConfigError` naming the
+    template's folder, not a traceback in the first step. None, or no template in use: nothing to check."""
+    if sample is None or not policy.chat_template:
+        return
+    where = f"the chat template of {policy.tokenizer.name_or_path} (its tokenizer_config.json / chat_template.jinja)"
+    try:
+        ids = policy.encode(sample)
+    except Exception as exc:  # noqa: BLE001 - a user's template raises whatever Jinja or its code raises
+        raise ConfigError(f"{where} failed on the first prompt: {type(exc).__name__}: {str(exc)[:300]}") from None
+    if not ids:
+        raise ConfigError(f"{where} renders the first prompt as nothing: fix the template or set "
+                          "model.chat_template=false")

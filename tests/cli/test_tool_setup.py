@@ -83,3 +83,24 @@ def test_a_missing_extra_is_one_line_naming_it(setting, package, tiny_model, tmp
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1
     assert f'needs {package}, which is not installed: pip install "cispo[' in err
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ raise_exception('no system role here') }}", "failed on the first prompt: TemplateError: no system role here"),
+    ("{% for m in messages %}{{ m['role'] + 1 }}{% endfor %}", "failed on the first prompt"),
+    ("{% if false %}x{% endif %}", "renders the first prompt as nothing"),
+])
+def test_a_chat_template_that_fails_is_one_line_naming_its_folder(template, message, tiny_model, tmp_path, capsys):
+    """A template that raises (Jinja's own error or the template's raise_exception) or renders nothing: one line
+    naming the model folder's template, before any step (was: a traceback in the first step naming no template)."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    args = ["train", f"model.path={folder}", "model.device=cpu", "progress=false", f"out_dir={tmp_path / 'runs'}",
+            "steps=1", "model.chat_template=true", "eval.every=0", "data.num_eval_prompts=0"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("cispo train: error")]  # beside the progress lines
+    assert "Traceback" not in err and len(errors) == 1
+    assert f"the chat template of {folder}" in errors[0] and message in errors[0]
