@@ -72,14 +72,21 @@ def check_extras(cfg: TrainConfig) -> None:
     """ConfigError, in one line naming the setting and the extra to install, where the run needs an optional
     package this install lacks (LoRA: peft; ``rollout.engine=vllm``: vLLM): said before anything loads, not
     as an ImportError traceback after the model did."""
-    import importlib.util
-
     needed = [name for name, wanted in (("peft", bool(cfg.model.lora_rank)), ("vllm", cfg.rollout.engine == "vllm"))
               if wanted]
     for name in needed:
-        if importlib.util.find_spec(name) is None:
+        if not installed(name):
             setting, extra = EXTRAS[name]
             raise ConfigError(f"{setting} needs {name}, which is not installed: pip install \"{extra}\"")
+
+
+def installed(name: str) -> bool:
+    """Whether module ``name`` can be imported: already imported (a stand-in module may have no spec), or found."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name] is not None  # None: marked absent
+    return importlib.util.find_spec(name) is not None
 
 
 def check_run_tools(cfg: TrainConfig) -> None:

@@ -103,9 +103,9 @@ def test_pass_at_k_at_several_k():
     with pytest.raises(ValueError, match="1 <= k <= n"):
         pass_at(rewards, 6)
 
-    class C:
+    class C:  # a Completion's fields that group_accuracies reads
         def __init__(self, r, text):
-            self.task_reward, self.text = r, text
+            self.task_reward, self.text, self.answer_text = r, text, text
 
     group = [C(0.0, "3"), C(1.0, "4"), C(1.0, "4"), C(0.0, "3")]
     assert group_accuracies([group], k=1) == {"pass": 0.5, "maj": 0.0}  # maj@1: the first answer
