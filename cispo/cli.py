@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import functools
 import importlib
 import json
@@ -378,11 +379,27 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt as e:
         print(f"cispo {args.command}: {e or 'interrupted'}", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        print(f"cispo {args.command}: error: {disk_full_line(e)}", file=sys.stderr)
+        return 1
     except Exception as e:
         if not is_one_of(e, INPUT_ERRORS + RUN_ERRORS):
             raise
         print(f"cispo {args.command}: error: {e}", file=sys.stderr)
         return 2 if is_one_of(e, INPUT_ERRORS) else 1
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""The errors of a write that found no space (a full disk, a spent quota): one line, not a traceback."""
+
+
+def disk_full_line(e: OSError) -> str:
+    """What to say when a run's write found no space: which file, and that the newest checkpoint still holds."""
+    where = f" writing {e.filename}" if e.filename else ""
+    return (f"{e.strerror or 'no space left on device'}{where}. The newest checkpoint and the rows of metrics.jsonl "
+            "up to it are intact (a torn last line is cut on resume): free space, then continue with --resume")
 
 
 if __name__ == "__main__":

@@ -209,11 +209,14 @@ def cache_problem(folder) -> str | None:
     read; and every file must match its recorded SHA-256 — hashed once per process (538 MB: ~0.5 s),
     then trusted while the files' size, times and inode stay the same."""
     folder = Path(folder)
-    try:
+    try:  # each record read on its own, so a damaged one is named (not the files it describes)
         sizes = json.loads((folder / CACHE_RECORD).read_text())["bytes"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its record {CACHE_RECORD} cannot be read ({type(e).__name__}: {e})"
+    try:
         sums = read_checksums(folder)
-    except (OSError, ValueError, KeyError, TypeError, ChecksumError) as e:
-        return f"its records cannot be read: {e}"
+    except (OSError, ValueError, ChecksumError) as e:
+        return f"its record {CHECKSUMS} cannot be read ({type(e).__name__}: {e})"
     if not isinstance(sizes, dict) or set(sizes) != set(sums):
         return f"{CACHE_RECORD} and {CHECKSUMS} do not list the same files"
     for name in sorted(sizes):
@@ -224,7 +227,7 @@ def cache_problem(folder) -> str | None:
         if not stat.S_ISREG(st.st_mode):  # a symlink, folder or device
             return f"{name} is not a plain file"
         if st.st_size != sizes[name]:
-            return f"{name} is {st.st_size} bytes, {sizes[name]} when it was written"
+            return f"{name} is {st.st_size} bytes, {sizes[name]} in {CACHE_RECORD} (the file or its record changed)"
     problem = safetensors_problem(folder, sorted(sizes))
     if problem:
         return problem
@@ -234,7 +237,7 @@ def cache_problem(folder) -> str | None:
             return None
         for name, digest in sums.items():
             if file_sha256(folder / name) != digest:
-                return f"{name} differs from the SHA-256 recorded when it was written"
+                return f"{name} differs from its SHA-256 in {CHECKSUMS} (the file or its record changed)"
     except OSError as e:  # removed meanwhile (another process found it damaged), unreadable
         return f"{Path(e.filename or folder).name} cannot be read ({e.strerror})"
     _VERIFIED[str(folder)] = key

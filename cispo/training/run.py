@@ -66,6 +66,7 @@ from cispo.training.run_policy import (
 from cispo.training.sampling import StepSampler
 from cispo.training.setup import (
     absolute_paths,
+    check_prompt_memory,
     default_max_new_tokens,
     eval_defaults,
     fit_prompts,
@@ -276,6 +277,7 @@ def set_up_data(cfg: TrainConfig, main: bool = True):
 
     check_model(cfg)  # before the (possibly long) data loading
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
+    check_prompt_memory(task, cfg.data)  # 10^7 prompts of a built-in task: said, not an allocator abort
     named_sets = load_eval_sets(cfg.data)  # data.eval_sets, also before any model is loaded
     cfg = resolve_chat_template(cfg, task, named_sets)  # model.chat_template=auto: by the prompts read
     check_reward_fields(task, cfg.data, named_sets)  # before any model is loaded or sampled from

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from dataclasses import replace
 
 import torch
@@ -314,17 +315,38 @@ def check_head(model, path) -> None:
                          "cispo.objective.logprobs.logit_transform does not know; please report it")
 
 
-def check_chat_template(policy: Policy, sample: dict | None) -> None:
+RENDER_TIMEOUT_S = 30.0
+"""The longest the chat template may take to render the first prompt before the run is refused (a template
+that loops would hang set-up, rendering every prompt to fit them to the context)."""
+
+
+def check_chat_template(policy: Policy, sample: dict | None, timeout_s: float = RENDER_TIMEOUT_S) -> None:
     """With a chat template: ``sample`` (the first prompt) rendered once before any step, so that a template
-    that fails (a Jinja error, a raise_exception in it) or renders nothing is one `ConfigError` naming the
-    template's folder, not a traceback in the first step. None, or no template in use: nothing to check."""
+    that fails (a Jinja error, a raise_exception in it), renders nothing, takes longer than ``timeout_s`` (a
+    loop) or renders over ten times the model's context (50 MB a prompt) is one `ConfigError` naming the
+    template's folder, not a traceback in the first step or a hang. None, or no template in use: nothing."""
     if sample is None or not policy.chat_template:
         return
     where = f"the chat template of {policy.tokenizer.name_or_path} (its tokenizer_config.json / chat_template.jinja)"
-    try:
-        ids = policy.encode(sample)
-    except Exception as exc:  # noqa: BLE001 - a user's template raises whatever Jinja or its code raises
-        raise ConfigError(f"{where} failed on the first prompt: {type(exc).__name__}: {str(exc)[:300]}") from None
-    if not ids:
-        raise ConfigError(f"{where} renders the first prompt as nothing: fix the template or set "
+    done: dict = {}
+
+    def render() -> None:
+        try:
+            done["ids"] = policy.encode(sample)
+        except Exception as exc:  # noqa: BLE001 - a user's template raises whatever Jinja or its code raises
+            done["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+
+    worker = threading.Thread(target=render, daemon=True)  # a template that loops is left behind, not waited on
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise ConfigError(f"{where} took over {timeout_s:g} s to render the first prompt (a loop?): fix the template "
+                          "or set model.chat_template=false")
+    if "error" in done:
+        raise ConfigError(f"{where} failed on the first prompt: {done['error']}")
+    context = getattr(policy.model.config, "max_position_embeddings", None) or math.inf
+    n = len(done["ids"])
+    if not n or n > 10 * context:
+        size = f"{n:,} tokens, over ten times the context ({context:,})" if n else "nothing"
+        raise ConfigError(f"{where} renders the first prompt as {size}: fix the template or set "
                           "model.chat_template=false")

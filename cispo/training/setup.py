@@ -173,3 +173,32 @@ def eval_defaults(cfg: TrainConfig, saved: TrainConfig | None = None) -> TrainCo
 def default_max_new_tokens(task) -> int:
     """The response budget when ``rollout.max_new_tokens`` is unset: 1.25 x the task's own."""
     return math.ceil(1.25 * task.max_new_tokens)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory free for this process now (the OS's available pages), or None where it cannot tell."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_prompt_memory(task, data_cfg, available: int | None = None) -> None:
+    """A built-in task builds ``data.num_train_prompts`` samples in memory: `ConfigError` when that would take more
+    than half of the memory free now (estimated from 256 of them: the dicts and their strings), naming the
+    setting and both sizes, before it is built (10^7 prompts of a task abort a machine of 8 GB). Prompt files
+    are already read whole, so they are not checked here."""
+    available = available_memory() if available is None else available
+    n = data_cfg.num_train_prompts
+    if data_cfg.path is not None or available is None or n <= 256:
+        return
+    probe = task.train_samples(data_cfg.seed, 256)
+    per = sum(sys.getsizeof(s) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in s.items()) for s in probe)
+    need = per / len(probe) * n * 1.2  # + the list and the stream's index of them
+    if need > available / 2:
+        from cispo.config.train import ConfigError
+
+        raise ConfigError(f"data.num_train_prompts={n:,}: the built-in task would build them in memory, about "
+                          f"{need / 2**30:.1f} GiB, more than half of the {available / 2**30:.1f} GiB free now; lower "
+                          "it (a run samples prompts_per_step of them per step, and the stream repeats them in new "
+                          "orders)")

@@ -89,6 +89,8 @@ def test_a_missing_extra_is_one_line_naming_it(setting, package, tiny_model, tmp
     ("{{ raise_exception('no system role here') }}", "failed on the first prompt: TemplateError: no system role here"),
     ("{% for m in messages %}{{ m['role'] + 1 }}{% endfor %}", "failed on the first prompt"),
     ("{% if false %}x{% endif %}", "renders the first prompt as nothing"),
+    ("{% for i in range(90000) %}{% for m in messages %}{{ m['content'] * 9 }}{% endfor %}{% endfor %}",
+     "tokens, over ten times the context"),
 ])
 def test_a_chat_template_that_fails_is_one_line_naming_its_folder(template, message, tiny_model, tmp_path, capsys):
     """A template that raises (Jinja's own error or the template's raise_exception) or renders nothing: one line
@@ -104,3 +106,22 @@ def test_a_chat_template_that_fails_is_one_line_naming_its_folder(template, mess
     errors = [line for line in err.splitlines() if line.startswith("cispo train: error")]  # beside the progress lines
     assert "Traceback" not in err and len(errors) == 1
     assert f"the chat template of {folder}" in errors[0] and message in errors[0]
+
+
+def test_a_chat_template_that_renders_for_too_long_is_refused_not_waited_on():
+    """A template that loops would hang set-up (every prompt is rendered to fit the context): the first prompt's
+    rendering gets `RENDER_TIMEOUT_S`, then one line, the rendering left behind in a daemon thread."""
+    import threading
+    import types
+
+    from cispo.config.train import ConfigError
+    from cispo.training.run_policy import check_chat_template
+
+    release = threading.Event()
+    policy = types.SimpleNamespace(chat_template=True, tokenizer=types.SimpleNamespace(name_or_path="MODEL"),
+                                   encode=lambda sample: release.wait(60) and [1])
+    try:
+        with pytest.raises(ConfigError, match=r"the chat template of MODEL .* took over 0\.2 s to render"):
+            check_chat_template(policy, {"prompt": "x"}, timeout_s=0.2)
+    finally:
+        release.set()

@@ -273,3 +273,17 @@ def test_out_of_range_and_huge_numbers_through_the_cli_are_one_line_each(capsys)
         assert main(["train", *args]) == 2
         err = capsys.readouterr().err
         assert expected in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_more_built_in_prompts_than_memory_holds_is_one_line_before_they_are_built():
+    """``data.num_train_prompts=10**7`` of a built-in task (within the documented bound) was built in memory and
+    aborted an 8 GB machine: refused when the estimate passes half of the memory free, naming both sizes."""
+    from cispo.data.tasks import get_task
+    from cispo.training.setup import check_prompt_memory
+
+    cfg = apply_overrides(TrainConfig(), ["data.num_train_prompts=10000000"])
+    too_many = r"data\.num_train_prompts=10,000,000: .* GiB, more than half of the 4\.0 GiB"
+    with pytest.raises(ConfigError, match=too_many):
+        check_prompt_memory(get_task("addition"), cfg.data, available=4 << 30)
+    default = apply_overrides(TrainConfig(), []).data  # 20,000 prompts: fine
+    check_prompt_memory(get_task("addition"), default, available=4 << 30)

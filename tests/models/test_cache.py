@@ -150,10 +150,15 @@ DAMAGE = {
     "missing weights": (lambda f: (f / "model.safetensors").unlink(), "model.safetensors is missing"),
     "weights emptied (power cut)": (lambda f: (f / "model.safetensors").write_bytes(b""),
                                     "model.safetensors is 0 bytes"),
-    "NaN in the weights": (_nan, "model.safetensors differs from the SHA-256"),
-    "one bit of the tokenizer": (_flip, "tokenizer.json differs from the SHA-256"),
+    "NaN in the weights": (_nan, "model.safetensors differs from its SHA-256 in"),
+    "one bit of the tokenizer": (_flip, "tokenizer.json differs from its SHA-256 in"),
     "records deleted, weights truncated": (lambda f: ((f / CACHE_RECORD).unlink(), _truncate(f)),
                                            "model.safetensors cannot be read"),
+    # a damaged record is named, not the files it describes
+    "the size record garbled": (lambda f: (f / CACHE_RECORD).write_text("{not json"),
+                                f"its record {CACHE_RECORD} cannot be read (JSONDecodeError"),
+    "the checksums garbled": (lambda f: (f / CHECKSUMS).write_bytes(b"\xff\xfe garbage"),
+                              f"its record {CHECKSUMS} cannot be read"),
 }
 
 

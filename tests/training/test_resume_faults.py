@@ -238,3 +238,35 @@ def test_a_full_disk_during_a_checkpoint_is_one_sentence_and_loses_nothing(tiny_
     monkeypatch.setattr(cispo.training.checkpoint.torch, "save", real)
     assert main(["train", "--resume", *overrides]) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+
+def test_a_full_disk_mid_run_is_one_line_and_the_run_resumes(tiny_model, tmp_path, monkeypatch, capsys):
+    """A write that finds no space (ENOSPC) in the middle of a run: one line naming the file and saying how to go
+    on, exit status 1, no traceback (was: an OSError traceback); the half-written row is torn and --resume cuts it
+    and continues from the newest checkpoint."""
+    import errno
+
+    from cispo.cli import main
+    from cispo.records.tracking import JsonlSink, read_metrics
+    from tests.conftest import run_args
+
+    real = JsonlSink.log
+
+    def full_at_step_2(self, step, metrics):
+        if step == 2:
+            with open(self.path, "a") as f:
+                f.write('{"step": 2, "rollout/rew')  # the disk filled up mid-line
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real(self, step, metrics)
+
+    monkeypatch.setattr(JsonlSink, "log", full_at_step_2)
+    args = ["train", *run_args(tiny_model, tmp_path, "checkpoint_every=1", "progress=false")]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("cispo train: error")]
+    assert "Traceback" not in err and len(errors) == 1
+    assert "No space left on device writing" in errors[0] and "metrics.jsonl" in errors[0] and "--resume" in errors[0]
+    monkeypatch.setattr(JsonlSink, "log", real)
+    assert main(["train", "--resume", *run_args(tiny_model, tmp_path, "checkpoint_every=1", "progress=false")]) == 0
+    run = next(p for p in tmp_path.iterdir() if (p / "metrics.jsonl").exists())
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]
