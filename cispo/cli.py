@@ -379,13 +379,12 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt as e:
         print(f"cispo {args.command}: {e or 'interrupted'}", file=sys.stderr)
         return 130
-    except OSError as e:
-        if e.errno not in DISK_FULL:
-            raise
-        print(f"cispo {args.command}: error: {disk_full_line(e)}", file=sys.stderr)
-        return 1
     except Exception as e:
-        if not is_one_of(e, INPUT_ERRORS + RUN_ERRORS):
+        known = is_one_of(e, INPUT_ERRORS + RUN_ERRORS)
+        if not known and isinstance(e, OSError) and e.errno in DISK_FULL:
+            print(f"cispo {args.command}: error: {disk_full_line(e)}", file=sys.stderr)
+            return 1
+        if not known:
             raise
         print(f"cispo {args.command}: error: {e}", file=sys.stderr)
         return 2 if is_one_of(e, INPUT_ERRORS) else 1
