@@ -299,6 +299,7 @@ def run_lock(run_dir: Path):
     simply taken over (and said). Not for network file systems whose ``flock`` is local to one
     machine."""
     fds: list[int] = []
+    written: list[int] = []
     try:
         for path in lock_paths(run_dir):
             fds.append(_take_lock(path, run_dir))
@@ -309,8 +310,12 @@ def run_lock(run_dir: Path):
         said: set = set()
         for fd in files:  # only now that every lock is held: a refused process rewrites none
             _write_holder(fd, run_dir, said)
+            written.append(fd)
         yield
     finally:
+        for fd in written:  # released, not abandoned: the next holder has no dead process to say it took over from
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
         for fd in fds:
             os.close(fd)  # releases the lock; the file stays (deleting it would race a waiting process)
 

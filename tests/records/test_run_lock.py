@@ -85,6 +85,19 @@ def test_the_lock_is_held_for_the_run_and_released_after(tiny_model, dense_task,
         pass
 
 
+def test_a_lock_released_by_a_finished_process_is_not_said_taken_over(tmp_path, capsys):
+    """A run that ended (normally or by an error it handled) leaves its lock file empty: the next run on the folder
+    says nothing about taking it over (was: "took over the lock … left by pid N (no longer running)" after a
+    normal end, as if that run had died). A holder that died still is said (below)."""
+    folder = tmp_path / "runs" / "r"
+    child = subprocess.run([sys.executable, "-c", f"from cispo.records.runfolder import run_lock\n"
+                            f"with run_lock(__import__('pathlib').Path({str(folder)!r})):\n    pass"], check=True)
+    assert child.returncode == 0 and lock_path(folder).read_text() == ""
+    with run_lock(folder):
+        assert json.loads(lock_path(folder).read_text())["pid"] == os.getpid()
+    assert "took over" not in capsys.readouterr().err
+
+
 def test_a_stale_lock_file_is_taken_over(tiny_model, dense_task, tmp_path, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -245,4 +258,4 @@ def test_an_old_run_folder_resumes_and_a_plain_run_keeps_its_one_lock_file(tiny_
     assert before == [".r.lock", "r"]
     assert main(["train", *tiny_args(tiny_model, tmp_path / "runs", "run_name=r", "steps=2"), "--resume"]) == 0
     assert sorted(p.name for p in run.parent.iterdir()) == before
-    assert json.loads(lock_path(run).read_text())["pid"] == os.getpid()
+    assert lock_path(run).read_text() == ""  # the run released it: no holder left in it
