@@ -362,31 +362,45 @@ def skip_exit_collection() -> None:
 
 def _run(argv: list[str] | None) -> int:
     """`main`'s body: parse ``argv``, run the command, turn its input and run errors into exit statuses."""
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)  # key=value may follow options, too
+    args = parse_command(build_parser(), argv)
     args.program = argv is None  # the `cispo` program, whose process ends with the command (`collector_paused`)
+    return run_command("cispo", args)
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed by ``parser``, the ``key=value`` words anywhere among the options gathered into
+    ``args.overrides`` for the commands that take them; any other unknown word is the parser's error."""
+    args, rest = parser.parse_known_args(argv)  # key=value may follow options, too
     takes_overrides = "overrides" in vars(args)  # not `plot`
     unknown = [r for r in rest if r.startswith("-") or "=" not in r or not takes_overrides]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if takes_overrides:
         args.overrides = list(args.overrides) + rest
+    return args
+
+
+def run_command(program: str, args: argparse.Namespace) -> int:
+    """``args.fn(args)``'s exit status, its errors said as ``PROGRAM COMMAND: ...`` in one line: bad input
+    (`INPUT_ERRORS`) 2, a run that cannot go on (`RUN_ERRORS`, a full disk, non-finite weights) 1, a stop
+    130; anything else is a bug and keeps its traceback."""
+    where = f"{program} {args.command}"
     try:
         return args.fn(args)
     except FloatingPointError as e:
-        print(f"cispo {args.command}: stopped: {e}", file=sys.stderr)
+        print(f"{where}: stopped: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        print(f"cispo {args.command}: {e or 'interrupted'}", file=sys.stderr)
+        print(f"{where}: {e or 'interrupted'}", file=sys.stderr)
         return 130
     except Exception as e:
         known = is_one_of(e, INPUT_ERRORS + RUN_ERRORS)
         if not known and isinstance(e, OSError) and e.errno in DISK_FULL:
-            print(f"cispo {args.command}: error: {disk_full_line(e)}", file=sys.stderr)
+            print(f"{where}: error: {disk_full_line(e)}", file=sys.stderr)
             return 1
         if not known:
             raise
-        print(f"cispo {args.command}: error: {e}", file=sys.stderr)
+        print(f"{where}: error: {e}", file=sys.stderr)
         return 2 if is_one_of(e, INPUT_ERRORS) else 1
 
 

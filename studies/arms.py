@@ -3,7 +3,7 @@
 An arm is what one row of a comparison table trains: ``ArmConfig(objective="cispo",
 objective_overrides={"aggregation": "seq-mean-token-mean"})`` is CISPO with GRPO's
 sequence-mean aggregation. The built-in arms (``BUILTIN_ARMS``) are the six presets under
-their own names plus the ablations of the study (issue 14); a comparison can define more
+their own names plus the ablations of the study; a comparison can define more
 (``CompareConfig.arm_defs``, from YAML or ``arm_defs.NAME.objective=...`` on the command line).
 The arm's name names its run folders and its rows in every table.
 """

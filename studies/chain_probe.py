@@ -1,4 +1,4 @@
-"""Where a `chain` base model makes its error, step by step (issue 28, the `chain_hidden` tasks).
+"""Where a `chain` base model makes its error, step by step (the `chain_hidden` tasks).
 
 For every step ``a+b`` of the task's held-out prompts, on the shortest correct completion's
 prefix (every earlier buggy step rechecked, so the running sum ``a`` is right):

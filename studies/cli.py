@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cispo.cli import INPUT_ERRORS, RUN_ERRORS, CommandParser, _build_config, is_one_of
+from cispo.cli import CommandParser, _build_config, parse_command, run_command
 
 DEFAULT_DATA = "studies/results/study.csv.gz"
 """Where ``data`` writes, and the first file ``report`` reads by default (relative to the repository root)."""
@@ -160,24 +160,4 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (None: ``sys.argv``), run the command; bad input is one line on stderr and exit status 2,
     a run that cannot go on exit status 1, as for the ``cispo`` program. Returns the exit status."""
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)  # key=value may follow options, too
-    takes_overrides = "overrides" in vars(args)  # compare, sweep
-    unknown = [r for r in rest if r.startswith("-") or "=" not in r or not takes_overrides]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if takes_overrides:
-        args.overrides = list(args.overrides) + rest
-    try:
-        return args.fn(args)
-    except FloatingPointError as e:  # a run's loss went non-finite (cispo train's stop)
-        print(f"studies {args.command}: stopped: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as e:
-        print(f"studies {args.command}: {e or 'interrupted'}", file=sys.stderr)
-        return 130
-    except Exception as e:
-        if not is_one_of(e, INPUT_ERRORS + RUN_ERRORS):
-            raise
-        print(f"studies {args.command}: error: {e}", file=sys.stderr)
-        return 2 if is_one_of(e, INPUT_ERRORS) else 1
+    return run_command("studies", parse_command(build_parser(), argv))

@@ -1,4 +1,4 @@
-"""ScaleRL's compute–performance curve (arXiv 2510.13786, eq. 1), fitted per arm (issue 46): a
+"""ScaleRL's compute–performance curve (arXiv 2510.13786, eq. 1), fitted per arm: a
 saturating sigmoid of held-out accuracy R against compute C,
 
     R(C) − R0 = (A − R0) / (1 + (C_mid / C)^B)

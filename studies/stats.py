@@ -1,5 +1,5 @@
 """The statistics of a comparison: per-run measures on a held-out accuracy curve, and the
-intervals and corrections the study reports (issue 14).
+intervals and corrections the study reports.
 
 A *curve* is ``{step: held-out accuracy}`` (``eval/accuracy``, mean@k), step 0 the base model.
 Every function is pure; the t quantiles and the binomial interval come from scipy (imported

@@ -1,6 +1,6 @@
 """The study's raw data: every run folder's evaluation curve and per-step key metrics in ONE
 compact CSV (gzip), from which ``studies.study_report`` regenerates every table
-and figure (issue 14).
+and figure.
 
 One row per (run, step) with at least one recorded metric. Columns (``COLUMNS``):
 

@@ -42,6 +42,22 @@ def dense_task(monkeypatch):
                         lambda name="addition": dataclasses.replace(base, reward=digit_reward))
 
 
+def train_dense(cfg):
+    """``train(cfg)`` with the built-in addition task's reward replaced by `digit_reward`: for module-scoped
+    fixtures, where the `dense_task` fixture (function-scoped) cannot be used."""
+    from cispo.training.runner import train
+
+    base = cispo.data.tasks.get_task("addition")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
+        return train(cfg)
+
+
+def strip_perf(rows):
+    """Metrics rows without their timings (``perf/...``), which differ between identical runs."""
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
 def reward_calls(*completions, sample=None):
     """``score_rewards``' calls: one ``(prompt, completion, sample)`` per completion, each with its own
     copy of `sample`."""

@@ -49,11 +49,11 @@ from cispo.data.rewards import Outcome, RewardSpecError, describe_error
 from cispo.data.rewards.loading import _resolve, absolute_spec
 from cispo.data.rewards.pool import pool_for
 from cispo.foundations.suggest import did_you_mean
-from cispo.foundations.text import valid_text
+from cispo.foundations.text import plain_str, valid_text
 
 __all__ = ["ToolCall", "ToolResult", "Tool", "ToolSpecError", "ToolRunner", "BUILTIN_TOOLS", "TOOL_OUTPUT_CHARS",
            "TOOL_MEMORY_BYTES", "split_specs", "load_tool", "load_tools", "as_tool", "tool_schema", "cap_output",
-           "policy_error", "as_text", "plain_str", "calculator", "evaluate", "format_number", "python",
+           "policy_error", "as_text", "calculator", "evaluate", "format_number", "python",
            "check_python_tool"]
 
 BUILTIN_TOOLS: dict[str, str] = {"calculator": "cispo.data.tools:calculator", "python": "cispo.data.tools:python"}
@@ -237,12 +237,6 @@ def as_text(value) -> str:
         return plain_str(str(value))
     except Exception as e:  # noqa: BLE001 - a hostile or broken __str__ / __repr__
         raise ValueError(f"the tool returned a value whose text could not be read ({describe_error(e)})") from None
-
-
-def plain_str(text: str) -> str:
-    """``text`` (a ``str`` or an instance of a subclass) as a builtin ``str``, copied by ``str.__str__`` itself:
-    no method of a subclass runs (its ``__str__``, ``__len__``, ``__reduce__`` when pickled)."""
-    return str.__str__(text)
 
 
 def cap_output(text: str, limit: int = TOOL_OUTPUT_CHARS) -> str:

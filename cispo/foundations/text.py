@@ -14,6 +14,12 @@ REPLACEMENT = "\ufffd"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def plain_str(text: str) -> str:
+    """``text`` (a ``str`` or an instance of a subclass) as a builtin ``str``, copied by ``str.__str__`` itself:
+    no method of a subclass runs (its ``__str__``, ``__len__``, ``__reduce__`` when pickled)."""
+    return str.__str__(text)
+
+
 def valid_text(text: str) -> str:
     """``text`` with each lone surrogate (not encodable as UTF-8) replaced by `REPLACEMENT`; ``text``
     itself when it has none."""

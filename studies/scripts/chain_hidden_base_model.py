@@ -1,4 +1,4 @@
-"""Measure a `chain_hidden*` task's shipped base model into one JSON (issue 28's gate variants).
+"""Measure a `chain_hidden*` task's shipped base model into one JSON (the gate's task variants).
 
 * ``probe``: `studies.chain_probe.probe` on the task's held-out prompts — per step and per (tens
   digit, addend) pair, the teacher-forced probability of the right / dropped-carry direct result

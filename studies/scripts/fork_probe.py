@@ -1,4 +1,4 @@
-"""Probe (docs/real-models.md, issue 31 item 3): are reflective tokens low-probability under a model?
+"""Probe (docs/real-models.md): are reflective tokens low-probability under a model?
 
 Samples ``--group`` responses (temperature 1, the RL rollout's settings) to each of ``--prompts``
 training prompts of a task and prints, for each of the task's fork strings (``cispo.foundations.forks``) and for

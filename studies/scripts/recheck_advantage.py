@@ -1,5 +1,5 @@
 """The advantage a sampled ``W`` gets under a base-model-like policy, by reward and advantage estimator
-(issue 28, candidate (b): does a graded cost per unneeded recheck balance a context-blind ``W``?).
+(the graded-cost candidate: does a graded cost per unneeded recheck balance a context-blind ``W``?).
 
 The policy is the measured base model reduced to two facts: ``W`` after each step independently with
 probability `w` (studies/results/v3/gate/chain_hidden_sharp_base_model.json: 0.0364), and a buggy step

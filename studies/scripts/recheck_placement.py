@@ -1,4 +1,4 @@
-"""Where a chain run's policy rechecks, by phase (post hoc, descriptive; issue 28's gate runs).
+"""Where a chain run's policy rechecks, by phase (post hoc, descriptive; the gate runs of study v3).
 
 From a run's ``samples.jsonl`` (the logged training completions, `log_samples_every` /
 `max_samples_per_step`): for every step ``a+b`` of a well-formed completion (on the operands as

@@ -118,8 +118,8 @@ def test_the_csv_holds_every_run_and_step_and_is_reproducible(study):
 
 
 def test_the_csv_is_the_same_from_compressed_run_files(study, tmp_path):
-    """Run folders whose ``metrics.jsonl`` is ``metrics.jsonl.gz`` (the research data as committed,
-    issue 43) give the same CSV, byte for byte; the unfinished run is still left out."""
+    """Run folders whose ``metrics.jsonl`` is ``metrics.jsonl.gz`` (the research data as committed)
+    give the same CSV, byte for byte; the unfinished run is still left out."""
     import shutil
 
     from cispo.foundations.jsonl import compress
@@ -135,7 +135,7 @@ def test_the_csv_is_the_same_from_compressed_run_files(study, tmp_path):
 
 
 def test_the_committed_run_files_are_compressed():
-    """A fresh clone stays small (issue 43): no plain JSONL file over 100 KB under studies/results/
+    """A fresh clone stays small: no plain JSONL file over 100 KB under studies/results/
     (`python -m cispo.foundations.jsonl FILE.jsonl...` compresses one in place)."""
     big = [str(f.relative_to(ROOT)) for f in (ROOT / "studies" / "results").rglob("*.jsonl")
            if f.stat().st_size > 100_000]
@@ -255,7 +255,7 @@ def test_docs_results_quotes_equal_the_study_data():
     doc = (ROOT / "studies" / "results.md").read_text()
     if not MARKER.search(doc):
         pytest.skip("studies/results.md quotes no study table yet (no <!-- study:NAME --> markers): the study "
-                    "(issue 14) has not been run; the mechanism is exercised on synthetic data above")
+                    "has not been run; the mechanism is exercised on synthetic data above")
     data = [ROOT / "studies" / "results" / "study.csv.gz", ROOT / "studies" / "results" / "v3" / "chain.csv.gz"]
     assert all(d.exists() for d in data), "studies/results.md quotes study values but a data file is missing"
     out = report(data)

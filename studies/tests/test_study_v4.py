@@ -1,4 +1,4 @@
-"""Study v4's gate (studies/results/protocol.md, amendment of 2026-12-04; issue 46): v3's criteria re-based
+"""Study v4's gate (studies/results/protocol.md, amendment of 2026-12-04): v3's criteria re-based
 on every response token."""
 
 import math

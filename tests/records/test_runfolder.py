@@ -10,13 +10,9 @@ from cispo.config.train import ConfigError, apply_overrides, save_yaml
 from cispo.records.runfolder import MARKER, RESUME_SAFE_FIELDS, check_resume, resume_config, saved_config
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from tests.conftest import small_config
+from tests.conftest import small_config, strip_perf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def strip_perf(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def tiny_args(model, out, *extra):

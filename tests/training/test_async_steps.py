@@ -17,8 +17,8 @@ from cispo.rollout import Sampler
 from cispo.training.prefetch import Prefetch, load_rollout, rollout_state
 from cispo.training.runner import train
 from cispo.training.sampling import StepRollout
-from tests.conftest import small_config
-from tests.training.test_runner import final_weights, strip_perf
+from tests.conftest import small_config, strip_perf
+from tests.training.test_runner import final_weights
 
 ASYNC = ("rollout.async_steps=1", "algo.logp_old=rollout")
 VLLM_ASYNC = ("rollout.async_steps=1", "rollout.engine=vllm", "algo.tis_cap=2")  # vLLM's anchor: recompute + c

@@ -11,8 +11,9 @@ from transformers import AutoTokenizer
 from cispo.cli import main
 from cispo.data.datasets import DataError, load_prompts
 from cispo.records.tracking import JsonlSink, read_metrics
+from tests.conftest import strip_perf
 from tests.records.test_runfolder import tiny_args
-from tests.training.test_resume_faults import damaged, original, resume, strip_perf  # noqa: F401  (shared fixtures)
+from tests.training.test_resume_faults import damaged, original, resume  # noqa: F401  (shared fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,8 @@ from cispo.config.train import TrainConfig, apply_overrides
 from cispo.objective.loss import preset
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from tests.conftest import small_config
-from tests.training.test_runner import _ragged_setup, strip_perf
+from tests.conftest import small_config, strip_perf
+from tests.training.test_runner import _ragged_setup
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ stream and its own shapes before anything is restored, so ``--resume`` names the
 from the previous checkpoint (whose own held batch makes the resumed run the uninterrupted one again) — never an
 ``IndexError`` in the embedding, a torch function named as a dtype, or a NaN log-prob trained on."""
 
-import dataclasses
 import json
 import math
 import shutil
@@ -12,12 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import cispo.data.tasks
 from cispo.records.tracking import read_metrics
 from cispo.training.checkpoint import CheckpointError
 from cispo.training.held_batch import HeldBatchError, HeldBatchLimits, check_held_batch
 from cispo.training.runner import train
-from tests.conftest import digit_reward, small_config
+from tests.conftest import small_config, strip_perf, train_dense
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,15 +31,8 @@ def run_config(model, out, *extra):
 def original(tiny_model, tmp_path_factory, one_thread):
     """A 2-step async run with checkpoints at steps 1 and 2 (each holding the batch sampled for the next step)."""
     out = tmp_path_factory.mktemp("original")
-    with pytest.MonkeyPatch.context() as mp:
-        base = cispo.data.tasks.get_task("addition")
-        mp.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
-        result = train(run_config(tiny_model, out))
+    result = train_dense(run_config(tiny_model, out))
     return result.run_dir, read_metrics(result.run_dir / "metrics.jsonl")
-
-
-def strip_perf(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def first(state):

@@ -3,7 +3,6 @@
 weights. Each resume either ends with exactly the uninterrupted run or stops with a message
 that names the file."""
 
-import dataclasses
 import json
 import shutil
 import warnings
@@ -13,18 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import cispo.data.tasks
 from cispo.cli import main
 from cispo.records.tracking import JsonlSink, read_metrics
 from cispo.training.checkpoint import CheckpointError, load_checkpoint
 from cispo.training.runner import train
-from tests.conftest import digit_reward, small_config
+from tests.conftest import small_config, strip_perf, train_dense
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def strip_perf(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def run_config(model, out, *extra):
@@ -35,10 +29,7 @@ def run_config(model, out, *extra):
 def original(tiny_model, tmp_path_factory, one_thread):
     """A 4-step run with checkpoints at steps 2 and 4, and its metrics."""
     out = tmp_path_factory.mktemp("original")
-    with pytest.MonkeyPatch.context() as mp:
-        base = cispo.data.tasks.get_task("addition")
-        mp.setattr(cispo.data.tasks, "get_task", lambda name="addition": dataclasses.replace(base, reward=digit_reward))
-        result = train(run_config(tiny_model, out))
+    result = train_dense(run_config(tiny_model, out))
     return result.run_dir, strip_perf(read_metrics(result.run_dir / "metrics.jsonl"))
 
 

@@ -15,16 +15,12 @@ from cispo.models.policy import policy_logprobs
 from cispo.objective.loss import PRESETS
 from cispo.records.tracking import read_metrics
 from cispo.training.runner import train
-from tests.conftest import small_config
+from tests.conftest import small_config, strip_perf
 
 
 def final_weights(run_dir):
     ckpts = sorted((run_dir / "checkpoints").iterdir())
     return load_file(ckpts[-1] / "model" / "model.safetensors")
-
-
-def strip_perf(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
 def test_smoke_run_is_bit_identical(tiny_model, dense_task, tmp_path):

@@ -78,6 +78,7 @@ from cispo.data.rewards.processes import (
     signal_name,
     worker_context,
 )
+from cispo.foundations.text import plain_str
 
 __all__ = ["RewardPool", "pool_for", "reward_job", "shutdown_pools", "to_wire", "from_wire", "WIRE_TEXT_CHARS",
            "OUTPUT_TAIL_CHARS", "OUTPUT_LIMIT_BYTES"]
@@ -172,9 +173,9 @@ def worker_main(spec: str, conn, job=reward_job, what: str = "reward") -> None:
 
 
 def _plain_text(value) -> str | None:
-    """A ``str`` (or an instance of a subclass) as a builtin ``str``, copied by ``str.__str__`` (no method of
-    the subclass runs), at most `WIRE_TEXT_CHARS`; None for anything else."""
-    return str.__str__(value)[:WIRE_TEXT_CHARS] if issubclass(type(value), str) else None
+    """A ``str`` (or an instance of a subclass) as a builtin ``str`` (`plain_str`: no method of the subclass
+    runs), at most `WIRE_TEXT_CHARS`; None for anything else."""
+    return plain_str(value)[:WIRE_TEXT_CHARS] if issubclass(type(value), str) else None
 
 
 def _plain_number(value) -> float | None:
