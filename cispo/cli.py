@@ -29,7 +29,7 @@ from pathlib import Path
 
 INPUT_ERRORS = ("cispo.config.yaml_input.ConfigError", "cispo.data.datasets.DataError",
                 "cispo.data.rewards.RewardSpecError", "builtins.FileExistsError", "cispo.data.tasks.UnknownTaskError",
-                "cispo.data.tools.ToolSpecError")
+                "cispo.envs.tools.ToolSpecError")
 """Bad input: one line on stderr, exit status 2, no traceback."""
 RUN_ERRORS = ("cispo.training.checkpoint.CheckpointError", "cispo.models.cache.ChecksumError")
 """A run that cannot go on (its checkpoints, a shipped model that fails its checksums): one line, exit status 1."""

@@ -106,7 +106,7 @@ class DataConfig:
     reward_workers: int | None = None
     """Worker processes of a ``process`` reward (1 to 1024). None: min(8, CPU count)."""
     tools: str | list[str] | None = None
-    """Tools of a multi-turn rollout (``cispo.data.tools``): ``calculator``, ``python`` (the code
+    """Tools of a multi-turn rollout (``cispo.envs.tools``): ``calculator``, ``python`` (the code
     sandbox), ``module:function``, ``file.py:function`` or ``file.py:add,multiply`` (TRL-style functions:
     typed arguments and a docstring), or a list of them. None: the built-in task's own
     (``wordmath_calc``: ``calculator``), else none; ``[]``: none."""

@@ -39,7 +39,7 @@ class Policy:
     ref_model: torch.nn.Module | None = None  # pi_ref of the KL penalty, run under the same ``compute()``
     train_body: Callable | None = None  # the decoder of the trainer's passes (``model.compile``); None: decoder(model)
     grad_scaler: torch.amp.GradScaler | None = None  # float16 autocast: dynamic loss scaling (`loss_scaler`)
-    environment: object | None = None  # multi-turn rollouts: ``start(samples) -> Episodes`` (cispo.data.environments)
+    environment: object | None = None  # multi-turn rollouts: ``start(samples) -> Episodes`` (cispo.envs.tool_env)
     tools: list[dict] | None = None  # the tools' JSON schemas the chat template renders into the prompt
     share_prompts: bool = False  # the trainer's passes run each shared prompt once (cispo.models.shared_prefix)
 

@@ -134,7 +134,7 @@ class RolloutBatch:
 
 class Episodes(Protocol):
     """A batch's environment in a multi-turn rollout, token in, token out (one episode per row; built by
-    ``cispo.data.environments``). The sampler calls it; it never sees text. A sampler that cannot ask
+    ``cispo.envs.tool_env``). The sampler calls it; it never sees text. A sampler that cannot ask
     ``pauses`` after every token (vLLM: ``cispo.rollout.vllm_episodes``) also reads its ``stop_strings``
     (a tuple of str) where it has them, to stop the engine there; ``pauses`` still decides."""
 

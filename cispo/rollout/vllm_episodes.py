@@ -177,7 +177,7 @@ def sample_episodes(sampler, prompt_ids: Sequence[Sequence[int]], cfg: SamplingC
     """A multi-turn response per prompt through ``sampler``'s engine (a ``VLLMSampler``), one ``generate`` per
     turn (module docstring), as a ``RolloutBatch`` with ``env_mask``. Each turn draws one seed per row of
     the batch from ``generator`` (the live rows take theirs), so the draws do not depend on which rows run.
-    The environment's stop strings are its ``stop_strings`` where it has them (``cispo.data.environments``'
+    The environment's stop strings are its ``stop_strings`` where it has them (``cispo.envs.tool_env``'
     ``Episodes``); without, vLLM runs each segment to a stop id or the budget and the scan cuts it where
     ``pauses`` says (right, but the dropped ids were computed for nothing)."""
     n_new, stops = cfg.max_new_tokens, set(sampler.stop_token_ids)

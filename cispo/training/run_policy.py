@@ -92,10 +92,10 @@ def installed(name: str) -> bool:
 
 def check_run_tools(cfg: TrainConfig) -> None:
     """The run's tools (``data.tools``, or a built-in task's own) checked before any weights load
-    (``cispo.data.environments.check_tools``: one ``ToolSpecError`` line naming the spec): where the format
+    (``cispo.envs.tool_env.check_tools``: one ``ToolSpecError`` line naming the spec): where the format
     depends on the chat template (``data.tool_format=chat``, or ``auto`` beside no built-in task of its own),
     by the tokenizer of ``model.path`` (a packaged or built-in model's: as it loads)."""
-    from cispo.data.environments import TASK_TOOLS, check_tools
+    from cispo.envs.tool_env import TASK_TOOLS, check_tools
     from cispo.models.packaged import is_packaged
 
     task = cfg.data.task if cfg.data.path is None else None
@@ -228,9 +228,9 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
 
 
 def run_environment(cfg: TrainConfig, tokenizer, templated: bool):
-    """The run's tool environment (``data.tools``, or a built-in task's own: ``cispo.data.environments``),
+    """The run's tool environment (``data.tools``, or a built-in task's own: ``cispo.envs.tool_env``),
     its worker processes started; None without tools. Chat-format tools need chat-templated prompts."""
-    from cispo.data.environments import environment_from_config
+    from cispo.envs.tool_env import environment_from_config
 
     environment = environment_from_config(tokenizer, cfg.data, cfg.rollout)
     if environment is not None and environment.tool_format == "chat" and not templated:

@@ -3,7 +3,7 @@
 equal (``cispo.data.prompts.fill_groups``); ScaleRL's No-Positive-Resampling retires solved prompts.
 The held-out evaluation (``cispo.training.evaluation``) samples through `sample_groups` too.
 
-With an environment (``policy.environment``, ``cispo.data.environments``) each response is an episode: the
+With an environment (``policy.environment``, ``cispo.envs.tool_env``) each response is an episode: the
 policy's segments and the environment's observations, the latter masked out of training (``env_mask``).
 """
 

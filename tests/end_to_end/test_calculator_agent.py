@@ -14,9 +14,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cispo.data.environments import build_environment  # noqa: E402
 from cispo.data.rewards.pool import shutdown_pools  # noqa: E402
 from cispo.data.tasks import get_task  # noqa: E402
+from cispo.envs.tool_env import build_environment  # noqa: E402
 from cispo.models.policy import Policy  # noqa: E402
 from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
 from cispo.training.metrics import episode_metrics  # noqa: E402

@@ -201,8 +201,8 @@ def test_a_policy_row_cut_by_the_budget_ends_with_length(model_dir, tok):
 
 def test_a_stop_string_inside_a_token_keeps_the_token(tmp_path):
     """SmolLM2 spells ``</calc>.`` as ``</``, ``calc``, ``>.``: the engine cuts its *text* after ``</calc>``, but
-    the response keeps the ``>.`` id; the real inline calculator (``cispo.data.environments``) pauses there."""
-    from cispo.data.environments import build_environment
+    the response keeps the ``>.`` id; the real inline calculator (``cispo.envs.tool_env``) pauses there."""
+    from cispo.envs.tool_env import build_environment
     from cispo.models.packaged import save_tiny_smollm2
 
     path = save_tiny_smollm2(tmp_path / "tiny-smollm2")

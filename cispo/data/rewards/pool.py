@@ -41,7 +41,7 @@ trainer. Here every call runs in a worker process of a `RewardPool`:
 
 The same machinery runs other code that must not hurt the run: a pool's ``job`` (`RewardPool`;
 default `reward_job`, the reward) is loaded once per worker from the spec, and its calls return an
-`Outcome`: the tools of a multi-turn rollout (``cispo.data.tools.ToolRunner``) run so.
+`Outcome`: the tools of a multi-turn rollout (``cispo.envs.tools.ToolRunner``) run so.
 
 Workers start with the ``spawn`` method: a fresh interpreter, never a fork of a process that
 holds CUDA or torch's threads, and no fork server (a process in the trainer's group: a
@@ -332,7 +332,7 @@ class RewardPool:
 
     ``job`` (default: the reward, `reward_job`) generalises the pool to other code that must not hurt
     the run: a picklable module-level function ``job(spec) -> call``, run once in each worker, whose
-    ``call(*args)`` returns an `Outcome` (the tools of ``cispo.data.tools`` run so); ``what`` names it
+    ``call(*args)`` returns an `Outcome` (the tools of ``cispo.envs.tools`` run so); ``what`` names it
     in the pool's messages ("the tool's worker process died")."""
 
     def __init__(self, spec: str, workers: int, job=reward_job, what: str = "reward") -> None:

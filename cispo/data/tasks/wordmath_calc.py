@@ -2,7 +2,7 @@
 
 The same problems as ``wordmath`` (its generator, seeds and split: a seed gives the same problems in
 both tasks), with a prompt that tells the model about the calculator: ``<calc>2+3</calc>`` pauses
-generation and the environment (``cispo.data.environments``, inline format) inserts
+generation and the environment (``cispo.envs.tool_env``, inline format) inserts
 ``<result>5</result>``; generation goes on in the same turn. The task's tools are ``calculator``
 (`TOOLS`, used where ``data.tools`` is None) in the inline format (`TOOL_FORMAT`: the prompt teaches
 it, whatever the chat template can do). The fork diagnostics track the string ``<calc>`` (`FORK_TOKENS`):

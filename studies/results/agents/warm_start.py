@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cispo.data.environments import render_prompt  # noqa: E402
 from cispo.data.tasks import wordmath_calc  # noqa: E402
+from cispo.envs.tool_env import render_prompt  # noqa: E402
 from cispo.models.loading import load_policy, save_policy, turn_end_id  # noqa: E402
 from cispo.models.packaged import resolve_model_path  # noqa: E402
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cispo.data.environments import TASK_TOOLS, build_environment
 from cispo.data.rewards.pool import shutdown_pools
 from cispo.data.tasks import get_task, wordmath, wordmath_calc
 from cispo.data.tasks.wordmath_calc import reward
+from cispo.envs.tool_env import TASK_TOOLS, build_environment
 from cispo.training.sampling import policy_text
 from tests.data.tasks.test_wordmath import VERDICTS, Q
 
@@ -194,7 +194,7 @@ def test_workings_are_the_samples_problems_with_an_expression_of_their_answer():
     each expression's value its answer (every template, both operand sizes)."""
     from fractions import Fraction
 
-    from cispo.data.tools import evaluate
+    from cispo.envs.tools import evaluate
     for numbers in ("small", "large"):
         rows, plain = wordmath.workings(0, 300, "train", numbers), wordmath.samples(0, 300, "train", numbers)
         assert [(t, str(a)) for t, a, _ in rows] == [(s["prompt"], s["answer"]) for s in plain]
@@ -205,8 +205,8 @@ def test_workings_are_the_samples_problems_with_an_expression_of_their_answer():
 def test_demonstrations_call_the_calculator_as_the_environment_answers():
     """The calculator's demonstration is what a run's transcript would be: the call, the environment's own
     observation for it (not trained), then the answer; the verifier pays it; the plain one writes the value."""
-    from cispo.data.environments import inline_observation
-    from cispo.data.tools import calculator
+    from cispo.envs.tool_env import inline_observation
+    from cispo.envs.tools import calculator
     calc, plain = wordmath_calc.demonstrations(0, 40), wordmath_calc.demonstrations(0, 40, calculator=False)
     assert [c["messages"] for c in calc] == [s["messages"] for s in wordmath_calc.samples(0, 40)]
     assert [p["messages"] for p in plain] == [s["messages"] for s in wordmath.samples(0, 40)]

@@ -1,4 +1,4 @@
-"""The environment of a multi-turn rollout (cispo.data.environments), token in, token out, on real
+"""The environment of a multi-turn rollout (cispo.envs.tool_env), token in, token out, on real
 tokenizers: SmolLM2's (shipped, offline) for the inline format, and the same tokenizer with a
 Qwen2.5-style tool chat template for the chat format. The sampler's side is tested in
 test_multiturn_sampling.py; here the environment is driven as the sampler drives it."""
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from cispo.config.train import TrainConfig, apply_overrides
-from cispo.data.environments import (
+from cispo.data.tasks import get_task
+from cispo.envs.tool_env import (
     Episodes,
     ToolEnvironment,
     build_environment,
@@ -23,8 +24,7 @@ from cispo.data.environments import (
     resolve_tool_format,
     template_takes_tools,
 )
-from cispo.data.tasks import get_task
-from cispo.data.tools import ToolCall, ToolRunner, ToolSpecError, calculator
+from cispo.envs.tools import ToolCall, ToolRunner, ToolSpecError, calculator
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
 

@@ -1,4 +1,4 @@
-"""Tools of a multi-turn rollout (cispo.data.tools): TRL-style functions loaded from specs, their schemas,
+"""Tools of a multi-turn rollout (cispo.envs.tools): TRL-style functions loaded from specs, their schemas,
 the built-in calculator and python tool, and the runner: a tool that raises, hangs, floods, exits or
 eats memory gives the policy a short error observation and the record its message, never a crash.
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cispo.data.rewards.pool import shutdown_pools
-from cispo.data.tools import (
+from cispo.envs.tools import (
     BUILTIN_TOOLS,
     POLICY_ERROR_CHARS,
     TOOL_OUTPUT_CHARS,

@@ -56,7 +56,7 @@ __all__ = ["ToolCall", "ToolResult", "Tool", "ToolSpecError", "ToolRunner", "BUI
            "policy_error", "as_text", "calculator", "evaluate", "format_number", "python",
            "check_python_tool"]
 
-BUILTIN_TOOLS: dict[str, str] = {"calculator": "cispo.data.tools:calculator", "python": "cispo.data.tools:python"}
+BUILTIN_TOOLS: dict[str, str] = {"calculator": "cispo.envs.tools:calculator", "python": "cispo.envs.tools:python"}
 """Built-in tool names -> ``module:function``."""
 TOOL_OUTPUT_CHARS = 4000
 """The most characters of one call's output kept (in its worker, before it crosses the pipe); the rest is

@@ -18,7 +18,11 @@ import sys
 
 import pytest
 
-from cispo.data.environments import (
+from cispo.data.rewards import Outcome, exact
+from cispo.data.rewards import math as math_rewards
+from cispo.data.rewards.pool import from_wire, shutdown_pools, to_wire
+from cispo.data.tasks import wordmath, wordmath_calc
+from cispo.envs.tool_env import (
     MAX_CALL_DEPTH,
     ToolEnvironment,
     build_environment,
@@ -26,12 +30,8 @@ from cispo.data.environments import (
     json_depth,
     parse_tool_calls,
 )
-from cispo.data.rewards import Outcome, exact
-from cispo.data.rewards import math as math_rewards
-from cispo.data.rewards.pool import from_wire, shutdown_pools, to_wire
-from cispo.data.tasks import wordmath, wordmath_calc
-from cispo.data.tools import ToolCall, ToolRunner, ToolSpecError, as_tool, calculator, load_tools
-from tests.data.test_environments import QWEN_TOOL_TEMPLATE, TOKENIZER_DIR
+from cispo.envs.tools import ToolCall, ToolRunner, ToolSpecError, as_tool, calculator, load_tools
+from tests.envs.test_environments import QWEN_TOOL_TEMPLATE, TOKENIZER_DIR
 
 
 def depth(value) -> int:

@@ -2,14 +2,14 @@
 `parse_tool_calls`) and inline calls (``<calc>2+3</calc>``, `inline_call`), and the inline observation
 (`inline_observation`). A policy's text is hostile input: every reader here is linear in its length and
 bounded in depth, and a call it cannot read is an error message for the policy, never an exception that ends
-the episode (`cispo.data.environments` runs the calls and feeds the observations)."""
+the episode (`cispo.envs.tool_env` runs the calls and feeds the observations)."""
 
 from __future__ import annotations
 
 import json
 import re
 
-from cispo.data.tools import Tool, ToolCall, ToolSpecError
+from cispo.envs.tools import Tool, ToolCall, ToolSpecError
 
 INLINE_TAGS = {"calculator": "calc"}
 """A tool's inline tag where it is not the tool's name (``<calc>2+3</calc>`` calls ``calculator``)."""

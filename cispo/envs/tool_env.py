@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cispo.data.tasks import wordmath_calc
-from cispo.data.tool_calls import (
+from cispo.envs.tool_calls import (
     INLINE_TAGS,
     MAX_CALL_DEPTH,
     inline_call,
@@ -52,7 +52,7 @@ from cispo.data.tool_calls import (
     parse_tool_calls,
     read_json,
 )
-from cispo.data.tools import (
+from cispo.envs.tools import (
     Tool,
     ToolCall,
     ToolResult,
