@@ -37,11 +37,18 @@ episode.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cispo.data.tasks import wordmath_calc
+from cispo.envs.base import Env, Segment, StepResult
+from cispo.envs.episodes import Environments
+from cispo.envs.observations import (
+    chat_observation,
+    defuse,
+    fit_observation,
+    special_spellings,
+    tool_message,
+)
 from cispo.envs.tool_calls import (
     INLINE_TAGS,
     MAX_CALL_DEPTH,
@@ -65,17 +72,15 @@ from cispo.envs.tools import (
     tool_schema,
 )
 
-__all__ = ["ToolEnvironment", "Episodes", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "MAX_CALL_DEPTH", "read_json",
+__all__ = ["ToolEnvironment", "ToolEpisode", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "MAX_CALL_DEPTH", "read_json",
            "json_depth", "resolve_tool_format", "template_takes_tools", "render_prompt", "prompt_messages",
-           "parse_tool_calls", "inline_tags", "inline_call", "inline_observation", "chat_observation",
-           "fit_observation", "kept_results", "dropped_note", "build_environment", "task_tools",
+           "parse_tool_calls", "inline_tags", "inline_call", "inline_observation", "build_environment", "task_tools",
            "check_tools", "environment_from_config"]
 
 TOOL_FORMATS = ("auto", "chat", "inline")
 TASK_TOOLS = {name: (wordmath_calc.TOOLS, wordmath_calc.TOOL_FORMAT)
               for name in (wordmath_calc.NAME, wordmath_calc.EXAMPLE_NAME, wordmath_calc.LARGE_NAME)}
 """A built-in task's own tools and format, used where ``data.tools`` is None / ``data.tool_format`` auto."""
-CUT_NOTE = " [cut]"
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,7 +121,7 @@ def template_takes_tools(tokenizer) -> bool:
         text = tokenizer.apply_chat_template(messages, tools=[_PROBE_SCHEMA], tokenize=False,
                                              add_generation_prompt=True)
         call = {"name": "cispo_probe_tool", "arguments": {}}
-        chat_observation(tokenizer, [call], [_tool_message("cispo_probe_tool", "ok")], "")
+        chat_observation(tokenizer, [call], [tool_message("cispo_probe_tool", "ok")], "")
     except Exception:  # noqa: BLE001 - a template that cannot render tools, for whatever reason
         return False
     return "cispo_probe_tool" in text
@@ -138,129 +143,23 @@ def resolve_tool_format(tokenizer, tool_format: str = "auto", task: str | None =
     return tool_format
 
 
-def _assistant(content: str, calls: list[dict]) -> dict:
-    message = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [{"type": "function", "function": c} for c in calls]
-    return message
-
-
-def _tool_message(name: str, content: str) -> dict:
-    return {"role": "tool", "name": name, "content": content}
-
-
-def chat_observation(tokenizer, calls: list[dict], tool_messages: list[dict], stop_text: str) -> str:
-    """The observation text of a chat tool turn: what the template puts after the assistant turn's end
-    (``stop_text``, the stop token the policy sampled: ``"\\n"`` after ``<|im_end|>``; nothing where
-    ``stop_text`` is not in the rendering), then the tool turn(s) and the next assistant turn's opening
-    — the text by which ``history + [assistant] + tool_messages`` rendered with the generation prompt
-    extends ``history + [assistant]``, the assistant turn making ``calls`` (TRL's ``_get_tool_suffix_ids``:
-    a minimal history, one user message, so that no template renders it differently once a tool turn
-    follows). ValueError where it does not extend it."""
-    messages = [{"role": "user", "content": "dummy"}, _assistant("", calls)]
-    before = tokenizer.apply_chat_template(messages, tokenize=False)
-    after = tokenizer.apply_chat_template([*messages, *tool_messages], tokenize=False, add_generation_prompt=True)
-    if not after.startswith(before):
-        raise ValueError("the chat template renders the assistant turn differently once a tool turn follows it")
-    end = before.rfind(stop_text) if stop_text else -1
-    closing = before[end + len(stop_text):] if end >= 0 else ""
-    return closing + after[len(before):]
-
-
-def fit_observation(tokenizer, render: Callable[[list[str]], str], contents: list[str], cap: int) -> list[int]:
-    """The ids of ``render(contents)``, at most ``cap`` of them, the rendering's own text (a template's closing
-    ``</tool_response>``, the next turn's opening) always whole where it fits at all. Where it is longer: the
-    trailing results that leave no room are dropped whole (`kept_results`), the last kept one saying how many
-    (`dropped_note`); each kept content is cut to an equal share of what the rendering's own text leaves (its
-    first tokens, then `CUT_NOTE`; smaller where the rendering grows it). Only where the rendering of one
-    result with nothing in it is itself longer than ``cap`` are the ids cut at ``cap``."""
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    ids = encode(render(contents))
-    if len(ids) <= cap:
-        return ids
-    kept = kept_results(tokenizer, render, contents, cap)
-    if kept == 0:
-        return ids[:cap]
-    note = dropped_note(len(contents) - kept)
-    contents = contents[:kept]
-    whole = encode(render([*contents[:-1], contents[-1] + note]))
-    if len(whole) <= cap:  # the kept results fit whole
-        return whole
-    share = max(0, (cap - len(encode(render(_with_note([CUT_NOTE] * kept, note))))) // kept)
-    for _ in range(8):  # the rendering may grow a content (escaping): shrink the share by what is over
-        cut = [tokenizer.decode(encode(c)[:share]) + CUT_NOTE if len(encode(c)) > share else c for c in contents]
-        ids = encode(render(_with_note(cut, note)))
-        if len(ids) <= cap or share == 0:
-            break
-        share = max(0, share - max(1, math.ceil((len(ids) - cap) / kept)))
-    return ids if len(ids) <= cap else ids[:cap]
-
-
-MIN_RESULT_TOKENS = 8
-"""The fewest tokens of a result `kept_results` keeps room for (a shorter result: all of it)."""
-
-
-def dropped_note(n: int) -> str:
-    """What the last kept result of an observation says of the ``n`` results dropped after it ("" for none)."""
-    return "" if n == 0 else f" [{n} more tool result{'s' if n > 1 else ''} cut: the observation's limit]"
-
-
-def _with_note(contents: list[str], note: str) -> list[str]:
-    return [*contents[:-1], contents[-1] + note] if contents else contents
-
-
-def kept_results(tokenizer, render: Callable[[list[str]], str], contents: list[str], cap: int) -> int:
-    """How many leading results of ``contents`` an observation of ``cap`` ids keeps: the most whose rendering,
-    each cut to `MIN_RESULT_TOKENS` tokens (then `CUT_NOTE`) and the last saying how many were dropped
-    (`dropped_note`), fits ``cap`` (a binary search: a rendering grows with its results); 0 where not even one
-    does (a template's own text longer than ``cap``)."""
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    heads = [encode(c) for c in contents]
-    floor = [c if len(h) <= MIN_RESULT_TOKENS else tokenizer.decode(h[:MIN_RESULT_TOKENS]) + CUT_NOTE
-             for c, h in zip(contents, heads)]
-    lo, hi = 0, len(contents)
-    while lo < hi:
-        k = (lo + hi + 1) // 2
-        if len(encode(render(_with_note(floor[:k], dropped_note(len(contents) - k))))) <= cap:
-            lo = k
-        else:
-            hi = k - 1
-    return lo
-
-
 # ---------------------------------------------------------------------------------------
 # The environment and its episodes
 # ---------------------------------------------------------------------------------------
 
 
 @dataclass
-class _Row:
-    """One episode: the record's segments and calls, turns taken, and the policy segment the sampler
-    showed last (`Episodes.pauses`) that no `Episodes.respond` took yet."""
-
-    segments: list[dict] = field(default_factory=list)
-    observations: list[list[int]] = field(default_factory=list)  # each tool segment's ids, in order
-    calls: list[dict] = field(default_factory=list)
-    turns: int = 0
-    pending: list[int] | None = None
-
-
-@dataclass
 class _Plan:
-    """A paused row's turn: its calls (each a `ToolCall`, or the message of one that could not be read),
-    the tool each names (None: unread), and (``chat``) the text of the stop token that ended it."""
+    """A turn's calls (each a `ToolCall`, or the message of one that could not be read), the tool each names
+    (None: unread), and (``chat``) the text of the stop token that ended the turn."""
 
     calls: list
     names: list
     stop_text: str = ""
 
 
-class ToolEnvironment:
-    """Tools as an environment (module docstring).
+class ToolEnvironment(Environments):
+    """Tools as an environment (module docstring): one `ToolEpisode` per episode.
 
     Args:
         tokenizer: the policy's (Hugging Face) tokenizer. tools: `Tool` s or plain functions.
@@ -285,39 +184,23 @@ class ToolEnvironment:
         if self.tool_format == "inline":
             for tool in self.tools:
                 tool.argument  # noqa: B018 - refuses a tool that takes no argument, now
-        self._may_end: dict[int, bool] = {}
-        self._specials = tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if len(t) > 1)
+        self._specials = special_spellings(tokenizer)
         self.schemas: list[dict] = [tool_schema(t) for t in self.tools] if self.tool_format == "chat" else []
         """The tools' JSON schemas the prompt renders (``chat``; `render_prompt`); [] inline."""
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
+        self.stop_strings = tuple(f"</{tag}>" for tag in self.tags) if self.tool_format == "inline" else ()
         """The strings that pause a segment (``inline``: each tool's ``</tag>``; ``chat``: none)."""
-        return tuple(f"</{tag}>" for tag in self.tags) if self.tool_format == "inline" else ()
 
     def defuse(self, text: str) -> str:
-        """``text`` with every special token's spelling (``<|im_end|>``) broken by a zero-width space after its
-        first character, so that a tool's output cannot end a turn or open one when tokenized (``chat``; an
-        inline observation has no ``<`` at all)."""
-        for special in self._specials:
-            if special in text:
-                text = text.replace(special, f"{special[0]}\u200b{special[1:]}")
-        return text
+        """``text`` with every special token's spelling broken (`defuse`), so that a tool's output cannot end a
+        turn or open one when tokenized (``chat``; an inline observation has no ``<`` at all)."""
+        return defuse(text, self._specials)
 
-    def may_end_stop(self, token_id: int) -> bool:
-        """Whether token ``token_id``'s text holds the last character of a stop string (so it may complete
-        one), remembered per token; always True for a stop string ending in a non-ASCII character (a
-        byte-level token may hold part of it)."""
-        hit = self._may_end.get(token_id)
-        if hit is None:
-            ends = {s[-1] for s in self.stop_strings}
-            text = self.tokenizer.decode([token_id])
-            hit = self._may_end[token_id] = any(c in text for c in ends) or not all(c.isascii() for c in ends)
-        return hit
+    def make(self, sample: dict) -> ToolEpisode:
+        """One episode's `ToolEpisode`."""
+        return ToolEpisode(self)
 
-    def start(self, samples: list[dict]) -> Episodes:
-        """The `Episodes` of one ``generate`` batch: row i is ``samples[i]``'s episode."""
-        return Episodes(self, samples)
+    def describe(self) -> str:
+        return f"tools: {', '.join(t.name for t in self.tools)} ({self.tool_format} format"
 
     def render_prompt(self, sample: dict) -> list[int]:
         """The sample's prompt ids with this environment's tools (`render_prompt`)."""
@@ -328,92 +211,37 @@ class ToolEnvironment:
         self.runner.close()
 
 
-class Episodes:
-    """One ``generate`` batch's episodes; row i is ``samples[i]`` (the sampler's protocol,
-    ``cispo.rollout.base.Episodes``). Not thread-safe: the sampler calls it from one thread."""
+class ToolEpisode(Env):
+    """One episode of a `ToolEnvironment`: each policy segment is read for calls (``chat``: a segment ended
+    by a stop token; ``inline``: one ended by a tool's ``</tag>``); none, or ``max_turns`` observations
+    already, ends the episode; else every call runs (`ToolRunner.run`) and the observation is their results
+    (``inline``: `inline_observation`; ``chat``: the chat template's tool turn, `chat_observation`)."""
 
-    def __init__(self, env: ToolEnvironment, samples: list[dict]) -> None:
+    def __init__(self, env: ToolEnvironment) -> None:
         self.env, self.tokenizer = env, env.tokenizer
-        self.stop_strings = env.stop_strings
-        self._tail = max((len(s) for s in self.stop_strings), default=0) + 2  # tokens: each spells >= 1 character
-        self._rows = [_Row() for _ in samples]
+        self.calls: list[dict] = []
+        self.turns = 0
 
-    def pauses(self, row: int, segment_ids: list[int]) -> bool:
-        """True when the policy segment (the ids the policy sampled since the prompt or the last
-        observation, newest last) now ends with one of the environment's stop strings (inline tools,
-        e.g. ``</calc>``): the string completed by its last token, whose text may run on past it.
-        Called after every sampled token of a live row, so it decodes only a tail of the ids (the
-        longest stop string's length + 2 tokens), and only where the last token's text holds a stop
-        string's last character (`ToolEnvironment.may_end_stop`). ``chat``: always False (its segments end
-        with a stop token). Keeps the segment for `record`, where no `respond` takes it (a row cut by the length)."""
-        self._rows[row].pending = segment_ids
-        if not self.stop_strings or not segment_ids or not self.env.may_end_stop(segment_ids[-1]):
-            return False
-        tail = segment_ids[-self._tail:]
-        text, before = self.tokenizer.decode(tail), self.tokenizer.decode(tail[:-1])
-        return any(text.find(s, max(0, len(before) - len(s) + 1)) >= 0 for s in self.stop_strings)
+    def step(self, segment: Segment) -> StepResult:
+        plan = self._plan(segment)
+        if plan is None:
+            return StepResult(None)
+        done = iter(self.env.runner.run([c for c in plan.calls if isinstance(c, ToolCall)]))
+        results = [next(done) if isinstance(c, ToolCall) else ToolResult(policy_error(c), c, 0.0) for c in plan.calls]
+        return StepResult(self._observe(plan, results))
 
-    def respond(self, rows: list[int], segments: list[list[int]], by_stop_token: list[bool]) -> list[list[int] | None]:
-        """For each paused row (its segment ended by a stop string, or by a stop token such as
-        EOS / ``<|im_end|>`` when ``by_stop_token``), the observation's token ids to insert into its
-        context (not trained on), or None: the episode ends and the row's response is final. Runs
-        every tool call of this batch of rows at once, in parallel (`ToolRunner.run`). None once a row
-        has had ``max_turns`` observations; an observation is at most ``max_observation_tokens`` ids."""
-        plans = [self._plan(r, seg, tok) for r, seg, tok in zip(rows, segments, by_stop_token)]
-        calls = [c for plan in plans if plan is not None for c in plan.calls if isinstance(c, ToolCall)]
-        results = iter(self.env.runner.run(calls))
-        out = []
-        for r, plan in zip(rows, plans):
-            if plan is None:
-                out.append(None)
-                continue
-            done = [next(results) if isinstance(c, ToolCall) else ToolResult(policy_error(c), c, 0.0)
-                    for c in plan.calls]
-            out.append(self._observe(r, plan, done))
-        return out
+    def record(self) -> dict:
+        """``{"tool_calls": n, "tool_errors": n, "calls": [{"name", "arguments", "error", "seconds"}, ...]}``."""
+        return {"tool_calls": len(self.calls), "tool_errors": sum(c["error"] is not None for c in self.calls),
+                "calls": list(self.calls)}
 
-    def record(self, row: int, fed: int | None = None) -> dict:
-        """What ``samples.jsonl`` shows of the row's episode: ``{"segments": [{"role": "policy" | "tool",
-        "text": ...}, ...], "tool_calls": n, "tool_errors": n, "calls": [{"name", "arguments", "error",
-        "seconds"}, ...]}`` (a segment's text decoded without special tokens; an observation's as inserted).
-        ``fed``: the observation ids the sampler fed into the row's context in all (its ``env_mask``'s sum):
-        where the response's length left room for fewer than the environment returned, the observations
-        read as fed (the last one cut, ``"tokens_cut": n``; one never fed is left out)."""
-        state = self._rows[row]
-        segments = list(state.segments) if fed is None else self._fed_segments(state, fed)
-        if state.pending:
-            segments.append({"role": "policy", "text": self.tokenizer.decode(state.pending, skip_special_tokens=True)})
-        return {"segments": segments, "tool_calls": len(state.calls),
-                "tool_errors": sum(c["error"] is not None for c in state.calls), "calls": list(state.calls)}
-
-    def _fed_segments(self, state: _Row, fed: int) -> list[dict]:
-        """The row's segments with each observation as far as ``fed`` ids in all reached (`record`)."""
-        out, observations, left = [], iter(state.observations), fed
-        for segment in state.segments:
-            if segment["role"] != "tool":
-                out.append(segment)
-                continue
-            ids = next(observations)
-            if len(ids) <= left:
-                out.append(segment)
-            elif left > 0:
-                out.append({**segment, "text": self.tokenizer.decode(ids[:left]), "tokens_cut": len(ids) - left})
-            left = max(0, left - len(ids))
-        return out
-
-    # -- one row ---------------------------------------------------------------------
-
-    def _plan(self, row: int, segment: list[int], by_stop_token: bool) -> _Plan | None:
-        """Record the row's segment; the `_Plan` of its observation, or None where its episode ends."""
-        state = self._rows[row]
-        state.pending = None
-        text = self.tokenizer.decode(segment, skip_special_tokens=True)
-        state.segments.append({"role": "policy", "text": text})
+    def _plan(self, segment: Segment) -> _Plan | None:
+        """The `_Plan` of the segment's observation, or None where its episode ends."""
         if self.env.tool_format == "inline":
-            plan = None if by_stop_token else self._inline_plan(text)
+            plan = None if segment.by_stop_token else self._inline_plan(segment.text)
         else:
-            plan = self._chat_plan(segment, by_stop_token)
-        return None if plan is None or state.turns >= self.env.max_turns else plan
+            plan = self._chat_plan(list(segment.ids), segment.by_stop_token)
+        return None if plan is None or self.turns >= self.env.max_turns else plan
 
     def _inline_plan(self, text: str) -> _Plan | None:
         name, argument = inline_call(text, self.env.tags)
@@ -434,22 +262,17 @@ class Episodes:
             return None
         return _Plan(calls, [c.name if isinstance(c, ToolCall) else None for c in calls], stop_text)
 
-    def _observe(self, row: int, plan: _Plan, results: list[ToolResult]) -> list[int]:
-        """The row's observation ids for ``results``; the calls and the observation recorded."""
-        state = self._rows[row]
+    def _observe(self, plan: _Plan, results: list[ToolResult]) -> list[int]:
+        """The observation ids for ``results``; the calls recorded."""
         for call, name, result in zip(plan.calls, plan.names, results):
-            state.calls.append({"name": name, "arguments": call.arguments if isinstance(call, ToolCall) else None,
-                                "error": result.error, "seconds": round(result.seconds, 4)})
+            self.calls.append({"name": name, "arguments": call.arguments if isinstance(call, ToolCall) else None,
+                               "error": result.error, "seconds": round(result.seconds, 4)})
         texts = [r.text for r in results]
+        self.turns += 1
         if self.env.tool_format == "inline":
-            ids = fit_observation(self.tokenizer, lambda t: inline_observation(t[0]), texts,
-                                  self.env.max_observation_tokens)
-        else:
-            ids = self._chat_ids(plan, texts)
-        state.turns += 1
-        state.segments.append({"role": "tool", "text": self.tokenizer.decode(ids)})
-        state.observations.append(list(ids))
-        return ids
+            return fit_observation(self.tokenizer, lambda t: inline_observation(t[0]), texts,
+                                   self.env.max_observation_tokens)
+        return self._chat_ids(plan, texts)
 
     def _chat_ids(self, plan: _Plan, texts: list[str]) -> list[int]:
         """The chat observation's ids (`chat_observation`, fitted)."""
@@ -459,7 +282,7 @@ class Episodes:
         texts = [self.env.defuse(t) for t in texts]
 
         def render(contents: list[str]) -> str:
-            return chat_observation(self.tokenizer, calls, [_tool_message(n, t) for n, t in zip(names, contents)],
+            return chat_observation(self.tokenizer, calls, [tool_message(n, t) for n, t in zip(names, contents)],
                                     plan.stop_text)
 
         return fit_observation(self.tokenizer, render, texts, self.env.max_observation_tokens)

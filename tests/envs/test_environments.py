@@ -5,17 +5,18 @@ test_multiturn_sampling.py; here the environment is driven as the sampler drives
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from cispo.config.train import TrainConfig, apply_overrides
 from cispo.data.tasks import get_task
+from cispo.envs.episodes import EnvEpisodes as Episodes
+from cispo.envs.observations import chat_observation
 from cispo.envs.tool_env import (
-    Episodes,
     ToolEnvironment,
     build_environment,
-    chat_observation,
     environment_from_config,
     inline_call,
     inline_observation,
@@ -222,14 +223,26 @@ def test_failed_and_unopened_calls_are_error_observations(smol):
     assert episodes.record(1)["calls"][0]["arguments"] is None
 
 
-def test_every_paused_row_is_answered_in_one_batch(smol):
-    env = inline_env(smol)
+class MeetingRunner(CountingRunner):
+    """A runner whose calls wait for each other: they return only where ``parties`` of them run at once."""
+
+    def __init__(self, tools, parties):
+        super().__init__(tools)
+        self.barrier = threading.Barrier(parties, timeout=10)
+
+    def run(self, calls):
+        self.barrier.wait()  # BrokenBarrierError (the step fails, its episode ends) where the calls run one by one
+        return super().run(calls)
+
+
+def test_every_paused_rows_calls_run_side_by_side(smol):
+    env = ToolEnvironment(smol, [calculator], "inline", 3, MeetingRunner([calculator], parties=3), 256)
     episodes = env.start([{"prompt": "q"}] * 4)
     segments = [ids(smol, f"<calc>{i}*{i}</calc>") for i in range(3)] + [ids(smol, "#### 4<|im_end|>")]
     out = episodes.respond([0, 1, 2, 3], segments, [False, False, False, True])
     assert [None if o is None else smol.decode(o) for o in out] == \
         ["<result>0</result>", "<result>1</result>", "<result>4</result>", None]
-    assert len(env.runner.batches) == 1 and len(env.runner.batches[0]) == 3
+    assert sorted(len(b) for b in env.runner.batches) == [1, 1, 1]
 
 
 def test_a_long_output_is_cut_and_keeps_its_closing(smol):
