@@ -153,7 +153,8 @@ def test_a_llama_call_is_parsed_and_run_with_typed_arguments(llama):
     assert llama.decode(obs) == ('<|start_header_id|>ipython<|end_header_id|>\n\n"5"<|eot_id|>'
                                  "<|start_header_id|>assistant<|end_header_id|>\n\n")
     as_written = {"name": "add", "arguments": {"a": "2", "b": "3"}}  # the policy's text: the arguments as it wrote them
-    assert llama.decode(env.render_prompt(sample) + segment + obs) == whole_conversation(llama, env, [as_written], ["5"])
+    whole = whole_conversation(llama, env, [as_written], ["5"])
+    assert llama.decode(env.render_prompt(sample) + segment + obs) == whole
     record = episodes.record(0)
     assert record["calls"][0]["arguments"] == {"a": 2, "b": 3} and record["tool_errors"] == 0
     assert episodes.respond([0], [ids(llama, "It is 5.<|eot_id|>")], [True]) == [None]  # no call: the end
@@ -194,7 +195,8 @@ def test_an_unreadable_llama_call_is_an_error_message(text):
 # --------------------------------------------------------------------------- Qwen3.5 / Qwen3-Coder XML
 
 
-XML_ADD = "<tool_call>\n<function=add>\n<parameter=a>\n{a}\n</parameter>\n<parameter=b>\n{b}\n</parameter>\n</function>\n</tool_call>"
+XML_ADD = ("<tool_call>\n<function=add>\n<parameter=a>\n{a}\n</parameter>\n<parameter=b>\n{b}\n</parameter>\n"
+           "</function>\n</tool_call>")
 
 
 def test_a_qwen_xml_call_is_parsed_and_run_with_typed_arguments(qwen35):
@@ -212,8 +214,9 @@ def test_a_qwen_xml_call_is_parsed_and_run_with_typed_arguments(qwen35):
 
 
 def test_qwen_xml_values_are_text_until_cast():
-    text = ("Let me.\n<tool_call>\n<function=python>\n<parameter=code>\nprint(1)\n\nprint(2)\n</parameter>\n</function>\n"
-            "</tool_call>\n<tool_call><function=f><parameter=items>[1, 2]</parameter></function></tool_call>"
+    text = ("Let me.\n<tool_call>\n<function=python>\n<parameter=code>\nprint(1)\n\nprint(2)\n</parameter>\n"
+            "</function>\n</tool_call>\n"
+            "<tool_call><function=f><parameter=items>[1, 2]</parameter></function></tool_call>"
             "<tool_call><function=f><parameter=a>1</parameter><parameter=a>2</parameter></function></tool_call>"
             "<tool_call>{\"name\": \"f\"}</tool_call><tool_call><function=f><parameter=a>1</function></tool_call>")
     calls = parse_qwen_xml(text)
@@ -227,8 +230,8 @@ def test_qwen_xml_values_are_text_until_cast():
 
 
 def test_mistral_calls_are_parsed():
-    assert parse_mistral('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}, "id": "abcdefghi"}, '
-                         '{"name": "f", "arguments": {}}]</s>') == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("f", {})]
+    listed = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}, "id": "abcdefghi"}, {"name": "f"}]</s>'
+    assert parse_mistral(listed) == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("f", {})]
     assert parse_mistral('Sure. [TOOL_CALLS]add[ARGS]{"a": 2, "b": 3}[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS] {}</s>') \
         == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("f", {})]
     bad = parse_mistral('[TOOL_CALLS]add{"a": 1}[TOOL_CALLS][ARGS]{}[TOOL_CALLS]f[ARGS][1][TOOL_CALLS] [{"a": 1}]')
