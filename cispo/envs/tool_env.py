@@ -280,8 +280,9 @@ class ToolEnvironment:
 
     Args:
         tokenizer: the policy's (Hugging Face) tokenizer. tools: `Tool` s or plain functions.
-        tool_format: ``chat``, ``inline`` or ``auto`` (`resolve_tool_format`). max_turns: observations per
-            response (``rollout.max_turns``). runner: the `ToolRunner` that runs the calls.
+        tool_format: ``chat``, ``inline``, ``auto`` (`resolve_tool_format`) or a call format's name (``chat``
+            in that format: `CALL_FORMATS`). max_turns: observations per response (``rollout.max_turns``).
+            runner: the `ToolRunner` that runs the calls.
         max_observation_tokens: the longest observation (`fit_observation`). system_prompt: the system
             message ``Policy.encode`` puts first (`render_prompt`).
     """
