@@ -110,11 +110,15 @@ class DataConfig:
     sandbox), ``module:function``, ``file.py:function`` or ``file.py:add,multiply`` (TRL-style functions:
     typed arguments and a docstring), or a list of them. None: the built-in task's own
     (``wordmath_calc``: ``calculator``), else none; ``[]``: none."""
-    tool_format: Literal["auto", "chat", "inline"] = "auto"
-    """How the policy calls a tool: ``chat`` (the chat template's tool calls and tool turns, TRL's),
-    ``inline`` (``<calc>2+3</calc>`` pauses generation and ``<result>5</result>`` is inserted in the same
-    turn), ``auto``: the built-in task's own (``wordmath_calc``: inline), else chat where the model's chat
-    template takes tools, else inline."""
+    tool_format: Literal["auto", "chat", "inline", "hermes", "llama3_json", "qwen_xml", "mistral"] = "auto"
+    """How the policy calls a tool: ``chat`` (the chat template's tool calls and tool turns, TRL's; the
+    call's syntax is the one the template itself writes: ``hermes`` ``<tool_call>{...}</tool_call>``,
+    ``llama3_json`` a bare ``{"name": ..., "parameters": {...}}``, ``qwen_xml`` Qwen3.5's
+    ``<function=NAME><parameter=P>``, ``mistral`` ``[TOOL_CALLS]``; a template whose calls none of them
+    reads is refused), one of those four names (chat, that syntax forced), ``inline`` (``<calc>2+3</calc>``
+    pauses generation and ``<result>5</result>`` is inserted in the same turn), ``auto``: the built-in
+    task's own (``wordmath_calc``: inline), else chat where the model's chat template takes tools, else
+    inline. A chat call's arguments are cast to the tool's types (``"2"`` -> 2 for an int)."""
     tool_timeout_s: float = 5.0
     """Per-call tool timeout (> 0): a call past it has its worker process killed and replaced, and the
     policy is shown a short error."""

@@ -9,23 +9,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from cispo.envs.call_formats import assistant_message
+
 __all__ = ["CUT_NOTE", "MIN_RESULT_TOKENS", "chat_observation", "fit_observation", "kept_results", "dropped_note",
-           "observation_ids", "tool_message", "defuse"]
+           "observation_ids", "defuse", "special_spellings"]
 
 CUT_NOTE = " [cut]"
 """What a result cut to fit an observation ends with."""
-
-
-def _assistant(content: str, calls: list[dict]) -> dict:
-    message = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [{"type": "function", "function": c} for c in calls]
-    return message
-
-
-def tool_message(name: str, content: str) -> dict:
-    """A tool turn's message."""
-    return {"role": "tool", "name": name, "content": content}
 
 
 def chat_observation(tokenizer, calls: list[dict], tool_messages: list[dict], stop_text: str) -> str:
@@ -35,10 +25,19 @@ def chat_observation(tokenizer, calls: list[dict], tool_messages: list[dict], st
     — the text by which ``history + [assistant] + tool_messages`` rendered with the generation prompt
     extends ``history + [assistant]``, the assistant turn making ``calls`` (TRL's ``_get_tool_suffix_ids``:
     a minimal history, one user message, so that no template renders it differently once a tool turn
-    follows). ValueError where it does not extend it."""
-    messages = [{"role": "user", "content": "dummy"}, _assistant("", calls)]
-    before = tokenizer.apply_chat_template(messages, tokenize=False)
-    after = tokenizer.apply_chat_template([*messages, *tool_messages], tokenize=False, add_generation_prompt=True)
+    follows). A template that takes one call per turn (Llama 3.1 raises on more) is given the first call
+    only: the tool turns that follow it do not depend on the calls. ValueError where it does not extend it."""
+    def render(made: list[dict]) -> tuple[str, str]:
+        messages = [{"role": "user", "content": "dummy"}, assistant_message("", made)]
+        return (tokenizer.apply_chat_template(messages, tokenize=False),
+                tokenizer.apply_chat_template([*messages, *tool_messages], tokenize=False, add_generation_prompt=True))
+
+    try:
+        before, after = render(calls)
+    except Exception:  # noqa: BLE001 - a template's own refusal of several calls in one turn
+        if len(calls) < 2:
+            raise
+        before, after = render(calls[:1])
     if not after.startswith(before):
         raise ValueError("the chat template renders the assistant turn differently once a tool turn follows it")
     end = before.rfind(stop_text) if stop_text else -1

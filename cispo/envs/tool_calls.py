@@ -1,5 +1,6 @@
 """Reading the tool calls in a policy's text: Hermes-style chat calls (``<tool_call>{...}</tool_call>``,
-`parse_tool_calls`) and inline calls (``<calc>2+3</calc>``, `inline_call`), and the inline observation
+`parse_tool_calls`; the other chat formats, built on `call_of` and `read_json`, are in
+``cispo.envs.call_formats``) and inline calls (``<calc>2+3</calc>``, `inline_call`), and the inline observation
 (`inline_observation`). A policy's text is hostile input: every reader here is linear in its length and
 bounded in depth, and a call it cannot read is an error message for the policy, never an exception that ends
 the episode (`cispo.envs.tool_env` runs the calls and feeds the observations)."""
@@ -19,6 +20,9 @@ is an error observation, never parsed (`read_json`). Real calls nest a few level
 _JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
 _JSON_BRACKET = re.compile(r"[\[\]{}]")
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+NOT_A_CALL = "the tool call is not valid JSON of a call"
+"""How the error message of a JSON call that could not be read starts (`parse_tool_calls`, and the JSON
+formats of ``cispo.envs.call_formats``)."""
 
 
 def parse_tool_calls(text: str) -> list[ToolCall | str]:
@@ -27,17 +31,23 @@ def parse_tool_calls(text: str) -> list[ToolCall | str]:
     is no such object, the error message saying why. [] when there is no block. A block (or a string of
     arguments) nesting deeper than `MAX_CALL_DEPTH` is such an error, never parsed (`read_json`)."""
     out: list[ToolCall | str] = []
-    for block in _tool_call_blocks(text):
+    for block in tool_call_blocks(text):
         try:
-            call = read_json(block.strip())
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                raise ValueError('expected {"name": ..., "arguments": {...}}')
-            arguments = call.get("arguments", call.get("parameters", {}))
-            arguments = read_json(arguments, depth=2) if isinstance(arguments, str) else arguments
-            out.append(ToolCall(call["name"], arguments if arguments is not None else {}))
+            out.append(call_of(read_json(block.strip())))
         except ValueError as e:  # json.JSONDecodeError is a ValueError
-            out.append(f"the tool call is not valid JSON of a call: {e}")
+            out.append(f"{NOT_A_CALL}: {e}")
     return out
+
+
+def call_of(value) -> ToolCall:
+    """The `ToolCall` of a decoded JSON call, ``{"name": ..., "arguments": {...}}`` (or ``"parameters"``, as
+    Llama 3.1 writes; a JSON string of them is read too, within `MAX_CALL_DEPTH`). ValueError saying what
+    is wrong where ``value`` is no such object."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        raise ValueError('expected {"name": ..., "arguments": {...}}')
+    arguments = value.get("arguments", value.get("parameters", {}))
+    arguments = read_json(arguments, depth=2) if isinstance(arguments, str) else arguments
+    return ToolCall(value["name"], arguments if arguments is not None else {})
 
 
 def json_depth(text: str) -> int:
@@ -63,7 +73,7 @@ def read_json(text: str, depth: int = 1):
         raise ValueError("it nests too deeply to read") from None
 
 
-def _tool_call_blocks(text: str) -> list[str]:
+def tool_call_blocks(text: str) -> list[str]:
     """The text inside each ``<tool_call>...</tool_call>``, in order (linear in the length: an opening
     without a closing ends the scan)."""
     blocks, i = [], 0

@@ -10,11 +10,14 @@ them; the ids trained on are exactly the ids sampled, and an observation is retu
 
 Two tool formats (``data.tool_format``; `resolve_tool_format`):
 
-* ``chat`` (TRL's convention, for chat templates that render tools, e.g. Qwen2.5): the prompt
+* ``chat`` (TRL's convention, for chat templates that render tools, e.g. Qwen2.5, Llama 3.1): the prompt
   carries the tools' JSON schemas (`render_prompt`); a segment that ends with a stop token (EOS,
-  ``<|im_end|>``) is read for Hermes-style calls, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  (one or several, `parse_tool_calls`; one nesting deeper than `MAX_CALL_DEPTH` is an error observation,
-  never parsed). None: the episode ends. Else every call runs, and the
+  ``<|im_end|>``) is read for calls in the template's format (``cispo.envs.call_formats``: Hermes
+  ``<tool_call>{...}</tool_call>``, Llama 3.1's bare JSON, Qwen3.5's XML, Mistral's ``[TOOL_CALLS]``, chosen
+  from the template's own rendering of a call, or named by ``data.tool_format``; a template whose calls
+  no format reads is refused at set-up; one call nesting deeper than `MAX_CALL_DEPTH` is an error
+  observation, never parsed), each call's arguments cast to its tool's schema (`cast_arguments`: a value
+  that does not cast is an error observation naming it). None: the episode ends. Else every call runs, and the
   observation is the chat template's own rendering of the tool turn(s) and of the next assistant
   turn's opening: the text by which rendering ``[user, assistant, tool...]`` with the generation
   prompt extends rendering ``[user, assistant]`` (TRL's minimal conversation), after the end of the
@@ -41,13 +44,19 @@ from dataclasses import dataclass
 
 from cispo.data.tasks import wordmath_calc
 from cispo.envs.base import Env, Segment, StepResult
+from cispo.envs.call_formats import (
+    CALL_FORMATS,
+    PROBE_NAME,
+    call_format_for,
+    cast_arguments,
+    tool_message,
+)
 from cispo.envs.episodes import Environments
 from cispo.envs.observations import (
     chat_observation,
     defuse,
     fit_observation,
     special_spellings,
-    tool_message,
 )
 from cispo.envs.tool_calls import (
     INLINE_TAGS,
@@ -77,7 +86,8 @@ __all__ = ["ToolEnvironment", "ToolEpisode", "TOOL_FORMATS", "INLINE_TAGS", "TAS
            "parse_tool_calls", "inline_tags", "inline_call", "inline_observation", "build_environment", "task_tools",
            "check_tools", "environment_from_config"]
 
-TOOL_FORMATS = ("auto", "chat", "inline")
+TOOL_FORMATS = ("auto", "chat", "inline", *CALL_FORMATS)
+"""``data.tool_format``'s values: a named call format (`CALL_FORMATS`) is ``chat`` with that format forced."""
 TASK_TOOLS = {name: (wordmath_calc.TOOLS, wordmath_calc.TOOL_FORMAT)
               for name in (wordmath_calc.NAME, wordmath_calc.EXAMPLE_NAME, wordmath_calc.LARGE_NAME)}
 """A built-in task's own tools and format, used where ``data.tools`` is None / ``data.tool_format`` auto."""
@@ -107,7 +117,7 @@ def render_prompt(tokenizer, sample: dict, tools: list[dict] | None = None,
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-_PROBE_SCHEMA = {"type": "function", "function": {"name": "cispo_probe_tool", "description": "probe",
+_PROBE_SCHEMA = {"type": "function", "function": {"name": PROBE_NAME, "description": "probe",
                                                   "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -120,27 +130,33 @@ def template_takes_tools(tokenizer) -> bool:
     try:
         text = tokenizer.apply_chat_template(messages, tools=[_PROBE_SCHEMA], tokenize=False,
                                              add_generation_prompt=True)
-        call = {"name": "cispo_probe_tool", "arguments": {}}
-        chat_observation(tokenizer, [call], [tool_message("cispo_probe_tool", "ok")], "")
+        chat_observation(tokenizer, [{"name": PROBE_NAME, "arguments": {}}], [tool_message(PROBE_NAME, "ok")], "")
     except Exception:  # noqa: BLE001 - a template that cannot render tools, for whatever reason
         return False
-    return "cispo_probe_tool" in text
+    return PROBE_NAME in text
 
 
 def resolve_tool_format(tokenizer, tool_format: str = "auto", task: str | None = None) -> str:
     """``chat`` or ``inline`` for ``data.tool_format``: ``auto`` is a built-in task's own (`TASK_TOOLS`:
     ``wordmath_calc``'s prompt teaches the inline calculator), else ``chat`` where the template takes
-    tools (`template_takes_tools`), else ``inline``. ``chat`` with a template that takes none is refused."""
+    tools (`template_takes_tools`), else ``inline``; a call format's name (`CALL_FORMATS`) is ``chat``.
+    ``chat`` (or a format's name) with a template that takes none is refused, and so is ``chat`` where no
+    format reads the template's calls (`call_format_for`)."""
     if tool_format not in TOOL_FORMATS:
         raise ToolSpecError(f"data.tool_format must be one of {', '.join(TOOL_FORMATS)}, got {tool_format!r}")
-    if tool_format == "auto":
-        if task in TASK_TOOLS:
-            return TASK_TOOLS[task][1]
-        return "chat" if template_takes_tools(tokenizer) else "inline"
-    if tool_format == "chat" and not template_takes_tools(tokenizer):
-        raise ToolSpecError("data.tool_format=chat: the tokenizer's chat template renders no tools (or no tool turn): "
-                            "use data.tool_format=inline, or a model whose template takes tools (Qwen2.5, Llama 3.1)")
-    return tool_format
+    if tool_format == "auto" and task in TASK_TOOLS:
+        return TASK_TOOLS[task][1]
+    if tool_format == "inline":
+        return "inline"
+    takes_tools = template_takes_tools(tokenizer)
+    if tool_format == "auto" and not takes_tools:
+        return "inline"
+    if not takes_tools:
+        raise ToolSpecError(f"data.tool_format={tool_format}: the tokenizer's chat template renders no tools (or no "
+                            f"tool turn): use data.tool_format=inline, or a model whose template takes tools "
+                            f"(Qwen2.5, Llama 3.1)")
+    call_format_for(tokenizer, tool_format)
+    return "chat"
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,8 +179,9 @@ class ToolEnvironment(Environments):
 
     Args:
         tokenizer: the policy's (Hugging Face) tokenizer. tools: `Tool` s or plain functions.
-        tool_format: ``chat``, ``inline`` or ``auto`` (`resolve_tool_format`). max_turns: observations per
-            response (``rollout.max_turns``). runner: the `ToolRunner` that runs the calls.
+        tool_format: ``chat``, ``inline``, ``auto`` (`resolve_tool_format`) or a call format's name (``chat``
+            in that format: `CALL_FORMATS`). max_turns: observations per response (``rollout.max_turns``).
+            runner: the `ToolRunner` that runs the calls.
         max_observation_tokens: the longest observation (`fit_observation`). system_prompt: the system
             message ``Policy.encode`` puts first (`render_prompt`).
     """
@@ -187,6 +204,10 @@ class ToolEnvironment(Environments):
         self._specials = special_spellings(tokenizer)
         self.schemas: list[dict] = [tool_schema(t) for t in self.tools] if self.tool_format == "chat" else []
         """The tools' JSON schemas the prompt renders (``chat``; `render_prompt`); [] inline."""
+        self.parameters = {t.name: s["function"].get("parameters") for t, s in zip(self.tools, self.schemas)}
+        """Each tool's name -> its schema's ``parameters``, to which a call's arguments are cast (`cast_arguments`)."""
+        self.call_format = call_format_for(tokenizer, tool_format) if self.tool_format == "chat" else None
+        """How the policy writes a call (``chat``: ``cispo.envs.call_formats``); None inline."""
         self.stop_strings = tuple(f"</{tag}>" for tag in self.tags) if self.tool_format == "inline" else ()
         """The strings that pause a segment (``inline``: each tool's ``</tag>``; ``chat``: none)."""
 
@@ -257,10 +278,11 @@ class ToolEpisode(Env):
         raw = self.tokenizer.decode(segment)
         stop_text = self.tokenizer.decode(segment[-1:]) if by_stop_token else ""
         body = raw[: len(raw) - len(stop_text)] if stop_text and raw.endswith(stop_text) else raw
-        calls = parse_tool_calls(body)
-        if not calls:
+        parsed = self.env.call_format.parse(body)
+        if not parsed:
             return None
-        return _Plan(calls, [c.name if isinstance(c, ToolCall) else None for c in calls], stop_text)
+        calls = [cast_arguments(c, self.env.parameters.get(c.name)) if isinstance(c, ToolCall) else c for c in parsed]
+        return _Plan(calls, [c.name if isinstance(c, ToolCall) else None for c in parsed], stop_text)
 
     def _observe(self, plan: _Plan, results: list[ToolResult]) -> list[int]:
         """The observation ids for ``results``; the calls recorded."""
@@ -282,8 +304,8 @@ class ToolEpisode(Env):
         texts = [self.env.defuse(t) for t in texts]
 
         def render(contents: list[str]) -> str:
-            return chat_observation(self.tokenizer, calls, [tool_message(n, t) for n, t in zip(names, contents)],
-                                    plan.stop_text)
+            answers = [tool_message(n, t, i) for i, (n, t) in enumerate(zip(names, contents))]
+            return chat_observation(self.tokenizer, calls, answers, plan.stop_text)
 
         return fit_observation(self.tokenizer, render, texts, self.env.max_observation_tokens)
 
@@ -347,7 +369,7 @@ def check_tools(data_cfg, tokenizer=None) -> list[Tool]:
         inline_tags(tools)
         for tool in tools:
             tool.argument  # noqa: B018 - refuses a tool that takes no argument
-    elif fmt == "chat":
+    elif fmt == "chat" or fmt in CALL_FORMATS:
         for tool in tools:
             tool_schema(tool)
     return tools
