@@ -119,6 +119,13 @@ class DataConfig:
     pauses generation and ``<result>5</result>`` is inserted in the same turn), ``auto``: the built-in
     task's own (``wordmath_calc``: inline), else chat where the model's chat template takes tools, else
     inline. A chat call's arguments are cast to the tool's types (``"2"`` -> 2 for an int)."""
+    environment: str | None = None
+    """The environment of a multi-turn rollout as a class, ``module:Class`` or ``path/to/file.py:Class``
+    (``cispo.envs.factory``): a TRL ``environment_factory`` class unchanged (``reset(**sample)``, its public
+    methods the tools, ``get_reward()`` counted toward the episode's last turn; called in ``tool_format``), a
+    ``cispo.envs.base.Env`` subclass (``reset`` / ``step`` with a reward per turn), or an
+    ``cispo.envs.episodes.Environments`` subclass. One instance per episode, in the trainer's process. None:
+    the tools of ``tools`` (if any) are the environment. Not with ``tools`` (give them as its methods)."""
     tool_timeout_s: float = 5.0
     """Per-call tool timeout (> 0): a call past it has its worker process killed and replaced, and the
     policy is shown a short error."""
@@ -130,6 +137,12 @@ class DataConfig:
         if self.path is not None and self.num_eval_prompts is None:
             self.num_eval_prompts = FILE_EVAL_PROMPTS
         check_tools(self.tools, self.tool_timeout_s)
+        if self.environment is not None and (not isinstance(self.environment, str) or ":" not in self.environment):
+            raise ValueError(f"data.environment: expected 'module:Class' or 'path/to/file.py:Class', "
+                             f"got {self.environment!r}")
+        if self.environment is not None and self.tools not in (None, [], ""):
+            raise ValueError("data.environment and data.tools are both set: give the tools as the environment's "
+                             "public methods (or set data.tools=[])")
 
 
 def check_tools(tools, timeout_s) -> None:

@@ -73,8 +73,8 @@ class Environments:
         return hit
 
     def describe(self) -> str:
-        """One line for the run's start (default: the class's name)."""
-        return type(self).__name__
+        """One line for the run's start (default: the class's name and ``max_turns``)."""
+        return f"environment: {type(self).__name__} (at most {self.max_turns} turns per response)"
 
     def close(self) -> None:
         """Free what the family holds (worker processes); default nothing."""

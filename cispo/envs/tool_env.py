@@ -221,7 +221,8 @@ class ToolEnvironment(Environments):
         return ToolEpisode(self)
 
     def describe(self) -> str:
-        return f"tools: {', '.join(t.name for t in self.tools)} ({self.tool_format} format"
+        return (f"tools: {', '.join(t.name for t in self.tools)} ({self.tool_format} format, at most {self.max_turns} "
+                f"turns per response)")
 
     def render_prompt(self, sample: dict) -> list[int]:
         """The sample's prompt ids with this environment's tools (`render_prompt`)."""
@@ -239,7 +240,7 @@ class ToolEpisode(Env):
     (``inline``: `inline_observation`; ``chat``: the chat template's tool turn, `chat_observation`)."""
 
     def __init__(self, env: ToolEnvironment) -> None:
-        self.env, self.tokenizer = env, env.tokenizer
+        self.env, self.tokenizer, self.runner = env, env.tokenizer, env.runner
         self.calls: list[dict] = []
         self.turns = 0
 
@@ -247,7 +248,7 @@ class ToolEpisode(Env):
         plan = self._plan(segment)
         if plan is None:
             return StepResult(None)
-        done = iter(self.env.runner.run([c for c in plan.calls if isinstance(c, ToolCall)]))
+        done = iter(self.runner.run([c for c in plan.calls if isinstance(c, ToolCall)]))
         results = [next(done) if isinstance(c, ToolCall) else ToolResult(policy_error(c), c, 0.0) for c in plan.calls]
         return StepResult(self._observe(plan, results))
 

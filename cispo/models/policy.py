@@ -39,7 +39,7 @@ class Policy:
     ref_model: torch.nn.Module | None = None  # pi_ref of the KL penalty, run under the same ``compute()``
     train_body: Callable | None = None  # the decoder of the trainer's passes (``model.compile``); None: decoder(model)
     grad_scaler: torch.amp.GradScaler | None = None  # float16 autocast: dynamic loss scaling (`loss_scaler`)
-    environment: object | None = None  # multi-turn rollouts: ``start(samples) -> Episodes`` (cispo.envs.tool_env)
+    environment: object | None = None  # multi-turn rollouts: ``start(samples) -> Episodes`` (cispo.envs)
     tools: list[dict] | None = None  # the tools' JSON schemas the chat template renders into the prompt
     share_prompts: bool = False  # the trainer's passes run each shared prompt once (cispo.models.shared_prefix)
 
@@ -58,7 +58,10 @@ class Policy:
         ``system_prompt`` unless the messages start with their own, rendered by the tokenizer's template
         with the assistant turn opened (``add_generation_prompt=True``) and the ``tools``' schemas
         where there are tools. Without: the text ``prompt``
-        (for a chat-message row, its last user message: ``cispo.data.datasets``)."""
+        (for a chat-message row, its last user message: ``cispo.data.datasets``). A sample with ``prompt_ids``
+        (an environment's opening as token ids) is those ids."""
+        if sample.get("prompt_ids") is not None:  # an environment's opening given as ids (cispo.envs)
+            return list(sample["prompt_ids"])
         if self.chat_template:
             messages = sample.get("messages") or [{"role": "user", "content": sample["prompt"]}]
             if self.system_prompt is not None and messages[0].get("role") != "system":

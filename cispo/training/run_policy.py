@@ -91,7 +91,8 @@ def installed(name: str) -> bool:
 
 
 def check_run_tools(cfg: TrainConfig) -> None:
-    """The run's tools (``data.tools``, or a built-in task's own) checked before any weights load
+    """The run's tools (``data.tools``, or a built-in task's own) and environment class (``data.environment``,
+    imported in a throw-away process first) checked before any weights load
     (``cispo.envs.tool_env.check_tools``: one ``ToolSpecError`` line naming the spec): where the format
     depends on the chat template (``data.tool_format=chat``, or ``auto`` beside no built-in task of its own),
     by the tokenizer of ``model.path`` (a packaged or built-in model's: as it loads)."""
@@ -108,6 +109,10 @@ def check_run_tools(cfg: TrainConfig) -> None:
 
         tokenizer = from_pretrained(AutoTokenizer, cfg.model.path)
     check_tools(cfg.data, tokenizer)
+    if cfg.data.environment:
+        from cispo.envs.factory import load_environment_class
+
+        load_environment_class(cfg.data.environment)
 
 
 def resolve_chat_template(cfg: TrainConfig, task, named_sets: dict | None = None) -> TrainConfig:
@@ -228,18 +233,18 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
 
 
 def run_environment(cfg: TrainConfig, tokenizer, templated: bool):
-    """The run's tool environment (``data.tools``, or a built-in task's own: ``cispo.envs.tool_env``),
-    its worker processes started; None without tools. Chat-format tools need chat-templated prompts."""
-    from cispo.envs.tool_env import environment_from_config
+    """The run's environments (``data.environment``'s class, else ``data.tools`` or a built-in task's own:
+    ``cispo.envs.factory.run_environments``), the tools' worker processes started; None without any.
+    Chat-format tools need chat-templated prompts."""
+    from cispo.envs.factory import run_environments
 
-    environment = environment_from_config(tokenizer, cfg.data, cfg.rollout)
-    if environment is not None and environment.tool_format == "chat" and not templated:
+    environment = run_environments(tokenizer, cfg.data, cfg.rollout)
+    if environment is not None and getattr(environment, "tool_format", None) == "chat" and not templated:
         environment.close()
         raise ConfigError("data.tool_format=chat: the tools are declared through the chat template, but the prompts "
                           "are not templated: set model.chat_template=true (or data.tool_format=inline)")
     if environment is not None:
-        print(f"cispo: tools: {', '.join(t.name for t in environment.tools)} ({environment.tool_format} format, "
-              f"at most {cfg.rollout.max_turns} turns per response)", file=sys.stderr)
+        print(f"cispo: {environment.describe()}", file=sys.stderr)
     return environment
 
 

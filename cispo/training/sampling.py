@@ -3,7 +3,7 @@
 equal (``cispo.data.prompts.fill_groups``); ScaleRL's No-Positive-Resampling retires solved prompts.
 The held-out evaluation (``cispo.training.evaluation``) samples through `sample_groups` too.
 
-With an environment (``policy.environment``, ``cispo.envs.tool_env``) each response is an episode: the
+With an environment (``policy.environment``, ``cispo.envs``) each response is an episode: the
 policy's segments and the environment's observations, the latter masked out of training (``env_mask``).
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from cispo.data.prompts import PromptStream, fill_groups
 from cispo.data.rewards import score_completions, shaped_reward
+from cispo.envs.episodes import opened_sample
 from cispo.foundations.distributed import DistInfo, any_rank, is_sharded
 from cispo.foundations.experience import Completion, is_informative
 from cispo.models.policy import Policy
@@ -51,10 +52,12 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
     the environment's observations (``env_mask``), recorded on the completion (``episode``); the reward
     reads the whole transcript, or with ``scoring.policy_text`` the policy's own text (`policy_text`, kept as
     ``scored_text``), the overlong penalty the policy's tokens."""
+    episodes = None if policy.environment is None else \
+        policy.environment.start([s for s in samples for _ in range(group_size)])
+    if episodes is not None:
+        samples = opened_groups(samples, episodes.openings, group_size)
     prompt_ids = [policy.encode(s) for s in samples]
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
-    episodes = None if policy.environment is None else \
-        policy.environment.start([samples[i // group_size] for i in range(len(rows))])
     batch = policy.sampler.generate(rows, sampling, generator=generator, **({"episodes": episodes} if episodes else {}))
     lengths = batch.response_lengths.tolist()
     response_ids = [batch.response_ids[i, : lengths[i]].cpu() for i in range(len(rows))]
@@ -78,6 +81,21 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
             group.append(c)
         groups.append(group)
     return groups
+
+
+def opened_groups(samples: list[dict], openings: list, group_size: int) -> list[dict]:
+    """Each group's sample as its episodes opened it (``cispo.envs.episodes.opened_sample`` of each row's
+    ``Env.reset``). ValueError where the G episodes of one prompt open differently: their prompt is shared
+    (one prefill, one group baseline), so an environment must seed any randomness of its opening from the
+    sample."""
+    out = []
+    for g, sample in enumerate(samples):
+        opened = [opened_sample(sample, o) for o in openings[g * group_size: (g + 1) * group_size]]
+        if any(o != opened[0] for o in opened[1:]):
+            raise ValueError("the environment's reset opened the episodes of one prompt differently; they share "
+                             "the prompt (and its group's baseline): seed any randomness of reset from the sample")
+        out.append(opened[0])
+    return out
 
 
 def policy_text(tokenizer, response_ids: torch.Tensor, env_mask: torch.Tensor) -> str:
