@@ -1,4 +1,6 @@
-"""Group-relative advantages: one scalar per response, computed within its prompt's group.
+"""Group-relative advantages: one scalar per response, computed within its prompt's group; and per-turn
+credit for multi-turn episodes whose environment rewards each turn (`reward_to_go`, below: one advantage per
+policy segment, with a leave-one-out baseline over turn index).
 
 Rewards are laid out group by group: rows [g*G, (g+1)*G) are the G responses to prompt g.
 
