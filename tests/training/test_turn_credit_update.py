@@ -10,6 +10,7 @@ from cispo.config.train import TrainConfig, apply_overrides
 from cispo.foundations.experience import Completion, is_informative
 from cispo.objective.advantages import group_advantages
 from cispo.objective.loss import preset
+from cispo.records.samples import row_advantages
 from cispo.training.credit import batch_advantages, informative_test, turn_inputs
 from tests.objective.test_turn_credit import EPISODE_GRPO, EPISODE_RLOO, TOKEN_ADVANTAGES
 
@@ -131,6 +132,8 @@ def test_the_update_follows_the_closed_form_gradient(variant):
                       torch.Generator().manual_seed(0))
     exp = trainer.experience([SCRIPTED, SECOND])
     assert exp.advantages.tolist() == TOKEN_ADVANTAGES + SECOND_TOKENS
+    # samples.jsonl's advantage: each policy segment's A_{i,k}, in order
+    assert row_advantages(exp, 6) == [[3.0, 3.0, 4.0], [0.0, 1.5], [-3.0, -4.5, -2.0], [0.75], [0.0, 0.0], [-0.75]]
     exp.advantages = exp.advantages.double()
     exp.response_mask = exp.response_mask.double()
     with torch.no_grad():
