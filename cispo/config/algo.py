@@ -93,6 +93,15 @@ class AlgoConfig:
     advantage_estimator: Literal["grpo", "drgrpo", "rloo", "batch-std"] = "grpo"
     """Group-relative advantages: grpo (R - group mean) / group std, drgrpo R - group mean, rloo
     (leave-one-out mean), batch-std (R - group mean) / batch std (ScaleRL's batch-level normalisation)."""
+    turn_credit: Literal["episode", "reward_to_go"] = "episode"
+    """How a multi-turn episode's rewards become advantages, where the environment rewards each policy turn
+    (docs/agents.md, "Per-turn rewards and credit"). ``episode``: one advantage per response, by
+    ``advantage_estimator`` over its return R_i = final reward + the sum of its turn rewards (without turn
+    rewards: the reward, unchanged). ``reward_to_go``: each policy segment k its own, A_{i,k} = G_{i,k} -
+    1/(G-1) sum_{j != i} G_{j,k}, where G_{i,k} is the sum of the rewards from turn k on plus the final
+    reward (0 for an episode that ended before turn k): unbiased whatever the numbers of turns, with no std
+    scaling, so it needs ``advantage_estimator=rloo`` (the same baseline for one turn). Dynamic sampling
+    then keeps a group where any segment's advantage is non-zero."""
     updates_per_batch: int = 16
     """K: the generation batch is split into K mini-batches, one optimizer step each
     (MiniMax-M1: 16). With K = 1 every objective is identical (r = 1)."""

@@ -297,7 +297,8 @@ def _rollout_checks(cfg: TrainConfig) -> list[Check]:
 
 def _algo_checks(cfg: TrainConfig) -> list[Check]:
     """The schedule of updates: refuses fewer than one update, epoch or micro-batch row, more
-    updates than a batch has rows (a mini-batch would be empty); and the rollout correction's: a TIS
+    updates than a batch has rows (a mini-batch would be empty); per-turn credit with an estimator other
+    than its own leave-one-out one (``rloo``); and the rollout correction's: a TIS
     cap that is not positive, tis_cap next to rollout_is (one name for one correction), bounds that are
     negative, not finite, out of order or both None, and bounds or a mode set with no correction to read them."""
     a, r = cfg.algo, cfg.rollout
@@ -308,6 +309,10 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
         ("algo.updates_per_batch", a.updates_per_batch <= rows,
          f"must be <= the rows of a batch, prompts_per_step * group_size = {rows}"),
         ("algo.epochs", a.epochs >= 1, "must be >= 1"),
+        ("algo.turn_credit", a.turn_credit == "episode" or a.advantage_estimator == "rloo",
+         f"=reward_to_go takes each turn's leave-one-out baseline with no std scaling, which is "
+         f"algo.advantage_estimator=rloo, not {a.advantage_estimator} (grpo and batch-std divide by a standard "
+         "deviation; drgrpo's mean holds the episode's own return): set algo.advantage_estimator=rloo"),
         ("algo.micro_batch_size", a.micro_batch_size is None or a.micro_batch_size >= 1, "must be >= 1 or None"),
         ("algo.tis_cap", a.tis_cap is None or 0 < a.tis_cap < math.inf, "must be > 0 and finite, or None"),
         ("algo.tis_cap", a.tis_cap is None or a.rollout_is is None,

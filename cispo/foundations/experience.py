@@ -39,6 +39,20 @@ class Completion:
         return self.text if self.scored_text is None else self.scored_text
 
     @property
+    def turn_rewards(self) -> list[float]:
+        """The environment's reward of each policy segment it stepped on, in order (``episode["turn_rewards"]``;
+        [] without one: a single-turn response, or an environment that rewards only the whole episode)."""
+        return [] if self.episode is None else [float(r) for r in self.episode.get("turn_rewards", ())]
+
+    @property
+    def episode_return(self) -> float:
+        """R_i = reward + sum_k turn_rewards[k]: the episode's return, what the group advantages (under
+        ``algo.turn_credit=episode``), dynamic sampling and the reward metrics read; ``reward`` itself where
+        there is no turn reward (bit for bit)."""
+        turns = self.turn_rewards
+        return self.reward if not turns else self.reward + sum(turns)
+
+    @property
     def length(self) -> int:
         """Tokens of the response, the environment's observations included."""
         return int(self.response_ids.numel())
@@ -53,8 +67,8 @@ Group = list[Completion]  # the G responses to one prompt
 
 
 def is_informative(group: Group) -> bool:
-    """A group whose rewards are not all equal carries a non-zero advantage."""
-    return any(c.reward != group[0].reward for c in group)
+    """A group whose returns (`Completion.episode_return`) are not all equal carries a non-zero advantage."""
+    return any(c.episode_return != group[0].episode_return for c in group)
 
 
 @dataclass
@@ -70,7 +84,7 @@ class Experience:
     attention_mask: torch.Tensor  # [B, P + T] 1 = a real token (prompt, policy or environment)
     response_mask: torch.Tensor  # [B, T] float, 1 = a token the policy generated
     logp_rollout: torch.Tensor  # [B, T] the sampler's log-probs
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B] one per response, or [B, T] one per token (per-turn credit)
     logp_old: torch.Tensor | None = None  # [B, T] the trainer's log-probs before the updates
     extras: dict = field(default_factory=dict)  # other per-row tensors [B, ...], sliced along
 
@@ -86,6 +100,12 @@ class Experience:
         T = self.response_mask.shape[1]
         cols = torch.arange(1, T + 1, device=self.response_mask.device)  # [T]
         return (self.response_mask.gt(0) * cols).amax(-1) if T else self.response_mask.sum(-1).long()
+
+    @property
+    def token_advantages(self) -> torch.Tensor:
+        """A_it   [B, T]: ``advantages`` itself when per token, else each row's broadcast over its columns."""
+        A = self.advantages
+        return A if A.dim() == 2 else A[:, None].expand_as(self.response_mask)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -119,14 +139,15 @@ class Experience:
             attention_mask=self.attention_mask[rows][:, cols],
             response_mask=mask[:, :T],
             logp_rollout=self.logp_rollout[rows, :T],
-            advantages=self.advantages[rows],
+            advantages=self.advantages[rows] if self.advantages.dim() == 1 else self.advantages[rows, :T],
             logp_old=None if self.logp_old is None else self.logp_old[rows, :T],
             extras={k: v[rows] for k, v in self.extras.items()},
         )
 
 
 def collate(completions: list[Completion], advantages: torch.Tensor, pad_id: int, device=None) -> Experience:
-    """Left-pad prompts, right-pad responses, stack (``response_mask`` 0 at the environment's tokens)."""
+    """Left-pad prompts, right-pad responses, stack (``response_mask`` 0 at the environment's tokens).
+    ``advantages``: [B], or [B, T'] per token (right-padded with 0, or cut, to the batch's T columns)."""
     B = len(completions)
     P = max(len(c.prompt_ids) for c in completions)
     T = max(max(c.length for c in completions), 1)
@@ -141,5 +162,7 @@ def collate(completions: list[Completion], advantages: torch.Tensor, pad_id: int
         attention_mask[i, P - n_p : P + n_r] = 1
         response_mask[i, :n_r] = 1 if c.env_mask is None else 1 - c.env_mask.float()
         logp_rollout[i, :n_r] = c.logp_rollout
+    if advantages.dim() == 2:  # A_it   [B, T]
+        advantages = torch.nn.functional.pad(advantages, (0, T - advantages.shape[1]))[:, :T]
     exp = Experience(input_ids, attention_mask, response_mask, logp_rollout, advantages.float())
     return exp if device is None else exp.to(device)

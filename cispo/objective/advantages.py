@@ -1,4 +1,6 @@
-"""Group-relative advantages: one scalar per response, computed within its prompt's group.
+"""Group-relative advantages: one scalar per response, computed within its prompt's group; and per-turn
+credit for multi-turn episodes whose environment rewards each turn (`reward_to_go`, below: one advantage per
+policy segment, with a leave-one-out baseline over turn index).
 
 Rewards are laid out group by group: rows [g*G, (g+1)*G) are the G responses to prompt g.
 
@@ -60,3 +62,75 @@ def group_advantages(
         std = batch_std(A.double().square().sum(), A.numel()) if batch_scale is None else batch_scale
         A = A / (torch.as_tensor(std, dtype=A.dtype) + eps)
     return torch.where(constant, 0.0, A).reshape(-1)  # A_i   [N]
+
+
+# ---------------------------------------------------------------------------------------
+# Per-turn credit: multi-turn episodes whose environment rewards each policy turn
+# ---------------------------------------------------------------------------------------
+#
+# Episode i of a group of G has n_i policy segments (turns) k = 0 .. n_i - 1, a reward r_{i,k} for each
+# (0 where the environment gave none) and a final reward final_i (the task's score of the whole episode).
+#
+#     G_{i,k} = sum_{j >= k} r_{i,j} + final_i        k < n_i  (reward to go; the final reward counts
+#             = 0                                      k >= n_i  toward the last segment)
+#     b_{i,k} = 1/(G-1) sum_{j != i} G_{j,k}                    (leave-one-out, over turn index k)
+#     A_{i,k} = G_{i,k} - b_{i,k}
+#
+# b_{i,k} is built from the other episodes only, which were sampled independently of episode i, so it
+# does not depend on i's actions (also not on its choice to stop before turn k: an episode that ended
+# counts 0 in the others' baselines, it is not left out of them): E[b_{i,k} grad log pi(segment i,k)] = 0
+# and the estimator is unbiased whatever the numbers of turns. Dividing by a number of turns, or averaging
+# the baseline over the episodes still alive at turn k, would make it depend on that choice (biased).
+# No standard-deviation scaling: a std over the group, taken per turn, would also depend on i's own return.
+
+
+def segment_index(env_mask: torch.Tensor) -> torch.Tensor:
+    """env_mask [..., T] (1 at the environment's tokens, 0 at the policy's) -> [..., T] long: k at each token of
+    the k-th policy segment (the k-th maximal run of env_mask == 0, counted from 0), -1 at the environment's."""
+    policy = env_mask == 0  # [..., T]
+    before = torch.cat([torch.zeros_like(policy[..., :1]), policy[..., :-1]], dim=-1)  # the token before   [..., T]
+    k = (policy & ~before).long().cumsum(-1) - 1  # segments started so far, minus one   [..., T]
+    return torch.where(policy, k, -1)
+
+
+def returns_to_go(turn_rewards: torch.Tensor, final: torch.Tensor, num_segments: torch.Tensor) -> torch.Tensor:
+    """G_{i,k} = sum_{j >= k} r_{i,j} + final_i for k < n_i, 0 for k >= n_i (see above).
+
+    turn_rewards [N, K] (entries at k >= n_i are ignored), final [N], num_segments [N] (n_i <= K) -> [N, K]"""
+    K = turn_rewards.shape[-1]
+    alive = torch.arange(K, device=turn_rewards.device) < num_segments[:, None]  # k < n_i         [N, K]
+    r = torch.where(alive, turn_rewards, 0.0)  # r_{i,k}                                             [N, K]
+    tail = r.flip(-1).cumsum(-1).flip(-1)  # sum_{j >= k} r_{i,j}                                    [N, K]
+    return torch.where(alive, tail + final[:, None], 0.0)  # G_{i,k}                                 [N, K]
+
+
+def reward_to_go(turn_rewards: torch.Tensor, final: torch.Tensor, num_segments: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """A_{i,k} = G_{i,k} - 1/(G-1) sum_{j != i} G_{j,k}: each policy segment's advantage (see above).
+
+    Rows laid out group by group as `group_advantages`'. turn_rewards [N, K], final [N], num_segments [N]
+    -> [N, K]: 0 at k >= n_i (no such segment), and exactly 0 in a turn whose G_{j,k} are equal over the
+    group (never rounding noise). With one segment each and no turn reward this is RLOO on the final reward."""
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 for a leave-one-out baseline, got {group_size}")
+    N, K = turn_rewards.shape
+    if final.shape != (N,) or num_segments.shape != (N,) or N % group_size != 0:
+        raise ValueError(f"turn_rewards [N, K] = {tuple(turn_rewards.shape)}, final {tuple(final.shape)} and "
+                         f"num_segments {tuple(num_segments.shape)} must agree on N, a multiple of {group_size}")
+    if bool((num_segments > K).any()):
+        raise ValueError(f"num_segments must be <= K = {K} (turn_rewards' columns)")
+    G_ik = returns_to_go(turn_rewards, final, num_segments).reshape(-1, group_size, K)  # [groups, G, K]
+    baseline = (G_ik.sum(1, keepdim=True) - G_ik) / (group_size - 1)  # b_{i,k}            [groups, G, K]
+    constant = (G_ik == G_ik[:, :1]).all(1, keepdim=True)  # every G_{j,k} equal        [groups, 1, K]
+    A = torch.where(constant, 0.0, G_ik - baseline).reshape(N, K)  # A_{i,k}           [N, K]
+    alive = torch.arange(K, device=A.device) < num_segments[:, None]  # [N, K]
+    return torch.where(alive, A, 0.0)
+
+
+def segment_to_tokens(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each token's value from its segment's: values [N, K], index [N, T] (`segment_index`: -1 at tokens of
+    no segment) -> [N, T], values[i, index[i, t]], 0 where index is -1."""
+    if values.shape[1] == 0:
+        return torch.zeros(index.shape, dtype=values.dtype, device=values.device)
+    picked = values.gather(1, index.clamp(min=0))  # [N, T]
+    return torch.where(index >= 0, picked, 0.0)

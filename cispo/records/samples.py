@@ -5,8 +5,9 @@ generation batch (whole groups first: rows are in group order) are appended, one
 per line (``SAMPLE_FIELDS``):
 
 * ``prompt``, ``completion`` (cut to ``samples_max_chars`` characters each, ``…`` marks a cut),
-  ``reward`` (task reward + shaping), ``task_reward``, ``advantage`` (A_i), ``length``
-  (tokens), ``finish_reason``, ``reward_error``;
+  ``reward`` (task reward + shaping), ``task_reward``, ``advantage`` (A_i; under
+  ``algo.turn_credit=reward_to_go`` a list, each policy segment's A_{i,k}), ``length`` (tokens),
+  ``finish_reason``, ``reward_error``;
 * ``fork_tokens``: occurrences of the task's reflective (fork) strings in the completion's text
   (``cispo.foundations.forks.count_in_text``; None when the task tracks none);
 * ``capped_tokens``: response tokens whose IS weight hit a bound of eq. 5 (w != r), and
@@ -32,6 +33,7 @@ from cispo.foundations.experience import Completion, Experience
 from cispo.foundations.forks import count_in_text
 from cispo.foundations.jsonl import parse_step_lines
 from cispo.foundations.text import valid_json_line
+from cispo.objective.advantages import segment_index
 from cispo.objective.loss import ObjectiveStats
 
 SAMPLE_FIELDS = ("step", "group", "prompt", "completion", "reward", "task_reward", "advantage", "length",
@@ -74,7 +76,7 @@ def sample_records(step: int, groups: list[list[Completion]], exp: Experience | 
     G = len(groups[0]) if groups else 1
     extras = exp.extras if exp is not None else {}
     counts = [extras[k][: len(flat)].tolist() if k in extras else [None] * len(flat) for k in COUNT_KEYS]
-    advantages = exp.advantages[: len(flat)].tolist() if exp is not None else [None] * len(flat)
+    advantages = row_advantages(exp, len(flat)) if exp is not None else [None] * len(flat)
     return [
         {
             "step": step,
@@ -97,16 +99,28 @@ def sample_records(step: int, groups: list[list[Completion]], exp: Experience | 
     ]
 
 
+def row_advantages(exp: Experience, n: int) -> list:
+    """The first ``n`` rows' advantages: A_i each, or with per-token advantages (``algo.turn_credit=reward_to_go``)
+    the list of each policy segment's A_{i,k}, in order (the value at the segment's first token)."""
+    if exp.advantages.dim() == 1:
+        return exp.advantages[:n].tolist()
+    index = segment_index(1 - exp.response_mask[:n].long())  # k, or -1 off the policy's tokens   [n, T]
+    before = torch.nn.functional.pad(index, (1, 0), value=-1)[:, :-1]  # [n, T]
+    first = (index >= 0) & (index != before)  # a segment's first token   [n, T]
+    return [exp.advantages[i][first[i]].tolist() for i in range(len(index))]
+
+
 def episode_fields(c: Completion, max_chars: int) -> dict:
     """A multi-turn completion's ``policy_length`` (its own tokens; ``length`` counts the observations
-    too), ``tool_calls``, ``tool_errors``, ``calls`` (name, arguments, error, seconds of each) and
-    ``segments`` (each with its ``role``, ``policy`` or ``tool``, and ``text``); nothing for a single-turn one."""
+    too), ``tool_calls``, ``tool_errors``, ``calls`` (name, arguments, error, seconds of each),
+    ``segments`` (each with its ``role``, ``policy`` or ``tool``, and ``text``) and ``turn_rewards`` (the
+    environment's reward of each policy segment; ``reward`` is the final one); nothing for a single-turn one."""
     if c.episode is None:
         return {}
     segments = [{**seg, "text": _cut(str(seg.get("text", "")), max_chars)} for seg in c.episode.get("segments", [])]
     return {"policy_length": c.policy_length, "tool_calls": c.episode.get("tool_calls", 0),
             "tool_errors": c.episode.get("tool_errors", 0), "calls": c.episode.get("calls", []),
-            "segments": segments}
+            "segments": segments, "turn_rewards": c.turn_rewards}
 
 
 HELD_OUT = "held_out"

@@ -52,9 +52,9 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
     detached, is handed to ``supply`` before the loss is formed (`Supply`): the numbers a separate pass would
     have given, bit for bit."""
     T = sub.response_mask.shape[1]
-    advantages = sub.advantages  # [b]
+    advantages = sub.advantages  # [b], or [b, T] per token
     if "tis" in sub.extras:  # c_it, the rollout correction's weight   [b, T]
-        advantages = advantages[:, None] * sub.extras["tis"][:, :T]
+        advantages = sub.token_advantages * sub.extras["tis"][:, :T]
     lbar = sub.extras.get("group_mean_length")  # Lbar_g(i)   [b]
     logp_ref = sub.extras.get("logp_ref")  # [b, T] log pi_ref, with a KL penalty
     if logp_ref is not None:

@@ -120,7 +120,7 @@ def start_measuring(exp: Experience) -> None:
 
 def measured_metrics(exp: Experience) -> dict:
     """The metrics the recomputed pass would give, over the tokens the first update measured (its
-    mini-batch: 1/K of the batch, all of it at K = 1), as ``rollout_metrics`` defines them with
+    mini-batch: 1/K of the batch, all of it at K = 1), as ``batch_metrics`` defines them with
     logp_old = the trainer's log pi_old there:
 
         objective/entropy       mean_t H_t

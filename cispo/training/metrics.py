@@ -17,6 +17,7 @@ from cispo.foundations.experience import Experience
 from cispo.foundations.forks import OTHER
 from cispo.foundations.nan import is_nan, nan_mean
 from cispo.objective.loss import LOW_PROB, ObjectiveStats
+from cispo.training.credit import num_segments
 
 # Per-rank counts and rates: the step's value is their sum over ranks (each rank samples its
 # own groups); the largest length is the largest over ranks; every other metric is a mean.
@@ -96,14 +97,16 @@ def reward_metrics(completions, prefix: str) -> dict:
     return out
 
 
-def rollout_metrics(groups, exp: Experience, report: FillReport, used_fork, accuracy: bool = True) -> dict:
-    """The kept batch's rewards, lengths, fork rate, log-prob agreement and refill counts;
-    ``rollout/accuracy`` only where ``accuracy`` (`reports_accuracy`)."""
-    flat = [c for group in groups for c in group]
-    mask = exp.response_mask.bool()
+def rollout_metrics(completions, report: FillReport, used_fork, accuracy: bool = True) -> dict:
+    """Every step's rollout metrics, over ``completions``: every response the step sampled, in kept and
+    dropped groups alike, so that a step without an update (every group dropped) logs them too — the returns
+    (R_i, `cispo.foundations.experience.Completion.episode_return`), ``rollout/accuracy`` only where
+    ``accuracy`` (`reports_accuracy`), each reward's parts, lengths, fork rate, stops, the episodes'
+    `episode_metrics` — and the refill's counts (``report``)."""
+    flat = list(completions)
     lengths = torch.tensor([c.policy_length for c in flat], dtype=torch.float)
     forked = [used_fork(c.text) for c in flat] if used_fork else []
-    reward_mean, reward_std = mean_std([c.reward for c in flat])
+    reward_mean, reward_std = mean_std([c.episode_return for c in flat])
     return {
         "rollout/reward_mean": reward_mean,
         "rollout/reward_std": reward_std,
@@ -114,31 +117,45 @@ def rollout_metrics(groups, exp: Experience, report: FillReport, used_fork, accu
         "rollout/fork_rate": sum(forked) / len(flat) if forked else float("nan"),
         "rollout/truncated": sum(c.finish_reason == "length" for c in flat) / len(flat),
         "rollout/repetition_stops": float(sum(c.finish_reason == "repetition" for c in flat)),
-        "rollout/logp_corr": pearson(exp.logp_rollout[mask], exp.logp_old[mask]),
-        "rollout/logp_abs_diff": float((exp.logp_rollout - exp.logp_old)[mask].abs().mean()),
-        "rollout/mismatch_kl": mismatch_kl(exp.logp_old, exp.logp_rollout, mask),
         "rollout/rounds": float(report.rounds),
         "rollout/groups_sampled": float(report.groups_sampled),
         "rollout/groups_kept": float(report.groups_kept),
-        "objective/entropy": float(exp.extras["entropy"][mask].mean()),
         **episode_metrics(flat, "rollout/"),
     }
 
 
-def episode_metrics(completions, prefix: str) -> dict:
-    """Multi-turn rollouts (completions with an ``episode`` record): ``<prefix>tool_calls`` per response,
-    ``tool_call_rate`` (the share of responses that call a tool at least once), ``tool_errors`` per
-    response and ``env_tokens`` (the environment's tokens per response). Nothing for single-turn ones."""
-    records = [c.episode for c in completions if c.episode is not None]
-    if not records:
-        return {}
-    calls = [r.get("tool_calls", 0) for r in records]
-    env_tokens = [c.length - c.policy_length for c in completions if c.episode is not None]
+def batch_metrics(exp: Experience) -> dict:
+    """The kept batch's log-prob agreement (the sampler's vs log pi_old) and entropy: a step with an update."""
+    mask = exp.response_mask.bool()
     return {
-        f"{prefix}tool_calls": sum(calls) / len(records),
-        f"{prefix}tool_call_rate": sum(n > 0 for n in calls) / len(records),
-        f"{prefix}tool_errors": sum(r.get("tool_errors", 0) for r in records) / len(records),
-        f"{prefix}env_tokens": sum(env_tokens) / len(records),
+        "rollout/logp_corr": pearson(exp.logp_rollout[mask], exp.logp_old[mask]),
+        "rollout/logp_abs_diff": float((exp.logp_rollout - exp.logp_old)[mask].abs().mean()),
+        "rollout/mismatch_kl": mismatch_kl(exp.logp_old, exp.logp_rollout, mask),
+        "objective/entropy": float(exp.extras["entropy"][mask].mean()),
+    }
+
+
+def episode_metrics(completions, prefix: str) -> dict:
+    """Multi-turn rollouts (completions with an ``episode`` record), per response: ``<prefix>tool_calls``,
+    ``tool_call_rate`` (the share of responses that call a tool at least once), ``tool_errors``, ``env_tokens``
+    (the environment's tokens), ``turns`` (policy segments), ``turn_reward_mean`` (the mean reward of a
+    policy turn, over every turn the environment rewarded; NaN for none) and ``final_reward_mean`` (the final
+    reward, ``reward``: ``reward_mean`` is the return, final + turn rewards). Nothing for single-turn ones."""
+    episodes = [c for c in completions if c.episode is not None]
+    if not episodes:
+        return {}
+    records = [c.episode for c in episodes]
+    calls = [r.get("tool_calls", 0) for r in records]
+    turn_rewards = [r for c in episodes for r in c.turn_rewards]
+    n = len(records)
+    return {
+        f"{prefix}tool_calls": sum(calls) / n,
+        f"{prefix}tool_call_rate": sum(k > 0 for k in calls) / n,
+        f"{prefix}tool_errors": sum(r.get("tool_errors", 0) for r in records) / n,
+        f"{prefix}env_tokens": sum(c.length - c.policy_length for c in episodes) / n,
+        f"{prefix}turns": sum(num_segments(c) for c in episodes) / n,
+        f"{prefix}turn_reward_mean": sum(turn_rewards) / len(turn_rewards) if turn_rewards else float("nan"),
+        f"{prefix}final_reward_mean": sum(c.reward for c in episodes) / n,
     }
 
 
@@ -205,13 +222,14 @@ def fork_sums(exp: Experience, stats: ObjectiveStats, n_strings: int, eps_high: 
     ``stats`` must carry its per-token flags, ``ratio`` and ``weight``.  -> [S + 1, F] float64"""
     mask = exp.response_mask.bool()  # [b, T]
     T = mask.shape[1]
-    positive = (exp.advantages[:, None] > 0).expand_as(mask) & mask  # [b, T]
+    A = exp.token_advantages  # A_it   [b, T]
+    positive = (A > 0) & mask  # [b, T]
     ratio, weight = stats.ratio[:, :T], stats.weight[:, :T]  # [b, T]
     above = positive & (ratio > 1.0 + eps_high)  # [b, T]
     p_new = torch.exp(exp.logp_old[:, :T]) * ratio  # pi_theta = r pi_old    [b, T]
-    mass = (1.0 - p_new).clamp(min=0) * (weight * exp.advantages[:, None]).abs()  # [b, T]
+    mass = (1.0 - p_new).clamp(min=0) * (weight * A).abs()  # [b, T]
     low_prob = exp.logp_old[:, :T] < math.log(LOW_PROB)  # [b, T]
-    negative = (exp.advantages[:, None] < 0).expand_as(mask) & mask  # [b, T]
+    negative = (A < 0) & mask  # [b, T]
     below = negative & (ratio < 1.0 - eps_low)  # [b, T]
     columns = {"tokens": mask, "capped": stats.capped[:, :T], "ppo_dropped": stats.ppo_dropped[:, :T],
                "pos": positive, "pos_above": above, "pos_lowp_above": above & low_prob,

@@ -4,7 +4,8 @@ weights to a separate engine, and the step's metrics.
     rollout (`StepSampler.sample`; ``rollout.async_steps=1``: the batch `Prefetch` holds, the next one
     sampled in its thread meanwhile) -> a stop signal with failed reward calls gives the step up ->
     `Trainer.step` (advantages, log pi_old, K updates) -> join the sampler thread -> push the weights
-    (vLLM) -> ``samples.jsonl`` -> the rollout's metrics and the trainer's.
+    (vLLM) -> ``samples.jsonl`` -> the rollout's metrics (over every response sampled, kept or dropped: also
+    in a step without an update) and the trainer's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from cispo.foundations.distributed import any_rank
-from cispo.training.metrics import reports_accuracy, rollout_metrics, tracked_fork
+from cispo.training.metrics import batch_metrics, reports_accuracy, rollout_metrics, tracked_fork
 from cispo.training.prefetch import Prefetch
 from cispo.training.sampling import StepRollout, StepSampler
 from cispo.training.trainer import Trainer
@@ -43,16 +44,14 @@ class RLStep:
         are scored, with a failed call on any rank, raises `StepInterrupted` before the updates (the weights,
         the optimizer and the update count unchanged; the prompt stream and the generators advanced)."""
         t0 = time.perf_counter()
-        keep_all = on_samples is not None
-        rollout, stale = self.rollout(keep_all)
+        rollout, stale = self.rollout()
         self.give_up_if_stopped(rollout, stale, stop_requested)
         if rollout.errors:
             print(f"cispo: {len(rollout.errors)} reward call(s) failed and scored 0 (first: {rollout.errors[0]})",
                   file=sys.stderr)
         prefetch = self.prefetch
         pending = None if prefetch is None else prefetch.start(
-            self.trainer.policy, lambda behaviour: self.sampler.sample(behaviour, keep_all), self.sampler.stream,
-            self.sampler.generator)
+            self.trainer.policy, self.sampler.sample, self.sampler.stream, self.sampler.generator)
         t1 = time.perf_counter()
         try:
             exp, trained = self.trainer.step(rollout.groups)
@@ -60,12 +59,11 @@ class RLStep:
             if pending is not None:  # the next batch, held for the next step
                 prefetch.join(pending)
         t2 = time.perf_counter()
+        metrics = self.rollout_metrics(rollout)  # with or without an update: when a user most needs them
         if exp is None:  # every group uninformative, every round: nothing to learn
-            if on_samples is not None:  # what was sampled and dropped: when a user most needs to see it
+            if on_samples is not None:  # what was sampled and dropped
                 on_samples(rollout.sampled, None)
-            return {"rollout/groups_kept": 0.0, "rollout/rounds": float(rollout.report.rounds), **trained,
-                    "perf/step_s": t2 - t0, "rollout/reward_errors": float(len(rollout.errors)),
-                    **self.async_metrics(stale)}
+            return {**metrics, **trained, "perf/step_s": t2 - t0, **self.async_metrics(stale)}
         policy = self.trainer.policy
         policy.sampler.update_weights(policy.model)  # a separate inference engine samples the next batch
         t3 = time.perf_counter()
@@ -73,7 +71,8 @@ class RLStep:
             on_samples(rollout.groups, exp)
         elif on_samples is not None:  # this rank kept no group: the ones it dropped
             on_samples(rollout.sampled, None)
-        metrics = self.rollout_metrics(rollout, exp)
+        if rollout.groups:
+            metrics.update(batch_metrics(exp))
         metrics.update(trained)
         metrics.update({
             "perf/sample_s": t1 - t0,
@@ -83,11 +82,11 @@ class RLStep:
         })
         return metrics
 
-    def rollout(self, keep_all: bool) -> tuple[StepRollout, bool]:
+    def rollout(self) -> tuple[StepRollout, bool]:
         """The step's batch and whether it was sampled a step ahead (by the previous weights)."""
         if self.prefetch is not None and self.prefetch.held is not None:
             return self.prefetch.take(), True
-        return self.sampler.sample(self.trainer.policy, keep_all), False
+        return self.sampler.sample(self.trainer.policy), False
 
     def give_up_if_stopped(self, rollout: StepRollout, stale: bool, stop_requested) -> None:
         """`StepInterrupted` when a stop signal is pending and a reward call failed on any rank; a batch
@@ -100,12 +99,15 @@ class RLStep:
             raise StepInterrupted(f"{len(rollout.errors)} of its reward calls failed while the signal was pending"
                                   + (f" (first: {rollout.errors[0]})" if rollout.errors else " on another rank"))
 
-    def rollout_metrics(self, rollout: StepRollout, exp) -> dict:
-        """The kept batch's rewards, lengths and log-prob agreement (`rollout_metrics`), the reward errors, and
-        the prompts retired so far (``data.retire_pass_rate``)."""
+    def rollout_metrics(self, rollout: StepRollout) -> dict:
+        """Every sampled response's rewards, lengths and episodes, kept or dropped (`rollout_metrics`; present in
+        a step without an update too), the reward errors, and the prompts retired so far
+        (``data.retire_pass_rate``)."""
         task, cfg = self.sampler.task, self.sampler.cfg
-        metrics = rollout_metrics(rollout.groups, exp, rollout.report, tracked_fork(task),
-                                  reports_accuracy(task)) if rollout.groups else {}
+        sampled = [c for group in (rollout.sampled or rollout.groups) for c in group]
+        metrics = rollout_metrics(sampled, rollout.report, tracked_fork(task), reports_accuracy(task)) \
+            if sampled else {"rollout/rounds": float(rollout.report.rounds),
+                             "rollout/groups_kept": float(rollout.report.groups_kept)}
         metrics["rollout/reward_errors"] = float(len(rollout.errors))
         if cfg.data.retire_pass_rate is not None:  # ScaleRL's No-Positive-Resampling, cumulative
             metrics["rollout/prompts_retired"] = float(len(self.sampler.stream.retired))

@@ -19,9 +19,10 @@ from cispo.data.prompts import PromptStream, fill_groups
 from cispo.data.rewards import score_completions, shaped_reward
 from cispo.envs.episodes import opened_sample
 from cispo.foundations.distributed import DistInfo, any_rank, is_sharded
-from cispo.foundations.experience import Completion, is_informative
+from cispo.foundations.experience import Completion
 from cispo.models.policy import Policy
 from cispo.rollout import SamplingConfig
+from cispo.training.credit import informative_test
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ def _fed(env_mask) -> int | None:
 @dataclass
 class StepRollout:
     """A step's sampling: the informative ``groups`` it keeps, the refill's ``report``, every reward
-    call's error, and (when asked) every group ``sampled``, kept or dropped."""
+    call's error, and every group ``sampled``, kept or dropped (empty in a batch held by a checkpoint
+    written before they were kept: the kept ``groups`` stand for them)."""
 
     groups: list[list[Completion]]
     report: object
@@ -144,10 +146,12 @@ class StepSampler:
         return Scoring(self.task.reward, cfg.data.reward_timeout_s, cfg.rollout.overlong_buffer,
                        cfg.rollout.overlong_scope, self.task.scores_policy_text)
 
-    def sample(self, policy: Policy, keep_all: bool = False) -> StepRollout:
+    def sample(self, policy: Policy) -> StepRollout:
         """This rank's ``prompts_per_step / world_size`` groups from ``policy``, sampled and scored, refilled
-        while dynamic sampling drops uninformative ones (``cispo.data.prompts.fill_groups``); solved prompts
-        retired (``data.retire_pass_rate``). ``keep_all``: keep every group sampled, for ``samples.jsonl``."""
+        while dynamic sampling drops uninformative ones (``cispo.data.prompts.fill_groups``; the test follows
+        ``algo.turn_credit``, `cispo.training.credit.informative_test`); solved prompts retired
+        (``data.retire_pass_rate``). Every group sampled, kept or dropped, is kept in ``sampled``: the step's
+        rollout metrics and ``samples.jsonl`` read them."""
         cfg, scoring = self.cfg, self.scoring
         errors: list[str] = []
         sampled: list = []
@@ -156,14 +160,13 @@ class StepSampler:
             groups = sample_groups(policy, samples, cfg.rollout.group_size, self.sampling, scoring, self.generator)
             errors.extend(c.reward_error for g in groups for c in g if c.reward_error)
             retire_solved(self.stream, groups, cfg.data.retire_pass_rate)
-            if keep_all:
-                sampled.extend(groups)
+            sampled.extend(groups)
             return groups
 
         groups, report = fill_groups(
             self.stream.take,
             generate,
-            is_informative,
+            informative_test(cfg.algo.turn_credit),
             cfg.rollout.prompts_per_step // self.dist_info.world_size,
             cfg.rollout.max_sampling_rounds,
             filter_groups=cfg.rollout.dynamic_sampling,

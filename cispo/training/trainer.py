@@ -3,7 +3,8 @@
 One step (MiniMax-M1 section 3; DAPO for dynamic sampling), given the groups the sampler kept
 (`cispo.training.rl_step` samples them):
 
-    1. group-relative advantages (``cispo.objective.advantages``), the batch as padded tensors;
+    1. the advantages (``cispo.training.credit``: group-relative over each episode's return, or per turn
+       under ``algo.turn_credit=reward_to_go``), the batch as padded tensors;
     2. log pi_old of every response token, from the run's `LogpOldSource` (`cispo.training.logp_old`:
        the trainer's pass in train mode, the first update's own forward where that is exact, or the
        sampler's log-probs); with a KL penalty (``kl_coef > 0``) log pi_ref of the frozen reference
@@ -32,6 +33,7 @@ from cispo.objective.advantages import batch_std, group_advantages
 from cispo.objective.loss import ObjectiveConfig
 from cispo.rollout import rollout_is_weights
 from cispo.training.batching import micro_batches, minibatches, row_order
+from cispo.training.credit import batch_advantages
 from cispo.training.gradients import (
     Counts,
     empty_experience,
@@ -131,12 +133,12 @@ class Trainer:
         return exp, first_order, correction
 
     def experience(self, groups: list[list[Completion]]) -> Experience:
-        """Group-relative advantages (``algo.advantage_estimator``; ``batch-std`` over every rank's rows), then
-        padded tensors on the policy's device, with each row's group mean response length in
-        ``extras["group_mean_length"]`` (``prompt-mean-token-mean``)."""
-        G, estimator = self.cfg.rollout.group_size, self.cfg.algo.advantage_estimator
-        rewards = torch.tensor([c.reward for g in groups for c in g])  # R_i   [B]
-        advantages = group_advantages(rewards, G, estimator, batch_scale=self.advantage_scale(groups))  # A_i [B]
+        """The advantages (``algo.turn_credit``, `cispo.training.credit.batch_advantages`: group-relative over
+        the returns, ``batch-std`` over every rank's rows, or per policy segment), then padded tensors on the
+        policy's device, with each row's group mean response length in ``extras["group_mean_length"]``
+        (``prompt-mean-token-mean``)."""
+        G = self.cfg.rollout.group_size
+        advantages = batch_advantages(groups, self.cfg.algo, self.advantage_scale(groups))  # A_i [B] or A_it [B, T]
         exp = collate([c for g in groups for c in g], advantages, self.policy.pad_id).to(self.policy.device)
         lengths = exp.response_mask.sum(-1).reshape(-1, G)  # |o_i|   [num_groups, G]
         exp.extras["group_mean_length"] = lengths.mean(-1).repeat_interleave(G)  # Lbar_g(i)   [B]
@@ -148,7 +150,7 @@ class Trainer:
         G, dist_info = self.cfg.rollout.group_size, self.dist_info
         if self.cfg.algo.advantage_estimator != "batch-std" or not dist_info.enabled:
             return None
-        rewards = torch.tensor([c.reward for group in groups for c in group])  # R_k   [B]
+        rewards = torch.tensor([c.episode_return for group in groups for c in group])  # R_k   [B]
         centred = group_advantages(rewards, G, "drgrpo").double() if groups else rewards.double()  # Ahat_k
         sums = torch.stack([centred.square().sum(), torch.tensor(float(len(rewards)), dtype=torch.float64)])
         sums = all_reduce_sum(sums.to(self.policy.device), dist_info).cpu()  # sum_k Ahat_k^2, N   over ranks

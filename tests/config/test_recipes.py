@@ -164,7 +164,7 @@ def _batch_std_worker(rank, world, port, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rewards = [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]] if rank == 0 else []  # rank 1: none
-    groups = [[SimpleNamespace(reward=r) for r in g] for g in rewards]
+    groups = [[SimpleNamespace(reward=r, episode_return=r) for r in g] for g in rewards]
     cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=4), algo=SimpleNamespace(advantage_estimator="batch-std"))
     trainer = Trainer.__new__(Trainer)  # only what advantage_scale reads: no model, sampler or optimizer
     trainer.policy, trainer.cfg, trainer.dist_info = SimpleNamespace(device="cpu"), cfg, DistInfo(rank, world, 0)

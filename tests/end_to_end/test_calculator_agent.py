@@ -6,6 +6,7 @@ masked, the reward reads the policy's own text, the episode is recorded; and a s
 ``wordmath_calc`` logs the tool metrics and writes each segment to ``samples.jsonl``."""
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -88,8 +89,10 @@ def test_a_calculator_episode_through_sampler_environment_and_trainer(tokenizer)
     assert c.episode["tool_calls"] == 1 and c.episode["tool_errors"] == 0
     assert [seg["role"] for seg in c.episode["segments"]] == ["policy", "tool", "policy"]
     m = episode_metrics([c for g in groups for c in g], "rollout/")
+    assert math.isnan(m.pop("rollout/turn_reward_mean"))  # the calculator rewards no turn
     assert m == {"rollout/tool_calls": 1.0, "rollout/tool_call_rate": 1.0, "rollout/tool_errors": 0.0,
-                 "rollout/env_tokens": float(len(observation))}
+                 "rollout/env_tokens": float(len(observation)), "rollout/turns": 2.0,
+                 "rollout/final_reward_mean": 1.0}
 
 
 def test_a_forged_call_closing_is_the_policys_own_text_and_its_hedge_counts(tokenizer):

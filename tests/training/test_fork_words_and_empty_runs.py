@@ -85,6 +85,11 @@ def test_run_without_any_update_warns_and_fails(tiny_model, tmp_path, monkeypatc
     assert "step 1: no update" in err and "not one optimizer update" in err
     rows = read_metrics(tmp_path / "flat" / "metrics.jsonl")
     assert [r.get("optim/step_updates") for r in rows if r["step"] > 0] == [0.0, 0.0]
+    # ... and still logs what it sampled: the rewards, lengths and stops of the dropped groups
+    for row in (r for r in rows if r["step"] > 0):
+        assert row["rollout/reward_mean"] == 1.0 and row["rollout/reward_std"] == 0.0
+        assert 1 <= row["rollout/response_length"] <= row["rollout/response_length_max"] <= 4
+        assert row["rollout/groups_sampled"] == 2.0 and 0 <= row["rollout/truncated"] <= 1
     # the dropped groups are saved: that is when a user needs to see them
     samples = [json.loads(line) for line in (tmp_path / "flat" / "samples.jsonl").read_text().splitlines()]
     assert [r["step"] for r in samples] == [1, 1, 1, 1, 2, 2, 2, 2]  # 2 groups x G = 2 a step
