@@ -8,8 +8,8 @@ The loss is the mean cross-entropy over T, the assistant's own tokens of a step'
 
     L = - (1 / |T|) sum_{t in T} log pi(y_t | y_<t)
 
-AdamW (``optim``), ``batch_size`` conversations per optimizer step in a seeded order (epoch e shuffles them
-with ``random.Random(f"{seed}/{e}")``), ``epochs`` passes. A step cut into micro-batches (``micro_batch_size``)
+AdamW (``optim``), ``batch_size`` conversations per optimizer step in a seeded order (epoch e shuffles the
+order epoch e - 1 left with ``random.Random(f"{seed}/{e}")``), ``epochs`` passes. A step cut into micro-batches (``micro_batch_size``)
 sums their losses, each normalised by the whole step's |T|: the gradient is the unsplit step's. With the
 defaults this is, step for step, the study's ``studies/results/agents/warm_start.py``.
 
@@ -101,7 +101,8 @@ class SFTRun:
         ``batch_size`` pieces."""
         epoch, index = divmod(step - 1, self.steps_per_epoch)
         order = list(range(len(self.examples)))
-        random.Random(f"{self.cfg.seed}/{epoch}").shuffle(order)
+        for e in range(epoch + 1):  # each epoch shuffles the order the epoch before left
+            random.Random(f"{self.cfg.seed}/{e}").shuffle(order)
         size = self.cfg.batch_size
         return [self.examples[i] for i in order[index * size:(index + 1) * size]]
 
@@ -200,6 +201,9 @@ def set_up(cfg: SFTConfig, resume: bool, overwrite: bool) -> SFTRun:
     from cispo.training.run_policy import resolve_device
     from cispo.training.setup import make_optimizer
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a line per step is the progress to watch
     cfg = absolute_paths(cfg)
     torch.set_num_threads(auto_threads(cfg.threads))
     torch.manual_seed(cfg.seed)
