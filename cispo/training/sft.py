@@ -67,7 +67,8 @@ METRICS = {
     "perf/step_s": "seconds of the step",
     "perf/tokens_per_s": "tokens (context included) through the forward and backward per second",
 }
-"""The row ``metrics.jsonl`` gets for each optimizer step."""
+"""The row ``metrics.jsonl`` gets for each optimizer step (step 0's: ``sft/conversations``, ``sft/trained_tokens``,
+the data's size)."""
 RESUME_SAFE = ("checkpoint_every", "keep_checkpoints", "threads", "progress", "trackers", "out_dir", "run_name",
                "model.device")
 """The keys a resumed fine-tune may change (`cispo.records.runfolder.RESUME_SAFE_FIELDS` that it has)."""
@@ -348,6 +349,8 @@ def sft(cfg: SFTConfig, resume_run: bool = False, overwrite: bool = False) -> SF
         if start == 0:
             run.sink.truncate_after(-1)
             write_meta(run)
+            run.sink.log(0, {"sft/conversations": len(run.examples),
+                             "sft/trained_tokens": sum(e.trained for e in run.examples)})
         say = (lambda line: print(f"cispo sft: {line}", file=sys.stderr, flush=True))
         say(f"{len(run.examples)} conversations, {sum(e.trained for e in run.examples):,} trained tokens; "
             f"{run.steps} steps ({cfg.epochs} epoch(s) of {run.steps_per_epoch}) from step {start + 1}")

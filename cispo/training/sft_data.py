@@ -215,6 +215,10 @@ def _check_calls_rendered(tokenizer, message: dict, text: str, k: int) -> None:
 def encode_chat(tokenizer, chat: dict, turn_end: int | None) -> Example:
     """A checked chat's `Example`: the template's own mask where it marks the assistant's text, else prefix by
     prefix (module docstring). `_Bad` where the template cannot render it or nothing is trained."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    for k, m in enumerate(chat["messages"]):
+        if m.get("tool_calls") and "tool_calls" not in template:
+            _check_calls_rendered(tokenizer, m, "", k)  # a template that never reads them: said before it fails
     try:
         if template_marks_assistant(tokenizer):
             example = _marked_by_template(tokenizer, chat)
