@@ -9,9 +9,9 @@ The loss is the mean cross-entropy over T, the assistant's own tokens of a step'
     L = - (1 / |T|) sum_{t in T} log pi(y_t | y_<t)
 
 AdamW (``optim``), ``batch_size`` conversations per optimizer step in a seeded order (epoch e shuffles the
-order epoch e - 1 left with ``random.Random(f"{seed}/{e}")``), ``epochs`` passes. A step cut into micro-batches (``micro_batch_size``)
-sums their losses, each normalised by the whole step's |T|: the gradient is the unsplit step's. With the
-defaults this is, step for step, the study's ``studies/results/agents/warm_start.py``.
+order epoch e - 1 left with ``random.Random(f"{seed}/{e}")``), ``epochs`` passes. A step cut into micro-batches
+(``micro_batch_size``) sums their losses, each normalised by the whole step's |T|: the gradient is the unsplit
+step's. With the defaults this is, step for step, the study's ``studies/results/agents/warm_start.py``.
 
 The run folder ``out_dir/run_name`` is ``cispo train``'s kind (`cispo.records.runfolder`: the marker, one
 process at a time by its lock, ``--overwrite`` and ``--resume`` as there): ``config.yaml``, ``meta.json``,
@@ -199,10 +199,10 @@ def load_model(cfg: SFTConfig, device: torch.device):
 def set_up(cfg: SFTConfig, resume: bool, overwrite: bool) -> SFTRun:
     """Threads and seed, the model, the conversations encoded (all checked before the run folder is touched),
     the run folder, the optimizer and the metric sinks."""
+    from transformers.utils import logging as hf_logging
+
     from cispo.training.run_policy import resolve_device
     from cispo.training.setup import make_optimizer
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a line per step is the progress to watch
     cfg = absolute_paths(cfg)
@@ -351,14 +351,18 @@ def sft(cfg: SFTConfig, resume_run: bool = False, overwrite: bool = False) -> SF
             write_meta(run)
             run.sink.log(0, {"sft/conversations": len(run.examples),
                              "sft/trained_tokens": sum(e.trained for e in run.examples)})
-        say = (lambda line: print(f"cispo sft: {line}", file=sys.stderr, flush=True))
         say(f"{len(run.examples)} conversations, {sum(e.trained for e in run.examples):,} trained tokens; "
             f"{run.steps} steps ({cfg.epochs} epoch(s) of {run.steps_per_epoch}) from step {start + 1}")
-        last = step_loop(run, start, say)
+        last = step_loop(run, start)
         return finish(run, last)
 
 
-def step_loop(run: SFTRun, start: int, say) -> Path:
+def say(line: str) -> None:
+    """``cispo sft: <line>`` on stderr, flushed."""
+    print(f"cispo sft: {line}", file=sys.stderr, flush=True)
+
+
+def step_loop(run: SFTRun, start: int) -> Path:
     """Steps ``start + 1 .. run.steps``, each logged, checkpointed when due (and at the end, and on a stop
     signal: then KeyboardInterrupt); the last checkpoint's folder."""
     cfg, stop, began = run.cfg, StopRequest(), time.monotonic()
