@@ -2,8 +2,8 @@
 dataclass per concern, a docstring per field, read by the same engine as ``cispo train``'s
 (`cispo.config.engine`: YAML files, ``key=value`` overrides, errors that name the key).
 
-The optimizer section is ``cispo train``'s own (`cispo.config.algo.OptimConfig`) with a plain fine-tune's
-defaults (AdamW's usual betas and eps, no clipping, no warm-up): those of the calculator warm start
+The optimizer section is ``cispo train``'s (`cispo.config.algo.OptimConfig`) with a plain fine-tune's defaults
+(`SFTOptimConfig`: AdamW's usual betas and eps, no clipping, no warm-up): those of the calculator warm start
 (``studies/results/agents/warm_start.py``), which ``examples/calculator_sft.yaml`` reproduces."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Literal
 from cispo.config.algo import OptimConfig
 from cispo.config.train import MAX_SEED, check_finite, check_sink_kinds
 
-__all__ = ["SFTConfig", "SFTDataConfig", "SFTModelConfig", "sft_optim"]
+__all__ = ["SFTConfig", "SFTDataConfig", "SFTModelConfig", "SFTOptimConfig"]
 
 
 @dataclass
@@ -78,10 +78,21 @@ class SFTDataConfig:
     hand under the calculator's prompt: a rare call), in [0, 1]. None: every answer calls."""
 
 
-def sft_optim() -> OptimConfig:
-    """AdamW as a plain fine-tune runs it (and the calculator warm start did): lr 5e-5, betas (0.9, 0.999),
-    eps 1e-8, no decay, no clipping, no warm-up."""
-    return OptimConfig(lr=5e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, grad_clip=0.0, warmup_updates=0)
+@dataclass
+class SFTOptimConfig(OptimConfig):
+    """AdamW as a plain fine-tune runs it (and the calculator warm start did): ``cispo train``'s section with other
+    defaults, so that a file giving only ``optim.lr`` keeps them."""
+
+    lr: float = 5e-5
+    """Learning rate (constant after the warm-up)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2): torch's defaults."""
+    eps: float = 1e-8
+    """AdamW epsilon: torch's default."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    warmup_updates: int = 0
+    """Linear learning-rate warm-up over this many optimizer steps."""
 
 
 @dataclass
@@ -115,7 +126,7 @@ class SFTConfig:
     """Metric sinks besides metrics.jsonl: ``tensorboard``, ``wandb``, ``mlflow`` (as ``cispo train``'s)."""
     model: SFTModelConfig = field(default_factory=SFTModelConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    optim: OptimConfig = field(default_factory=sft_optim)
+    optim: SFTOptimConfig = field(default_factory=SFTOptimConfig)
 
     def __post_init__(self) -> None:
         """Every setting checked before any work: ``ValueError`` naming the key."""

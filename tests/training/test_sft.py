@@ -183,3 +183,21 @@ def test_the_final_model_is_what_cispo_train_starts_from_and_lora_is_merged(tiny
                "progress=false", "run_name=rl"])
     assert rc == 0
     assert max(r.get("optim/updates", 0) for r in read_metrics(tmp_path / "rl" / "metrics.jsonl")) == 1
+
+
+def test_the_calculator_example_is_the_study_warm_starts_settings():
+    """examples/calculator_sft.yaml gives only ``optim.lr``: the section keeps AdamW's plain defaults (torch's betas
+    and eps, no clipping, no warm-up), as ``warm_start.py``'s ``torch.optim.AdamW(lr=5e-5, weight_decay=0)`` had,
+    not ``cispo train``'s (a 16-update warm-up there made step 2's loss 1.46 instead of the study's 0.74)."""
+    from pathlib import Path
+
+    from cispo.config.engine import load_yaml
+
+    cfg = load_yaml(SFTConfig, Path(__file__).resolve().parents[2] / "examples" / "calculator_sft.yaml")
+    o = cfg.optim
+    assert (o.lr, tuple(o.betas), o.eps, o.weight_decay, o.grad_clip, o.warmup_updates) == (
+        5e-5, (0.9, 0.999), 1e-8, 0.0, 0.0, 0)
+    d = cfg.data
+    assert (d.task, d.num_demonstrations, d.seed, d.numbers, d.calculator, d.call_share) == (
+        "wordmath_calc", 256, 1, "small", True, None)
+    assert (cfg.epochs, cfg.batch_size, cfg.seed, cfg.model.path) == (1, 8, 0, "builtin:smollm2-135m")
