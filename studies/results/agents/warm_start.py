@@ -54,7 +54,7 @@ def warm_start(model_path: str, out: Path, *, calculator: bool, numbers: str, n:
         f"epochs={epochs}", f"batch_size={batch}", f"optim.lr={lr}", f"seed={seed}", f"threads={threads}",
         f"out_dir={out.parent}", f"run_name={out.name}", "checkpoint_every=0", "keep_checkpoints=1"])
     result = sft(cfg)
-    rows = read_metrics(out / "metrics.jsonl")
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]  # step 0: the data's size
     demos = task_demonstrations(cfg.data)
     record = {"model": model_path, "calculator": calculator, "call_share": call_share,
               "calls": sum(wordmath_calc.CALL_OPEN in t for d in demos for t, _ in d["parts"]), "numbers": numbers,
