@@ -1,4 +1,4 @@
-"""``cispo train | pretrain | eval | plot``: a YAML file and/or ``key=value`` overrides.
+"""``cispo train | sft | pretrain | eval | plot``: a YAML file and/or ``key=value`` overrides.
 
     cispo train                                   # CISPO on the built-in task, defaults
     cispo train algo.objective=dapo lr=5e-5       # dotted keys, or unique leaf names
@@ -6,6 +6,7 @@
     cispo train --print-config > run.yaml         # every field with its default and meaning, as YAML
     cispo train recipe=scalerl lr=3e-6            # a paper's settings across sections (cispo.config.recipes)
     cispo train --resume run_name=cispo__addition__seed0 steps=120   # its saved config.yaml, run longer
+    cispo sft --config examples/calculator_sft.yaml      # a warm start: chat data, loss on the assistant's tokens
     cispo pretrain seed=1 --measure 2000
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model
     cispo eval --model runs/cispo__addition__seed0/checkpoints/step_000060/model "eval.pass_at_k=[1,4]"  # at each k
@@ -88,6 +89,31 @@ def cmd_train(args) -> int:
     if result.updates == 0:
         print("cispo train: error: the run made no optimizer update (see the warning above)", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from cispo.config.sft import SFTConfig
+
+    if args.resume:  # the run's saved config.yaml, with the given keys on top (only safe ones may change)
+        from cispo.training.sft import resume_sft_config
+
+        cfg = resume_sft_config(args.config, args.overrides)
+    else:
+        cfg = _build_config(SFTConfig, args.config, args.overrides)
+    if args.print_config:
+        from cispo.config.describe import commented_yaml
+
+        print(commented_yaml(cfg), end="")
+        return 0
+    with collector_paused(args.program):  # the config is good: now torch and the rest
+        from cispo.training.sft import sft
+
+    result = sft(cfg, resume_run=args.resume, overwrite=args.overwrite)
+    loss = result.summary.get("sft/loss") or {}
+    print(f"sft loss {loss.get('first', float('nan')):.4f} -> {loss.get('last', float('nan')):.4f} over "
+          f"{result.summary['steps']} steps")
+    print(f"run folder: {result.run_dir}; the fine-tuned model: {result.final} (cispo train model.path={result.final})")
     return 0
 
 
@@ -291,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "them) as YAML, every field with its docstring as a comment, and exit (examples/defaults.yaml)")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name "
                    "(only a folder cispo created: one with a .cispo-run marker, directly in out_dir)")
+    p = add("sft", "fine-tune a model on chat data, the loss on the assistant's tokens only (a warm start for "
+            "RL; its final/ model is what cispo train model.path=RUN/final starts from)", "cispo.config.sft:SFTConfig",
+            cmd_sft)
+    p.add_argument("--resume", action="store_true", help="continue the run from its last intact checkpoint, with its "
+                   "saved config.yaml (key=value may change only checkpoint_every, threads, trackers, ...)")
+    p.add_argument("--print-config", action="store_true", help="print the config the run would have as YAML, every "
+                   "field with its docstring as a comment, and exit")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing run folder of the same name (only "
+                   "a folder cispo created)")
     p = add("pretrain", "pretrain a built-in base model into the model cache or --out (the package ships the "
             "addition and chain models pretrained, and `train` uses those: this rebuilds one, e.g. with other "
             "settings)", "cispo.models.pretrain_config:PretrainConfig", cmd_pretrain)

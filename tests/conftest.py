@@ -83,3 +83,9 @@ def run_args(model, out, *extra):
     return [f"model.path={model}", f"out_dir={out}", "model.device=cpu", "steps=2", "prompts_per_step=2",
             "group_size=2", "updates_per_batch=1", "max_new_tokens=6", "num_train_prompts=16", "num_eval_prompts=4",
             "eval.num_samples=1", "eval.every=0", "dynamic_sampling=false", "threads=1", *extra]
+
+
+def example_command(name: str) -> str:
+    """The command an examples/ config is for: ``sft`` for a file named ``*_sft.yaml`` (`cispo.config.sft.SFTConfig`),
+    ``train`` for the others (`TrainConfig`)."""
+    return "sft" if name.endswith("_sft.yaml") else "train"

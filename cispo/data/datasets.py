@@ -70,7 +70,7 @@ from cispo.foundations.jsonl import bounded_lines
 from cispo.foundations.suggest import closest, did_you_mean, hint
 from cispo.foundations.text import invalid_at
 
-__all__ = ["load_prompts", "load_prompts_with_report", "DataError", "LoadReport", "looks_like_hub_id"]
+__all__ = ["load_prompts", "load_prompts_with_report", "read_rows", "DataError", "LoadReport", "looks_like_hub_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -591,6 +591,18 @@ def load_prompts(
     if report.skipped:
         logger.warning("%s", report)
     return samples
+
+
+def read_rows(path: str | Path, split: str | None = None) -> Iterator[tuple[str, str, Any]]:
+    """``(file, location, row)`` of every row of a JSONL / Parquet file, a ``datasets`` folder or a folder of
+    shards, read as `load_prompts` reads them (``location``: ``line N`` / ``row N``), each row as it is (every
+    column), for readers of other row formats (``cispo sft``'s chats). A line that cannot be decoded is a
+    `DataError` naming the file and the line."""
+    spec = _Spec("messages", None, (), True)
+    for where, loc, row in _rows(Path(path).expanduser(), spec, split):
+        if isinstance(row, _RowError):
+            raise DataError(where, row.reason, location=loc, field=row.field)
+        yield str(where), loc, row
 
 
 def _dataset_rows(ds, spec):

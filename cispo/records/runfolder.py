@@ -339,8 +339,11 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool, overwrite: bool) -> Path:
     e.g. at a model path that did not load, leaves only that: it is reused) is refused unless
     ``resume`` (it must be a run folder: marked, or with a ``config.yaml`` from before the marker
     existed) or ``overwrite`` (it is deleted if ``_check_deletable`` allows)."""
-    out_dir = Path(cfg.out_dir).expanduser()
-    run_dir = run_dir_of(cfg)
+    return prepare_run_folder(Path(cfg.out_dir).expanduser(), run_dir_of(cfg), resume, overwrite)
+
+
+def prepare_run_folder(out_dir: Path, run_dir: Path, resume: bool, overwrite: bool) -> Path:
+    """`prepare_run_dir` for the folder ``run_dir`` in ``out_dir``, whatever its command (``cispo sft``'s too)."""
     if run_dir.is_dir() and any(p.name != MARKER for p in run_dir.iterdir()):
         if resume:
             if not is_run_folder(run_dir) and not (run_dir / "config.yaml").is_file():

@@ -1,4 +1,4 @@
-"""`cispo --help`, `cispo train --help` (and pretrain's) and a config error answer without loading torch:
+"""`cispo --help`, `cispo train --help` (and pretrain's and sft's) and a config error answer without loading torch:
 the command line imports each command's modules when it runs, not at start-up."""
 
 import importlib
@@ -14,8 +14,8 @@ PROBE = """
 import contextlib, io, json, sys
 from cispo.cli import main
 out, codes = io.StringIO(), []
-for argv in (["--help"], ["train", "--help"], ["pretrain", "--help"], ["train", "beta=0.04"], ["train", "steps=0"],
-             ["train", "algo.objective.eps_high_is=-1"]):
+for argv in (["--help"], ["train", "--help"], ["pretrain", "--help"], ["sft", "--help"], ["sft", "epochs=0"],
+             ["train", "beta=0.04"], ["train", "steps=0"], ["train", "algo.objective.eps_high_is=-1"]):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             codes.append(main(argv))
@@ -31,10 +31,11 @@ def test_help_and_config_errors_do_not_import_torch():
     run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.splitlines()[-1])
-    assert result["codes"] == [0, 0, 0, 2, 2, 2]
+    assert result["codes"] == [0, 0, 0, 0, 2, 2, 2, 2]
     assert set(HEAVY) & set(result["loaded"]) == set()  # pretrain's config is plain data too
     out = result["out"]
     assert "optim.lr: float" in out and "corpus_size: int" in out  # train's and pretrain's field help, built on demand
+    assert "data.call_share: float | None" in out and "epochs must be in [1, 10^6]" in out  # sft's
     assert "steps must be >= 1" in out and "algo.objective: eps_high_is must be a finite number" in out
 
 

@@ -614,10 +614,14 @@ def _leaves(tree: dict, prefix: str = ""):
 @pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml")),
                          ids=lambda p: p.name)
 def test_example_configs_load_with_every_value(path):
-    """Every shipped example loads as a TrainConfig, and each value it sets is the value the run gets."""
+    """Every shipped example loads as its command's config (a TrainConfig, an SFTConfig for ``*_sft.yaml``), and each
+    value it sets is the value the run gets."""
     import yaml
 
-    cfg = load_yaml(TrainConfig, path)
+    from cispo.config.sft import SFTConfig
+    from tests.conftest import example_command
+
+    cfg = load_yaml(SFTConfig if example_command(path.name) == "sft" else TrainConfig, path)
     for key, value in _leaves(yaml.safe_load(path.read_text())):
         got = cfg
         for part in key.split("."):

@@ -2,7 +2,8 @@
 
 The front door must open: an example whose keys are renamed, whose values stop validating, or whose
 settings stop training together fails here, not in a user's first run. Each run is the documented
-``cispo train --config examples/NAME.yaml`` with the sizes shrunk (``TINY``) and, where the example's
+``cispo train --config examples/NAME.yaml`` (``cispo sft`` for a ``*_sft.yaml``) with the sizes shrunk (``TINY``,
+``SFT_TINY``) and, where the example's
 model, data or device cannot run in CI, those swapped for a tiny stand-in (``ON_A_CPU``): a random
 Llama with SmolLM2's real tokenizer and chat template, a GSM8K-shaped JSONL. A new example needs no
 entry unless it needs such a swap; one that cannot run on a CPU at all says why in ``NOT_ON_A_CPU``
@@ -21,6 +22,7 @@ import yaml
 from cispo.cli import main
 from cispo.config.train import TrainConfig, apply_overrides, load_yaml
 from cispo.records.tracking import read_metrics
+from tests.conftest import example_command
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -37,9 +39,15 @@ model's groups are rarely informative, and refilling them is not what this check
 ON_A_CPU = {  # example -> what its CPU run swaps besides TINY ({smollm2}, {gsm8k}: the stand-ins below)
     "smollm2-wordmath.yaml": ("model.path={smollm2}",),
     "smollm2-wordmath-calc.yaml": ("model.path={smollm2}",),
+    "calculator_sft.yaml": ("model.path={smollm2}",),
+    "calculator_rl.yaml": ("model.path={smollm2}",),  # cispo sft's final/ is such a folder (tests/training/test_sft.py)
     "qwen05b-gsm8k.yaml": ("model.path={smollm2}", "data.path={gsm8k}", "data.eval_path={gsm8k}",
                            "rollout.overlong_buffer=4"),  # the penalty's window inside the 8 tokens
 }
+SFT_TINY = ("data.num_demonstrations=2", "batch_size=2", "checkpoint_every=0", "model.device=cpu", "threads=1",
+            "progress=false")
+"""What a ``cispo sft`` example's CPU run changes (a ``*_sft.yaml`` file, `example_command`): one step of two worked
+answers, on one CPU thread."""
 NOT_ON_A_CPU = {
     "qwen7b-dapo-math-8gpu-vllm.yaml": "vLLM colocated on 8 GPUs under torchrun; tests/test_gpu_recipe.py runs "
                                        "this file under torchrun on a CPU with a stand-in vLLM engine",
@@ -68,6 +76,14 @@ def train_tiny(example: Path, out: Path, *overrides: str) -> list[dict]:
     return read_metrics(out / "tiny" / "metrics.jsonl")
 
 
+def sft_tiny(example: Path, out: Path, *overrides: str) -> list[dict]:
+    """``cispo sft --config EXAMPLE`` at the tiny size; the run's metrics rows."""
+    rc = main(["sft", "--config", str(example), *SFT_TINY, *overrides, f"out_dir={out}", "run_name=tiny"])
+    assert rc == 0, f"cispo sft --config examples/{example.name} failed at the tiny size"
+    assert (out / "tiny" / "final" / "config.json").is_file()
+    return read_metrics(out / "tiny" / "metrics.jsonl")
+
+
 def assert_trained_one_step(rows: list[dict]) -> None:
     assert max(r["step"] for r in rows) == 1, rows
     assert max(r.get("optim/updates", 0) for r in rows) == 1, rows  # the step updated the policy
@@ -85,6 +101,10 @@ def test_every_example_trains_one_tiny_step(name, stand_ins, tmp_path):
         apply_overrides(load_yaml(TrainConfig, REPO / "examples" / name), list(TINY))  # loads, at least
         pytest.skip(f"examples/{name}: {NOT_ON_A_CPU[name]}")
     swaps = [o.format(**stand_ins) for o in ON_A_CPU.get(name, ())]
+    if example_command(name) == "sft":
+        rows = sft_tiny(REPO / "examples" / name, tmp_path, *swaps)
+        assert max(r["step"] for r in rows) == 1 and rows[-1]["optim/updates"] == 1, rows
+        return
     assert_trained_one_step(train_tiny(REPO / "examples" / name, tmp_path, *swaps))
 
 

@@ -26,6 +26,8 @@ after a forged ``</calc>`` was taken out, and ``#### 7 ... or 8`` was paid.)
 
 from __future__ import annotations
 
+import random
+
 from cispo.data.tasks import wordmath
 from cispo.foundations.forks import used_any
 
@@ -95,6 +97,16 @@ def demonstrations(seed: int, n: int, numbers: str = "small", calculator: bool =
             parts = [(f"{expression} = {answer}\n#### {answer}", True)]
         out.append({"messages": sample["messages"], "answer": sample["answer"], "parts": parts})
     return out
+
+
+def mixed_demonstrations(seed: int, n: int, numbers: str, call_share: float) -> list[dict]:
+    """`demonstrations` with the calculator where a seeded draw falls below ``call_share``, elsewhere the plain one
+    under the calculator's prompt (the same problems, the same messages, the value written by hand): a warm start
+    that leaves the call rare but rewarded (studies/results/agents/search-plan.md, the rare call)."""
+    rng = random.Random(f"call-share/{seed}/{n}/{numbers}")
+    calc = demonstrations(seed, n, numbers, True)
+    plain = demonstrations(seed, n, numbers, False)
+    return [c if rng.random() < call_share else {**p, "messages": c["messages"]} for c, p in zip(calc, plain)]
 
 
 def reward(prompt, completion: str, answer=None, **sample) -> float:
