@@ -76,7 +76,8 @@ class DataConfig:
     on_error: Literal["raise", "skip"] = "raise"
     """Malformed rows: ``raise`` (the first one, naming file, line and field) or ``skip``."""
     reward: str | list[str] | None = None
-    """Reward for ``path`` data: ``math``, ``exact_match``, ``code``, ``module:function``,
+    """Reward for ``path`` data: ``math``, ``exact_match``, ``code``, ``env`` (0: the environment's rewards
+    alone, ``environment``), ``module:function``,
     ``file.py:function`` or ``rm:<folder>`` (a reward model); a list of them (``[a.py:f, b.py:g]``)
     sums them, weighted by ``reward_weights`` (docs/real-models.md, "Several rewards")."""
     reward_weights: list[float] | None = None

@@ -271,7 +271,7 @@ def _prompt_file_checks(cfg: TrainConfig) -> list[Check]:
         ("data.system_prompt", d.system_prompt is None or model.chat_template is not False,
          "needs model.chat_template=auto or true, not false (a system message exists only in a chat template)"),
         ("data.reward", d.path is None or d.reward is not None,
-         "is required with data.path (math, exact_match, code or module:function)"),
+         "is required with data.path (math, exact_match, code, env or module:function)"),
         ("rollout.max_new_tokens", d.path is None or cfg.rollout.max_new_tokens is not None,
          "is required with data.path"),
     ]

@@ -18,6 +18,7 @@ import torch
 from cispo.data.prompts import PromptStream, fill_groups
 from cispo.data.rewards import score_completions, shaped_reward
 from cispo.envs.episodes import opened_sample
+from cispo.envs.tools import ToolSpecError
 from cispo.foundations.distributed import DistInfo, any_rank, is_sharded
 from cispo.foundations.experience import Completion
 from cispo.models.policy import Policy
@@ -86,15 +87,18 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
 
 def opened_groups(samples: list[dict], openings: list, group_size: int) -> list[dict]:
     """Each group's sample as its episodes opened it (``cispo.envs.episodes.opened_sample`` of each row's
-    ``Env.reset``). ValueError where the G episodes of one prompt open differently: their prompt is shared
-    (one prefill, one group baseline), so an environment must seed any randomness of its opening from the
-    sample."""
+    ``Env.reset``). The G episodes of one prompt must open alike: their prompt is shared (one prefill, one
+    group baseline), so an environment seeds any randomness of its opening from the sample. `ToolSpecError`
+    (one line, naming ``data.environment``) where they do not, or where a reset returned no kind of opening."""
     out = []
     for g, sample in enumerate(samples):
-        opened = [opened_sample(sample, o) for o in openings[g * group_size: (g + 1) * group_size]]
+        try:
+            opened = [opened_sample(sample, o) for o in openings[g * group_size: (g + 1) * group_size]]
+        except TypeError as e:
+            raise ToolSpecError(f"data.environment: {e}") from None
         if any(o != opened[0] for o in opened[1:]):
-            raise ValueError("the environment's reset opened the episodes of one prompt differently; they share "
-                             "the prompt (and its group's baseline): seed any randomness of reset from the sample")
+            raise ToolSpecError("data.environment: reset opened the episodes of one prompt differently; they share "
+                                "the prompt (and its group's baseline): seed any randomness of reset from the sample")
         out.append(opened[0])
     return out
 

@@ -155,3 +155,9 @@ def exact_match(prompt: str, completion: str, answer: object = None, *, ignore_c
     golds = _golds(answer, "exact_match")
     pred = extract_final_answer(completion)
     return 1.0 if any(answers_match(pred, g, ignore_case) for g in golds) else 0.0
+
+
+def no_reward(prompt: str, completion: str, **sample) -> float:
+    """0 for every completion (``data.reward=env``): the episode's reward is its environment's alone (the turn
+    rewards of ``step`` and its ``final_reward``, TRL's ``get_reward``)."""
+    return 0.0

@@ -73,11 +73,12 @@ BUILTIN_REWARDS: dict[str, str] = {
     "math_lenient": "cispo.data.rewards.math:math_reward_lenient",
     "exact_match": "cispo.data.rewards.exact:exact_match",
     "code": "cispo.data.rewards.code:code_reward",
+    "env": "cispo.data.rewards.exact:no_reward",
 }
 """Built-in reward names -> ``module:function``, imported only when asked for."""
 
 BUILTIN_FIELDS: dict[str, tuple[str, ...]] = {"math": ("answer",), "math_lenient": ("answer",),
-                                              "exact_match": ("answer",), "code": ("tests",)}
+                                              "exact_match": ("answer",), "code": ("tests",), "env": ()}
 """The sample fields each built-in reward needs."""
 
 ISOLATIONS = ("auto", "process", "main")

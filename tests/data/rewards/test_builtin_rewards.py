@@ -183,7 +183,8 @@ def test_math_reward_without_math_verify(monkeypatch):
 def test_load_builtins():
     assert load_reward("exact_match").fn is exact_match
     assert load_reward(" exact_match ").fn is exact_match
-    assert set(BUILTIN_REWARDS) == {"math", "math_lenient", "exact_match", "code"}
+    assert set(BUILTIN_REWARDS) == {"math", "math_lenient", "exact_match", "code", "env"}
+    assert load_reward("env")("q", "anything", answer="7") == 0.0  # the environment's rewards alone
     if HAVE_MATH_VERIFY:
         from cispo.data.rewards.math import math_reward
 
@@ -265,7 +266,7 @@ def test_load_file_function(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("maths", r"unknown reward 'maths' \(did you mean 'math'\?\); built-in rewards: code, exact_match, math"),
+        ("maths", r"unknown reward 'maths' \(did you mean 'math'\?\); built-in rewards: code, env, exact_match, math"),
         ("exact", r"unknown reward 'exact'"),
         ("", r"non-empty string"),
     ],
