@@ -72,7 +72,9 @@ def tracked_fork(task):
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and population standard deviation of ``values``; NaN for none."""
+    """Mean and population standard deviation of ``values`` that are not NaN (a response no reward scored:
+    `cispo.foundations.experience.Completion.episode_return`); NaN for none."""
+    values = [v for v in values if not is_nan(v)]
     if not values:
         return math.nan, math.nan
     mean = sum(values) / len(values)
