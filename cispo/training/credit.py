@@ -39,8 +39,9 @@ def num_segments(c: Completion) -> int:
 
 def turn_inputs(completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reward_to_go`'s inputs: turn_rewards [N, K] (0-padded; K = the most segments), final [N] (``reward``)
-    and num_segments [N], in float64 (final NaN where no reward scored the response: `Completion.scored`). ``ValueError`` where a response has more turn rewards than segments, or
-    more than one fewer (the environment steps on every segment but one cut by the length limit)."""
+    and num_segments [N], in float64 (final NaN where no reward scored the response: `Completion.scored`).
+    ``ValueError`` where a response has more turn rewards than segments, or more than one fewer (the
+    environment steps on every segment but one cut by the length limit)."""
     n = [num_segments(c) for c in completions]
     K = max(n, default=0)
     rewards = torch.zeros(len(completions), K, dtype=torch.float64)

@@ -733,3 +733,41 @@ def test_values_that_would_be_misread_or_ignored_are_refused(override, message):
 def test_trl_report_to_none_on_the_command_line_means_no_trackers():
     """``report_to=none`` (TRL's spelling; the command line reads none as null) is no trackers, as in a file."""
     assert apply_overrides(TrainConfig(), ["report_to=none"]).trackers == []
+
+
+@pytest.mark.parametrize("override, says", [
+    ("vllm_importance_sampling_mode=sequence_mask", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode'?"),
+    ("multi_objective_aggregation=normalize_then_sum", "normalize_then_sum (GDPO) has no cispo equivalent"),
+    ("top_entropy_quantile=0.2", "'top_entropy_quantile' in TRL: no cispo setting"),
+    ("repetition_penalty=1.1", "'repetition_penalty' in TRL: no cispo setting; cispo samples with"),
+    ("algorithm.rollout_correction.rollout_rs=token_k1", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode' "
+                                                         "and 'algo.rollout_is_lower' and 'algo.rollout_is_upper'?"),
+    ("algorithm.rollout_correction.rollout_rs_threshold=0.5_5.0",
+     "algo.rollout_is_lower=1/U algo.rollout_is_upper=1/L"),
+])
+def test_trl_and_verl_names_users_reach_for_point_to_cispos_keys(override, says):
+    msg = _error([override])
+    assert says in msg and "\n" not in msg
+    assert "repetition_stop_tokens'?" not in msg  # no spelling suggestion for a name of the table
+
+
+@pytest.mark.parametrize("override, get, expected", [
+    ("vllm_importance_sampling_clip_min=0.5", lambda c: c.algo.rollout_is_lower, 0.5),
+    ("vllm_importance_sampling_clip_max=3.0", lambda c: c.algo.rollout_is_upper, 3.0),
+    ("vllm_importance_sampling_correction=false", lambda c: c.algo.rollout_is, None),
+    ("num_generations_eval=8", lambda c: c.eval.num_samples, 8),
+    ("algorithm.rollout_correction.rollout_is=sequence", lambda c: c.algo.rollout_is, "seq-sum"),
+    ("algorithm.rollout_correction.rollout_is_threshold=3.0", lambda c: c.algo.rollout_is_upper, 3.0),
+])
+def test_trl_and_verl_correction_names_are_read(override, get, expected):
+    sets_level = "rollout_is=" in override or "correction=" in override
+    overrides = ([] if sets_level else ["algo.rollout_is=token"]) + [override]
+    assert get(apply_overrides(TrainConfig(), overrides)) == expected
+
+
+def test_train_help_points_to_the_names_table():
+    from cispo.config.describe import format_help
+    from cispo.config.foreign_names import OTHER_NAMES
+
+    text = format_help(TrainConfig)
+    assert "docs/integrations.md" in text and f"{len(OTHER_NAMES)} of them" in text

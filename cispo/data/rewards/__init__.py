@@ -104,7 +104,8 @@ class Outcome(NamedTuple):
     """One reward call's result. ``value``: the reward as a finite float (0.0 when the call failed),
     or None when the reward returned None — it *abstains* (TRL's "not applicable"): among several
     rewards it is left out of the sum (`combine`); a completion on which every reward abstains
-    has no reward (advantage 0, `combine`), with ``error`` saying so. ``error``: why the call failed (or the abstention's message), else None.
+    has no reward (advantage 0, `combine`), with ``error`` saying so. ``error``: why the call failed
+    (or the abstention's message), else None.
     ``extras``: ``(key, value)`` numbers the call reported besides its reward (a verl dict's other
     keys, TRL's ``log_metric`` / ``log_extra``), logged as ``rollout/reward_extra/<key>``."""
 
