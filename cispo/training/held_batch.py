@@ -83,7 +83,7 @@ def check_completion(c, limits: HeldBatchLimits, where: str) -> None:
     _need(len(logp) == len(response), f"{where}.logp_rollout",
           f"has {abs(len(response) - len(logp))} log-prob(s) {'fewer' if len(logp) < len(response) else 'more'} "
           f"than its {len(response)} response token(s)")
-    _need(_finite_as(c["logp_rollout"], nan=True), f"{where}.logp_rollout", "holds an infinity")  # NaN: unscored
+    _need(_finite_as(c["logp_rollout"]), f"{where}.logp_rollout", "holds a NaN or an infinity")
     if c.get("env_mask") is not None:
         mask = _tensor(c["env_mask"], (*_INTS, *_FLOATS, "bool"), f"{where}.env_mask")
         _need(len(mask) == len(response) and all(v in (0, 1) for v in mask), f"{where}.env_mask",
@@ -121,12 +121,10 @@ def _tensor(value, dtypes: tuple[str, ...], where: str) -> list:
     return data
 
 
-def _finite_as(value: dict, nan: bool = False) -> bool:
-    """Whether a stored float tensor's values are finite in its own dtype (1e300 is not, as float32); with
-    ``nan``, NaN too (a sampler's log-prob of a token it could not score)."""
+def _finite_as(value: dict) -> bool:
+    """Whether a stored float tensor's values are finite in its own dtype (1e300 is not, as float32)."""
     try:
-        t = torch.tensor(value["data"], dtype=DTYPES[value["dtype"]])
-        return bool((torch.isfinite(t) | (t.isnan() if nan else torch.zeros_like(t, dtype=torch.bool))).all())
+        return bool(torch.isfinite(torch.tensor(value["data"], dtype=DTYPES[value["dtype"]])).all())
     except (OverflowError, RuntimeError):  # an integer too large for any float
         return False
 
