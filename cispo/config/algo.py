@@ -90,9 +90,12 @@ class AlgoConfig:
     """The objective and the schedule of off-policy updates."""
 
     objective: ObjectiveSection = field(default_factory=ObjectiveSection)
-    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "batch-std"] = "grpo"
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "batch-std", "batch-raw-std"] = "grpo"
     """Group-relative advantages: grpo (R - group mean) / group std, drgrpo R - group mean, rloo
-    (leave-one-out mean), batch-std (R - group mean) / batch std (ScaleRL's batch-level normalisation)."""
+    (leave-one-out mean), batch-std (R - group mean) / the batch std of those differences (ScaleRL's
+    batch-level normalisation), batch-raw-std (R - group mean) / the batch std of the rewards themselves
+    (TRL's scale_rewards=batch). A response no reward could score (every reward returned None) is left out
+    of its group's mean and std and gets advantage 0, as in TRL."""
     turn_credit: Literal["episode", "reward_to_go"] = "episode"
     """How a multi-turn episode's rewards become advantages, where the environment rewards each policy turn
     (docs/agents.md, "Per-turn rewards and credit"). ``episode``: one advantage per response, by

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from cispo.config.engine import KeyPath, _class_doc, _dotted, _fields, _type_name, field_docs, to_dict
+from cispo.config.engine import KeyPath, _cispo_key, _class_doc, _dotted, _fields, _type_name, field_docs, to_dict
+from cispo.config.foreign_names import OTHER_NAMES
 from cispo.config.yaml_input import ConfigDumper
 
 
@@ -45,6 +46,12 @@ def format_help(cls: type) -> str:
     fields, out = _fields(cls), [
         "Config fields. Override any with KEY=VALUE: KEY is a dotted path (section.field) or a",
         "field name that occurs in one place only; VALUE is YAML (3e-4, true, null, [1, 2], {a: 1}).", ""]
+    names = [n for n, o in OTHER_NAMES.items() if all(_cispo_key(cls, k) for k in o.keys)]
+    if names:
+        shown = ", ".join(names[:1] + [n for n in names if n.count(".") == 1][:1])
+        out[-1:] = [f"TRL's and verl's names of these settings are read too, {len(names)} of them ({shown}, ...),",
+                    "the same way here and in a YAML file: each as its cispo key, or refused saying how the two",
+                    "differ. docs/integrations.md, \"TRL's and verl's names in cispo train\", lists them all.", ""]
 
     def section(c: type, prefix: KeyPath, title: str) -> None:
         out.append(title)

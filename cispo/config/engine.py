@@ -365,6 +365,7 @@ def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
     verl's names are read first (`_read_other_names`); their problems come first."""
     data = _renamed(cls, data, where)
     data, refused = _read_other_names(cls, data, where)
+    data = _none_as_null(cls, data)
     for key, tp in _fields(cls).items():  # pydantic reads true as 1 where a number is due: refused
         value = functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, key, data)
         if _bool_for_number(tp, value):
@@ -378,6 +379,32 @@ def _build(cls: type[T], data: Any, where: Callable[[KeyPath], str]) -> T:
     if refused:
         raise ConfigError(_problem_lines(cls, [], where, refused))
     return built
+
+
+def _takes_none(tp: Any) -> bool:
+    """Whether type ``tp`` takes None and not the text ``none`` itself (no ``Literal['none', ...]``)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType) or type(None) not in args:
+        return False
+    return not any(typing.get_origin(a) is Literal and any(str(v).lower() == "none" for v in typing.get_args(a))
+                   for a in args)
+
+
+def _none_as_null(cls: type, data: Any) -> Any:
+    """``data`` with the text ``none`` (any case: Python's ``None``) read as null at every field of ``cls`` that
+    takes null, in a file and on the command line alike (a copy where any is found); elsewhere it stays text
+    (TRL's ``scale_rewards: none``, read by its row of `OTHER_NAMES`, is the value ``none``)."""
+    if not isinstance(data, dict):
+        return data
+    hits = [key for key, tp in _fields(cls).items() if _takes_none(tp) and isinstance(
+        v := functools.reduce(lambda d, k: d.get(k) if isinstance(d, dict) else None, key, data), str)
+        and v.lower() == "none"]
+    if not hits:
+        return data
+    data = copy.deepcopy(data)
+    for key in hits:
+        functools.reduce(lambda d, k: d[k], key[:-1], data)[key[-1]] = None
+    return data
 
 
 def _numeric(tp: Any) -> bool:
@@ -483,13 +510,12 @@ def _accepts_container(tp: Any) -> bool:
 
 
 def _override_value(text: str, tp: Any, source: str) -> Any:
-    """YAML (``3e-4``, ``true``, ``[1, 2]``, ``{a: 1}``); ``None``/``null``: None; the text
+    """YAML (``3e-4``, ``true``, ``[1, 2]``, ``{a: 1}``, ``null``), read as a file's value is (``none`` is the
+    text ``none``, as in a file: `_none_as_null` reads it as null where a field takes null, for both); the text
     itself for a string field that YAML reads as something else (``run_name=2024``), but a list
     or mapping for a field that also takes one (``extra_fields=[a, b]`` where ``all`` would do).
     YAML that `ConfigLoader` refuses (an alias bomb, a 5000-digit integer, ...) is a `ConfigError` saying
     why, unless the field takes the text itself."""
-    if text.lower() in ("none", "null", "~"):
-        return None
     try:
         value = yaml.load(text, Loader=ConfigLoader)
     except yaml.YAMLError as exc:
@@ -498,7 +524,7 @@ def _override_value(text: str, tp: Any, source: str) -> Any:
                 f"cannot parse {short_repr(text)} as a YAML value: {getattr(exc, 'problem', None) or exc}")
             raise ConfigError(f"{source}: {why}") from None
         value = text
-    if isinstance(value, (list, dict)) and _accepts_container(tp):
+    if value is None or (isinstance(value, (list, dict)) and _accepts_container(tp)):  # null, ~: None
         return value
     return text if not isinstance(value, str) and _accepts_str(tp) else value
 
@@ -536,7 +562,7 @@ def _set_overrides(cls: type, data: dict, overrides, elsewhere: Callable[[KeyPat
         if len(path) > MAX_DEPTH:
             raise ConfigError(f"{source}: a key of {len(path):,} parts; no setting is nested more than "
                               f"{MAX_DEPTH} deep")
-        if path[:1] not in fields:
+        if path[:1] not in fields and _other_name(cls, path) is None:  # TRL's or verl's name: read as in a file
             found = [k for k in fields if k[-1] == path[0]] or [k for k in _RENAMED.get(cls, {}) if k[-1] == path[0]]
             if len(found) > 1:
                 raise ConfigError(f"{source}: ambiguous key {path[0]!r}: it could be "

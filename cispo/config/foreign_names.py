@@ -5,6 +5,7 @@ unknown key through them (`lookup`, `describe`, `read_line`); docs/integrations.
 
 from __future__ import annotations
 
+import math
 import reprlib
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -91,6 +92,34 @@ def _report_to(value: Any) -> Any:
     return [] if value is None or _is(value, "none") else value  # none: read as null on the command line
 
 
+def verl_k1_bounds(spec: Any) -> tuple[float, float]:
+    """verl's ``rollout_rs_threshold`` of a k1 rejection (``"L_U"``, or one number U meaning ``"1/U_U"``) as
+    cispo's bounds ``(rollout_is_lower, rollout_is_upper)`` of rho = pi_old / pi_rollout: verl keeps a token
+    where log L <= k1 <= log U with k1 = -log rho, i.e. 1/U <= rho <= 1/L (its bounds are on pi_rollout / pi_old,
+    cispo's on pi_old / pi_rollout: reciprocals)."""
+    text = str(spec)
+    lower, upper = (float(x) for x in text.split("_", 1)) if "_" in text else (1.0 / float(text), float(text))
+    if not 0 < lower <= upper:
+        raise ValueError(f"verl's k1 threshold must be 0 < L <= U, got {spec!r}")
+    return 1.0 / upper, 1.0 / lower
+
+
+def _rollout_is_threshold(value: Any) -> Any:
+    """verl's ``rollout_is_threshold`` as cispo's ``rollout_is_upper``: a number C (or its text) is TIS's
+    upper bound; ``"L_U"`` (IcePop, the weight zeroed outside [L, U]) needs three keys: refused, translated."""
+    if isinstance(value, str) and "_" in value:
+        lower, upper = value.split("_", 1)
+        raise ValueError(f"verl's \"L_U\" (IcePop: the weight rho inside [L, U], 0 outside) is "
+                         f"algo.rollout_is_mode=mask algo.rollout_is_lower={lower} algo.rollout_is_upper={upper}")
+    try:
+        upper = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else math.nan
+    except ValueError:
+        upper = math.nan
+    if not 0 < upper < math.inf:
+        raise ValueError("expected a number > 0 or \"L_U\"")
+    return upper
+
+
 def _logger(value: Any) -> Any:
     """verl's ``trainer.logger`` as cispo's ``trackers``: ``console`` dropped, ``file`` is ``jsonl``."""
     names = [value] if isinstance(value, str) else value
@@ -107,12 +136,20 @@ def _lora_targets(value: Any) -> Any:
 
 _PROMPTS_NOT_CUT = ("cispo never cuts a prompt: one whose tokens and rollout.max_new_tokens do not fit the model's "
                     "context is left out")
-_TOKEN_TIS = ("cispo's correction truncates each token's weight, min(pi_old / pi_rollout, algo.tis_cap) (TRL's "
-              "token_truncate, off by default); TRL's default mode, sequence_mask, zeroes whole sequences above its "
-              "cap")
 _SAMPLING = "cispo samples with rollout.temperature and rollout.top_p only"
+_TRL_IS = ("TRL's default, true with sequence_mask and clip_max 3.0, is algo.rollout_is=seq-sum "
+           "algo.rollout_is_mode=mask algo.rollout_is_upper=3")
+_TRL_IS_MODES = ("token_truncate -> rollout_is=token rollout_is_mode=truncate, token_mask -> token and mask, "
+                 "sequence_truncate -> seq-sum and truncate, sequence_mask (TRL's default) -> seq-sum and mask "
+                 "(TRL's sequence ratio is the product over the response: cispo's seq-sum)")
+_VERL_RS = ("verl's rollout_rs rejects on k1 = -log rho against [log L, log U] of rollout_rs_threshold \"L_U\", so "
+            "it keeps L <= pi_rollout / pi_old <= U: algo.rollout_is_mode=reject with the reciprocal bounds "
+            "algo.rollout_is_lower=1/U algo.rollout_is_upper=1/L (\"0.5_5.0\" -> 0.2 and 2; one number U -> 1/U "
+            "and U), at the level token_k1 -> token, seq_sum_k1 -> seq-sum, seq_mean_k1 -> seq-mean; k2, k3 and max "
+            "have no equivalent")
 
 _A, _R, _M = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
+_RC = "algorithm.rollout_correction."
 _OBJ = "algo.objective."
 
 OTHER_NAMES: dict[str, OtherName] = {
@@ -164,9 +201,9 @@ OTHER_NAMES: dict[str, OtherName] = {
         ("dapo", "ppo")),
     "scale_rewards": OtherName(
         "TRL", ("algo.advantage_estimator",),
-        "group (true) -> grpo, none (false) -> drgrpo (TRL adds 1e-4 to the std, cispo 1e-6)",
-        _values({"group": "grpo", True: "grpo", "none": "drgrpo", False: "drgrpo"},
-                {"batch": "TRL's batch divides by the std of the whole batch; cispo's estimators are per group"}),
+        "group (true) -> grpo, batch -> batch-raw-std (the std of the raw rewards over the batch), none (false) -> "
+        "drgrpo (TRL adds 1e-4 to the std, cispo 1e-6)",
+        _values({"group": "grpo", True: "grpo", "batch": "batch-raw-std", "none": "drgrpo", False: "drgrpo"}),
         ("none", "drgrpo")),
     "num_iterations": OtherName("TRL", ("algo.epochs",), "", _same, (2, 2)),
     "steps_per_generation": OtherName(
@@ -214,10 +251,32 @@ OTHER_NAMES: dict[str, OtherName] = {
     "vllm_gpu_memory_utilization": OtherName("TRL", ("rollout.vllm_gpu_memory_utilization",), "", _same, (0.5, 0.5)),
     "vllm_enable_sleep_mode": OtherName("TRL", ("rollout.vllm_sleep",), "", _same, (True, True)),
     "vllm_max_model_length": OtherName("TRL", ("rollout.vllm_max_model_len",), "", _same, (4096, 4096)),
-    "vllm_importance_sampling_correction": OtherName("TRL", ("algo.tis_cap",), _TOKEN_TIS),
-    "vllm_importance_sampling_mode": OtherName("TRL", ("algo.tis_cap",), _TOKEN_TIS),
-    "vllm_importance_sampling_clip_max": OtherName("TRL", ("algo.tis_cap",), _TOKEN_TIS),
-    "vllm_importance_sampling_cap": OtherName("TRL", ("algo.tis_cap",), _TOKEN_TIS),
+    "vllm_importance_sampling_correction": OtherName(
+        "TRL", ("algo.rollout_is",), f"false -> null (no correction, cispo's default); {_TRL_IS}",
+        _values({False: None}, {True: _TRL_IS}), (False, None)),
+    "vllm_importance_sampling_mode": OtherName("TRL", ("algo.rollout_is", "algo.rollout_is_mode"), _TRL_IS_MODES),
+    "vllm_importance_sampling_clip_max": OtherName(
+        "TRL", ("algo.rollout_is_upper",), "the upper bound of rho in both (TRL's default 3.0, cispo's 2.0); null: "
+        "none", _same, (3.0, 3.0)),
+    "vllm_importance_sampling_cap": OtherName(
+        "TRL", ("algo.rollout_is_upper",), "TRL's older name of vllm_importance_sampling_clip_max", _same, (3.0, 3.0)),
+    "vllm_importance_sampling_clip_min": OtherName(
+        "TRL", ("algo.rollout_is_lower",), "the lower bound of rho in both; null: none", _same, (0.5, 0.5)),
+    "multi_objective_aggregation": OtherName(
+        "TRL", ("data.reward_weights",),
+        "cispo sums the rewards with data.reward_weights, then normalises the sum (TRL's default, "
+        "sum_then_normalize: leave it out); normalize_then_sum (GDPO) has no cispo equivalent"),
+    "top_entropy_quantile": OtherName(
+        "TRL", (), "cispo trains on every response token (TRL's default, 1.0: leave it out); keeping only the "
+                   "highest-entropy tokens in the loss has no cispo equivalent"),
+    "num_generations_eval": OtherName(
+        "TRL", ("eval.num_samples",), "responses per evaluation prompt, in both",
+        _at_least_one("TRL's null samples num_generations; cispo's null takes the task's default: give a count"),
+        (4, 4)),
+    "repetition_penalty": OtherName(
+        "TRL", (), f"{_SAMPLING} (no repetition penalty; rollout.repetition_stop_tokens stops a response that "
+                   "repeats itself, which is another thing)"),
+    "min_p": OtherName("TRL", (), _SAMPLING),
     "report_to": OtherName(
         "TRL", ("trackers",), "a sink or a list of them (tensorboard, wandb, mlflow); none -> []; all is refused",
         _report_to, ("tensorboard", ["tensorboard"])),
@@ -406,6 +465,21 @@ OTHER_NAMES: dict[str, OtherName] = {
         "true -> rollout (pi_old is the sampler's log-probs, not recomputed), false -> recompute; cispo takes them "
         "only from its own torch sampler at float32, without dropout or a rollout correction beside it",
         _values({True: "rollout", False: "recompute"}), (True, "rollout")),
+    _RC + "rollout_is": OtherName(
+        "verl", ("algo.rollout_is",),
+        "token -> token, sequence -> seq-sum (verl's sequence ratio is the product over the response), null -> null; "
+        "the bounds are rollout_is_threshold's (verl's and cispo's default upper bound: 2.0)",
+        _values({"token": "token", "sequence": "seq-sum", None: None}), ("sequence", "seq-sum")),
+    _RC + "rollout_is_threshold": OtherName(
+        "verl", ("algo.rollout_is_upper",),
+        "a number C (TIS: the weight clipped at C, cispo's rollout_is_mode=truncate) -> rollout_is_upper=C; "
+        "\"L_U\" (IcePop) is refused with its translation",
+        _rollout_is_threshold, (3.0, 3.0)),
+    _RC + "rollout_rs": OtherName(
+        "verl", ("algo.rollout_is", "algo.rollout_is_mode", "algo.rollout_is_lower", "algo.rollout_is_upper"),
+        _VERL_RS),
+    _RC + "rollout_rs_threshold": OtherName(
+        "verl", ("algo.rollout_is_lower", "algo.rollout_is_upper"), _VERL_RS),
     "custom_reward_function.path": OtherName(
         "verl", ("data.reward",), "cispo names the file and the function together: data.reward=PATH:NAME"),
     "custom_reward_function.name": OtherName(

@@ -311,8 +311,8 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
         ("algo.epochs", a.epochs >= 1, "must be >= 1"),
         ("algo.turn_credit", a.turn_credit == "episode" or a.advantage_estimator == "rloo",
          f"=reward_to_go takes each turn's leave-one-out baseline with no std scaling, which is "
-         f"algo.advantage_estimator=rloo, not {a.advantage_estimator} (grpo and batch-std divide by a standard "
-         "deviation; drgrpo's mean holds the episode's own return): set algo.advantage_estimator=rloo"),
+         f"algo.advantage_estimator=rloo, not {a.advantage_estimator} (grpo, batch-std and batch-raw-std divide by a "
+         "standard deviation; drgrpo's mean holds the episode's own return): set algo.advantage_estimator=rloo"),
         ("algo.micro_batch_size", a.micro_batch_size is None or a.micro_batch_size >= 1, "must be >= 1 or None"),
         ("algo.tis_cap", a.tis_cap is None or 0 < a.tis_cap < math.inf, "must be > 0 and finite, or None"),
         ("algo.tis_cap", a.tis_cap is None or a.rollout_is is None,

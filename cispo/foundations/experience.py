@@ -8,6 +8,7 @@ log-probs of it are ``cispo.models.policy.policy_logprobs``; its micro-batches `
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -45,10 +46,20 @@ class Completion:
         return [] if self.episode is None else [float(r) for r in self.episode.get("turn_rewards", ())]
 
     @property
+    def scored(self) -> bool:
+        """Whether some reward scored the response: False where every ``data.reward`` returned None (each
+        abstained, `reward_parts` all None; TRL's "unscorable" completion), True otherwise (a built-in task's
+        reward, a failed call: it scored 0)."""
+        return not self.reward_parts or any(v is not None for v in self.reward_parts.values())
+
+    @property
     def episode_return(self) -> float:
         """R_i = reward + sum_k turn_rewards[k]: the episode's return, what the group advantages (under
         ``algo.turn_credit=episode``), dynamic sampling and the reward metrics read; ``reward`` itself where
-        there is no turn reward (bit for bit)."""
+        there is no turn reward (bit for bit). NaN where no reward scored the response (`scored`): as in TRL, it
+        is left out of its group's mean and std and gets advantage 0 (`cispo.objective.advantages`)."""
+        if not self.scored:
+            return math.nan
         turns = self.turn_rewards
         return self.reward if not turns else self.reward + sum(turns)
 
@@ -67,8 +78,10 @@ Group = list[Completion]  # the G responses to one prompt
 
 
 def is_informative(group: Group) -> bool:
-    """A group whose returns (`Completion.episode_return`) are not all equal carries a non-zero advantage."""
-    return any(c.episode_return != group[0].episode_return for c in group)
+    """A group whose returns (`Completion.episode_return`) are not all equal carries a non-zero advantage;
+    an unscored response's (NaN) is no return: it neither differs from nor equals the others."""
+    returns = [r for c in group if not math.isnan(r := c.episode_return)]
+    return any(r != returns[0] for r in returns)
 
 
 @dataclass

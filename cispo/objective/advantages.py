@@ -12,18 +12,25 @@ Rewards are laid out group by group: rows [g*G, (g+1)*G) are the G responses to 
             std_batch = sqrt( sum_k Ahat_k^2 / (N - 1) )       normalisation: Ahat_k = R_k - mean of k's group,
                                                                over all N rows of the batch (every group)
 
+    batch-raw-std  A_i = (R_i - mean_j R_j) / (std_raw + eps)  TRL's scale_rewards="batch": the std of the
+            std_raw = std_k R_k                                raw rewards over all N rows of the batch
+
 ``std`` is the unbiased (Bessel-corrected) standard deviation, as in TRL and verl; ``std_batch`` is that of
-the group-centred advantages over the batch (their mean over the batch is 0: each group's sum to 0). Under
-data parallelism pass the whole batch's ``batch_std`` (`batch_std` of every rank's sums). A group whose
-rewards are all equal carries no signal: its advantages are exactly 0 (never NaN), whatever the rounding of
-its mean.
+the group-centred advantages over the batch (their mean over the batch is 0: each group's sum to 0), ``std_raw``
+that of the rewards themselves (it also counts how far apart the groups' means are). Under data parallelism
+pass the whole batch's scale (`batch_std` of every rank's sums, `raw_std` of theirs). A group whose rewards are
+all equal carries no signal: its advantages are exactly 0 (never NaN), whatever the rounding of its mean.
+
+A reward that is NaN marks a completion that could not be scored (every reward returned None: TRL's rule,
+``GRPOTrainer``): it is left out of its group's mean, std and leave-one-out baseline and of the batch's std,
+and its advantage is 0. A group with fewer than two scored rewards carries no signal either: advantages 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo", "batch-std")
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "batch-std", "batch-raw-std")
 
 
 def batch_std(sum_sq: float | torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
@@ -33,13 +40,24 @@ def batch_std(sum_sq: float | torch.Tensor, count: int | torch.Tensor) -> torch.
     return torch.where(count > 1, sum_sq / (count - 1).clamp(min=1), 0.0).sqrt()
 
 
+def raw_std(total: float | torch.Tensor, total_sq: float | torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """std_raw = sqrt( (sum_k R_k^2 - (sum_k R_k)^2 / count) / (count - 1) ): the unbiased std of ``count``
+    rewards from their sum and sum of squares (summed over ranks under data parallelism); 0 for fewer than 2."""
+    total, total_sq = torch.as_tensor(total, dtype=torch.float64), torch.as_tensor(total_sq, dtype=torch.float64)
+    count = torch.as_tensor(count, dtype=torch.float64)
+    sum_sq = (total_sq - total.square() / count.clamp(min=1)).clamp(min=0)  # sum_k (R_k - mean R)^2
+    return batch_std(sum_sq, count)
+
+
 def group_advantages(
     rewards: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6,
     batch_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """rewards [N] (N = num_groups * G, group by group) -> advantages [N] (see module docstring).
+    """rewards [N] (N = num_groups * G, group by group; NaN: not scored) -> advantages [N] (module docstring).
 
-    ``batch_scale``: for ``batch-std``, the whole batch's std_batch (`batch_std`); None: that of ``rewards``."""
+    ``batch_scale``: for ``batch-std`` / ``batch-raw-std``, the whole batch's std_batch / std_raw (`batch_std`,
+    `raw_std`); None: that of ``rewards``. A group whose every reward is scored computes exactly what it did
+    before NaN was read (the same operations, bit for bit)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
     if group_size < 2:
@@ -49,19 +67,30 @@ def group_advantages(
             f"rewards must be 1-D with a multiple of group_size={group_size} entries, got shape {tuple(rewards.shape)}"
         )
     R = rewards.reshape(-1, group_size)  # R_i           [num_groups, G]
-    mean = R.mean(-1, keepdim=True)  # mean_j R_j    [num_groups, 1]
-    constant = (R == R[:, :1]).all(-1, keepdim=True)  # all rewards equal   [num_groups, 1]
-    if estimator == "grpo":
-        A = (R - mean) / (R.std(-1, keepdim=True) + eps)
+    scored = ~R.isnan()  # R_i is a number   [num_groups, G]
+    n = scored.sum(-1, keepdim=True)  # the group's scored rewards   [num_groups, 1]
+    full = n == group_size  # [num_groups, 1]
+    total = torch.where(full, R.sum(-1, keepdim=True), torch.nan_to_num(R, nan=0.0).sum(-1, keepdim=True))  # sum_j
+    mean = torch.where(full, R.mean(-1, keepdim=True), total / n.clamp(min=1))  # mean_j R_j    [num_groups, 1]
+    R_in = torch.where(scored, R, mean)  # an unscored R_i as its group's mean: no weight in the sums   [num_groups, G]
+    first = R.gather(-1, scored.long().argmax(-1, keepdim=True))  # a scored reward of the group   [num_groups, 1]
+    constant = ((R_in == first).all(-1, keepdim=True)) | (n < 2)  # no signal   [num_groups, 1]
+    if estimator == "grpo":  # std_j R_j over the n scored: the G - 1 of R_in's std rescaled to n - 1
+        std = R_in.std(-1, keepdim=True) * ((group_size - 1) / (n - 1).clamp(min=1).to(R.dtype)).sqrt()
+        A = (R_in - mean) / (std + eps)
     elif estimator == "drgrpo":
-        A = R - mean
-    elif estimator == "rloo":  # R_i - (sum_j R_j - R_i) / (G - 1)
-        A = R - (R.sum(-1, keepdim=True) - R) / (group_size - 1)
-    else:  # batch-std: Ahat_i / (std_batch + eps)
-        A = torch.where(constant, 0.0, R - mean)  # Ahat_i   [num_groups, G]
-        std = batch_std(A.double().square().sum(), A.numel()) if batch_scale is None else batch_scale
+        A = R_in - mean
+    elif estimator == "rloo":  # R_i - (sum_j R_j - R_i) / (n - 1)
+        A = R_in - (total - R_in) / (n - 1).clamp(min=1)
+    elif estimator == "batch-std":  # Ahat_i / (std_batch + eps)
+        A = torch.where(constant, 0.0, R_in - mean)  # Ahat_i   [num_groups, G]
+        std = batch_std(A.double().square().sum(), scored.sum()) if batch_scale is None else batch_scale
         A = A / (torch.as_tensor(std, dtype=A.dtype) + eps)
-    return torch.where(constant, 0.0, A).reshape(-1)  # A_i   [N]
+    else:  # batch-raw-std: Ahat_i / (std_raw + eps)
+        kept = R[scored].double()  # the batch's scored R_k   [n]
+        std = (kept.std() if kept.numel() > 1 else kept.new_zeros(())) if batch_scale is None else batch_scale
+        A = (R_in - mean) / (torch.as_tensor(std, dtype=R.dtype) + eps)
+    return torch.where(constant | ~scored, 0.0, A).reshape(-1)  # A_i   [N]
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,7 +139,9 @@ def reward_to_go(turn_rewards: torch.Tensor, final: torch.Tensor, num_segments: 
 
     Rows laid out group by group as `group_advantages`'. turn_rewards [N, K], final [N], num_segments [N]
     -> [N, K]: 0 at k >= n_i (no such segment), and exactly 0 in a turn whose G_{j,k} are equal over the
-    group (never rounding noise). With one segment each and no turn reward this is RLOO on the final reward."""
+    group (never rounding noise). With one segment each and no turn reward this is RLOO on the final reward.
+    A NaN ``final_i`` (no reward scored episode i) leaves episode i out of the others' baselines and gives
+    it advantage 0, as `group_advantages` does."""
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 for a leave-one-out baseline, got {group_size}")
     N, K = turn_rewards.shape
@@ -119,10 +150,15 @@ def reward_to_go(turn_rewards: torch.Tensor, final: torch.Tensor, num_segments: 
                          f"num_segments {tuple(num_segments.shape)} must agree on N, a multiple of {group_size}")
     if bool((num_segments > K).any()):
         raise ValueError(f"num_segments must be <= K = {K} (turn_rewards' columns)")
-    G_ik = returns_to_go(turn_rewards, final, num_segments).reshape(-1, group_size, K)  # [groups, G, K]
-    baseline = (G_ik.sum(1, keepdim=True) - G_ik) / (group_size - 1)  # b_{i,k}            [groups, G, K]
-    constant = (G_ik == G_ik[:, :1]).all(1, keepdim=True)  # every G_{j,k} equal        [groups, 1, K]
-    A = torch.where(constant, 0.0, G_ik - baseline).reshape(N, K)  # A_{i,k}           [N, K]
+    scored = ~final.isnan()  # final_i is a number (NaN: no reward scored episode i)   [N]
+    G_ik = returns_to_go(turn_rewards, torch.nan_to_num(final, nan=0.0), num_segments)  # [N, K]
+    G_ik = torch.where(scored[:, None], G_ik, 0.0).reshape(-1, group_size, K)  # [groups, G, K]
+    v = scored.reshape(-1, group_size, 1)  # [groups, G, 1]
+    others = v.sum(1, keepdim=True) - v.long()  # the scored episodes j != i   [groups, G, 1]
+    baseline = (G_ik.sum(1, keepdim=True) - G_ik) / others.clamp(min=1)  # b_{i,k}            [groups, G, K]
+    first = G_ik.gather(1, v.long().argmax(1, keepdim=True).expand(-1, 1, K))  # a scored episode's   [groups, 1, K]
+    constant = ((G_ik == first) | ~v).all(1, keepdim=True)  # every scored G_{j,k} equal        [groups, 1, K]
+    A = torch.where(constant | ~v | (others < 1), 0.0, G_ik - baseline).reshape(N, K)  # A_{i,k}   [N, K]
     alive = torch.arange(K, device=A.device) < num_segments[:, None]  # [N, K]
     return torch.where(alive, A, 0.0)
 

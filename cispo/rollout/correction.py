@@ -33,6 +33,10 @@ Departures, in plain words:
 1. The log-ratio (after the level's mean or sum) is clamped to +-``max_log_ratio`` (20) before ``exp``,
    as verl's ``SAFETY_BOUND``: finite weights; inside that range nothing changes. The bounds are compared
    in log space, before the clamp.
+2. A token whose sampler log-prob is NaN (vLLM could not score it) has log rho = 0, as in TRL 1.16: its own
+   weight is 1 (no correction) and it adds nothing to its sequence's mean or sum, while it still counts
+   among the tokens (the mean's count, the aggregation's). ``rollout/logp_rollout_nan`` counts them
+   (``cispo.training.metrics.batch_metrics``).
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ def rollout_is_weights(
         )
     mask = response_mask.bool()  # [B, T]
     log_rho = torch.where(mask, logp_old.detach().double() - logp_rollout.detach().double(), 0.0)  # log rho_it  [B, T]
+    log_rho = torch.nan_to_num(log_rho, nan=0.0)  # a NaN sampler log-prob: rho_it = 1 (departure 2)   [B, T]
     if level != "token":
         log_seq = log_rho.sum(-1, keepdim=True)  # sum_t log rho_it   [B, 1]
         if level == "seq-mean":

@@ -139,7 +139,7 @@ def finalize_response(
     (``cispo.rollout.base.stop_ids``).
     """
     stops = set(stop_ids(eos_token_id))
-    ids, lps = [int(t) for t in token_ids], [float(x) for x in logprobs]
+    ids, lps = [int(t) for t in token_ids], [math.nan if x is None else float(x) for x in logprobs]  # None: unscored
     if len(ids) != len(lps):
         raise RuntimeError(f"engine returned {len(ids)} tokens but {len(lps)} log-probs")
     if not ids:

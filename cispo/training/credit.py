@@ -15,6 +15,7 @@ so a row cut by the length limit may hold one segment more than rewards (that se
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -38,8 +39,9 @@ def num_segments(c: Completion) -> int:
 
 def turn_inputs(completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reward_to_go`'s inputs: turn_rewards [N, K] (0-padded; K = the most segments), final [N] (``reward``)
-    and num_segments [N], in float64. ``ValueError`` where a response has more turn rewards than segments, or
-    more than one fewer (the environment steps on every segment but one cut by the length limit)."""
+    and num_segments [N], in float64 (final NaN where no reward scored the response: `Completion.scored`).
+    ``ValueError`` where a response has more turn rewards than segments, or more than one fewer (the
+    environment steps on every segment but one cut by the length limit)."""
     n = [num_segments(c) for c in completions]
     K = max(n, default=0)
     rewards = torch.zeros(len(completions), K, dtype=torch.float64)
@@ -49,7 +51,7 @@ def turn_inputs(completions: list[Completion]) -> tuple[torch.Tensor, torch.Tens
             raise ValueError(f"a response with {n[i]} policy segment(s) has {len(turns)} turn reward(s): "
                              "episode['turn_rewards'] holds one per segment the environment stepped on")
         rewards[i, : len(turns)] = torch.tensor(turns, dtype=torch.float64)
-    final = torch.tensor([c.reward for c in completions], dtype=torch.float64)
+    final = torch.tensor([c.reward if c.scored else math.nan for c in completions], dtype=torch.float64)
     return rewards, final, torch.tensor(n)
 
 

@@ -134,6 +134,7 @@ def measured_metrics(exp: Experience) -> dict:
     entropy = exp.extras["entropy"][mask]  # [n]
     rollout, trainer = exp.logp_rollout[mask], old[mask]  # [n]
     return {
+        "rollout/logp_rollout_nan": float((exp.response_mask.bool() & exp.logp_rollout.isnan()).sum()),
         "objective/entropy": float(entropy.mean()) if mask.any() else math.nan,
         "rollout/logp_corr": pearson(rollout, trainer) if mask.any() else math.nan,
         "rollout/logp_abs_diff": float((rollout - trainer).abs().mean()) if mask.any() else math.nan,

@@ -22,7 +22,7 @@ from cispo.training.credit import num_segments
 # Per-rank counts and rates: the step's value is their sum over ranks (each rank samples its
 # own groups); the largest length is the largest over ranks; every other metric is a mean.
 SUMMED_OVER_RANKS = frozenset({"rollout/groups_sampled", "rollout/groups_kept", "rollout/reward_errors",
-                               "rollout/repetition_stops", "perf/tokens_per_s"})
+                               "rollout/repetition_stops", "rollout/logp_rollout_nan", "perf/tokens_per_s"})
 MAXED_OVER_RANKS = frozenset({"rollout/response_length_max"})
 
 
@@ -72,7 +72,9 @@ def tracked_fork(task):
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and population standard deviation of ``values``; NaN for none."""
+    """Mean and population standard deviation of ``values`` that are not NaN (a response no reward scored:
+    `cispo.foundations.experience.Completion.episode_return`); NaN for none."""
+    values = [v for v in values if not is_nan(v)]
     if not values:
         return math.nan, math.nan
     mean = sum(values) / len(values)
@@ -125,13 +127,17 @@ def rollout_metrics(completions, report: FillReport, used_fork, accuracy: bool =
 
 
 def batch_metrics(exp: Experience) -> dict:
-    """The kept batch's log-prob agreement (the sampler's vs log pi_old) and entropy: a step with an update."""
-    mask = exp.response_mask.bool()
+    """The kept batch's log-prob agreement (the sampler's vs log pi_old, over the response tokens the sampler
+    scored: ``rollout/logp_rollout_nan`` counts those it gave NaN, left out as TRL leaves them out) and entropy:
+    a step with an update."""
+    nan_rollout = exp.response_mask.bool() & exp.logp_rollout.isnan()  # [B, T]
+    mask = exp.response_mask.bool() & ~nan_rollout
     return {
+        "rollout/logp_rollout_nan": float(nan_rollout.sum()),
         "rollout/logp_corr": pearson(exp.logp_rollout[mask], exp.logp_old[mask]),
         "rollout/logp_abs_diff": float((exp.logp_rollout - exp.logp_old)[mask].abs().mean()),
         "rollout/mismatch_kl": mismatch_kl(exp.logp_old, exp.logp_rollout, mask),
-        "objective/entropy": float(exp.extras["entropy"][mask].mean()),
+        "objective/entropy": float(exp.extras["entropy"][exp.response_mask.bool()].mean()),
     }
 
 

@@ -29,7 +29,7 @@ import torch
 from cispo.foundations.distributed import DistInfo, all_reduce_sum, sum_gradients
 from cispo.foundations.experience import Completion, Experience, collate
 from cispo.models.policy import Policy, policy_logprobs
-from cispo.objective.advantages import batch_std, group_advantages
+from cispo.objective.advantages import batch_std, group_advantages, raw_std
 from cispo.objective.loss import ObjectiveConfig
 from cispo.rollout import rollout_is_weights
 from cispo.training.batching import micro_batches, minibatches, row_order
@@ -145,16 +145,21 @@ class Trainer:
         return exp
 
     def advantage_scale(self, groups: list[list[Completion]]) -> torch.Tensor | None:
-        """Under data parallelism with ``batch-std`` advantages, std_batch over every rank's rows (each rank
-        joins the sum, also one that kept no group); else None (`group_advantages` takes its own batch's)."""
-        G, dist_info = self.cfg.rollout.group_size, self.dist_info
-        if self.cfg.algo.advantage_estimator != "batch-std" or not dist_info.enabled:
+        """Under data parallelism with ``batch-std`` / ``batch-raw-std`` advantages, std_batch / std_raw over
+        every rank's scored rows (each rank joins the sum, also one that kept no group); else None
+        (`group_advantages` takes its own batch's)."""
+        G, dist_info, estimator = self.cfg.rollout.group_size, self.dist_info, self.cfg.algo.advantage_estimator
+        if estimator not in ("batch-std", "batch-raw-std") or not dist_info.enabled:
             return None
         rewards = torch.tensor([c.episode_return for group in groups for c in group])  # R_k   [B]
-        centred = group_advantages(rewards, G, "drgrpo").double() if groups else rewards.double()  # Ahat_k
-        sums = torch.stack([centred.square().sum(), torch.tensor(float(len(rewards)), dtype=torch.float64)])
-        sums = all_reduce_sum(sums.to(self.policy.device), dist_info).cpu()  # sum_k Ahat_k^2, N   over ranks
-        return batch_std(sums[0], sums[1])
+        if estimator == "batch-std":  # Ahat_k (0 where not scored)
+            values = (group_advantages(rewards, G, "drgrpo") if groups else rewards).double()
+        else:
+            values = rewards[~rewards.isnan()].double()  # the scored R_k
+        n = float((~rewards.isnan()).sum())
+        sums = torch.stack([values.sum(), values.square().sum(), torch.tensor(n, dtype=torch.float64)])
+        sums = all_reduce_sum(sums.to(self.policy.device), dist_info).cpu()  # sum, sum of squares, N   over ranks
+        return batch_std(sums[1], sums[2]) if estimator == "batch-std" else raw_std(sums[0], sums[1], sums[2])
 
     @torch.no_grad()
     def compute_logp_old(self, exp: Experience, first_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cispo.cli import main
 from cispo.config.algo import ObjectiveSection
@@ -145,9 +146,36 @@ def test_override_dotted_and_short_names():
 
 
 def test_override_ambiguous_short_name_lists_candidates():
-    msg = _error(["temperature=0.5"])
-    assert "ambiguous key 'temperature'" in msg and "rollout.temperature" in msg and "eval.temperature" in msg
+    msg = _error(["path=x"])
+    assert "ambiguous key 'path'" in msg and "model.path" in msg and "data.path" in msg
     assert apply_overrides(TrainConfig(), ["eval.temperature=0.5"]).eval.temperature == 0.5
+
+
+@pytest.mark.parametrize("key, text, get, expected", [
+    ("temperature", "0.7", lambda c: (c.rollout.temperature, c.eval.temperature), (0.7, 1.0)),  # TRL's, not eval's
+    ("scale_rewards", "none", lambda c: c.algo.advantage_estimator, "drgrpo"),  # TRL's documented spelling
+    ("scale_rewards", "batch", lambda c: c.algo.advantage_estimator, "batch-raw-std"),
+    ("report_to", "none", lambda c: c.trackers, []),
+    ("run_name", "none", lambda c: c.run_name, None),  # a field that takes null: none is null, in both
+    ("rollout.max_new_tokens", "None", lambda c: c.rollout.max_new_tokens, None),
+])
+def test_the_command_line_and_a_file_read_a_value_the_same_way(key, text, get, expected, tmp_path):
+    """One parser: ``key=value`` on the command line is what ``key: value`` is at the top of a file."""
+    path = tmp_path / "run.yaml"
+    *sections, leaf = key.split(".")
+    lines = [f"{'  ' * i}{part}:" for i, part in enumerate(sections)] + [f"{'  ' * len(sections)}{leaf}: {text}"]
+    path.write_text("\n".join(lines) + "\n")
+    assert get(load_yaml(TrainConfig, path)) == get(apply_overrides(TrainConfig(), [f"{key}={text}"])) == expected
+
+
+def test_trls_weight_decay_is_refused_on_the_command_line_as_in_a_file(tmp_path):
+    """TRL's weight_decay leaves biases and norm weights out; cispo's optim.weight_decay decays every parameter."""
+    path = tmp_path / "run.yaml"
+    path.write_text("weight_decay: 0.01\n")
+    with pytest.raises(ConfigError) as in_file:
+        load_yaml(TrainConfig, path)
+    assert _error(["weight_decay=0.01"]) == str(in_file.value).replace(f"{path}:1", "override 'weight_decay=0.01'")
+    assert "did you mean 'optim.weight_decay'?" in _error(["weight_decay=0.01"])
 
 
 @pytest.mark.parametrize(
@@ -424,6 +452,8 @@ _NEEDS = {  # what a key read needs beside it to make a valid config
     "data.path": _FILE_RUN,
     "data.eval_path": _merged(_FILE_RUN, {"data": {"path": "train.jsonl"}}),
     "data.reward_weights": _merged(_FILE_RUN, {"data": {"path": "train.jsonl", "reward": ["a.py:f", "b.py:g"]}}),
+    "algo.rollout_is_upper": {"algo": {"rollout_is": "token"}},
+    "algo.rollout_is_lower": {"algo": {"rollout_is": "token"}},
 }
 
 
@@ -444,12 +474,11 @@ def _forms(name: str):
 
 
 @pytest.mark.parametrize("name", list(_other_names()))
-def test_every_trl_and_verl_name_is_read_as_its_key_or_refused_naming_it(name, monkeypatch, capsys):
+def test_every_trl_and_verl_name_is_read_as_its_key_or_refused_naming_it(name, monkeypatch, capsys, tmp_path):
     """Each name of OTHER_NAMES, typed as TRL or verl users write it (and, for verl's, by its last
     part alone where that is unambiguous): read as cispo's key, with that key's value and one line on
     stderr; or refused in one line that names cispo's key (or says there is none) and the difference."""
     from cispo.config import engine
-    from cispo.config.engine import _fields
     from cispo.config.foreign_names import read_line
 
     other = _other_names()[name]
@@ -462,6 +491,11 @@ def test_every_trl_and_verl_name_is_read_as_its_key_or_refused_naming_it(name, m
             assert _value(cfg, key) == expected
             said = capsys.readouterr().err
             assert said == ("" if typed == key else read_line(typed, other, given, other.read(given)) + "\n")
+            # the same name and value on the command line, and in a YAML file: the same config
+            assert from_dict(TrainConfig, _NEEDS.get(key, {}), overrides=[f"{typed}={_yamlish(given)}"]) == cfg
+            path = tmp_path / "run.yaml"
+            path.write_text(yaml.safe_dump(_merged(_NEEDS.get(key, {}), _nested(typed, given))))
+            assert load_yaml(TrainConfig, path) == cfg
         else:
             with pytest.raises(ConfigError) as e:
                 from_dict(TrainConfig, _nested(typed, 1))
@@ -469,10 +503,9 @@ def test_every_trl_and_verl_name_is_read_as_its_key_or_refused_naming_it(name, m
             assert "\n" not in message and message.startswith(f"<dict>: {typed}: unknown key (")
             assert all(repr(k) in message for k in other.keys) and other.what in message
             assert other.keys or "no cispo setting" in message
-            if sum(k[-1] == typed for k in _fields(TrainConfig)) == 0:  # else cispo's own short name (weight_decay)
-                with pytest.raises(ConfigError) as e:  # as an override: the same words
-                    apply_overrides(TrainConfig(), [f"{typed}=1"])
-                assert str(e.value) == message.replace("<dict>", f"override '{typed}=1'")
+            with pytest.raises(ConfigError) as e:  # as an override: the same words
+                apply_overrides(TrainConfig(), [f"{typed}=1"])
+            assert str(e.value) == message.replace("<dict>", f"override '{typed}=1'")
 
 
 def test_the_read_line_shows_translated_values_once(monkeypatch, capsys):
@@ -496,8 +529,11 @@ def test_the_read_line_shows_translated_values_once(monkeypatch, capsys):
         ("loss_type=bnpo", "loss_type: 'bnpo' is not read: TRL's bnpo divides by the tokens of the local micro-batch"),
         ("loss_type=sapo", "loss_type: 'sapo' is not read: no cispo value equals it ('loss_type' in TRL is read as "
                            "algo.objective.name: grpo -> grpo; dapo -> ppo"),
-        ("scale_rewards=batch",
-         "scale_rewards: 'batch' is not read: TRL's batch divides by the std of the whole batch"),
+        ("scale_rewards=batch-std", "scale_rewards: 'batch-std' is not read: no cispo value equals it"),
+        ("vllm_importance_sampling_correction=true", "is algo.rollout_is=seq-sum algo.rollout_is_mode=mask "
+                                                     "algo.rollout_is_upper=3"),
+        ("algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
+         "is algo.rollout_is_mode=mask algo.rollout_is_lower=0.5 algo.rollout_is_upper=5.0"),
         ("report_to=all", "report_to: 'all' is not read: TRL's all (every installed integration) is not read"),
         ("report_to=comet_ml", "unknown tracking sink 'comet_ml'"),
         ("loss_agg_mode=seq-mean-token-sum", "loss_agg_mode: 'seq-mean-token-sum' is not read: set "
@@ -697,3 +733,41 @@ def test_values_that_would_be_misread_or_ignored_are_refused(override, message):
 def test_trl_report_to_none_on_the_command_line_means_no_trackers():
     """``report_to=none`` (TRL's spelling; the command line reads none as null) is no trackers, as in a file."""
     assert apply_overrides(TrainConfig(), ["report_to=none"]).trackers == []
+
+
+@pytest.mark.parametrize("override, says", [
+    ("vllm_importance_sampling_mode=sequence_mask", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode'?"),
+    ("multi_objective_aggregation=normalize_then_sum", "normalize_then_sum (GDPO) has no cispo equivalent"),
+    ("top_entropy_quantile=0.2", "'top_entropy_quantile' in TRL: no cispo setting"),
+    ("repetition_penalty=1.1", "'repetition_penalty' in TRL: no cispo setting; cispo samples with"),
+    ("algorithm.rollout_correction.rollout_rs=token_k1", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode' "
+                                                         "and 'algo.rollout_is_lower' and 'algo.rollout_is_upper'?"),
+    ("algorithm.rollout_correction.rollout_rs_threshold=0.5_5.0",
+     "algo.rollout_is_lower=1/U algo.rollout_is_upper=1/L"),
+])
+def test_trl_and_verl_names_users_reach_for_point_to_cispos_keys(override, says):
+    msg = _error([override])
+    assert says in msg and "\n" not in msg
+    assert "repetition_stop_tokens'?" not in msg  # no spelling suggestion for a name of the table
+
+
+@pytest.mark.parametrize("override, get, expected", [
+    ("vllm_importance_sampling_clip_min=0.5", lambda c: c.algo.rollout_is_lower, 0.5),
+    ("vllm_importance_sampling_clip_max=3.0", lambda c: c.algo.rollout_is_upper, 3.0),
+    ("vllm_importance_sampling_correction=false", lambda c: c.algo.rollout_is, None),
+    ("num_generations_eval=8", lambda c: c.eval.num_samples, 8),
+    ("algorithm.rollout_correction.rollout_is=sequence", lambda c: c.algo.rollout_is, "seq-sum"),
+    ("algorithm.rollout_correction.rollout_is_threshold=3.0", lambda c: c.algo.rollout_is_upper, 3.0),
+])
+def test_trl_and_verl_correction_names_are_read(override, get, expected):
+    sets_level = "rollout_is=" in override or "correction=" in override
+    overrides = ([] if sets_level else ["algo.rollout_is=token"]) + [override]
+    assert get(apply_overrides(TrainConfig(), overrides)) == expected
+
+
+def test_train_help_points_to_the_names_table():
+    from cispo.config.describe import format_help
+    from cispo.config.foreign_names import OTHER_NAMES
+
+    text = format_help(TrainConfig)
+    assert "docs/integrations.md" in text and f"{len(OTHER_NAMES)} of them" in text

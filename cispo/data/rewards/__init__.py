@@ -103,8 +103,9 @@ def describe_error(e: BaseException) -> str:
 class Outcome(NamedTuple):
     """One reward call's result. ``value``: the reward as a finite float (0.0 when the call failed),
     or None when the reward returned None — it *abstains* (TRL's "not applicable"): among several
-    rewards it is left out of the sum (`combine`), alone it scores 0 with
-    ``error`` saying so. ``error``: why the call failed (or the abstention's message), else None.
+    rewards it is left out of the sum (`combine`); a completion on which every reward abstains
+    has no reward (advantage 0, `combine`), with ``error`` saying so. ``error``: why the call failed
+    (or the abstention's message), else None.
     ``extras``: ``(key, value)`` numbers the call reported besides its reward (a verl dict's other
     keys, TRL's ``log_metric`` / ``log_extra``), logged as ``rollout/reward_extra/<key>``."""
 
@@ -210,8 +211,10 @@ def combine(outcomes: list[Outcome], weights, names) -> Scored:
       prompt): it is left out of the sum and of its own ``rewards/<name>`` mean and std;
     * a failed call (raised, returned a non-number, timed out, crashed its worker) counts as r_i = 0
       and is a reward error, as one reward's failed call is (TRL stops the step instead);
-    * a completion every reward abstained on scores 0 and is a reward error (TRL gives it a zero
-      advantage); with one reward that is its None's message, as it always was;
+    * a completion every reward abstained on is *unscorable*, as in TRL: its value is 0 here and it is a
+      reward error (with one reward, its None's message), and its parts are all None, which makes its return
+      NaN (`cispo.foundations.experience.Completion.scored`): it is left out of its group's mean and std
+      and gets advantage 0 (`cispo.objective.advantages.group_advantages`);
     * a sum that is not finite (finite rewards and weights can overflow: 1e308 + 1e308, 1e10 * 1e308)
       scores 0 and is a reward error, as a reward that returned inf is: no advantage is made of inf.
 
@@ -225,7 +228,8 @@ def combine(outcomes: list[Outcome], weights, names) -> Scored:
     paid = [(w, o.value) for w, o in zip(weights, outcomes) if o.value is not None]
     value = sum(w * v for w, v in paid) if paid else 0.0
     if not paid:
-        errors.append("every reward returned None (none applies to it): scored 0" if several else outcomes[0].error)
+        errors.append("every reward returned None (none applies to it): no reward, advantage 0" if several
+                      else outcomes[0].error)
     elif not _math.isfinite(value):
         errors.append(f"the weighted sum of the rewards is {value} (it overflows a float): scored 0")
         value = 0.0

@@ -55,6 +55,9 @@ def verl_dict(solution_str, ground_truth):
 
 def digits(prompts, completions, **kwargs):                 # a dense reward, so random groups differ
     return [completions[0].count("1") - 0.5]
+
+def digits_or_none(prompts, completions, **kwargs):         # abstains on about half the completions
+    return [None if len(completions[0]) % 2 else completions[0].count("1") - 0.5]
 '''
 
 
@@ -200,6 +203,20 @@ def test_a_run_with_several_rewards_logs_each_and_says_reward_not_accuracy(rewar
     assert step["rollout/reward_std"] > 0 and step["rollout/reward_errors"] == 0
     assert {"eval/reward_mean", "eval/reward_greedy", "eval/reward_pass_at_2"} <= set(evaluation)
     assert summary["eval/reward_mean"]["before"] == evaluation["eval/reward_mean"]  # before -> after still shown
+
+
+def test_a_run_where_every_reward_abstains_on_some_completions(rewards_file, tiny_model, tmp_path):
+    """TRL's unscorable completions: no reward, advantage 0, left out of their group's mean (the scored ones'
+    advantages sum to 0 in each kept group) and of the reward metrics; dynamic sampling runs through them."""
+    _, step, _ = _train(tmp_path, tiny_model, f"{rewards_file}:digits_or_none", "dynamic_sampling=true",
+                        "max_sampling_rounds=3")
+    [run] = [p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("r")]
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    unscored = [s for s in samples if s["reward_error"] and "NoneType" in s["reward_error"]]
+    assert unscored and all(s["advantage"] == 0.0 for s in unscored)
+    for g in {s["group"] for s in samples}:
+        assert abs(sum(s["advantage"] for s in samples if s["group"] == g)) < 1e-5
+    assert step["rollout/reward_mean"] == step["rollout/rewards/digits_or_none/mean"]  # both over the scored
 
 
 def test_only_a_verifier_says_accuracy(rewards_file, tiny_model, tmp_path):
