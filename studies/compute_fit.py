@@ -16,9 +16,10 @@ pooled sum of squares is n_seeds × the mean curve's plus a constant. The interv
 with replacement, pool their points, refit (R0 stays fixed); 95%: the refits' 2.5th and 97.5th
 percentiles, each one's distance from the estimate θ̂ times √(n/(n−1)) · t_{n−1, 0.975} / z_0.975
 (`t_scaled_interval`), cut to the fit's bounds. The plain percentile
-interval of the same refits under-covers over few seeds (nominal 95%: 72–75% at 3 seeds, 84–89% at
-6, on synthetic curves of known parameters); the t-scaled one covers 92–97% from 3 seeds on
-(``python -m studies.scripts.compute_fit_coverage``). Under `MIN_SEEDS` seeds the intervals are still
+interval of the same refits under-covers over few seeds (nominal 95%: 72–76% at 3 seeds, 84–89% at
+6, on synthetic curves of known parameters); the t-scaled one covers 91–97% from 3 seeds on
+(``python -m studies.scripts.compute_fit_coverage``; the cells measured: studies/results/
+compute_fit_coverage.md). Under `MIN_SEEDS` seeds the intervals are still
 given but flagged: they are wide, and their coverage rests on the refits' spread from very few units.
 
 The compute axis C (`AXES`, `compute_curve`): ``steps``, the RL step of each evaluation; or
@@ -174,8 +175,8 @@ def t_scaled_interval(estimate: float, values: list[float], n: int, level: float
     normal z. Keeping each side's own distance keeps the refits' skew, which matters where a parameter sits at
     a bound of the fit (A at 1) or has a long tail (C_mid); c > 1 always, so the interval holds the percentile
     one. (NaN, NaN) with fewer than 2 values or seeds. Measured by ``python -m studies.scripts.compute_fit_coverage``
-    (synthetic curves of known parameters, nominal 95%): the percentile interval holds the truth 72–75% of the
-    time at 3 seeds and 84–89% at 6; this one 92–97% from 3 seeds on."""
+    (synthetic curves of known parameters, nominal 95%): the percentile interval holds the truth 72–76% of the
+    time at 3 seeds and 84–89% at 6; this one 91–97% from 3 seeds on."""
     if len(values) < 2 or n < 2:
         return float("nan"), float("nan")
     from scipy.stats import norm, t

@@ -3,6 +3,7 @@ synthetic arms of eq. 1 with known A, B and C_mid, refitted and bootstrapped ove
 interval methods at several seed counts. One JSON object per (noise, seeds) to stdout, and a Markdown table.
 
     python -m studies.scripts.compute_fit_coverage --seeds 3 4 6 8 --reps 200 --boot 400
+    # what it measured: studies/results/compute_fit_coverage.md
 
 The methods, from the same bootstrap refits θ*_b of an arm's estimate θ̂ over n seeds (each interval cut to
 the fit's bounds of that parameter):

@@ -154,8 +154,8 @@ def _coverage(n_seeds: int, reps: int, n_boot: int) -> dict[str, dict[str, float
 def test_the_intervals_hold_the_truth_as_often_as_they_claim_at_three_seeds():
     """Nominal 95%, 3 seeds, 150 synthetic arms: the percentile interval of the refits holds the true A, B and
     C_mid only ~73% of the time (a bootstrap over n units has the spread of the divisor-n estimate, and t_2 is
-    far from z); the t-scaled interval ~95% (measured 0.93-0.96 over 200 arms at 3, 4, 6 and 8 seeds:
-    ``python -m studies.scripts.compute_fit_coverage``). 150 arms: a binomial spread of ~2 points at 95%."""
+    far from z); the t-scaled interval ~95% (measured 0.91-0.97 over 200 arms a cell at 3, 4, 6 and 8 seeds:
+    studies/results/compute_fit_coverage.md). 150 arms: a binomial spread of ~2 points at 95%."""
     cover = _coverage(3, reps=150, n_boot=200)
     assert all(v < 0.85 for v in cover["percentile"].values()), cover
     assert all(v >= 0.9 for v in cover["t_scaled"].values()), cover
