@@ -163,10 +163,14 @@ def test_the_intervals_hold_the_truth_as_often_as_they_claim_at_three_seeds():
 
 @pytest.mark.slow
 def test_the_intervals_hold_the_truth_as_often_as_they_claim_at_eight_seeds():
-    """As above at 8 seeds (where every resample is nearly distinct, so each of 120 arms costs ~300 fits)."""
+    """As above at 8 seeds (where every resample is nearly distinct, so each of 120 arms costs ~300 fits). The
+    percentile interval's shortfall is smaller here (89-91% over 200 arms a cell), within reach of 120 arms'
+    binomial spread for one parameter, so its mean over the three is what is checked (0.90 for this generator),
+    and the t-scaled interval holds each parameter at least as often (0.92-0.98)."""
     cover = _coverage(8, reps=120, n_boot=300)
-    assert all(v < 0.93 for v in cover["percentile"].values()), cover
-    assert all(v >= 0.9 for v in cover["t_scaled"].values()), cover
+    old, new = cover["percentile"], cover["t_scaled"]
+    assert sum(old.values()) / 3 < 0.93 and all(new[k] >= old[k] for k in old), cover
+    assert all(v >= 0.9 for v in new.values()), cover
     assert MIN_SEEDS > 3
 
 
