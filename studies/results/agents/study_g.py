@@ -1,0 +1,163 @@
+"""Stage G of the agents search (search-plan.md, amendment 6): its registered measure, its gate and its queue.
+
+* `t90`: the step at which the held-out sampled tool-call rate (``eval/tool_call_rate``: 100 problems x 2 sampled
+  answers at 0.7, every step 0-10) first reaches 0.9, interpolated linearly between the two evaluations around the
+  crossing; a run below 0.9 at its last evaluation is censored at last + 1 (11).
+* `gate`: the four criteria of the gate run (both fresh DAPO seeds must pass all four).
+* The queue (``study_g_queue.json``): every run of the stage, phase by phase, with the command of each phase
+  (`python -m studies compare --config study_g.yaml ...`, which skips finished runs and resumes a killed one) and
+  a state that `refresh` reads off the run folders (pending / started / done).
+
+    python studies/results/agents/study_g.py status                # each phase's runs: done / started / pending
+    python studies/results/agents/study_g.py next                  # the command of the first unfinished phase
+    python studies/results/agents/study_g.py gate RUN_DIR ...      # the gate's verdict per run (metrics.jsonl)
+    python studies/results/agents/study_g.py t90 RUN_DIR ...       # T90 per run
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+QUEUE = HERE / "study_g_queue.json"
+CONFIG = HERE / "study_g.yaml"
+THRESHOLD = 0.9
+LAST_STEP = 10
+EARLY = range(1, 6)
+GATE = {"call_rate": (0.03, 0.15), "pos_above": 5, "pos_mass": 0.10, "t90": 3.5}
+"""The gate's thresholds, about a third of stage F's DAPO values (17 / 16 / 20 positive ``<calc>`` tokens above
+1.28 in steps 1-5; 0.30-0.37 of the positive mass): they test that the mechanism is present, not its size."""
+
+
+def t90(curve: dict[int, float], threshold: float = THRESHOLD, last: int = LAST_STEP) -> tuple[float, bool]:
+    """``(T, censored)``: the first evaluated step whose rate is >= `threshold`, moved back along the line from
+    the evaluation before it: T = s0 + (s1 - s0) (threshold - r0) / (r1 - r0); 0 when step 0 already reaches it;
+    ``(last + 1, True)`` when no evaluation up to `last` does."""
+    steps = sorted(s for s in curve if s <= last)
+    for i, s in enumerate(steps):
+        if curve[s] >= threshold:
+            if i == 0:
+                return float(s), False
+            s0, r0, r1 = steps[i - 1], curve[steps[i - 1]], curve[s]
+            return s0 + (s - s0) * (threshold - r0) / (r1 - r0), False
+    return float(last + 1), True
+
+
+def call_rate_curve(rows: list[dict]) -> dict[int, float]:
+    """``{step: eval/tool_call_rate}`` of a run's logged rows (the sampled answers' rate where it sampled)."""
+    return {r["step"]: r["eval/tool_call_rate"] for r in rows if r.get("eval/tool_call_rate") is not None}
+
+
+def gate(rows: list[dict]) -> dict:
+    """The gate's four criteria on one run's rows, each ``(value, passed)``, and ``passed`` (all four):
+    the step-0 sampled call rate in [0.03, 0.15] with accuracy with a ``<calc>`` above without; the positive
+    ``<calc>`` tokens above 1 + eps_high summed over steps 1-5 (``fork/calc/pos_above``) >= 5; the mean over
+    steps 1-5 of every positive token's mass share above it (``objective/all_pos_mass_above``) >= 0.10;
+    T90 >= 3.5."""
+    start = next((r for r in rows if r["step"] == 0 and "eval/tool_call_rate" in r), {})
+    rate = start.get("eval/tool_call_rate")
+    with_call, without = start.get("eval/accuracy_with_fork"), start.get("eval/accuracy_without_fork")
+    lo, hi = GATE["call_rate"]
+    early = [r for r in rows if r["step"] in EARLY]
+    above = sum(r.get("fork/calc/pos_above") or 0 for r in early)
+    masses = [r["objective/all_pos_mass_above"] for r in early if r.get("objective/all_pos_mass_above") is not None]
+    mass = sum(masses) / len(masses) if masses else None
+    t, censored = t90(call_rate_curve(rows))
+    out = {"call_rate": ((rate, with_call, without), rate is not None and lo <= rate <= hi and with_call is not None
+                         and without is not None and with_call > without),
+           "pos_above": (above, above >= GATE["pos_above"]),
+           "pos_mass": (mass, mass is not None and mass >= GATE["pos_mass"]),
+           "t90": ((t, censored), t >= GATE["t90"])}
+    return {**out, "passed": all(ok for _, ok in out.values())}
+
+
+def read_rows(run: Path) -> list[dict]:
+    """A run folder's metrics rows (``metrics.jsonl`` or its ``.gz``)."""
+    from cispo.records.tracking import read_metrics
+
+    return read_metrics(Path(run) / "metrics.jsonl")
+
+
+PRECHECK_SFT = ("cispo sft --config examples/calculator_sft.yaml data.call_share=0.125 out_dir=/work/agent_runs "
+                "run_name=warm_rare_g")
+PRECHECK_EVAL = ("cispo eval --model /work/agent_runs/warm_rare_g/final data.task=wordmath_calc "
+                 "rollout.max_new_tokens=128 eval.num_samples=4 eval.temperature=0.7 threads=1 "
+                 "--samples stageG0_rare_samples.jsonl > stageG0_rare.txt")
+"""The pre-check: the rare-call warm start rebuilt, then F0b's evaluation of it."""
+
+
+def phases() -> list[dict]:
+    """The stage's phases in order, each with its ``compare`` overrides, from `CONFIG`: the gate (two fresh DAPO
+    seeds, 100 and 101, their own folder), the primary arms (seeds 0-15) and the secondary arm (DAPO at 2e-5)."""
+    return [{"phase": "gate", "overrides": ["arms=[dapo]", "seeds=[100,101]", "part=study_g_gate",
+                                            "out_dir=/work/agent_runs/study_g_gate"]},
+            {"phase": "primary", "overrides": []},
+            {"phase": "secondary", "overrides": ["arms=[dapo_lr2e-5]", "part=study_g_secondary",
+                                                 "out_dir=/work/agent_runs/study_g_secondary"]}]
+
+
+def build_queue() -> dict:
+    """The queue as first registered: every run of every phase (`studies.compare.run_configs` of `CONFIG` with
+    the phase's overrides: its folder, arm, seed and learning rate), each pending."""
+    from cispo.cli import _build_config
+    from studies.compare import CompareConfig, run_configs
+
+    out = [{"phase": "precheck", "command": f"{PRECHECK_SFT} && {PRECHECK_EVAL}",
+            "runs": [{"arm": "warm start", "seed": 0, "lr": 5e-5, "dir": "/work/agent_runs/warm_rare_g",
+                      "state": "pending"}]}]
+    for p in phases():
+        cfg = _build_config(CompareConfig, str(CONFIG), p["overrides"])
+        runs = [{"arm": r.arm, "seed": r.config.seed, "lr": r.config.optim.lr, "dir": str(r.dir), "state": "pending"}
+                for r in run_configs(cfg)]
+        command = " ".join(["python -m studies compare --config studies/results/agents/study_g.yaml", *p["overrides"]])
+        out.append({"phase": p["phase"], "command": command.strip(), "runs": runs})
+    return {"phases": out}
+
+
+def refresh(queue: dict) -> dict:
+    """`queue` with each run's state read off its folder: ``done`` (finished), ``started`` (a folder, not finished:
+    the phase's command resumes it) or ``pending``."""
+    from cispo.records.runfolder import is_finished
+
+    for p in queue["phases"]:
+        for r in p["runs"]:
+            d = Path(r["dir"])
+            r["state"] = "done" if d.exists() and is_finished(d) else "started" if d.exists() else "pending"
+    return queue
+
+
+def next_step(queue: dict, verdicts: list[dict] | None = None) -> str:
+    """The command of the first phase with an unfinished run; once the gate's runs are done and either failed
+    (`gate` of each, or `verdicts` given), the registered stop instead of the comparison's commands."""
+    for p in queue["phases"]:
+        if p["phase"] in ("primary", "secondary"):
+            gate_runs = next(q for q in queue["phases"] if q["phase"] == "gate")["runs"]
+            found = verdicts if verdicts is not None else [gate(read_rows(Path(r["dir"]))) for r in gate_runs]
+            if not all(v["passed"] for v in found):
+                return "the gate failed: no comparison runs (amendment 6); report the gate's numbers"
+        if any(r["state"] != "done" for r in p["runs"]):
+            return p["command"]
+    return "every run of the queue is done"
+
+
+def main(argv: list[str]) -> int:
+    cmd, args = (argv[0], argv[1:]) if argv else ("status", [])
+    if cmd in ("status", "next"):
+        queue = refresh(json.loads(QUEUE.read_text()))
+        if cmd == "next":
+            print(next_step(queue))
+            return 0
+        for p in queue["phases"]:
+            states = [r["state"] for r in p["runs"]]
+            print(f"{p['phase']}: " + ", ".join(f"{states.count(s)} {s}" for s in ("done", "started", "pending")))
+        return 0
+    for run in args:
+        rows = read_rows(Path(run))
+        print(run, json.dumps(gate(rows) if cmd == "gate" else t90(call_rate_curve(rows))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

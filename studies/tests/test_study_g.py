@@ -1,0 +1,86 @@
+"""Stage G of the agents search (studies/results/agents/study_g.py): the registered measure T90, the gate's four
+criteria and the queue as registered (every run pending, the compare config's runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "results" / "agents"
+
+
+@pytest.fixture(scope="module")
+def g():
+    spec = importlib.util.spec_from_file_location("study_g", ROOT / "study_g.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_t90_interpolates_between_the_evaluations_around_the_crossing(g):
+    # 0.6 at step 3, 1.0 at step 4: 0.9 is three quarters of the way, 3.75
+    assert g.t90({0: 0.07, 1: 0.1, 2: 0.3, 3: 0.6, 4: 1.0, 5: 1.0}) == (pytest.approx(3.75), False)
+    assert g.t90({0: 0.07, 1: 0.5, 2: 0.9}) == (pytest.approx(2.0), False)  # exactly 0.9 at step 2
+    assert g.t90({0: 0.95, 1: 1.0}) == (0.0, False)
+    # a dip after the crossing does not move it; never reaching 0.9 by step 10 is censored at 11
+    assert g.t90({0: 0.1, 1: 0.92, 2: 0.5}) == (pytest.approx(0.8 / 0.82), False)  # (0.9 - 0.1) / (0.92 - 0.1)
+    assert g.t90({s: 0.05 * s for s in range(11)}) == (11.0, True)
+    assert g.t90({0: 0.1, 5: 0.5, 12: 1.0}) == (11.0, True)  # an evaluation past step 10 does not count
+
+
+def _rows(rate0=0.07, with_call=0.97, without=0.47, above=(1, 2, 3, 0, 0), mass=(0.2, 0.1, 0.1, 0.0, 0.1),
+          curve=(0.07, 0.1, 0.2, 0.4, 0.6, 0.95)):
+    rows = [{"step": 0, "eval/tool_call_rate": rate0, "eval/accuracy_with_fork": with_call,
+             "eval/accuracy_without_fork": without}]
+    for s in range(1, 11):
+        r = {"step": s, "eval/tool_call_rate": curve[min(s, len(curve) - 1)]}
+        if s <= 5:
+            r.update({"fork/calc/pos_above": above[s - 1], "objective/all_pos_mass_above": mass[s - 1]})
+        rows.append(r)
+    return rows
+
+
+def test_the_gate_s_four_criteria(g):
+    v = g.gate(_rows())
+    assert v["passed"] and v["pos_above"] == (6, True) and v["pos_mass"] == (pytest.approx(0.1), True)
+    assert v["t90"][0] == (pytest.approx(4 + 0.3 / 0.35), False)
+    assert not g.gate(_rows(rate0=0.02))["passed"]  # the warm start's call too rare
+    assert not g.gate(_rows(rate0=0.2))["passed"]  # nor common
+    assert not g.gate(_rows(with_call=0.4))["passed"]  # the call must pay
+    assert not g.gate(_rows(above=(1, 1, 1, 1, 0)))["passed"]  # 4 < 5
+    assert not g.gate(_rows(mass=(0.1, 0.1, 0.1, 0.05, 0.1)))["passed"]  # 0.09 < 0.10
+    assert not g.gate(_rows(curve=(0.07, 0.5, 0.95)))["passed"]  # T90 = 1.9 < 3.5: no room for a speed difference
+    # stage F's DAPO run of seed 0 has the mechanism in the amount the thresholds are a third of
+    f = g.gate(g.read_rows(ROOT / "stageF_dapo_s0"))
+    assert f["call_rate"][1] and f["pos_above"] == (17, True) and f["pos_mass"][0] == pytest.approx(0.296, abs=1e-3)
+
+
+def test_the_queue_is_the_registered_one_every_run_pending(g):
+    queue = json.loads(g.QUEUE.read_text())
+    assert queue == g.build_queue()
+    counts = {p["phase"]: len(p["runs"]) for p in queue["phases"]}
+    assert counts == {"precheck": 1, "gate": 2, "primary": 48, "secondary": 16}
+    assert all(r["state"] == "pending" for p in queue["phases"] for r in p["runs"])
+    primary = next(p for p in queue["phases"] if p["phase"] == "primary")["runs"]
+    assert {r["arm"] for r in primary} == {"dapo", "cispo_lowmask", "cispo"} and {r["lr"] for r in primary} == {1e-5}
+    assert [r["seed"] for r in primary[:6]] == [0, 0, 0, 1, 1, 1]  # seed by seed: a stop leaves whole pairs
+    assert {r["seed"] for r in next(p for p in queue["phases"] if p["phase"] == "gate")["runs"]} == {100, 101}
+    # the registered stop: a failed gate gives no comparison command
+    done = {"phases": [{**p, "runs": [{**r, "state": "done"} for r in p["runs"]]} if p["phase"] in ("precheck", "gate")
+                       else p for p in queue["phases"]]}
+    assert g.next_step(done, verdicts=[{"passed": True}, {"passed": False}]).startswith("the gate failed")
+    assert g.next_step(done, verdicts=[{"passed": True}] * 2) == queue["phases"][2]["command"]
+
+
+def test_the_cispo_arm_counts_would_drop_at_dapo_s_bound(g):
+    from cispo.cli import _build_config
+    from studies.compare import CompareConfig, run_configs
+
+    runs = {r.arm: r.config.algo.objective.resolve() for r in run_configs(_build_config(CompareConfig, str(g.CONFIG),
+                                                                                        ["seeds=[0]"]))}
+    assert {a: (o.mask_rule, o.eps_low, o.eps_high, o.eps_high_is) for a, o in runs.items()} == {
+        "dapo": ("ppo", 0.2, 0.28, None), "cispo_lowmask": ("ppo-low", 0.2, 0.28, 4.0),
+        "cispo": ("none", 0.2, 0.28, 4.0)}
