@@ -17,23 +17,7 @@ from cispo.envs.factory import FactoryEnvironments, load_environment_class
 from cispo.envs.tools import ToolSpecError
 from cispo.training.sampling import opened_groups
 from tests.envs.fixtures.scripted_envs import Counter
-from tests.envs.test_environments import QWEN_TOOL_TEMPLATE, TOKENIZER_DIR, ids
-
-
-@pytest.fixture(scope="module")
-def smol():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    tok.chat_template = QWEN_TOOL_TEMPLATE
-    return tok
+from tests.envs.test_environments import ids
 
 
 class Guess(Env):

@@ -81,22 +81,6 @@ def shout(text: str) -> str:
     return ("<b>" + text + "</b> ") * 200
 
 
-@pytest.fixture(scope="module")
-def smol():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    tok.chat_template = QWEN_TOOL_TEMPLATE
-    return tok
-
-
 class CountingRunner(ToolRunner):
     """The runner in this thread, counting its batches."""
 

@@ -31,7 +31,6 @@ from cispo.envs.tool_env import (
     parse_tool_calls,
 )
 from cispo.envs.tools import ToolCall, ToolRunner, ToolSpecError, as_tool, calculator, load_tools
-from tests.envs.test_environments import QWEN_TOOL_TEMPLATE, TOKENIZER_DIR
 
 
 def depth(value) -> int:
@@ -44,22 +43,6 @@ def depth(value) -> int:
 
 def nested(n: int) -> str:
     return "[" * n + "]" * n
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    tok.chat_template = QWEN_TOOL_TEMPLATE
-    return tok
-
-
-@pytest.fixture(scope="module")
-def smol():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
 def measure(items: list) -> str:
