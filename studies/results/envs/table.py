@@ -1,0 +1,93 @@
+"""The tables of the guess-the-number search (search-plan.md) from the raw run data in this folder.
+
+    python studies/results/envs/table.py            # prints markdown
+
+Reads each run folder's ``metrics.jsonl`` (the held-out evaluations, the per-step rollout metrics) and
+``samples.jsonl.gz`` (every training episode: its segments and per-turn rewards), and ``stage0/eval.txt`` (the
+base model's evaluation). Per step of an RL run, over its 32 sampled games: the solve rate, the mean return
+(solved + the turn rewards), the mean guesses of a solved game, the share of policy turns whose line is unreadable,
+and the share of first guesses that halve 1..15 (8) — the last a number chosen after seeing the transcripts.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[2]))
+
+from cispo.data.tasks.guess_number import read_guess  # noqa: E402
+
+
+def rows(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def base_eval() -> dict:
+    """The JSON block of ``stage0/eval.txt`` (``cispo eval``'s printout)."""
+    text = (HERE / "stage0" / "eval.txt").read_text()
+    return json.loads(re.search(r"\{.*\}", text, re.S).group(0))
+
+
+def eval_row(name: str, step, m: dict) -> str:
+    """One evaluation: greedy and sampled solve rates, turns, turn reward, return, truncation."""
+    sampled = m.get("eval/accuracy_mean_at_8", float("nan"))
+    # every policy turn was stepped (and so rewarded) unless cut by the length: then exact, else approximate
+    ret = sampled + m["eval/turn_reward_mean"] * m["eval/turns"]
+    return (f"| {name} | {step} | {m['eval/accuracy_greedy']:.2f} | {sampled:.2f} | {m['eval/turns']:.2f} | "
+            f"{m['eval/turn_reward_mean']:+.3f} | {ret:+.2f} | {m['eval/truncated']:.2f} |")
+
+
+def policy_lines(sample: dict) -> list[str]:
+    """Each policy segment's line (its text up to the newline)."""
+    return [s["text"].split("\n", 1)[0] for s in sample["segments"] if s["role"] == "policy"]
+
+
+def step_stats(samples: list[dict]) -> dict:
+    """Per-step numbers over the step's sampled games (module docstring)."""
+    n = len(samples)
+    returns = [s["task_reward"] + sum(s.get("turn_rewards") or []) for s in samples]
+    solved = [s for s in samples if s["task_reward"] >= 1.0]
+    lines = [line for s in samples for line in policy_lines(s)]
+    firsts = [read_guess(policy_lines(s)[0]) if policy_lines(s) else None for s in samples]
+    return {"n": n, "solve": len(solved) / n, "return": sum(returns) / n,
+            "guesses_solved": (sum(len(policy_lines(s)) for s in solved) / len(solved)) if solved else float("nan"),
+            "unreadable": sum(read_guess(line) is None for line in lines) / max(len(lines), 1),
+            "first_8": sum(f == 8 for f in firsts) / n}
+
+
+def run_tables(run: Path) -> str:
+    metrics = rows(run / "metrics.jsonl")
+    samples = rows(run / "samples.jsonl.gz")
+    out = [f"### {run.name}", "", "Held-out (every secret once: greedy 15 games, sampled 8 x 15 at temperature 1.0):",
+           "", "| model | step | greedy solve | sampled solve | turns | turn reward | return (sampled) | truncated |",
+           "|---|---|---|---|---|---|---|---|"]
+    out += [eval_row(run.name, r["step"], r) for r in metrics if "eval/accuracy_greedy" in r]
+    out += ["", "Training games per step (32 sampled at temperature 1.0):", "",
+            "| step | solve | return | guesses when solved | unreadable turns | first guess 8 |", "|---|---|---|---|---|---|"]
+    steps = sorted({s["step"] for s in samples})
+    for step in steps:
+        st = step_stats([s for s in samples if s["step"] == step])
+        out.append(f"| {step} | {st['solve']:.2f} | {st['return']:+.2f} | {st['guesses_solved']:.2f} | "
+                   f"{st['unreadable']:.2f} | {st['first_8']:.2f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    print("| model | step | greedy solve | sampled solve | turns | turn reward | return (sampled) | truncated |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(eval_row("base (stage 0)", "-", base_eval()))
+    print()
+    for run in sorted(p for p in HERE.iterdir() if p.is_dir() and (p / "samples.jsonl.gz").exists()):
+        print(run_tables(run))
+        print()
+
+
+if __name__ == "__main__":
+    main()
