@@ -6,7 +6,8 @@ Reads each run folder's ``metrics.jsonl`` (the held-out evaluations, the per-ste
 ``samples.jsonl.gz`` (every training episode: its segments and per-turn rewards), and ``stage0/eval.txt`` (the
 base model's evaluation). Per step of an RL run, over its 32 sampled games: the solve rate, the mean return
 (solved + the turn rewards), the mean guesses of a solved game, the share of policy turns whose line is unreadable,
-and the share of first guesses that halve 1..15 (8) — the last a number chosen after seeing the transcripts.
+the share of readable guesses inside the interval the answers so far leave (consistent), and the share of first
+guesses that halve 1..15 (8) — the last two numbers chosen after seeing the transcripts.
 """
 
 from __future__ import annotations
@@ -49,17 +50,33 @@ def policy_lines(sample: dict) -> list[str]:
     return [s["text"].split("\n", 1)[0] for s in sample["segments"] if s["role"] == "policy"]
 
 
+def consistency(sample: dict) -> tuple[int, int]:
+    """(readable guesses inside the interval the environment's answers so far leave, readable guesses)."""
+    lo, hi, inside, total, last = 1, 15, 0, 0, None
+    for seg in sample["segments"]:
+        text = seg["text"].split("\n", 1)[0].strip()
+        if seg["role"] == "policy":
+            last = read_guess(text)
+            if last is not None:
+                total, inside = total + 1, inside + (lo <= last <= hi)
+        elif last is not None and text in ("higher", "lower"):
+            lo, hi = (max(lo, last + 1), hi) if text == "higher" else (lo, min(hi, last - 1))
+    return inside, total
+
+
 def step_stats(samples: list[dict]) -> dict:
     """Per-step numbers over the step's sampled games (module docstring)."""
     n = len(samples)
     returns = [s["task_reward"] + sum(s.get("turn_rewards") or []) for s in samples]
     solved = [s for s in samples if s["task_reward"] >= 1.0]
     lines = [line for s in samples for line in policy_lines(s)]
+    counts = [consistency(s) for s in samples]
     firsts = [read_guess(policy_lines(s)[0]) if policy_lines(s) else None for s in samples]
     return {"n": n, "solve": len(solved) / n, "return": sum(returns) / n,
             "guesses_solved": (sum(len(policy_lines(s)) for s in solved) / len(solved)) if solved else float("nan"),
             "unreadable": sum(read_guess(line) is None for line in lines) / max(len(lines), 1),
-            "first_8": sum(f == 8 for f in firsts) / n}
+            "first_8": sum(f == 8 for f in firsts) / n,
+            "consistent": sum(i for i, _ in counts) / max(sum(t for _, t in counts), 1)}
 
 
 def run_tables(run: Path) -> str:
@@ -70,12 +87,13 @@ def run_tables(run: Path) -> str:
            "|---|---|---|---|---|---|---|---|"]
     out += [eval_row(run.name, r["step"], r) for r in metrics if "eval/accuracy_greedy" in r]
     out += ["", "Training games per step (32 sampled at temperature 1.0):", "",
-            "| step | solve | return | guesses when solved | unreadable turns | first guess 8 |", "|---|---|---|---|---|---|"]
+            "| step | solve | return | guesses when solved | unreadable turns | consistent guesses | first guess 8 |",
+            "|---|---|---|---|---|---|---|"]
     steps = sorted({s["step"] for s in samples})
     for step in steps:
         st = step_stats([s for s in samples if s["step"] == step])
         out.append(f"| {step} | {st['solve']:.2f} | {st['return']:+.2f} | {st['guesses_solved']:.2f} | "
-                   f"{st['unreadable']:.2f} | {st['first_8']:.2f} |")
+                   f"{st['unreadable']:.2f} | {st['consistent']:.2f} | {st['first_8']:.2f} |")
     return "\n".join(out)
 
 
