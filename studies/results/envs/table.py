@@ -102,7 +102,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     print(eval_row("base (stage 0)", "-", base_eval()))
     print()
-    for run in sorted(p for p in HERE.iterdir() if p.is_dir() and (p / "metrics.jsonl").exists() and (p / "samples.jsonl.gz").exists()):
+    runs = [p for p in HERE.iterdir() if (p / "metrics.jsonl").exists() and (p / "samples.jsonl.gz").exists()]
+    for run in sorted(runs):
         print(run_tables(run))
         print()
 
