@@ -58,10 +58,12 @@ class SFTDataConfig:
     demonstrations."""
     split: str | None = None
     """The split of a ``datasets`` folder or a folder of shards (as ``cispo train``'s ``data.split``)."""
-    task: Literal["wordmath_calc"] = "wordmath_calc"
+    task: Literal["wordmath_calc", "guess_number"] = "wordmath_calc"
     """With ``path`` unset: the built-in task whose worked answers are trained on (``wordmath_calc``: a word
     problem answered in one line of working that calls the calculator, ``539 / 11 =
-    <calc>539/11</calc><result>49</result>`` then ``#### 49``; the environment's ``<result>`` is context)."""
+    <calc>539/11</calc><result>49</result>`` then ``#### 49``; the environment's ``<result>`` is context;
+    ``guess_number``: a game of guesses, each drawn from the interval the environment's answers leave, the
+    answers ``higher`` / ``lower`` context; ``numbers``, ``calculator`` and ``call_share`` are wordmath_calc's)."""
     num_demonstrations: int = 256
     """Worked answers (distinct train problems) of ``task``."""
     seed: int = 1

@@ -26,14 +26,19 @@ import inspect
 
 from cispo.data.rewards import RewardSpecError
 from cispo.data.rewards.loading import _resolve
+from cispo.data.tasks import guess_number
 from cispo.envs.base import Env
 from cispo.envs.episodes import Environments
+from cispo.envs.guess import GuessEnvironments
 from cispo.envs.tool_env import ToolEnvironment, ToolEpisode, environment_from_config, resolve_tool_format
 from cispo.envs.tools import ToolRunner, ToolSpecError, as_tool
 
 __all__ = ["ClassEnvironments", "FactoryEnvironments", "environments_from_class", "public_methods",
-           "load_environment_class", "run_environments"]
+           "load_environment_class", "run_environments", "TASK_ENVIRONMENTS"]
 
+TASK_ENVIRONMENTS = {guess_number.NAME: GuessEnvironments}
+"""A built-in task's own environment family, made with ``(tokenizer, max_turns)``: the run's environments where
+``data.task`` names the task and neither ``data.environment`` nor ``data.tools`` is given."""
 RESERVED_METHODS = ("reset", "get_reward")
 """A TRL environment's methods that are not tools."""
 
@@ -148,9 +153,13 @@ def load_environment_class(spec: str, trial: bool = True):
 
 
 def run_environments(tokenizer, data_cfg, rollout_cfg) -> Environments | None:
-    """The run's environments: ``data.environment``'s class (`environments_from_class`), else the tools of
-    ``data.tools`` or the built-in task's own (``cispo.envs.tool_env.environment_from_config``), else None."""
+    """The run's environments: ``data.environment``'s class (`environments_from_class`), else the built-in
+    task's own environment (`TASK_ENVIRONMENTS`, where ``data.tools`` is None), else the tools of ``data.tools``
+    or the built-in task's own (``cispo.envs.tool_env.environment_from_config``), else None."""
     if data_cfg.environment:
         return environments_from_class(load_environment_class(data_cfg.environment), tokenizer, data_cfg,
                                        rollout_cfg)
+    task = data_cfg.task if data_cfg.path is None else None
+    if task in TASK_ENVIRONMENTS and data_cfg.tools is None:
+        return TASK_ENVIRONMENTS[task](tokenizer, rollout_cfg.max_turns)
     return environment_from_config(tokenizer, data_cfg, rollout_cfg)

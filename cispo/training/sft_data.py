@@ -7,7 +7,8 @@ Two sources (`load_examples`):
   ``tool_calls`` and no content) and optionally ``tools`` (JSON schemas, passed to the chat template). Rows are
   read by `cispo.data.datasets.read_rows` and checked one by one (`check_chat`): a bad row is one `DataError`
   line naming the file, the line (or row) and the field (``messages[2].role``);
-* **a built-in task's worked answers** (``data.task``: ``wordmath_calc.demonstrations``): the prompt's
+* **a built-in task's worked answers** (``data.task``: ``wordmath_calc.demonstrations``,
+  ``guess_number.demonstrations``): the prompt's
   messages and the assistant's one turn as ``parts``, ``(text, trained)`` pieces, the environment's inline
   observation (``<result>49</result>``) untrained.
 
@@ -254,7 +255,10 @@ def encode_parts(tokenizer, demo: dict, turn_end: int | None) -> Example:
 
 def task_demonstrations(data) -> list[dict]:
     """The built-in task's worked answers that ``data`` (`cispo.config.sft.SFTDataConfig`) asks for."""
-    from cispo.data.tasks import wordmath_calc
+    from cispo.data.tasks import guess_number, wordmath_calc
+
+    if data.task == guess_number.NAME:
+        return guess_number.demonstrations(data.seed, data.num_demonstrations)
 
     if data.calculator and data.call_share is not None:
         return wordmath_calc.mixed_demonstrations(data.seed, data.num_demonstrations, data.numbers, data.call_share)

@@ -41,6 +41,8 @@ ON_A_CPU = {  # example -> what its CPU run swaps besides TINY ({smollm2}, {gsm8
     "smollm2-wordmath-calc.yaml": ("model.path={smollm2}",),
     "calculator_sft.yaml": ("model.path={smollm2}",),
     "calculator_rl.yaml": ("model.path={smollm2}",),  # cispo sft's final/ is such a folder (tests/training/test_sft.py)
+    "guess_sft.yaml": ("model.path={smollm2}",),
+    "guess_rl.yaml": ("model.path={smollm2}",),
     "qwen05b-gsm8k.yaml": ("model.path={smollm2}", "data.path={gsm8k}", "data.eval_path={gsm8k}",
                            "rollout.overlong_buffer=4"),  # the penalty's window inside the 8 tokens
 }

@@ -21,12 +21,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_real_model_task_declares_its_own_held_out_defaults():
-    """wordmath's model is a 135M one: the example's 100 greedy prompts; the toy tasks keep 200 x (greedy + 4)."""
+    """wordmath's model is a 135M one: the example's 100 greedy prompts; guess_number's held-out set is its 15 secrets,
+    8 sampled games each; the toy tasks keep 200 x (greedy + 4)."""
     for name in ("wordmath", "wordmath_working", "wordmath_calc", "wordmath_calc_example", "wordmath_large",
                  "wordmath_calc_large"):
         assert (get_task(name).num_eval_prompts, get_task(name).eval_num_samples) == (100, 0)
+    assert (get_task("guess_number").num_eval_prompts, get_task("guess_number").eval_num_samples) == (15, 8)
     for name in set(list_tasks()) - {"wordmath", "wordmath_working", "wordmath_calc", "wordmath_calc_example", "wordmath_large",  # noqa: E501
-                                    "wordmath_calc_large"}:
+                                    "wordmath_calc_large", "guess_number"}:
         assert (get_task(name).num_eval_prompts, get_task(name).eval_num_samples) == (200, 4), name
 
 

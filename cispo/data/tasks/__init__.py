@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 
-from cispo.data.tasks import arithmetic, chain, wordmath, wordmath_calc
+from cispo.data.tasks import arithmetic, chain, guess_number, wordmath, wordmath_calc
 
-__all__ = ["Task", "UnknownTaskError", "get_task", "list_tasks", "arithmetic", "chain", "wordmath", "wordmath_calc"]
+__all__ = ["Task", "UnknownTaskError", "get_task", "list_tasks", "arithmetic", "chain", "guess_number", "wordmath",
+           "wordmath_calc"]
 
 
 class UnknownTaskError(ValueError):
@@ -166,6 +167,19 @@ def _wordmath_calc(name: str = wordmath_calc.NAME, prompt: str = "user", numbers
                    extract_answer=wordmath_calc.extract_answer, scores_policy_text=True)
 
 
+def _guess_number() -> Task:
+    """Find a secret number in 1..15 from the environment's answers (`guess_number`; its environment is
+    ``cispo.envs.guess``): SmolLM2-135M-Instruct in a chat, scored on the policy's own lines; the held-out set is
+    every secret once, 8 sampled episodes each (cheap: an episode is a few short lines)."""
+    return Task(name=guess_number.NAME, fork_tokens=(), alphabet="", max_new_tokens=guess_number.MAX_NEW_TOKENS,
+                train_samples=partial(guess_number.samples, split="train"),
+                eval_samples=partial(guess_number.samples, split="eval"),
+                reward=guess_number.reward, used_fork=guess_number.used_fork,
+                extract_answer=guess_number.extract_answer, corpus=_no_corpus, model="builtin:smollm2-135m",
+                chat=True, num_eval_prompts=guess_number.HIGH - guess_number.LOW + 1, eval_num_samples=8,
+                scores_policy_text=True)
+
+
 _REGISTRY: dict[str, Callable[[], Task]] = {
     "addition": partial(_addition, arithmetic.DIGITS, "addition"),
     "addition4": partial(_addition, (4,), "addition4"),
@@ -197,6 +211,8 @@ _REGISTRY: dict[str, Callable[[], Task]] = {
     # 2-3 digit operands, which a 135M model cannot add or multiply in its head: without and with the calculator
     "wordmath_large": partial(_wordmath, "wordmath_large", numbers="large"),
     "wordmath_calc_large": partial(_wordmath_calc, wordmath_calc.LARGE_NAME, numbers="large"),
+    # a secret number in 1..15 found from the environment's higher / lower answers (cispo.envs.guess)
+    "guess_number": _guess_number,
 }
 
 
