@@ -171,6 +171,7 @@ def test_a_bad_row_is_one_line_naming_the_file_line_and_field(tiny, tmp_path, ca
 
 
 def test_the_final_model_is_what_cispo_train_starts_from_and_lora_is_merged(tiny, tmp_path):
+    pytest.importorskip("peft")  # the lora extra
     result = sft(_config(tiny, tmp_path, "data.num_demonstrations=4", "model.lora_rank=4", "optim.lr=1e-2"))
     before, after = load_file(tiny / "model.safetensors"), load_file(result.final / "model.safetensors")
     assert after.keys() == before.keys()  # plain (merged) weights, no adapter names
