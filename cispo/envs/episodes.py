@@ -27,7 +27,7 @@ from cispo.envs.base import Env, Segment, StepResult
 from cispo.envs.observations import observation_ids
 from cispo.foundations.text import valid_text
 
-__all__ = ["Environments", "EnvEpisodes", "opened_sample"]
+__all__ = ["Environments", "ClassEnvironments", "EnvEpisodes", "opened_sample"]
 
 STEP_THREADS = 16
 """The most `Env.step` calls of one ``respond`` that run at once."""
@@ -78,6 +78,24 @@ class Environments:
 
     def close(self) -> None:
         """Free what the family holds (worker processes); default nothing."""
+
+
+
+class ClassEnvironments(Environments):
+    """A cispo `Env` subclass as the run's environments: ``cls()`` per episode."""
+
+    def __init__(self, cls: type, tokenizer, max_turns: int, max_observation_tokens: int = 256) -> None:
+        self.cls, self.tokenizer = cls, tokenizer
+        self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
+        self.stop_strings = tuple(getattr(cls, "stop_strings", ()) or ())
+        self.schemas = []
+
+    def make(self, sample: dict) -> Env:
+        return self.cls()
+
+    def describe(self) -> str:
+        name = f"{self.cls.__module__}.{self.cls.__qualname__}"
+        return f"environment: {name} (at most {self.max_turns} turns per response)"
 
 
 @dataclass

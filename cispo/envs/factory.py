@@ -28,15 +28,15 @@ from cispo.data.rewards import RewardSpecError
 from cispo.data.rewards.loading import _resolve
 from cispo.data.tasks import guess_number
 from cispo.envs.base import Env
-from cispo.envs.episodes import Environments
-from cispo.envs.guess import GuessEnvironments
+from cispo.envs.episodes import ClassEnvironments, Environments
+from cispo.envs.guess import GuessEnv
 from cispo.envs.tool_env import ToolEnvironment, ToolEpisode, environment_from_config, resolve_tool_format
 from cispo.envs.tools import ToolRunner, ToolSpecError, as_tool
 
 __all__ = ["ClassEnvironments", "FactoryEnvironments", "environments_from_class", "public_methods",
            "load_environment_class", "run_environments", "TASK_ENVIRONMENTS"]
 
-TASK_ENVIRONMENTS = {guess_number.NAME: GuessEnvironments}
+TASK_ENVIRONMENTS = {guess_number.NAME: GuessEnv}
 """A built-in task's own environment family, made with ``(tokenizer, max_turns)``: the run's environments where
 ``data.task`` names the task and neither ``data.environment`` nor ``data.tools`` is given."""
 RESERVED_METHODS = ("reset", "get_reward")
@@ -58,22 +58,6 @@ def _reset_kwargs(reset, sample: dict) -> dict:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return dict(sample)
     return {p.name: sample[p.name] for p in params if p.name in sample}
-
-
-class ClassEnvironments(Environments):
-    """A cispo `Env` subclass as the run's environments: ``cls()`` per episode."""
-
-    def __init__(self, cls: type, tokenizer, max_turns: int, max_observation_tokens: int = 256) -> None:
-        self.cls, self.tokenizer = cls, tokenizer
-        self.max_turns, self.max_observation_tokens = max_turns, max_observation_tokens
-        self.stop_strings = tuple(getattr(cls, "stop_strings", ()) or ())
-        self.schemas = []
-
-    def make(self, sample: dict) -> Env:
-        return self.cls()
-
-    def describe(self) -> str:
-        return f"environment: {_name(self.cls)} (at most {self.max_turns} turns per response)"
 
 
 class FactoryEnvironments(ToolEnvironment):
@@ -161,5 +145,5 @@ def run_environments(tokenizer, data_cfg, rollout_cfg) -> Environments | None:
                                        rollout_cfg)
     task = data_cfg.task if data_cfg.path is None else None
     if task in TASK_ENVIRONMENTS and data_cfg.tools is None:
-        return TASK_ENVIRONMENTS[task](tokenizer, rollout_cfg.max_turns)
+        return ClassEnvironments(TASK_ENVIRONMENTS[task], tokenizer, rollout_cfg.max_turns)
     return environment_from_config(tokenizer, data_cfg, rollout_cfg)

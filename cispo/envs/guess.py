@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from cispo.data.tasks import guess_number
 from cispo.envs.base import Env, Segment, StepResult
-from cispo.envs.episodes import Environments
 
-__all__ = ["GuessEnv", "GuessEnvironments", "TURN_COST"]
+__all__ = ["GuessEnv", "TURN_COST"]
 
 TURN_COST = -0.1
 """The reward of a turn that does not find the number (the turn that finds it earns 0)."""
@@ -64,18 +63,3 @@ class GuessEnv(Env):
         """The game in ``samples.jsonl``: the secret, the readable guesses and whether the number was found."""
         return {"secret": self.secret, "guesses": list(self.guesses), "found": self.found}
 
-
-class GuessEnvironments(Environments):
-    """The family of ``guess_number``'s games: a `GuessEnv` per episode, a segment ending at each newline."""
-
-    stop_strings = GuessEnv.stop_strings
-
-    def __init__(self, tokenizer, max_turns: int, max_observation_tokens: int = 64) -> None:
-        self.tokenizer, self.max_turns, self.max_observation_tokens = tokenizer, max_turns, max_observation_tokens
-
-    def make(self, sample: dict) -> GuessEnv:
-        return GuessEnv()
-
-    def describe(self) -> str:
-        return (f"environment: guess the number ({guess_number.LOW}..{guess_number.HIGH}, "
-                f"at most {self.max_turns + 1} guesses)")

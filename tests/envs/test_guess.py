@@ -15,8 +15,9 @@ import pytest
 from cispo.config.train import TrainConfig, apply_overrides
 from cispo.data.tasks import get_task, guess_number
 from cispo.data.tasks.guess_number import read_guess, reward
+from cispo.envs.episodes import ClassEnvironments
 from cispo.envs.factory import run_environments
-from cispo.envs.guess import TURN_COST, GuessEnvironments
+from cispo.envs.guess import TURN_COST, GuessEnv
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "cispo" / "data" / "tasks" / "base_models" / "smollm2-tokenizer"
 
@@ -74,7 +75,7 @@ def play(env, tok, secret: int, lines: list[str], by_stop_token: list[bool] | No
 
 
 def test_a_three_turn_game_records_each_turns_reward(smol):
-    env = GuessEnvironments(smol, max_turns=3)
+    env = ClassEnvironments(GuessEnv, smol, max_turns=3)
     seen, record = play(env, smol, 10, ["Guess: 8\n", "Guess: 12\n", "Guess: 10\n"])
     assert seen == ["higher\n", "lower\n", None]  # the right guess ends the episode
     assert record["turn_rewards"] == [TURN_COST, TURN_COST, 0.0]
@@ -86,21 +87,21 @@ def test_a_three_turn_game_records_each_turns_reward(smol):
 
 
 def test_the_observation_depends_on_the_guess(smol):
-    env = GuessEnvironments(smol, max_turns=3)
+    env = ClassEnvironments(GuessEnv, smol, max_turns=3)
     assert play(env, smol, 10, ["Guess: 3\n"])[0] == ["higher\n", ]
     assert play(env, smol, 10, ["Guess: 13\n"])[0] == ["lower\n"]
     assert play(env, smol, 3, ["Guess: 13\n", "Guess: 2\n"])[0] == ["lower\n", "higher\n"]
 
 
 def test_unreadable_lines_cost_a_turn_and_a_turn_end_ends_the_game(smol):
-    env = GuessEnvironments(smol, max_turns=3)
+    env = ClassEnvironments(GuessEnv, smol, max_turns=3)
     seen, record = play(env, smol, 5, ["Guess: 4 or 5\n", "Guess: 5"], by_stop_token=[False, True])
     assert seen == [guess_number.UNREADABLE + "\n", None]  # the second line was ended by EOS: no guess
     assert record["turn_rewards"] == [TURN_COST, TURN_COST] and record["found"] is False
 
 
 def test_the_turn_cap_ends_the_game_after_max_turns_plus_one_guesses(smol):
-    env = GuessEnvironments(smol, max_turns=3)
+    env = ClassEnvironments(GuessEnv, smol, max_turns=3)
     seen, record = play(env, smol, 15, ["Guess: 1\n", "Guess: 2\n", "Guess: 3\n", "Guess: 4\n", "Guess: 15\n"])
     assert seen == ["higher\n"] * 3 + [None]
     assert record["turn_rewards"] == [TURN_COST] * 4 and record["guesses"] == [1, 2, 3, 4]
@@ -112,7 +113,7 @@ def test_the_reward_read_back_agrees_with_the_environment(smol):
     pool = ["Guess: {n}\n", "Guess: {n}", "Guess: {n} or {m}\n", "higher\n", "guess:{n}.\n", "I say {n}\n",
             "Guess: {n}\n\n"]
     rng = random.Random(0)
-    env = GuessEnvironments(smol, max_turns=3)
+    env = ClassEnvironments(GuessEnv, smol, max_turns=3)
     for _ in range(200):
         secret = rng.randint(1, 15)
         lines = [rng.choice(pool).format(n=rng.randint(1, 15), m=rng.randint(1, 15)) for _ in range(6)]
@@ -146,7 +147,8 @@ def guesses_of(demo: dict) -> list[str]:
 def test_the_task_is_paired_with_its_environment(smol):
     cfg = apply_overrides(TrainConfig(), ["data.task=guess_number", "rollout.max_turns=3"])
     env = run_environments(smol, cfg.data, cfg.rollout)
-    assert isinstance(env, GuessEnvironments) and env.max_turns == 3 and env.stop_strings == ("\n",)
+    assert isinstance(env, ClassEnvironments) and env.cls is GuessEnv
+    assert env.max_turns == 3 and env.stop_strings == ("\n",)
     task = get_task("guess_number")
     assert [s["secret"] for s in task.eval_samples(0, 16)] == [*range(1, 16), 1]  # every secret, in order
     assert task.train_samples(0, 8) == task.train_samples(0, 8) != task.train_samples(1, 8)
