@@ -66,14 +66,16 @@ def reward_calls(*completions, sample=None):
 
 def small_config(model_path, out_dir, *extra):
     """A three-step run of the built-in addition task on `model_path` that checkpoints and evaluates every 2
-    steps: the smallest run that exercises resume and evaluation; `extra` key=value overrides come last."""
+    steps: the smallest run that exercises resume and evaluation; `extra` key=value overrides come last. One
+    thread, whatever the load: threads picked by load differ between two runs on a busy machine, and so do
+    their sums' rounding (CI's bit-identical smoke run failed that way)."""
     return apply_overrides(
         TrainConfig(),
         [
             f"model.path={model_path}", f"out_dir={out_dir}", "model.device=cpu", "progress=false",
             "steps=3", "prompts_per_step=4", "group_size=4", "updates_per_batch=4", "max_new_tokens=10",
             "num_train_prompts=64", "num_eval_prompts=8", "eval.num_samples=2", "eval.every=2",
-            "checkpoint_every=2", "lr=1e-3", "warmup_updates=2", *extra,
+            "checkpoint_every=2", "lr=1e-3", "warmup_updates=2", "threads=1", *extra,
         ],
     )
 
