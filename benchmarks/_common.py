@@ -160,6 +160,17 @@ def update_flops(model, rows: int, prompt_len: float, response_len: float, group
     return parts
 
 
+def forward_flops(model, rows: float, prompt_len: float, response_len: float, group: int = 1) -> float:
+    """Useful FLOPs of one forward pass (no backward) over ``rows`` rows: a third of `update_flops`,
+
+        2 * (decoder linear params) * positions  +  2 * (LM head params) * rows * T  +  4 * layers * hidden * S^2 terms
+
+    the work of sampling (a prefill of each prompt, once per group of ``group`` rows when the sampler shares it,
+    and T decode steps a row, each with the head) and of a no-grad log-prob pass (``logp_old``) over ``rows``
+    rows alike."""
+    return update_flops(model, rows, prompt_len, response_len, group)["total"] / 3
+
+
 # --------------------------------------------------------------------------- memory (Linux)
 
 

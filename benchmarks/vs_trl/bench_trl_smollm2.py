@@ -33,7 +33,11 @@ tokens each side's steps held (equal when the prompts are); whether cispo's samp
 static-cache decode; and per side the update passes' useful FLOP rate (``_common.update_flops``,
 ≈ 6 x params x tokens) as a share of the fp32 and the bf16 matmul rate of the model's MLP shape,
 1024 tokens x 576 -> 1536 (``_common.matmul_rate``: the faster of ``linear`` and ``mm``), measured in
-that worker at its threads.
+that worker at its threads. Then each phase against its floor: sampling (a forward over the batch,
+``_common.forward_flops``, each prompt once per group), logp_old (a forward over the rows that side's no-grad
+pass computes: cispo all but the first update's, none under ``algo.logp_old=rollout``; TRL the batch) and the
+update (``update_flops``, each prompt once per group): GFLOP, seconds, the share of the matmul rate at the
+precision used, and the floor in seconds (those FLOPs at that rate).
 ``--bf16-steps N`` adds, after each of the first ``--bf16-repeats`` pairs, a cispo worker under bf16
 autocast over FP32 master weights (``model.dtype=bfloat16``): its step and update time against the
 fp32 cispo workers', its share of the bf16 matmul rate, and its sampler-vs-trainer log-prob gap
@@ -83,13 +87,20 @@ def workload(a) -> list[dict]:
     return get_task("wordmath").train_samples(a.seed, (a.steps + 1) * a.prompts)
 
 
-def measured(a, rows: list[dict], model, steps: int) -> dict:
-    """A worker's result: its measured steps with the update passes' useful FLOPs added, and the matmul
-    rates of this process at its threads."""
+def measured(a, rows: list[dict], model, steps: int, logp_old_rows: float) -> dict:
+    """A worker's result: its measured steps with each phase's useful FLOPs added (sampling: a forward over
+    the batch, each prompt once per group; logp_old: a forward over the ``logp_old_rows`` rows that side's
+    no-grad pass computes; update: `update_flops`, counted both ways), and the matmul rates of this process at
+    its threads."""
+    from benchmarks._common import forward_flops
+
     B = a.prompts * a.group
     for row in rows:
-        row["update_flops"] = update_flops(model, B, row["prompt_tokens"] / B, row["tokens"] / B)["total"]
-        row["update_flops_once"] = update_flops(model, B, row["prompt_tokens"] / B, row["tokens"] / B, a.group)["total"]
+        P, T = row["prompt_tokens"] / B, row["tokens"] / B
+        row["update_flops"] = update_flops(model, B, P, T)["total"]
+        row["update_flops_once"] = update_flops(model, B, P, T, a.group)["total"]
+        row["sample_flops"] = forward_flops(model, B, P, T, a.group)
+        row["logp_old_flops"] = forward_flops(model, logp_old_rows, P, T, a.group)
     rates = {dt: matmul_rate(dt, a.mm_shape, a.mm_repeats) for dt in DTYPES}
     return {"steps": rows[-steps:], "matmul": rates}
 
@@ -111,8 +122,18 @@ def worker_cispo(a, bf16: bool) -> dict:
     for i, row in enumerate(rows):  # step i took prompts i*P .. (i+1)*P - 1 of the list, G rows each
         row["prompt_tokens"] = float(a.group * sum(lens[i * a.prompts:(i + 1) * a.prompts]))
     why = unsupported_reason(policy.model) if policy.sampler.inner.decode != "hf" else "decode=hf"
-    return {**measured(a, rows, policy.model, steps), "threads": threads, "desc": s["desc"],
+    return {**measured(a, rows, policy.model, steps, cispo_logp_old_rows(s["cfg"].algo, a.prompts * a.group)),
+            "threads": threads, "desc": s["desc"],
             "decode": "static-cache decode" if why is None else f"forward path ({why})"}
+
+
+def cispo_logp_old_rows(algo, rows: int) -> float:
+    """The rows cispo's no-grad logp_old pass computes: none with ``logp_old=rollout`` (the sampler's), all but the
+    first update's with ``logp_old_from_update`` (those come from that update's forward), else all. (Settings
+    that turn ``logp_old_from_update`` off at run time, e.g. ``tis_cap``, are not read here.)"""
+    if algo.logp_old == "rollout":
+        return 0.0
+    return rows - rows / algo.updates_per_batch if algo.logp_old_from_update else float(rows)
 
 
 def worker_trl(a) -> dict:
@@ -142,7 +163,8 @@ def worker_trl(a) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=wordmath_reward, args=args, train_dataset=data,
                           processing_class=tok)
     rows = train_timed(trainer, a.updates, 1, B)  # the warm-up step already dropped
-    return {**measured(a, rows, trainer.model, a.steps), "threads": threads}
+    logp_old_rows = B if any(r["logp_old"] > 0 for r in rows) else 0  # TRL's pass, where it made one, covers the batch
+    return {**measured(a, rows, trainer.model, a.steps, logp_old_rows), "threads": threads}
 
 
 def worker(a, side: str) -> dict:
@@ -173,6 +195,30 @@ def flop_table(results: dict[str, list[dict]]) -> str:
     return table(["side", "update GFLOP/step", "update s", "update GFLOP/s", "matmul fp32 GFLOP/s", "share fp32",
                   "matmul bf16 GFLOP/s", "share bf16", "share, precision used",
                   "share, each prompt once per group"], out)
+
+
+PHASE_FLOPS = (("sample", "sample_flops"), ("logp_old", "logp_old_flops"), ("update", "update_flops_once"))
+"""Each phase's measured time and its useful FLOPs, each prompt counted once per group (`measured`)."""
+
+
+def phase_table(results: dict[str, list[dict]]) -> str:
+    """Per side and phase (sampling, logp_old, update): useful GFLOP per step, seconds, GFLOP/s and the share of
+    the matmul rate at the precision used (medians over its steps / workers), and the phase's floor: the seconds
+    it would take at that matmul rate. A phase with no work on a side (cispo's logp_old under
+    ``algo.logp_old=rollout``) reads 0 and no share."""
+    out = []
+    for side, workers in results.items():
+        steps = [s for w in workers for s in w["steps"]]
+        if not steps:
+            continue
+        used = "bfloat16" if side.endswith("bf16") else "float32"
+        mm = median(w["matmul"][used] for w in workers)
+        for phase, key in PHASE_FLOPS:
+            flops, secs = median(s[key] for s in steps), median(s[phase] for s in steps)
+            share = f"{flops / secs / mm:.1%}" if flops > 0 and secs > 0 else "-"
+            out.append([side, phase, flops / 1e9, secs, flops / secs / 1e9 if secs > 0 else 0.0, mm / 1e9,
+                        share, flops / mm])
+    return table(["side", "phase", "GFLOP/step", "s", "GFLOP/s", "matmul GFLOP/s", "share of floor", "floor s"], out)
 
 
 def bf16_lines(results: dict[str, list[dict]]) -> list[str]:
@@ -252,6 +298,10 @@ def main(argv=None) -> None:
     print(f"\nupdate passes' useful FLOP rate (_common.update_flops) vs the matmul rate ([{m}, {k}] x "
           f"[{n}, {k}]^T, the faster of linear and mm) in each worker at its threads:")
     print(flop_table(results))
+    print("\neach phase against its floor (useful FLOPs, each prompt once per group: _common.forward_flops for "
+          "sampling and logp_old, _common.update_flops for the update; floor = those FLOPs at the matmul rate of "
+          "the precision used):")
+    print(phase_table(results))
     for line in bf16_lines(results):
         print(line)
     print(f"took {time.perf_counter() - t0:.0f} s")

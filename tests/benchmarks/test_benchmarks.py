@@ -131,6 +131,15 @@ def test_bench_trl_smollm2_end_to_end(tmp_path):
         shares = [float(x) for x in re.findall(r"([\d.]+)%", row)]
         assert len(shares) == 4 and all(math.isfinite(x) and x > 0 for x in shares), row
         assert shares[3] <= shares[2], row  # each prompt counted once per group: no more useful work in the same time
+    phases = text.split("each phase against its floor")[1]
+    for side in ("TRL", "cispo", "cispo-bf16"):
+        for phase in ("sample", "update"):
+            row = next(line for line in phases.splitlines() if line.startswith(f"| {side} ") and f"| {phase} " in line)
+            share = re.findall(r"([\d.]+)%", row)
+            assert len(share) == 1 and 0 < float(share[0]) and math.isfinite(float(share[0])), row
+    # K = 1 and logp_old from the update: cispo's no-grad pass computes no row, and the table says so
+    row = next(line for line in phases.splitlines() if line.startswith("| cispo ") and "| logp_old " in line)
+    assert "%" not in row and "| -" in row, row
 
 
 def test_update_flops_counts_a_shared_prompt_once_per_group():
