@@ -414,7 +414,8 @@ def run_all(runs: list[Run], workers: int) -> None:
         return
     from cispo.models.builtin import ensure_builtin_model
 
-    ensure_builtin_model(todo[0].config.data.task)  # once, before the workers race for it
+    if todo[0].config.model.path is None:  # a given model (a folder, builtin:<name>) is not built here
+        ensure_builtin_model(todo[0].config.data.task)  # once, before the workers race for it
     if workers <= 1:
         for r in todo:
             print("cispo:", _run_one(r), file=sys.stderr)

@@ -176,3 +176,23 @@ def test_tiny_comparison_writes_table_and_plots(tiny_model, dense_task, tmp_path
     assert study["arm"] == "cispo" and study["wall_s"] is None
     gaps = sweep(SweepConfig(seeds=[0], ks=[1, 2], workers=1, out_dir=str(tmp_path / "sweep"), train=train))
     assert set(gaps) == {1, 2} and (tmp_path / "sweep" / "sweep.png").exists()
+
+
+def test_a_comparison_on_a_given_model_builds_no_builtin_model(tmp_path, monkeypatch):
+    """``model.path`` set (a folder, ``builtin:smollm2-135m``): the runs start from it, and no built-in base
+    model is built for the task first (wordmath_working has none: building one raised before any run)."""
+    import cispo.models.builtin as builtin
+    import studies.compare as cmp
+
+    cfg = CompareConfig(arms=["cispo"], tune_lrs=[], tune_seeds=[], seeds=[0], out_dir=str(tmp_path),
+                        train=["model.path=builtin:smollm2-135m", "data.task=wordmath_working"])
+    trained = []
+    monkeypatch.setattr(builtin, "ensure_builtin_model", lambda *a, **k: pytest.fail("built a base model"))
+    monkeypatch.setattr(cmp, "_run_one", lambda run: trained.append(run.config.model.path) or "done")
+    cmp.run_all(run_configs(cfg), workers=1)
+    assert trained == ["builtin:smollm2-135m"]
+    cfg = replace(cfg, train=["data.task=addition"])  # no model given: the task's built-in one, built once first
+    built = []
+    monkeypatch.setattr(builtin, "ensure_builtin_model", lambda task, **k: built.append(task))
+    cmp.run_all(run_configs(cfg), workers=1)
+    assert built == ["addition"]
