@@ -264,3 +264,50 @@ def test_a_held_batch_keeps_an_episodes_rows_and_checks_them():
     state["continuations"][0]["prompt_ids"][0] = 99
     with pytest.raises(HeldBatchError, match=r"c.continuations\[0\].prompt_ids holds token id 99"):
         check_completion(state, HeldBatchLimits(vocab_size=32, num_samples=1), "c")
+
+
+# --------------------------------------------------------------------------- a template that rewrites past turns
+
+
+def rewriting_template() -> str:
+    """Qwen2.5's tool template, but an assistant turn with calls that is no longer the last message loses its
+    thinking (``<think>...</think>``) and is marked ``(earlier)``: a tool turn does not extend the conversation."""
+    from tests.envs.test_environments import QWEN_TOOL_TEMPLATE
+
+    old = "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}{%- if message.content %}" \
+          "{{- '\\n' + message.content }}{%- endif %}"
+    assert old in QWEN_TOOL_TEMPLATE
+    new = "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}" \
+          "{%- if not loop.last %}{{- ' (earlier)' }}{%- endif %}{%- if message.content %}" \
+          "{{- '\\n' + (message.content if loop.last else message.content.split('</think>')[-1].strip()) }}{%- endif %}"
+    return QWEN_TOOL_TEMPLATE.replace(old, new)
+
+
+def test_a_template_that_rewrites_past_turns_gives_the_tool_episode_a_new_row(qwen):
+    """Where the template renders an assistant turn differently once a tool turn follows (thinking stripped), the
+    tool environment re-renders the whole conversation each turn (``StepResult.context``) instead of refusing
+    the template: the turn's row ends and the next row's prompt is the template's own rendering."""
+    import copy
+
+    from cispo.envs.tool_env import ToolEnvironment, appends_tool_turns, render_prompt, template_takes_tools
+    from tests.envs.test_environments import CountingRunner, add
+
+    tok = copy.copy(qwen)
+    tok.chat_template = rewriting_template()
+    assert template_takes_tools(tok) and not appends_tool_turns(tok) and appends_tool_turns(qwen)
+    env = ToolEnvironment(tok, [add], "chat", 2, CountingRunner([add]))
+    assert env.tool_format == "chat" and env.rerenders
+    sample = {"prompt": "What is 2 + 3?"}
+    episodes = env.start([sample])
+    episodes.begin([render_prompt(tok, sample, env.schemas)])
+    said = ('<think>add them</think>\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+            '<|im_end|>')
+    assert episodes.respond([0], [tok_ids(tok, said)], [True]) == [None]  # the row ends ...
+    (row, prompt), = episodes.continuations()  # ... and the episode goes on from the re-rendered conversation
+    text = tok.decode(prompt)
+    assert row == 0 and "<|im_start|>assistant (earlier)\n\n<tool_call>" in text and "add them" not in text
+    assert text.endswith("<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert episodes.respond([0], [tok_ids(tok, "It is 5.<|im_end|>")], [True]) == [None]
+    record = episodes.record(0)
+    assert [s["role"] for s in record["segments"]] == ["policy", "context", "policy"]
+    assert record["rewrites"] == 1 and record["calls"][0]["name"] == "add"
