@@ -311,3 +311,22 @@ def test_a_template_that_rewrites_past_turns_gives_the_tool_episode_a_new_row(qw
     record = episodes.record(0)
     assert [s["role"] for s in record["segments"]] == ["policy", "context", "policy"]
     assert record["rewrites"] == 1 and record["calls"][0]["name"] == "add"
+
+
+def test_the_trainers_batch_lays_out_an_episodes_rows_with_its_group():
+    """`Trainer.experience`: one row per training row, the episode's advantage on each, each row's group mean
+    length over the group's episodes (every row's policy tokens), and the group of each row for ``by_group``."""
+    from types import SimpleNamespace
+
+    from cispo.training.trainer import Trainer
+
+    a, b = two_episodes()
+    c, d = episode([([7], [30, 31], [0, 0])], [1.0]), episode([([7], [40], [0])], [0.0])
+    fake = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(group_size=2), algo=Algo()),
+                           advantage_scale=lambda groups: None, policy=SimpleNamespace(pad_id=0, device="cpu"))
+    exp = Trainer.experience(fake, [[a, b], [c, d]])
+    assert len(exp) == 5 and exp.advantages[0] == exp.advantages[1] != exp.advantages[2]
+    # episode policy tokens: a 2 + 1 = 3, b 3 -> mean 3; c 2, d 1 -> mean 1.5
+    assert exp.extras["group_mean_length"].tolist() == [3.0, 3.0, 3.0, 1.5, 1.5]
+    assert exp.extras["group_of"].tolist() == [0, 0, 0, 1, 1]
+    assert exp.response_mask.sum().item() == 3 + 3 + 2 + 1
