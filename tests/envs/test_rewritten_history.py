@@ -330,3 +330,44 @@ def test_the_trainers_batch_lays_out_an_episodes_rows_with_its_group():
     assert exp.extras["group_mean_length"].tolist() == [3.0, 3.0, 3.0, 1.5, 1.5]
     assert exp.extras["group_of"].tolist() == [0, 0, 0, 1, 1]
     assert exp.response_mask.sum().item() == 3 + 3 + 2 + 1
+
+
+def test_under_lock_step_a_rank_with_no_row_left_joins_the_others_rounds():
+    """Sharded weights (FSDP) need every rank in every ``generate``: the rounds go on while any rank continues an
+    episode, a rank with none left running a throw-away greedy one."""
+    from types import SimpleNamespace
+
+    class Sampler:
+        def __init__(self, others_rounds):
+            self.others, self.calls, self.asked = others_rounds, [], []
+
+        def _all_ranks_done(self, done):  # the other rank continues episodes for `others` more rounds
+            self.asked.append(done)
+            self.others -= 1
+            return done and self.others < 0
+
+        def generate(self, prompts, cfg, generator=None, episodes=None):
+            self.calls.append((prompts, cfg.temperature, episodes is not None))
+            n = len(prompts)
+            return SimpleNamespace(response_lengths=torch.ones(n, dtype=torch.long), response_ids=torch.ones(n, 1),
+                                   logp_rollout=torch.zeros(n, 1), env_mask=torch.zeros(n, 1),
+                                   finish_reason=["eos"] * n)
+
+    class Episodes:
+        def __init__(self):
+            self.left = [[(0, [7, 8])], []]  # this rank continues one episode once
+
+        def begin(self, prompt_ids, encode):
+            pass
+
+        def continuations(self):
+            return self.left.pop(0) if self.left else []
+
+        def rows_of(self, which):
+            return self
+
+    sampler = Sampler(others_rounds=3)
+    rows = sample_episode_rows(sampler, [[5, 6]], SamplingConfig(max_new_tokens=4), None, Episodes())
+    assert [len(r) for r in rows] == [2] and rows[0][1].prompt_ids == [7, 8]
+    assert [c[2] for c in sampler.calls] == [True, True, False, False] and sampler.calls[-1][1] == 0.0
+    assert sampler.asked == [False, True, True, True]
