@@ -25,9 +25,11 @@ class ObjectiveSection:
     there (no bound, off). ``cispo train objective=ppo`` (or ``algo.objective=ppo``, or ``objective: ppo`` in a
     file) sets ``name``; ``algo.objective.eps_high_is=2`` (or ``eps_high_is=2``) a field."""
 
-    name: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce", "cispo_lowmask", "cispo_highmask"] = "cispo"
+    name: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce", "cispo_lowmask", "cispo_highmask", "dppo_tv",
+                  "dppo_kl"] = "cispo"
     """Objective preset: cispo, ppo, grpo, dapo, gspo, reinforce; cispo_lowmask / cispo_highmask (CISPO with
-    the lower / upper half of DAPO's trust region). docs/objective.md lists each preset's fields."""
+    the lower / upper half of DAPO's trust region); dppo_tv / dppo_kl (DPPO's trust region on the probability,
+    verl's dppo_tv / dppo_kl, prime-rl's default loss). docs/objective.md lists each preset's fields."""
     ratio_level: Literal[(*RATIO_LEVELS, PRESET)] = PRESET
     """Unit of the IS ratio: ``token`` (r_it) or ``sequence`` (GSPO's length-normalised s_i)."""
     eps_low_is: float | None | Literal[PRESET] = PRESET
@@ -44,13 +46,21 @@ class ObjectiveSection:
     """With is_bounds_by_sign: upper weight bound 1 + eps_high_is_neg of A < 0 tokens. None: none."""
     mask_rule: Literal[(*MASK_RULES, PRESET)] = PRESET
     """Token mask M (eq. 7): ``none`` (M = 1), ``ppo`` (PPO's trust region, eps_low / eps_high), ``ppo-low``
-    (its lower half only: A < 0, r < 1 - eps_low) or ``ppo-high`` (its upper half only: A > 0, r > 1 + eps_high)."""
+    (its lower half only: A < 0, r < 1 - eps_low) or ``ppo-high`` (its upper half only: A > 0, r > 1 + eps_high);
+    ``dppo-tv`` / ``dppo-kl`` (DPPO: A > 0 tokens whose probability rose, A <= 0 tokens whose probability fell, by
+    more than delta_high / delta_low in total variation p - p_old or in binary KL)."""
     eps_low: float | Literal[PRESET] = PRESET
     """PPO trust region lower edge 1 - eps_low, in [0, 1]: masks A < 0 tokens below it (eq. 7). Also
     defines ``objective/frac_ppo_dropped`` under every mask rule."""
     eps_high: float | Literal[PRESET] = PRESET
     """PPO trust region upper edge 1 + eps_high, >= 0: masks A > 0 tokens above it (eq. 7). Also defines
     ``objective/frac_ppo_dropped`` under every mask rule."""
+    delta_low: float | Literal[PRESET] = PRESET
+    """DPPO's bound on a fall of the probability (``dppo-tv``: p_old - p; ``dppo-kl``: the binary KL), >= 0:
+    masks A <= 0 tokens beyond it. dppo_tv: 0.15, dppo_kl: 0.05 (verl's DPPO recipe)."""
+    delta_high: float | Literal[PRESET] = PRESET
+    """DPPO's bound on a rise of the probability (``dppo-tv``: p - p_old; ``dppo-kl``: the binary KL), >= 0:
+    masks A > 0 tokens beyond it. dppo_tv: 0.15, dppo_kl: 0.05 (verl's DPPO recipe)."""
     aggregation: Literal[(*AGGREGATIONS, PRESET)] = PRESET
     """How per-token terms become a scalar: ``token-mean`` (sum / total tokens), ``seq-mean-token-mean``
     (mean over sequences of per-sequence means), ``seq-mean-token-sum-norm`` (sum / (num_seqs *

@@ -105,7 +105,7 @@ def token_objective(cfg: ObjectiveConfig, logp_old: torch.Tensor, advantages: to
         lp = torch.where(m, logp, 0.0)  # [c]
         terms = -(weight * A * lp)  # [c]
         if cfg.mask_rule != "none":
-            terms = terms * token_mask(ratio, A, cfg)  # M_t  [c]
+            terms = terms * token_mask(ratio, A, cfg, logp, old[s:e])  # M_t  [c]
         if ref is not None and cfg.kl_coef > 0:
             terms = terms + cfg.kl_coef * kl_penalty(lp, torch.where(m, ref[s:e], 0.0), cfg.kl_estimator)
         if entropy_coef and ent is not None:
