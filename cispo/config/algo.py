@@ -74,6 +74,10 @@ class ObjectiveSection:
     (every preset's)."""
     kl_estimator: Literal[(*KL_ESTIMATORS, PRESET)] = PRESET
     """KL estimator: ``k1`` (log pi - log pi_ref) or ``k3`` (r - 1 - log r, r = pi_ref / pi)."""
+    entropy_coef: float | Literal[PRESET] = PRESET
+    """Entropy bonus, >= 0: loss -= entropy_coef * agg(H_it), H_it pi_theta's full-vocabulary entropy at each
+    response token, with its gradient, aggregated as the policy term (verl's ``actor.entropy_coeff``; TRL's
+    ``entropy_coef`` takes the token mean, the same under token-mean). 0: off (every preset's)."""
     max_log_ratio: float | None | Literal[PRESET] = PRESET
     """Clamp of log r (and log s) to +-max_log_ratio before exp, for finite weights, > 0. None: off."""
 

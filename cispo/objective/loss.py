@@ -9,7 +9,7 @@ pi_old, with advantages A_it and response tokens counted by the response mask:
               0 if A_it < 0 and r_it < 1 - eps_low      (the lower half)
               1 otherwise
     J       = agg_{i,t}( sg(w_it) * A_it * log pi_theta(o_it | q, o_i<t) * M_it )   eq. 6
-    loss    = -J + kl_coef * agg_{i,t}( KL_it(pi_theta || pi_ref) )
+    loss    = -J + kl_coef * agg_{i,t}( KL_it(pi_theta || pi_ref) ) - entropy_coef * agg_{i,t}( H_it )
 
 ``sg`` is stop-gradient: the weight is a constant coefficient and the gradient flows only
 through ``log pi_theta``, so each token contributes ``sg(w) * A * M * grad log pi``:
@@ -37,7 +37,9 @@ named presets in `cispo.objective.presets`, torch-free, re-exported here):
    ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum-norm`` (Dr. GRPO, a constant length),
    ``prompt-mean-token-mean`` (ScaleRL, arXiv 2510.13786: each prompt's G responses pooled, then a mean
    over prompts);
-5. an optional KL penalty to a reference policy (k1 or k3 estimator), off by default.
+5. an optional KL penalty to a reference policy (k1 or k3 estimator), off by default; and an optional
+   entropy bonus (``entropy_coef``: H_it the full-vocabulary entropy of pi_theta at the token, with its
+   gradient; verl's ``entropy_coeff``), off by default.
 
 With a PPO mask and an unclipped weight, the gradient of eq. 6 equals the gradient of
 PPO's ``min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`` exactly (the tests prove it); the
@@ -330,8 +332,10 @@ def policy_loss(
     logp_ref: torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     group_mean_length: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ObjectiveStats]:
-    """loss = -agg( sg(w_it) * A_it * log pi_theta(o_it) * M_it ) + kl_coef * agg(KL_it)   (eq. 6)
+    """loss = -agg( sg(w_it) * A_it * log pi_theta(o_it) * M_it ) + kl_coef * agg(KL_it) - entropy_coef * agg(H_it)
+    (eq. 6 and the optional terms)
 
     Args:
         logp_new: [B, T] log pi_theta of the sampled tokens; carries the gradient.
@@ -344,12 +348,16 @@ def policy_loss(
         num_seqs: global number of sequences for the seq-mean and prompt-mean aggregations (default: local).
         group_mean_length: [B] each row's mean response length over its prompt's G responses
             (``prompt-mean-token-mean`` only; see ``aggregate``).
+        entropy: [B, T] H_it, the full-vocabulary entropy of pi_theta at each token, carrying its gradient
+            (``token_logprobs(..., with_entropy=True)``); needed when cfg.entropy_coef > 0.
     Returns:
         (loss, stats): the scalar loss to minimise and detached ``ObjectiveStats``.
     """
     _check_shapes(logp_new, logp_old, advantages, response_mask, logp_ref)
     if cfg.kl_coef > 0 and logp_ref is None:
         raise ValueError("policy_loss: cfg.kl_coef > 0 needs logp_ref (the reference policy's log-probs)")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("policy_loss: cfg.entropy_coef > 0 needs entropy (pi_theta's entropy per token, [B, T])")
     mask = response_mask.bool()  # [B, T]
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp_new)  # A_it        [B, T]
@@ -372,6 +380,8 @@ def policy_loss(
         kl_tokens = kl_penalty(logp, torch.where(mask, logp_ref, 0.0), cfg.kl_estimator)  # [B, T]
         kl = aggregate(kl_tokens, mask, cfg.aggregation, **agg)
     loss = pg_loss + cfg.kl_coef * kl
+    if entropy is not None and cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * aggregate(torch.where(mask, entropy, 0.0), mask, cfg.aggregation, **agg)
 
     stats = _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, mask_it, logp_old, mask, cfg)
     return loss, stats

@@ -83,6 +83,11 @@ class ObjectiveConfig:
     """Coefficient of the KL penalty to the reference policy. 0: no KL term (the paper's choice)."""
     kl_estimator: str = "k3"
     """KL estimator: ``k1`` (log pi - log pi_ref) or ``k3`` (r - 1 - log r, r = pi_ref / pi)."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus: loss -= entropy_coef * agg_{i,t}(H_it), H_it the full-vocabulary
+    entropy of pi_theta at response token t, with its gradient, aggregated as the policy term (verl's
+    ``actor.entropy_coeff``; TRL's ``entropy_coef``, which is the token mean: the same under token-mean).
+    0: off (every preset's)."""
     max_log_ratio: float | None = 20.0
     """Clamp of log r (and log s) to +-max_log_ratio before exp, for finite weights. None: off."""
 
@@ -92,7 +97,7 @@ class ObjectiveConfig:
         _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         for name in ("eps_low_is", "eps_high_is", "eps_low_is_neg", "eps_high_is_neg", "eps_low", "eps_high",
-                     "kl_coef", "delta_low", "delta_high"):
+                     "kl_coef", "delta_low", "delta_high", "entropy_coef"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"ObjectiveConfig.{name} must be a finite number >= 0, got {value!r}")

@@ -28,7 +28,7 @@ import torch
 from cispo.foundations.distributed import is_sharded
 from cispo.foundations.experience import Experience
 from cispo.models.policy import Policy, policy_logprobs
-from cispo.training.metrics import mismatch_kl, pearson
+from cispo.training.metrics import mismatch_kl, mismatch_tail, pearson
 
 MEASURED = "logp_trainer"
 """``Experience.extras`` key of the trainer's own log pi_old of the rows the first update measured
@@ -127,6 +127,7 @@ def measured_metrics(exp: Experience) -> dict:
         rollout/logp_corr       pearson(log pi_rollout, log pi_old)
         rollout/logp_abs_diff   mean_t |log pi_rollout - log pi_old|
         rollout/mismatch_kl     mean_t rho - 1 - log rho,  rho = pi_old / pi_rollout
+        rollout/ratio_*         the tail of rho (``mismatch_tail``)
 
     NaN with no measured token (the entropy also under ``algo.fused_head``, whose forward gives none)."""
     old = exp.extras[MEASURED]  # [B, T]
@@ -139,6 +140,7 @@ def measured_metrics(exp: Experience) -> dict:
         "rollout/logp_corr": pearson(rollout, trainer) if mask.any() else math.nan,
         "rollout/logp_abs_diff": float((rollout - trainer).abs().mean()) if mask.any() else math.nan,
         "rollout/mismatch_kl": mismatch_kl(old, exp.logp_rollout, mask),
+        **mismatch_tail(old, exp.logp_rollout, mask),
     }
 
 

@@ -228,7 +228,7 @@ def test_override_does_not_change_its_input():
         (["lr=false"], "optim.lr: expected float, got False"),
         (["lr.x=1"], "optim.lr is not a section"),
         (["objective=dapoo"], "algo.objective.name: expected one of 'cispo', 'ppo', 'grpo', 'dapo', 'gspo', "
-                              "'reinforce', 'cispo_lowmask', 'cispo_highmask', "
+                              "'reinforce', 'cispo_lowmask', 'cispo_highmask', 'dppo_tv', 'dppo_kl', "
                               "got 'dapoo' (did you mean 'dapo'?)"),
         (["advantage_estimator=rlo"], "(did you mean 'rloo'?)"),
         (["engine=vlm"], "rollout.engine: expected one of 'torch', 'vllm', got 'vlm' (did you mean 'vllm'?)"),
@@ -362,7 +362,7 @@ def test_help_lists_every_field_with_its_docstring():
     assert "  optim.betas: tuple[float, float] = (0.9, 0.95)" in text
     assert "  rollout.max_new_tokens: int | None = None" in text
     assert ("  algo.objective.name: Literal['cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', "
-            "'cispo_highmask'] = 'cispo'") in text
+            "'cispo_highmask', 'dppo_tv', 'dppo_kl'] = 'cispo'") in text
     assert "  algo.objective.eps_high_is: float | None | Literal['preset'] = 'preset'\n      IS weight upper" in text
     assert "\nalgo.objective (ObjectiveSection): The objective, MiniMax-M1 eq. 6: a preset (name), each field" in text
     assert "\noptim (OptimConfig): AdamW, with MiniMax-M1's settings by default.\n" in text

@@ -13,7 +13,7 @@ from cispo.objective.loss import policy_loss, preset
 from cispo.records.tracking import read_metrics
 from cispo.rollout import rollout_is_weights, truncated_is_weights
 from cispo.training.logp_old import rollout_correction
-from cispo.training.metrics import mismatch_kl
+from cispo.training.metrics import mismatch_kl, mismatch_tail
 from cispo.training.runner import train
 from tests.conftest import small_config
 
@@ -138,6 +138,35 @@ def test_mismatch_kl_hand_computed():
     assert mismatch_kl(LOGP_OLD, LOGP_ROLLOUT, MASK.bool()) == pytest.approx(sum(k3) / 6)
     assert mismatch_kl(LOGP_OLD, LOGP_OLD, MASK.bool()) == 0.0
     assert math.isnan(mismatch_kl(LOGP_OLD, LOGP_ROLLOUT, torch.zeros(2, 4, dtype=torch.bool)))
+
+
+def test_mismatch_tail_hand_computed():
+    """rho of the 6 tokens: 0.25, 1, 3, 8, 0.6, 1.5. Outside [0.9, 1.1]: all but the 1 (5/6); outside [0.5, 2]:
+    0.25, 3, 8 (3/6); sorted 0.25, 0.6, 1, 1.5, 3, 8: p99 at place 0.99 * 5 = 4.95, 3 + 0.95 (8 - 3) = 7.75."""
+    tail = mismatch_tail(LOGP_OLD, LOGP_ROLLOUT, MASK.bool())
+    assert tail == pytest.approx({"rollout/ratio_out_0.9_1.1": 5 / 6, "rollout/ratio_out_0.5_2": 3 / 6,
+                                  "rollout/ratio_max": 8.0, "rollout/ratio_min": 0.25, "rollout/ratio_p99": 7.75})
+    rho = RHO[MASK.bool()]
+    assert tail["rollout/ratio_p99"] == pytest.approx(float(torch.quantile(rho, 0.99)))
+    same = mismatch_tail(LOGP_OLD, LOGP_OLD, MASK.bool())
+    assert same["rollout/ratio_out_0.9_1.1"] == 0.0 and same["rollout/ratio_max"] == 1.0
+    empty = mismatch_tail(LOGP_OLD, LOGP_ROLLOUT, torch.zeros(2, 4, dtype=torch.bool))
+    assert len(empty) == 5 and all(math.isnan(v) for v in empty.values())
+
+
+def test_the_tail_metrics_are_logged_with_the_mismatch():
+    """Every step that has a behaviour policy logs them beside rollout/logp_abs_diff (``batch_metrics``), a
+    sampler NaN left out as in the other agreement metrics."""
+    from cispo.foundations.experience import Experience
+    from cispo.training.metrics import batch_metrics
+
+    logp_rollout = LOGP_ROLLOUT.clone()
+    logp_rollout[0, 1] = math.nan  # the rho = 1 token: left out, 5 of 5 outside [0.9, 1.1]
+    exp = Experience(torch.zeros(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.long), MASK, logp_rollout,
+                     torch.zeros(2), LOGP_OLD, {"entropy": torch.ones(2, 4)})
+    metrics = batch_metrics(exp)
+    assert metrics["rollout/ratio_out_0.9_1.1"] == 1.0 and metrics["rollout/ratio_max"] == pytest.approx(8.0)
+    assert "rollout/logp_abs_diff" in metrics
 
 
 @pytest.mark.parametrize("overrides, problem", [
