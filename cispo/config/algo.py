@@ -104,12 +104,14 @@ class AlgoConfig:
     """The objective and the schedule of off-policy updates."""
 
     objective: ObjectiveSection = field(default_factory=ObjectiveSection)
-    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "batch-std", "batch-raw-std"] = "grpo"
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "batch-std", "batch-raw-std", "gdpo"] = "grpo"
     """Group-relative advantages: grpo (R - group mean) / group std, drgrpo R - group mean, rloo
     (leave-one-out mean), batch-std (R - group mean) / the batch std of those differences (ScaleRL's
     batch-level normalisation), batch-raw-std (R - group mean) / the batch std of the rewards themselves
-    (TRL's scale_rewards=batch). A response no reward could score (every reward returned None) is left out
-    of its group's mean and std and gets advantage 0, as in TRL."""
+    (TRL's scale_rewards=batch), gdpo (several rewards: each normalised within its group, then the weighted sum
+    normalised over the batch: GDPO, TRL's multi_objective_aggregation=normalize_then_sum; not with
+    rollout.overlong_buffer or turn rewards, which are no data.reward of their own). A response no reward could
+    score (every reward returned None) is left out of its group's mean and std and gets advantage 0, as in TRL."""
     turn_credit: Literal["episode", "reward_to_go"] = "episode"
     """How a multi-turn episode's rewards become advantages, where the environment rewards each policy turn
     (docs/agents.md, "Per-turn rewards and credit"). ``episode``: one advantage per response, by
@@ -185,14 +187,20 @@ class AlgoConfig:
     detached weight of rho = pi_old / pi_rollout taken per ``token`` or per response: ``seq-mean``
     (the geometric mean, exp(mean_t log rho_t)) or ``seq-sum`` (the product, exp(sum_t log rho_t):
     TRL's and verl's "sequence" level). None: off (unless tis_cap)."""
-    rollout_is_mode: Literal["truncate", "mask", "reject"] = "truncate"
+    rollout_is_mode: Literal["truncate", "mask", "reject", "reject-k2", "reject-k3"] = "truncate"
     """With rollout_is: ``truncate`` (weight clip(rho, lower, upper), TIS), ``mask`` (weight rho
     inside [lower, upper], 0 outside: TRL's *_mask, IcePop) or ``reject`` (weight 1 inside, 0
-    outside: rejection without reweighting, verl's rollout_rs)."""
+    outside: rejection without reweighting, verl's rollout_rs k1); ``reject-k2`` / ``reject-k3`` (weight 1
+    where the divergence estimate (log rho)^2 / 2, or rho - 1 - log rho, is <= rollout_is_max_divergence,
+    0 above: verl's rollout_rs token_k2 / k3, and its seq_mean_ / seq_sum_ options at those levels, where the
+    estimate is the mean / sum of the tokens'; the bounds of rho are not read)."""
     rollout_is_lower: float | None = None
     """With rollout_is: the lower bound of rho (>= 0). None: none. IcePop (verl's defaults): 0.5."""
     rollout_is_upper: float | None = 2.0
     """With rollout_is: the upper bound of rho (> lower). None: none. IcePop (verl's defaults): 5."""
+    rollout_is_max_divergence: float | None = None
+    """With rollout_is_mode=reject-k2 or reject-k3 (and only there): the threshold of the divergence estimate,
+    > 0 (verl's rollout_rs_threshold of a k2 / k3 option)."""
     fused_head: bool = False
     """Compute the LM head and the objective in one chunked pass in the updates
     (``cispo.objective.fused_head``): each chunk's gradient is formed in the forward while its logits

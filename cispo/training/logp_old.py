@@ -55,7 +55,7 @@ def rollout_correction(algo) -> dict | None:
     if algo.rollout_is is None:
         return None
     return dict(level=algo.rollout_is, mode=algo.rollout_is_mode, lower=algo.rollout_is_lower,
-                upper=algo.rollout_is_upper)
+                upper=algo.rollout_is_upper, max_divergence=algo.rollout_is_max_divergence)
 
 
 @torch.no_grad()

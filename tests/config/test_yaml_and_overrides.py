@@ -737,7 +737,7 @@ def test_trl_report_to_none_on_the_command_line_means_no_trackers():
 
 @pytest.mark.parametrize("override, says", [
     ("vllm_importance_sampling_mode=sequence_mask", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode'?"),
-    ("multi_objective_aggregation=normalize_then_sum", "normalize_then_sum (GDPO) has no cispo equivalent"),
+    ("multi_objective_aggregation=sum_then_normalize", "TRL's default: cispo sums the rewards with"),
     ("top_entropy_quantile=0.2", "'top_entropy_quantile' in TRL: no cispo setting"),
     ("repetition_penalty=1.1", "'repetition_penalty' in TRL: no cispo setting; cispo samples with"),
     ("algorithm.rollout_correction.rollout_rs=token_k1", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode' "
