@@ -348,13 +348,13 @@ OTHER_NAMES: dict[str, OtherName] = {
     _A + "clip_ratio_c": OtherName(
         "verl", (_OBJ + "eps_high_is",),
         "verl's dual-clip of A < 0 tokens, which the unified objective has not; with loss_mode=dppo_tv / dppo_kl the "
-        "cap of the detached weight (default 20): eps_high_is = clip_ratio_c - 1"),
+        "cap of the detached weight (verl's default 3): eps_high_is = clip_ratio_c - 1"),
     _A + "policy_loss.loss_mode": OtherName(
         "verl", ("algo.objective.name",),
         "verl's vanilla adds a dual-clip (clip_ratio_c) to ppo, its cispo bounds the IS weight to [0.8, 1.2] by "
         "default (cispo's: at most 5), its dppo_tv / dppo_kl (cispo's presets of those names) take their bounds from "
         "clip_ratio_low / high (0.2 by default; the presets': the DPPO recipe's 0.15 / 0.05) and cap the weight at "
-        "clip_ratio_c = 20 (the presets: no cap), and each takes verl's clip ratios and loss_agg_mode"),
+        "clip_ratio_c (3 by default; the presets: no cap), and each takes verl's clip ratios and loss_agg_mode"),
     _A + "loss_agg_mode": OtherName(
         "verl", (_OBJ + "aggregation",),
         "token-mean, seq-mean-token-mean and seq-mean-token-sum-norm are the same (in both, it replaces the preset's)",

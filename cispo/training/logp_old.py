@@ -28,7 +28,7 @@ import torch
 from cispo.foundations.distributed import is_sharded
 from cispo.foundations.experience import Experience
 from cispo.models.policy import Policy, policy_logprobs
-from cispo.training.metrics import mismatch_kl, mismatch_tail, pearson
+from cispo.training.metrics import entropy_metrics, mismatch_kl, mismatch_tail, pearson
 
 MEASURED = "logp_trainer"
 """``Experience.extras`` key of the trainer's own log pi_old of the rows the first update measured
@@ -123,7 +123,7 @@ def measured_metrics(exp: Experience) -> dict:
     mini-batch: 1/K of the batch, all of it at K = 1), as ``batch_metrics`` defines them with
     logp_old = the trainer's log pi_old there:
 
-        objective/entropy       mean_t H_t
+        objective/entropy       mean_t H_t (and its spread: ``entropy_metrics``)
         rollout/logp_corr       pearson(log pi_rollout, log pi_old)
         rollout/logp_abs_diff   mean_t |log pi_rollout - log pi_old|
         rollout/mismatch_kl     mean_t rho - 1 - log rho,  rho = pi_old / pi_rollout
@@ -136,7 +136,7 @@ def measured_metrics(exp: Experience) -> dict:
     rollout, trainer = exp.logp_rollout[mask], old[mask]  # [n]
     return {
         "rollout/logp_rollout_nan": float((exp.response_mask.bool() & exp.logp_rollout.isnan()).sum()),
-        "objective/entropy": float(entropy.mean()) if mask.any() else math.nan,
+        **entropy_metrics(entropy),
         "rollout/logp_corr": pearson(rollout, trainer) if mask.any() else math.nan,
         "rollout/logp_abs_diff": float((rollout - trainer).abs().mean()) if mask.any() else math.nan,
         "rollout/mismatch_kl": mismatch_kl(old, exp.logp_rollout, mask),

@@ -90,3 +90,16 @@ def test_the_trainer_takes_the_bonus_on_both_heads():
     for k in chunked:
         torch.testing.assert_close(fused[k], chunked[k], rtol=1e-10, atol=1e-10, msg=k)
     assert sum(float((chunked[k] - plain[k]).abs().sum()) for k in plain) > 1e-6  # the bonus moved the update
+
+
+def test_per_token_entropy_metrics_by_hand():
+    """H = 0.1, 0.2, 0.3, 0.4, 2.0: mean 0.6; median 0.3; p80 at place 0.8 * 4 = 3.2: 0.4 + 0.2 (2.0 - 0.4) = 0.72;
+    max 2.0: the mean hides one forking token."""
+    from cispo.training.metrics import entropy_metrics
+
+    h = torch.tensor([0.3, 0.1, 2.0, 0.4, 0.2])
+    got = entropy_metrics(h)
+    assert got == pytest.approx({"objective/entropy": 0.6, "objective/entropy_p50": 0.3,
+                                 "objective/entropy_p80": 0.72, "objective/entropy_max": 2.0})
+    assert got["objective/entropy_p80"] == pytest.approx(float(torch.quantile(h, 0.8)))
+    assert all(v != v for v in entropy_metrics(torch.tensor([0.1, float("nan")])).values())  # none measured: NaN
