@@ -273,9 +273,9 @@ OTHER_NAMES: dict[str, OtherName] = {
         ("normalize_then_sum", "gdpo")),
     "entropy_coef": OtherName(
         "TRL", (_OBJ + "entropy_coef",),
-        "TRL's bonus is the mean entropy of each micro-batch's tokens (divided by the accumulation steps); cispo's "
-        "aggregates as the policy term over the mini-batch (token-mean: the same where a mini-batch is one "
-        "micro-batch)"),
+        "the entropy bonus; TRL's is the mean entropy of each micro-batch's tokens (divided by the accumulation "
+        "steps), cispo's aggregates as the policy term over the mini-batch (token-mean, the default: the same where "
+        "a mini-batch is one micro-batch)", _same, (0.01, 0.01)),
     "use_adaptive_entropy": OtherName(
         "TRL", (_OBJ + "entropy_coef",),
         "cispo's entropy coefficient is constant (false, TRL's default: leave it out); Skywork-OR1's adaptive one has "

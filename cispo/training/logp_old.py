@@ -54,8 +54,11 @@ def rollout_correction(algo) -> dict | None:
         return dict(level="token", mode="truncate", lower=None, upper=algo.tis_cap)
     if algo.rollout_is is None:
         return None
-    return dict(level=algo.rollout_is, mode=algo.rollout_is_mode, lower=algo.rollout_is_lower,
-                upper=algo.rollout_is_upper, max_divergence=algo.rollout_is_max_divergence)
+    settings = dict(level=algo.rollout_is, mode=algo.rollout_is_mode, lower=algo.rollout_is_lower,
+                    upper=algo.rollout_is_upper)
+    if algo.rollout_is_max_divergence is not None:  # reject-k2 / reject-k3's threshold
+        settings["max_divergence"] = algo.rollout_is_max_divergence
+    return settings
 
 
 @torch.no_grad()
