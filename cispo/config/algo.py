@@ -25,9 +25,11 @@ class ObjectiveSection:
     there (no bound, off). ``cispo train objective=ppo`` (or ``algo.objective=ppo``, or ``objective: ppo`` in a
     file) sets ``name``; ``algo.objective.eps_high_is=2`` (or ``eps_high_is=2``) a field."""
 
-    name: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce", "cispo_lowmask", "cispo_highmask"] = "cispo"
+    name: Literal["cispo", "ppo", "grpo", "dapo", "gspo", "reinforce", "cispo_lowmask", "cispo_highmask", "dppo_tv",
+                  "dppo_kl"] = "cispo"
     """Objective preset: cispo, ppo, grpo, dapo, gspo, reinforce; cispo_lowmask / cispo_highmask (CISPO with
-    the lower / upper half of DAPO's trust region). docs/objective.md lists each preset's fields."""
+    the lower / upper half of DAPO's trust region); dppo_tv / dppo_kl (DPPO's trust region on the probability,
+    verl's dppo_tv / dppo_kl, prime-rl's default loss). docs/objective.md lists each preset's fields."""
     ratio_level: Literal[(*RATIO_LEVELS, PRESET)] = PRESET
     """Unit of the IS ratio: ``token`` (r_it) or ``sequence`` (GSPO's length-normalised s_i)."""
     eps_low_is: float | None | Literal[PRESET] = PRESET
@@ -44,13 +46,21 @@ class ObjectiveSection:
     """With is_bounds_by_sign: upper weight bound 1 + eps_high_is_neg of A < 0 tokens. None: none."""
     mask_rule: Literal[(*MASK_RULES, PRESET)] = PRESET
     """Token mask M (eq. 7): ``none`` (M = 1), ``ppo`` (PPO's trust region, eps_low / eps_high), ``ppo-low``
-    (its lower half only: A < 0, r < 1 - eps_low) or ``ppo-high`` (its upper half only: A > 0, r > 1 + eps_high)."""
+    (its lower half only: A < 0, r < 1 - eps_low) or ``ppo-high`` (its upper half only: A > 0, r > 1 + eps_high);
+    ``dppo-tv`` / ``dppo-kl`` (DPPO: A > 0 tokens whose probability rose, A <= 0 tokens whose probability fell, by
+    more than delta_high / delta_low in total variation p - p_old or in binary KL)."""
     eps_low: float | Literal[PRESET] = PRESET
     """PPO trust region lower edge 1 - eps_low, in [0, 1]: masks A < 0 tokens below it (eq. 7). Also
     defines ``objective/frac_ppo_dropped`` under every mask rule."""
     eps_high: float | Literal[PRESET] = PRESET
     """PPO trust region upper edge 1 + eps_high, >= 0: masks A > 0 tokens above it (eq. 7). Also defines
     ``objective/frac_ppo_dropped`` under every mask rule."""
+    delta_low: float | Literal[PRESET] = PRESET
+    """DPPO's bound on a fall of the probability (``dppo-tv``: p_old - p; ``dppo-kl``: the binary KL), >= 0:
+    masks A <= 0 tokens beyond it. dppo_tv: 0.15, dppo_kl: 0.05 (verl's DPPO recipe)."""
+    delta_high: float | Literal[PRESET] = PRESET
+    """DPPO's bound on a rise of the probability (``dppo-tv``: p - p_old; ``dppo-kl``: the binary KL), >= 0:
+    masks A > 0 tokens beyond it. dppo_tv: 0.15, dppo_kl: 0.05 (verl's DPPO recipe)."""
     aggregation: Literal[(*AGGREGATIONS, PRESET)] = PRESET
     """How per-token terms become a scalar: ``token-mean`` (sum / total tokens), ``seq-mean-token-mean``
     (mean over sequences of per-sequence means), ``seq-mean-token-sum-norm`` (sum / (num_seqs *
@@ -64,6 +74,10 @@ class ObjectiveSection:
     (every preset's)."""
     kl_estimator: Literal[(*KL_ESTIMATORS, PRESET)] = PRESET
     """KL estimator: ``k1`` (log pi - log pi_ref) or ``k3`` (r - 1 - log r, r = pi_ref / pi)."""
+    entropy_coef: float | Literal[PRESET] = PRESET
+    """Entropy bonus, >= 0: loss -= entropy_coef * agg(H_it), H_it pi_theta's full-vocabulary entropy at each
+    response token, with its gradient, aggregated as the policy term (verl's ``actor.entropy_coeff``; TRL's
+    ``entropy_coef`` takes the token mean, the same under token-mean). 0: off (every preset's)."""
     max_log_ratio: float | None | Literal[PRESET] = PRESET
     """Clamp of log r (and log s) to +-max_log_ratio before exp, for finite weights, > 0. None: off."""
 
@@ -90,12 +104,14 @@ class AlgoConfig:
     """The objective and the schedule of off-policy updates."""
 
     objective: ObjectiveSection = field(default_factory=ObjectiveSection)
-    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "batch-std", "batch-raw-std"] = "grpo"
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "batch-std", "batch-raw-std", "gdpo"] = "grpo"
     """Group-relative advantages: grpo (R - group mean) / group std, drgrpo R - group mean, rloo
     (leave-one-out mean), batch-std (R - group mean) / the batch std of those differences (ScaleRL's
     batch-level normalisation), batch-raw-std (R - group mean) / the batch std of the rewards themselves
-    (TRL's scale_rewards=batch). A response no reward could score (every reward returned None) is left out
-    of its group's mean and std and gets advantage 0, as in TRL."""
+    (TRL's scale_rewards=batch), gdpo (several rewards: each normalised within its group, then the weighted sum
+    normalised over the batch: GDPO, TRL's multi_objective_aggregation=normalize_then_sum; not with
+    rollout.overlong_buffer or turn rewards, which are no data.reward of their own). A response no reward could
+    score (every reward returned None) is left out of its group's mean and std and gets advantage 0, as in TRL."""
     turn_credit: Literal["episode", "reward_to_go"] = "episode"
     """How a multi-turn episode's rewards become advantages, where the environment rewards each policy turn
     (docs/agents.md, "Per-turn rewards and credit"). ``episode``: one advantage per response, by
@@ -171,14 +187,20 @@ class AlgoConfig:
     detached weight of rho = pi_old / pi_rollout taken per ``token`` or per response: ``seq-mean``
     (the geometric mean, exp(mean_t log rho_t)) or ``seq-sum`` (the product, exp(sum_t log rho_t):
     TRL's and verl's "sequence" level). None: off (unless tis_cap)."""
-    rollout_is_mode: Literal["truncate", "mask", "reject"] = "truncate"
+    rollout_is_mode: Literal["truncate", "mask", "reject", "reject-k2", "reject-k3"] = "truncate"
     """With rollout_is: ``truncate`` (weight clip(rho, lower, upper), TIS), ``mask`` (weight rho
     inside [lower, upper], 0 outside: TRL's *_mask, IcePop) or ``reject`` (weight 1 inside, 0
-    outside: rejection without reweighting, verl's rollout_rs)."""
+    outside: rejection without reweighting, verl's rollout_rs k1); ``reject-k2`` / ``reject-k3`` (weight 1
+    where the divergence estimate (log rho)^2 / 2, or rho - 1 - log rho, is <= rollout_is_max_divergence,
+    0 above: verl's rollout_rs token_k2 / k3, and its seq_mean_ / seq_sum_ options at those levels, where the
+    estimate is the mean / sum of the tokens'; the bounds of rho are not read)."""
     rollout_is_lower: float | None = None
     """With rollout_is: the lower bound of rho (>= 0). None: none. IcePop (verl's defaults): 0.5."""
     rollout_is_upper: float | None = 2.0
     """With rollout_is: the upper bound of rho (> lower). None: none. IcePop (verl's defaults): 5."""
+    rollout_is_max_divergence: float | None = None
+    """With rollout_is_mode=reject-k2 or reject-k3 (and only there): the threshold of the divergence estimate,
+    > 0 (verl's rollout_rs_threshold of a k2 / k3 option)."""
     fused_head: bool = False
     """Compute the LM head and the objective in one chunked pass in the updates
     (``cispo.objective.fused_head``): each chunk's gradient is formed in the forward while its logits

@@ -145,8 +145,9 @@ _TRL_IS_MODES = ("token_truncate -> rollout_is=token rollout_is_mode=truncate, t
 _VERL_RS = ("verl's rollout_rs rejects on k1 = -log rho against [log L, log U] of rollout_rs_threshold \"L_U\", so "
             "it keeps L <= pi_rollout / pi_old <= U: algo.rollout_is_mode=reject with the reciprocal bounds "
             "algo.rollout_is_lower=1/U algo.rollout_is_upper=1/L (\"0.5_5.0\" -> 0.2 and 2; one number U -> 1/U "
-            "and U), at the level token_k1 -> token, seq_sum_k1 -> seq-sum, seq_mean_k1 -> seq-mean; k2, k3 and max "
-            "have no equivalent")
+            "and U), at the level token_k1 -> token, seq_sum_k1 -> seq-sum, seq_mean_k1 -> seq-mean; its k2 / k3 "
+            "options are algo.rollout_is_mode=reject-k2 / reject-k3 at the same levels, with "
+            "algo.rollout_is_max_divergence = the threshold; seq_max and chained criteria have no equivalent")
 
 _A, _R, _M = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model."
 _RC = "algorithm.rollout_correction."
@@ -263,9 +264,22 @@ OTHER_NAMES: dict[str, OtherName] = {
     "vllm_importance_sampling_clip_min": OtherName(
         "TRL", ("algo.rollout_is_lower",), "the lower bound of rho in both; null: none", _same, (0.5, 0.5)),
     "multi_objective_aggregation": OtherName(
-        "TRL", ("data.reward_weights",),
-        "cispo sums the rewards with data.reward_weights, then normalises the sum (TRL's default, "
-        "sum_then_normalize: leave it out); normalize_then_sum (GDPO) has no cispo equivalent"),
+        "TRL", ("algo.advantage_estimator",),
+        "normalize_then_sum (GDPO: each reward normalised in its group, the weighted sum over the batch) -> gdpo; "
+        "sum_then_normalize is TRL's default and cispo's way with every other estimator: leave it out",
+        _values({"normalize_then_sum": "gdpo"}, {
+            "sum_then_normalize": "TRL's default: cispo sums the rewards with data.reward_weights and normalises the "
+                                  "sum by algo.advantage_estimator (scale_rewards' key): leave it out"}),
+        ("normalize_then_sum", "gdpo")),
+    "entropy_coef": OtherName(
+        "TRL", (_OBJ + "entropy_coef",),
+        "the entropy bonus; TRL's is the mean entropy of each micro-batch's tokens (divided by the accumulation "
+        "steps), cispo's aggregates as the policy term over the mini-batch (token-mean, the default: the same where "
+        "a mini-batch is one micro-batch)", _same, (0.01, 0.01)),
+    "use_adaptive_entropy": OtherName(
+        "TRL", (_OBJ + "entropy_coef",),
+        "cispo's entropy coefficient is constant (false, TRL's default: leave it out); Skywork-OR1's adaptive one has "
+        "no cispo equivalent"),
     "top_entropy_quantile": OtherName(
         "TRL", (), "cispo trains on every response token (TRL's default, 1.0: leave it out); keeping only the "
                    "highest-entropy tokens in the loss has no cispo equivalent"),
@@ -325,14 +339,22 @@ OTHER_NAMES: dict[str, OtherName] = {
         "set them: 0.2)"),
     _A + "clip_ratio_low": OtherName(
         "verl", (_OBJ + "eps_low",),
-        "the clip's lower edge; with loss_mode=cispo the IS weight's lower bound: eps_low_is"),
+        "the clip's lower edge; with loss_mode=cispo the IS weight's lower bound: eps_low_is; with loss_mode=dppo_tv "
+        "/ dppo_kl DPPO's bound on a fall of the probability: delta_low"),
     _A + "clip_ratio_high": OtherName(
-        "verl", (_OBJ + "eps_high",), "the clip's upper edge; with loss_mode=cispo the IS weight's cap: eps_high_is"),
-    _A + "clip_ratio_c": OtherName("verl", (), "verl's dual-clip of A < 0 tokens; the unified objective has none"),
+        "verl", (_OBJ + "eps_high",),
+        "the clip's upper edge; with loss_mode=cispo the IS weight's cap: eps_high_is; with loss_mode=dppo_tv / "
+        "dppo_kl DPPO's bound on a rise of the probability: delta_high"),
+    _A + "clip_ratio_c": OtherName(
+        "verl", (_OBJ + "eps_high_is",),
+        "verl's dual-clip of A < 0 tokens, which the unified objective has not; with loss_mode=dppo_tv / dppo_kl the "
+        "cap of the detached weight (verl's default 3): eps_high_is = clip_ratio_c - 1"),
     _A + "policy_loss.loss_mode": OtherName(
         "verl", ("algo.objective.name",),
         "verl's vanilla adds a dual-clip (clip_ratio_c) to ppo, its cispo bounds the IS weight to [0.8, 1.2] by "
-        "default (cispo's: at most 5), and each takes verl's clip ratios and loss_agg_mode"),
+        "default (cispo's: at most 5), its dppo_tv / dppo_kl (cispo's presets of those names) take their bounds from "
+        "clip_ratio_low / high (0.2 by default; the presets': the DPPO recipe's 0.15 / 0.05) and cap the weight at "
+        "clip_ratio_c (3 by default; the presets: no cap), and each takes verl's clip ratios and loss_agg_mode"),
     _A + "loss_agg_mode": OtherName(
         "verl", (_OBJ + "aggregation",),
         "token-mean, seq-mean-token-mean and seq-mean-token-sum-norm are the same (in both, it replaces the preset's)",
@@ -342,7 +364,10 @@ OTHER_NAMES: dict[str, OtherName] = {
         ("seq-mean-token-mean", "seq-mean-token-mean")),
     _A + "loss_scale_factor": OtherName(
         "verl", (_OBJ + "token_sum_norm",), "null: the padded response length, in both", _same, (512, 512)),
-    _A + "entropy_coeff": OtherName("verl", (), "cispo has no entropy bonus"),
+    _A + "entropy_coeff": OtherName(
+        "verl", (_OBJ + "entropy_coef",),
+        "the entropy bonus, in both aggregated as the policy term (loss_agg_mode; cispo's aggregation)", _same,
+        (0.001, 0.001)),
     _A + "use_kl_loss": OtherName(
         "verl", (_OBJ + "kl_coef",), "no switch here: a coefficient > 0 turns the KL loss on"),
     _A + "kl_loss_coef": OtherName(
@@ -479,7 +504,7 @@ OTHER_NAMES: dict[str, OtherName] = {
         "verl", ("algo.rollout_is", "algo.rollout_is_mode", "algo.rollout_is_lower", "algo.rollout_is_upper"),
         _VERL_RS),
     _RC + "rollout_rs_threshold": OtherName(
-        "verl", ("algo.rollout_is_lower", "algo.rollout_is_upper"), _VERL_RS),
+        "verl", ("algo.rollout_is_lower", "algo.rollout_is_upper", "algo.rollout_is_max_divergence"), _VERL_RS),
     "custom_reward_function.path": OtherName(
         "verl", ("data.reward",), "cispo names the file and the function together: data.reward=PATH:NAME"),
     "custom_reward_function.name": OtherName(

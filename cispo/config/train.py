@@ -300,10 +300,12 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
     updates than a batch has rows (a mini-batch would be empty); per-turn credit with an estimator other
     than its own leave-one-out one (``rloo``); and the rollout correction's: a TIS
     cap that is not positive, tis_cap next to rollout_is (one name for one correction), bounds that are
-    negative, not finite, out of order or both None, and bounds or a mode set with no correction to read them."""
+    negative, not finite, out of order or both None, and bounds or a mode set with no correction to read them;
+    the k2 / k3 rejection's threshold exactly where those modes read it."""
     a, r = cfg.algo, cfg.rollout
     rows = r.prompts_per_step * r.group_size
     lower, upper = a.rollout_is_lower, a.rollout_is_upper
+    divergence = a.rollout_is_mode in ("reject-k2", "reject-k3")  # a threshold of its own, no bounds of rho
     return [
         ("algo.updates_per_batch", a.updates_per_batch >= 1, "must be >= 1"),
         ("algo.updates_per_batch", a.updates_per_batch <= rows,
@@ -313,6 +315,9 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
          f"=reward_to_go takes each turn's leave-one-out baseline with no std scaling, which is "
          f"algo.advantage_estimator=rloo, not {a.advantage_estimator} (grpo, batch-std and batch-raw-std divide by a "
          "standard deviation; drgrpo's mean holds the episode's own return): set algo.advantage_estimator=rloo"),
+        ("algo.advantage_estimator", a.advantage_estimator != "gdpo" or cfg.rollout.overlong_buffer is None,
+         "=gdpo normalises each data.reward's score on its own, and rollout.overlong_buffer's penalty is none of "
+         "them: leave one of the two out"),
         ("algo.micro_batch_size", a.micro_batch_size is None or a.micro_batch_size >= 1, "must be >= 1 or None"),
         ("algo.tis_cap", a.tis_cap is None or 0 < a.tis_cap < math.inf, "must be > 0 and finite, or None"),
         ("algo.tis_cap", a.tis_cap is None or a.rollout_is is None,
@@ -324,13 +329,22 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
          f"must be > algo.rollout_is_lower = {lower}"),
         ("algo.rollout_is", a.rollout_is is None or lower is not None or upper is not None,
          "needs a bound: algo.rollout_is_lower, algo.rollout_is_upper or both"),
+        ("algo.rollout_is_max_divergence",
+         a.rollout_is is None or (a.rollout_is_max_divergence is not None) == divergence,
+         f"is the threshold of rollout_is_mode=reject-k2 / reject-k3: {'set it' if divergence else 'leave it out'} "
+         f"with rollout_is_mode={a.rollout_is_mode}"),
+        ("algo.rollout_is_max_divergence", a.rollout_is_max_divergence is None or 0 < a.rollout_is_max_divergence
+         < math.inf, "must be > 0 and finite, or None"),
+        ("algo.rollout_is_lower", not divergence or lower is None,
+         f"is not read by rollout_is_mode={a.rollout_is_mode} (it bounds a divergence estimate: "
+         "algo.rollout_is_max_divergence): leave it out"),
         ("algo.rollout_is", a.rollout_is is not None or _is_default(a, IS_SETTINGS),
          f"is off, so {', '.join(f'algo.{k}' for k in IS_SETTINGS if not _is_default(a, (k,)))} would be ignored: "
          "set the correction's level (algo.rollout_is=token, seq-mean or seq-sum) or leave its settings out"),
     ]
 
 
-IS_SETTINGS = ("rollout_is_mode", "rollout_is_lower", "rollout_is_upper")
+IS_SETTINGS = ("rollout_is_mode", "rollout_is_lower", "rollout_is_upper", "rollout_is_max_divergence")
 """The rollout correction's settings, read only with ``algo.rollout_is``."""
 
 

@@ -36,7 +36,7 @@ What TRL still decides, and what it no longer does:
 
 Metrics, logged through TRL's ``self._metrics`` (averaged per logging step, across processes):
 ``cispo/frac_capped``, ``cispo/frac_ppo_dropped``, ``cispo/frac_ppo_dropped_low_prob``,
-``cispo/ratio_mean``, ``cispo/ratio_min``, ``cispo/ratio_max``, ``cispo/approx_kl``, plus TRL's
+``cispo/frac_masked``, ``cispo/ratio_mean``, ``cispo/ratio_min``, ``cispo/ratio_max``, ``cispo/approx_kl``, plus TRL's
 ``entropy`` and (with a KL term) ``kl``.
 
 ``objective_config_from_trl(args)`` gives the ``ObjectiveConfig`` equal to TRL's own loss for

@@ -34,7 +34,8 @@ null, as verl reads them) are read where the user set them, i.e. where they diff
 defaults (``VERL_CLIP_DEFAULTS``; a default is not a setting, so ``cispo_unified_dapo`` keeps its
 0.28 under verl's 0.2), and where the objective's mask uses that edge (``mask_rule`` ``ppo``: both,
 as in the ppo, grpo, dapo and gspo presets; ``ppo-low``: the lower, cispo_lowmask; ``ppo-high``: the
-upper). Where the edge has no effect (CISPO's and REINFORCE's ``mask_rule="none"``: their IS-weight
+upper; ``dppo-tv`` / ``dppo-kl``: DPPO's ``delta_low`` / ``delta_high``, as verl's own ``dppo_tv`` /
+``dppo_kl`` read them). Where the edge has no effect (CISPO's and REINFORCE's ``mask_rule="none"``: their IS-weight
 bounds are ``cispo_overrides.eps_low_is`` / ``eps_high_is``) a warning says so, once; so does a
 ``clip_ratio_c`` (verl's dual-clip) other than 3. ``cispo_overrides.eps_low`` / ``eps_high`` that
 disagree with a clip ratio read are an error. The KL penalty stays verl's (``use_kl_loss`` /
@@ -90,6 +91,8 @@ MASK_EDGES: dict[str, dict[str, str]] = {
     "ppo": {"clip_ratio_low": "eps_low", "clip_ratio_high": "eps_high"},
     "ppo-low": {"clip_ratio_low": "eps_low"},
     "ppo-high": {"clip_ratio_high": "eps_high"},
+    "dppo-tv": {"clip_ratio_low": "delta_low", "clip_ratio_high": "delta_high"},  # verl's dppo_tv reads them so
+    "dppo-kl": {"clip_ratio_low": "delta_low", "clip_ratio_high": "delta_high"},
     "none": {},
 }
 """Our ``mask_rule`` -> verl's clip ratios that act in it, and the ``ObjectiveConfig`` field each sets."""
@@ -309,7 +312,8 @@ def make_policy_loss_fn(loss_mode: str = LOSS_NAME):
             ppo_kl = (torch.where(mask, -neg_kl, 0.0).sum() / mask.sum().clamp(min=1)).item()
         metrics = {
             # the tokens whose contribution the objective altered: dropped by the PPO mask, or capped
-            "actor/pg_clipfrac": stats.frac_ppo_dropped if cfg.mask_rule == "ppo" else stats.frac_capped,
+            "actor/pg_clipfrac": stats.frac_masked if cfg.mask_rule in ("ppo", "dppo-tv", "dppo-kl")
+            else stats.frac_capped,
             "actor/ppo_kl": ppo_kl,
             "actor/pg_clipfrac_lower": 0.0,  # verl's dual-clip (clip_ratio_c) is not part of eq. 6
             **stats.to_dict("cispo/", keys=ObjectiveStats.DIAGNOSTICS),

@@ -189,19 +189,20 @@ def _policy_logprobs(model, exp: Experience, temperature: float, fp32_head: bool
 
 def policy_fused_loss(model, exp: Experience, token_loss: TokenLoss, temperature: float = 1.0,
                       fp32_head: bool = True, chunk_size: int = 4096, body: Callable | None = None,
-                      share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      share_prompts: bool = False, with_entropy: bool = False):
     """The decoder forward of ``policy_logprobs``, then the LM head and the objective
     ``token_loss`` (``cispo.objective.fused_head.token_objective``) in one chunked pass whose gradients
     are formed in the forward (``cispo.objective.fused_head.fused_head_loss``); ``body`` and ``share_prompts`` as there.
-    -> (loss [], logp [B, T] detached, the log-probs ``policy_logprobs`` returns)"""
+    -> (loss [], logp [B, T] detached, the log-probs ``policy_logprobs`` returns), and with ``with_entropy`` the
+    entropy [B, T] detached as a third (the objective's entropy bonus is taken inside, with its gradient)"""
     def run():
         head = lm_head(model)
         hidden = _response_hidden(model, exp, body, share_prompts)
-        loss, logp, _ = fused_head_loss(hidden, head.weight, exp.response_ids, token_loss,
-                                        bias=getattr(head, "bias", None), temperature=temperature,
-                                        fp32_head=fp32_head, chunk_size=chunk_size,
-                                        transform=logit_transform(model.config))
-        return loss, logp
+        loss, logp, ent = fused_head_loss(hidden, head.weight, exp.response_ids, token_loss,
+                                          bias=getattr(head, "bias", None), temperature=temperature,
+                                          fp32_head=fp32_head, chunk_size=chunk_size, with_entropy=with_entropy,
+                                          transform=logit_transform(model.config))
+        return (loss, logp, ent) if with_entropy else (loss, logp)
 
     return sharded_call(model, run)
 

@@ -21,6 +21,15 @@ that of the rewards themselves (it also counts how far apart the groups' means a
 pass the whole batch's scale (`batch_std` of every rank's sums, `raw_std` of theirs). A group whose rewards are
 all equal carries no signal: its advantages are exactly 0 (never NaN), whatever the rounding of its mean.
 
+    gdpo    several rewards r_ik (k = 1..K, weights w_k), each normalised in its group first:
+            Rt_i = sum_k w_k (r_ik - mean_j r_jk) / (std_j r_jk + eps)      GDPO (arXiv 2601.05242), TRL's
+            A_i  = (Rt_i - mean_batch Rt) / (std_batch Rt + eps)             multi_objective_aggregation=
+                                                                             "normalize_then_sum"
+            (``gdpo_advantages``: a reward that abstained on a response, NaN, is left out of its group's mean and
+            std and adds nothing to Rt_i; one with fewer than two scores in a group adds nothing there either;
+            a response every reward abstained on is left out of the batch's mean and std and gets 0: TRL's
+            nanmean / nanstd / nansum, line for line)
+
 A reward that is NaN marks a completion that could not be scored (every reward returned None: TRL's rule,
 ``GRPOTrainer``): it is left out of its group's mean, std and leave-one-out baseline and of the batch's std,
 and its advantage is 0. A group with fewer than two scored rewards carries no signal either: advantages 0.
@@ -30,7 +39,8 @@ from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo", "batch-std", "batch-raw-std")
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "batch-std", "batch-raw-std", "gdpo")
+"""``gdpo`` reads each reward's score (`gdpo_advantages`), not the summed return `group_advantages` takes."""
 
 
 def batch_std(sum_sq: float | torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
@@ -58,8 +68,9 @@ def group_advantages(
     ``batch_scale``: for ``batch-std`` / ``batch-raw-std``, the whole batch's std_batch / std_raw (`batch_std`,
     `raw_std`); None: that of ``rewards``. A group whose every reward is scored computes exactly what it did
     before NaN was read (the same operations, bit for bit)."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS)}")
+    if estimator not in ESTIMATORS or estimator == "gdpo":
+        raise ValueError(f"unknown advantage estimator {estimator!r}; known: {', '.join(ESTIMATORS[:-1])} "
+                         "(gdpo reads each reward's score: gdpo_advantages)")
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
@@ -91,6 +102,48 @@ def group_advantages(
         std = (kept.std() if kept.numel() > 1 else kept.new_zeros(())) if batch_scale is None else batch_scale
         A = (R_in - mean) / (torch.as_tensor(std, dtype=R.dtype) + eps)
     return torch.where(constant | ~scored, 0.0, A).reshape(-1)  # A_i   [N]
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The unbiased std of ``x`` over ``dim`` (all: None) leaving NaNs out, NaN where fewer than two numbers
+    remain (TRL's ``trl.trainer.utils.nanstd``; keeps the reduced dim when ``dim`` is given)."""
+    kw = dict(dim=dim, keepdim=True) if dim is not None else {}
+    mean = torch.nanmean(x, **kw)
+    count = (~x.isnan()).sum(**kw)
+    var = torch.nanmean((x - mean) ** 2, **kw) * torch.where(count > 1, count / (count - 1).clamp(min=1), torch.nan)
+    return var.sqrt()
+
+
+def gdpo_rewards(parts: torch.Tensor, weights: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """Rt_i = nansum_k w_k (r_ik - nanmean_j r_jk) / (nanstd_j r_jk + eps), j over i's group: each reward
+    normalised within the group, then the weighted sum (module docstring, ``gdpo``).
+
+    parts [N, K] (r_ik, group by group; NaN: reward k abstained on response i), weights [K]  -> [N], NaN where
+    every reward abstained (TRL's "unscorable" completion)."""
+    N, K = parts.shape
+    if N % group_size != 0 or weights.shape != (K,):
+        raise ValueError(f"parts must be [N, K] with N a multiple of group_size={group_size} and weights [K], got "
+                         f"{tuple(parts.shape)} and {tuple(weights.shape)}")
+    grouped = parts.reshape(-1, group_size, K)  # r_jk   [groups, G, K]
+    z = (grouped - torch.nanmean(grouped, 1, keepdim=True)) / (nanstd(grouped, 1) + eps)  # [groups, G, K]
+    summed = (z * weights.to(z.dtype)).nansum(-1).reshape(N)  # Rt_i   [N]
+    return torch.where(parts.isnan().all(-1), torch.nan, summed)
+
+
+def gdpo_advantages(parts: torch.Tensor, weights: torch.Tensor, group_size: int, eps: float = 1e-6,
+                    batch_moments: tuple | None = None) -> torch.Tensor:
+    """A_i = (Rt_i - mean Rt) / (std Rt + eps) over the batch (`gdpo_rewards`; NaN Rt left out of both, its
+    A_i = 0).  -> [N]
+
+    ``batch_moments``: (mean, std) of Rt over the whole batch under data parallelism (every rank's rows);
+    None: those of this batch. TRL adds eps = 1e-4 to both stds; cispo's estimators 1e-6."""
+    summed = gdpo_rewards(parts, weights, group_size, eps)  # Rt_i   [N]
+    if batch_moments is None:
+        mean = torch.nanmean(summed)
+        std = nanstd(summed) if summed.numel() > 1 else summed.new_zeros(())
+    else:
+        mean, std = (torch.as_tensor(v, dtype=summed.dtype) for v in batch_moments)
+    return torch.nan_to_num((summed - mean) / (std + eps), nan=0.0)  # A_i   [N]
 
 
 # ---------------------------------------------------------------------------------------

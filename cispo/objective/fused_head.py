@@ -78,10 +78,11 @@ def aggregation_weights(response_mask: torch.Tensor, aggregation: str, num_token
 
 def token_objective(cfg: ObjectiveConfig, logp_old: torch.Tensor, advantages: torch.Tensor,
                     response_mask: torch.Tensor, num_tokens=None, num_seqs=None,
-                    logp_ref: torch.Tensor | None = None, entropy_coef: float = 0.0,
+                    logp_ref: torch.Tensor | None = None, entropy_coef: float | None = None,
                     group_mean_length: torch.Tensor | None = None) -> TokenLoss:
     """``policy_loss``'s value as a sum of per-token terms, evaluable on any range of the flattened
-    [B * T] tokens:  loss = sum_t a_t ( -sg(w_t) A_t logp_t M_t + kl_coef KL_t - entropy_coef H_t ).
+    [B * T] tokens:  loss = sum_t a_t ( -sg(w_t) A_t logp_t M_t + kl_coef KL_t - entropy_coef H_t ),
+    ``entropy_coef`` the config's unless given (H_t needs ``fused_head_loss(..., with_entropy=True)``).
 
     logp_old, response_mask, logp_ref: [B, T]; advantages [B] or [B, T]. The flattening order is
     row-major ([B, T] -> [B * T]): ``fused_head_loss``'s hidden states and targets must follow it."""
@@ -92,6 +93,7 @@ def token_objective(cfg: ObjectiveConfig, logp_old: torch.Tensor, advantages: to
         raise ValueError("token_objective: cfg.kl_coef > 0 needs logp_ref")
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp_old)  # [B, T]
+    entropy_coef = cfg.entropy_coef if entropy_coef is None else entropy_coef
     a = aggregation_weights(response_mask, cfg.aggregation, num_tokens, num_seqs, cfg.token_sum_norm,
                             group_mean_length).reshape(-1)
     old, adv, mask = logp_old.reshape(-1), advantages.reshape(-1), response_mask.bool().reshape(-1)  # [N]
@@ -105,7 +107,7 @@ def token_objective(cfg: ObjectiveConfig, logp_old: torch.Tensor, advantages: to
         lp = torch.where(m, logp, 0.0)  # [c]
         terms = -(weight * A * lp)  # [c]
         if cfg.mask_rule != "none":
-            terms = terms * token_mask(ratio, A, cfg)  # M_t  [c]
+            terms = terms * token_mask(ratio, A, cfg, logp, old[s:e])  # M_t  [c]
         if ref is not None and cfg.kl_coef > 0:
             terms = terms + cfg.kl_coef * kl_penalty(lp, torch.where(m, ref[s:e], 0.0), cfg.kl_estimator)
         if entropy_coef and ent is not None:

@@ -9,7 +9,7 @@ pi_old, with advantages A_it and response tokens counted by the response mask:
               0 if A_it < 0 and r_it < 1 - eps_low      (the lower half)
               1 otherwise
     J       = agg_{i,t}( sg(w_it) * A_it * log pi_theta(o_it | q, o_i<t) * M_it )   eq. 6
-    loss    = -J + kl_coef * agg_{i,t}( KL_it(pi_theta || pi_ref) )
+    loss    = -J + kl_coef * agg_{i,t}( KL_it(pi_theta || pi_ref) ) - entropy_coef * agg_{i,t}( H_it )
 
 ``sg`` is stop-gradient: the weight is a constant coefficient and the gradient flows only
 through ``log pi_theta``, so each token contributes ``sg(w) * A * M * grad log pi``:
@@ -31,12 +31,15 @@ named presets in `cispo.objective.presets`, torch-free, re-exported here):
 3. the mask rule — ``none`` (M = 1, CISPO, REINFORCE), ``ppo`` (eq. 7 with ``eps_low`` /
    ``eps_high``: the trust region of PPO, GRPO, DAPO and, at sequence level, GSPO), or one half
    of it: ``ppo-low`` (only A < 0, r < 1 - eps_low dropped) or ``ppo-high`` (only A > 0,
-   r > 1 + eps_high dropped);
+   r > 1 + eps_high dropped); or DPPO's trust region on the probability itself (arXiv 2602.04879,
+   ``dppo-tv`` / ``dppo-kl`` with ``delta_low`` / ``delta_high``: ``dppo_dropped``);
 4. the aggregation — ``token-mean`` (DAPO's token-level loss, eq. 4's 1/sum_i|o_i|),
    ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum-norm`` (Dr. GRPO, a constant length),
    ``prompt-mean-token-mean`` (ScaleRL, arXiv 2510.13786: each prompt's G responses pooled, then a mean
    over prompts);
-5. an optional KL penalty to a reference policy (k1 or k3 estimator), off by default.
+5. an optional KL penalty to a reference policy (k1 or k3 estimator), off by default; and an optional
+   entropy bonus (``entropy_coef``: H_it the full-vocabulary entropy of pi_theta at the token, with its
+   gradient; verl's ``entropy_coeff``), off by default.
 
 With a PPO mask and an unclipped weight, the gradient of eq. 6 equals the gradient of
 PPO's ``min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`` exactly (the tests prove it); the
@@ -87,6 +90,7 @@ class ObjectiveStats:
     frac_capped: float  # IS weight hit one of its bounds (eq. 5)
     frac_ppo_dropped: float  # a PPO mask with the config's eps_low / eps_high would drop (eq. 7)
     frac_ppo_dropped_low_prob: float  # the same among tokens with p_old < 0.1
+    frac_masked: float  # M_it = 0 under the config's own mask rule (0 under "none"; verl's pg_clipfrac for DPPO)
     ratio_mean: float
     ratio_min: float
     ratio_max: float
@@ -103,8 +107,8 @@ class ObjectiveStats:
     """[B, T] sg(w_it), the IS weight of eq. 5 each token's gradient carries."""
 
     SCALARS: ClassVar[tuple[str, ...]]  # every scalar statistic: the fields above the flags, in order
-    DIAGNOSTICS = ("frac_capped", "frac_ppo_dropped", "frac_ppo_dropped_low_prob", "ratio_mean", "ratio_min",
-                   "ratio_max", "approx_kl")
+    DIAGNOSTICS = ("frac_capped", "frac_ppo_dropped", "frac_ppo_dropped_low_prob", "frac_masked", "ratio_mean",
+                   "ratio_min", "ratio_max", "approx_kl")
     """The diagnostics every caller logs (the trainer as ``objective/<name>``, the TRL and verl
     adapters as ``cispo/<name>``)."""
 
@@ -129,6 +133,7 @@ class ObjectiveStats:
             frac_ppo_dropped=w("frac_ppo_dropped"),
             frac_ppo_dropped_low_prob=sum(s.frac_ppo_dropped_low_prob * s.num_low_prob_tokens for s in parts)
             / max(n_low, 1),
+            frac_masked=w("frac_masked"),
             ratio_mean=w("ratio_mean"),
             ratio_min=min(s.ratio_min for s in parts),
             ratio_max=max(s.ratio_max for s in parts),
@@ -202,10 +207,49 @@ def ppo_token_mask(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float
     return (~ppo_dropped(ratio, advantages, eps_low, eps_high)).to(ratio.dtype)  # M_it        [B, T]
 
 
-def token_mask(ratio: torch.Tensor, advantages: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
-    """M_it of the config's mask rule: 1 (``none``), eq. 7 (``ppo``) or one half of it."""
+def binary_kl(p_old: torch.Tensor, logp_old: torch.Tensor, logp_new: torch.Tensor) -> torch.Tensor:
+    """D_KL(Bernoulli(p_old) || Bernoulli(p)) of each sampled token, p = pi_theta(o_it), p_old = pi_old(o_it)
+    (DPPO's Binary-KL, arXiv 2602.04879), with verl's 1e-8 guard inside the second log:
+
+        p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))     -> [B, T]"""
+    p = torch.exp(logp_new)  # p            [B, T]
+    return p_old * (logp_old - logp_new) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+
+
+def dppo_dropped(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, delta_low: float,
+                 delta_high: float, divergence: str = "tv") -> torch.Tensor:
+    """1 - M_it of DPPO's divergence mask (arXiv 2602.04879; verl's ``dppo_tv`` / ``dppo_kl``), a bool [B, T]:
+    the trust region on the probability p = pi_theta(o_it) itself, not on the ratio, one direction per sign:
+
+        tv:  A > 0 and p - p_old > delta_high;    A <= 0 and p_old - p > delta_low
+        kl:  A > 0 and p > p_old and D > delta_high;    A <= 0 and p < p_old and D > delta_low
+
+    with D = ``binary_kl``. Written as verl writes it, as the complement of the kept tokens (so a NaN
+    divergence, from a log-prob above 0, drops the token). Always per token (the mask of a sequence-level ratio
+    too). Detached."""
+    logp_new, logp_old = logp_new.detach(), logp_old.detach()
+    p, p_old = torch.exp(logp_new), torch.exp(logp_old)  # p, p_old     [B, T]
+    if divergence == "tv":
+        keep_high = p - p_old <= delta_high  # [B, T]
+        keep_low = p - p_old >= -delta_low  # [B, T]
+    else:
+        kl = binary_kl(p_old, logp_old, logp_new)  # D           [B, T]
+        keep_high = (kl <= delta_high) | (p <= p_old)  # [B, T]
+        keep_low = (kl <= delta_low) | (p >= p_old)  # [B, T]
+    return ~torch.where(advantages > 0, keep_high, keep_low)  # [B, T]
+
+
+def token_mask(ratio: torch.Tensor, advantages: torch.Tensor, cfg: ObjectiveConfig,
+               logp_new: torch.Tensor | None = None, logp_old: torch.Tensor | None = None) -> torch.Tensor:
+    """M_it of the config's mask rule: 1 (``none``), eq. 7 (``ppo``) or one half of it, or DPPO's
+    (``dppo-tv``, ``dppo-kl``: on the probabilities, so it needs ``logp_new`` and ``logp_old`` [B, T])."""
     if cfg.mask_rule == "none":
         return torch.ones_like(ratio)  # M_it        [B, T]
+    if cfg.mask_rule.startswith("dppo-"):
+        if logp_new is None or logp_old is None:
+            raise ValueError(f"mask_rule {cfg.mask_rule!r} needs logp_new and logp_old (a mask on the probabilities)")
+        dropped = dppo_dropped(logp_new, logp_old, advantages, cfg.delta_low, cfg.delta_high, cfg.mask_rule[5:])
+        return (~dropped).to(ratio.dtype)  # M_it        [B, T]
     halves = {"ppo": "both", "ppo-low": "low", "ppo-high": "high"}[cfg.mask_rule]
     return (~ppo_dropped(ratio, advantages, cfg.eps_low, cfg.eps_high, halves)).to(ratio.dtype)  # [B, T]
 
@@ -288,8 +332,10 @@ def policy_loss(
     logp_ref: torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     group_mean_length: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ObjectiveStats]:
-    """loss = -agg( sg(w_it) * A_it * log pi_theta(o_it) * M_it ) + kl_coef * agg(KL_it)   (eq. 6)
+    """loss = -agg( sg(w_it) * A_it * log pi_theta(o_it) * M_it ) + kl_coef * agg(KL_it) - entropy_coef * agg(H_it)
+    (eq. 6 and the optional terms)
 
     Args:
         logp_new: [B, T] log pi_theta of the sampled tokens; carries the gradient.
@@ -302,12 +348,16 @@ def policy_loss(
         num_seqs: global number of sequences for the seq-mean and prompt-mean aggregations (default: local).
         group_mean_length: [B] each row's mean response length over its prompt's G responses
             (``prompt-mean-token-mean`` only; see ``aggregate``).
+        entropy: [B, T] H_it, the full-vocabulary entropy of pi_theta at each token, carrying its gradient
+            (``token_logprobs(..., with_entropy=True)``); needed when cfg.entropy_coef > 0.
     Returns:
         (loss, stats): the scalar loss to minimise and detached ``ObjectiveStats``.
     """
     _check_shapes(logp_new, logp_old, advantages, response_mask, logp_ref)
     if cfg.kl_coef > 0 and logp_ref is None:
         raise ValueError("policy_loss: cfg.kl_coef > 0 needs logp_ref (the reference policy's log-probs)")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("policy_loss: cfg.entropy_coef > 0 needs entropy (pi_theta's entropy per token, [B, T])")
     mask = response_mask.bool()  # [B, T]
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp_new)  # A_it        [B, T]
@@ -317,7 +367,7 @@ def policy_loss(
     ratio = torch.exp(log_r)  # r_it (or s_i)    [B, T]
     weight = signed_is_weight(ratio, advantages, cfg)  # sg(w_it)         [B, T]
     ppo_mask = ppo_token_mask(ratio, advantages, cfg.eps_low, cfg.eps_high)  # [B, T]
-    mask_it = token_mask(ratio, advantages, cfg)  # M_it             [B, T]
+    mask_it = token_mask(ratio, advantages, cfg, logp_new, logp_old)  # M_it             [B, T]
 
     logp = torch.where(mask, logp_new, 0.0)  # padding never reaches the graph   [B, T]
     per_token = weight * advantages * logp * mask_it  # eq. 6 term    [B, T]
@@ -330,8 +380,10 @@ def policy_loss(
         kl_tokens = kl_penalty(logp, torch.where(mask, logp_ref, 0.0), cfg.kl_estimator)  # [B, T]
         kl = aggregate(kl_tokens, mask, cfg.aggregation, **agg)
     loss = pg_loss + cfg.kl_coef * kl
+    if entropy is not None and cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * aggregate(torch.where(mask, entropy, 0.0), mask, cfg.aggregation, **agg)
 
-    stats = _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, logp_old, mask, cfg)
+    stats = _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, mask_it, logp_old, mask, cfg)
     return loss, stats
 
 
@@ -340,7 +392,7 @@ def policy_loss(
 # ---------------------------------------------------------------------------------------
 
 
-def _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, logp_old, mask, cfg) -> ObjectiveStats:
+def _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, mask_it, logp_old, mask, cfg) -> ObjectiveStats:
     """All diagnostics in one host transfer (one device sync)."""
     with torch.no_grad():
         n = mask.sum()
@@ -359,6 +411,7 @@ def _stats(loss, pg_loss, kl, ratio, log_r, weight, ppo_mask, logp_old, mask, cf
                 ((capped & mask).sum() / n_safe).float(),
                 (dropped.sum() / n_safe).float(),
                 ((dropped & low_prob).sum() / n_low.clamp(min=1)).float(),
+                (((mask_it == 0) & mask).sum() / n_safe).float(),
                 (torch.where(mask, ratio, 0.0).sum() / n_safe).float(),
                 torch.where(n > 0, torch.where(mask, ratio, big).min(), 1.0).float(),
                 torch.where(n > 0, torch.where(mask, ratio, small).max(), 1.0).float(),

@@ -1,6 +1,6 @@
 """The settings of the unified objective (`cispo.objective.loss`, MiniMax-M1 eq. 6): `ObjectiveConfig`,
 its five axes, and the named presets (cispo, ppo, grpo, dapo, gspo, reinforce, cispo_lowmask,
-cispo_highmask).
+cispo_highmask, dppo_tv, dppo_kl).
 
 Plain data with no torch: a run's config names a preset and its overrides, and checking them
 (``cispo train algo.objective.eps_high_is=-1`` is refused at once) must not wait for
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from cispo.foundations.suggest import did_you_mean
 
 RATIO_LEVELS = ("token", "sequence")
-MASK_RULES = ("none", "ppo", "ppo-low", "ppo-high")
+MASK_RULES = ("none", "ppo", "ppo-low", "ppo-high", "dppo-tv", "dppo-kl")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "prompt-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k3")
 
@@ -52,13 +52,24 @@ class ObjectiveConfig:
     mask_rule: str = "none"
     """Token mask M (eq. 7): ``none`` (M = 1), ``ppo`` (PPO's trust region, eps_low/eps_high),
     ``ppo-low`` (its lower half only: A < 0, r < 1 - eps_low) or ``ppo-high`` (its upper half
-    only: A > 0, r > 1 + eps_high)."""
+    only: A > 0, r > 1 + eps_high), or DPPO's divergence masks (arXiv 2602.04879): ``dppo-tv`` (A > 0 tokens
+    with p - p_old > delta_high, A <= 0 tokens with p_old - p > delta_low dropped, p = pi(o_it)) or ``dppo-kl``
+    (the binary KL between Bernoulli(p_old) and Bernoulli(p) above delta_high / delta_low, in the same
+    directions)."""
     eps_low: float = 0.2
     """PPO trust region lower edge 1 - eps_low: masks A < 0 tokens below it (eq. 7).
     Also defines ``frac_ppo_dropped`` under every mask rule."""
     eps_high: float = 0.2
     """PPO trust region upper edge 1 + eps_high: masks A > 0 tokens above it (eq. 7).
     Also defines ``frac_ppo_dropped`` under every mask rule."""
+    delta_low: float = 0.15
+    """DPPO's divergence bound on the way down (``dppo-tv``, ``dppo-kl``): A <= 0 tokens whose probability fell
+    by more than it (TV: p_old - p; KL: the binary KL, with p < p_old) are masked. Paper / verl recipe: 0.15 (TV),
+    0.05 (KL)."""
+    delta_high: float = 0.15
+    """DPPO's divergence bound on the way up (``dppo-tv``, ``dppo-kl``): A > 0 tokens whose probability rose by
+    more than it (TV: p - p_old; KL: the binary KL, with p > p_old) are masked. Paper / verl recipe: 0.15 (TV),
+    0.05 (KL)."""
     aggregation: str = "token-mean"
     """How per-token terms become a scalar: ``token-mean`` (sum / total tokens),
     ``seq-mean-token-mean`` (mean over sequences of per-sequence means),
@@ -72,6 +83,11 @@ class ObjectiveConfig:
     """Coefficient of the KL penalty to the reference policy. 0: no KL term (the paper's choice)."""
     kl_estimator: str = "k3"
     """KL estimator: ``k1`` (log pi - log pi_ref) or ``k3`` (r - 1 - log r, r = pi_ref / pi)."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus: loss -= entropy_coef * agg_{i,t}(H_it), H_it the full-vocabulary
+    entropy of pi_theta at response token t, with its gradient, aggregated as the policy term (verl's
+    ``actor.entropy_coeff``; TRL's ``entropy_coef``, which is the token mean: the same under token-mean).
+    0: off (every preset's)."""
     max_log_ratio: float | None = 20.0
     """Clamp of log r (and log s) to +-max_log_ratio before exp, for finite weights. None: off."""
 
@@ -81,7 +97,7 @@ class ObjectiveConfig:
         _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         for name in ("eps_low_is", "eps_high_is", "eps_low_is_neg", "eps_high_is_neg", "eps_low", "eps_high",
-                     "kl_coef"):
+                     "kl_coef", "delta_low", "delta_high", "entropy_coef"):
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"ObjectiveConfig.{name} must be a finite number >= 0, got {value!r}")
@@ -119,6 +135,11 @@ PRESETS: dict[str, ObjectiveConfig] = {
     # token-level loss of CISPO, DAPO's 0.2 / 0.28.
     "cispo_lowmask": ObjectiveConfig(mask_rule="ppo-low", eps_low=0.2, eps_high=0.28),
     "cispo_highmask": ObjectiveConfig(mask_rule="ppo-high", eps_low=0.2, eps_high=0.28),
+    # DPPO (arXiv 2602.04879): the trust region on the probability itself, not the ratio; an unbounded detached
+    # weight (the paper's recipe sets verl's truncation clip_ratio_c to 10000: off) and the token-level loss.
+    # Thresholds: verl's DPPO recipe (TV 0.15, binary KL 0.05). prime-rl's default loss is dppo_tv at 0.2.
+    "dppo_tv": ObjectiveConfig(eps_high_is=None, mask_rule="dppo-tv", delta_low=0.15, delta_high=0.15),
+    "dppo_kl": ObjectiveConfig(eps_high_is=None, mask_rule="dppo-kl", delta_low=0.05, delta_high=0.05),
 }
 
 
@@ -138,7 +159,8 @@ for it: a recipe, never a near preset (``dr_grpo`` is not ``grpo``)."""
 
 def preset(name: str, **overrides) -> ObjectiveConfig:
     """The named preset (``cispo``, ``ppo``, ``grpo``, ``dapo``, ``gspo``, ``reinforce``, ``cispo_lowmask``,
-    ``cispo_highmask``), with any field replaced by ``overrides`` (e.g. ``preset("cispo", eps_high_is=2.0)``).
+    ``cispo_highmask``, ``dppo_tv``, ``dppo_kl``), with any field replaced by ``overrides``
+    (e.g. ``preset("cispo", eps_high_is=2.0)``).
     A recipe's name (``dr_grpo``, ``scalerl``: `RECIPE_NAMES`) is refused with the recipe to use."""
     if name in RECIPE_NAMES:
         raise ValueError(f"unknown objective preset {name!r}: {RECIPE_NAMES[name]}")

@@ -18,7 +18,12 @@ the trainer's recomputed log pi_old and the sampler's own log-probs:
                mask              c = rho * 1[lower <= rho <= upper]            (MIS; IcePop's M(k), Ring-1T,
                                                                                 arXiv 2510.18855)
                reject            c = 1[lower <= rho <= upper]                  (rejection, no reweighting:
-                                                                                verl's rollout_rs)
+                                                                                verl's rollout_rs k1 modes)
+               reject-k2         c = 1[D <= max_divergence],  d_it = (log rho_it)^2 / 2
+               reject-k3         c = 1[D <= max_divergence],  d_it = rho_it - 1 - log rho_it
+                                 (verl's token_k2 / k3, seq_mean_k2 / k3, seq_sum_k2 / k3: D = d_it at level
+                                 token, mean_t d_it at seq-mean, sum_t d_it at seq-sum; the bounds lower / upper
+                                 are not used)
 
 (a bound that is None is absent: no clip, no mask on that side). The weight c_it is a constant (no
 gradient flows through it) that the trainer multiplies into the policy-gradient term of that token:
@@ -47,7 +52,8 @@ from dataclasses import dataclass
 import torch
 
 IS_LEVELS = ("token", "seq-mean", "seq-sum")
-IS_MODES = ("truncate", "mask", "reject")
+IS_MODES = ("truncate", "mask", "reject", "reject-k2", "reject-k3")
+DIVERGENCE_MODES = ("reject-k2", "reject-k3")  # reject on a divergence estimate of rho, not on rho's bounds
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ def rollout_is_weights(
     lower: float | None = None,
     upper: float | None = 2.0,
     max_log_ratio: float = 20.0,
+    max_divergence: float | None = None,
 ) -> RolloutWeights:
     """c_it = f(rho) of the module docstring, rho = pi_old / pi_rollout at ``level``, f the ``mode`` with the
     bounds ``[lower, upper]`` (None: no bound on that side).   -> RolloutWeights, weight float32 [B, T]
@@ -101,12 +108,17 @@ def rollout_is_weights(
         response_mask: [B, T] 1 at response tokens, 0 at padding.
         level: ``token``, ``seq-mean`` (geometric mean) or ``seq-sum`` (product).
         mode: ``truncate``, ``mask`` or ``reject``.
-        lower, upper: the bounds, 0 <= lower < upper; at least one of them.
+        lower, upper: the bounds, 0 <= lower < upper; at least one of them (not used by ``reject-k2`` /
+            ``reject-k3``).
+        max_divergence: the threshold of ``reject-k2`` / ``reject-k3`` (> 0; verl's ``rollout_rs_threshold``).
     """
     if level not in IS_LEVELS:
         raise ValueError(f"level must be one of {IS_LEVELS}, got {level!r}")
     if mode not in IS_MODES:
         raise ValueError(f"mode must be one of {IS_MODES}, got {mode!r}")
+    if mode in DIVERGENCE_MODES:
+        return _divergence_rejection(logp_old, logp_rollout, response_mask, level, mode, max_divergence,
+                                     max_log_ratio)
     _check_bound("lower", lower, positive=False)
     _check_bound("upper", upper, positive=True)
     if lower is None and upper is None:
@@ -140,6 +152,36 @@ def rollout_is_weights(
     masked = outside if mode != "truncate" else torch.zeros_like(mask)
     truncated = outside if mode == "truncate" else torch.zeros_like(mask)
     return RolloutWeights(weight, masked, truncated)
+
+
+def _divergence_rejection(logp_old, logp_rollout, response_mask, level: str, mode: str,
+                          max_divergence: float | None, max_log_ratio: float) -> RolloutWeights:
+    """c_it = 1[D <= max_divergence] of ``reject-k2`` / ``reject-k3`` (module docstring), as verl's
+    ``compute_rollout_rejection_mask`` computes its k2 / k3 options: log rho clamped to +-``max_log_ratio`` first
+    (verl's SAFETY_BOUND, 20), then d_it = (log rho)^2 / 2 or rho - 1 - log rho, then the level's mean or sum over
+    the response tokens of o_i.   -> RolloutWeights, weight float32 [B, T]"""
+    if max_divergence is None:
+        raise ValueError(f"mode {mode!r} needs max_divergence (the threshold of its divergence estimate)")
+    _check_bound("max_divergence", max_divergence, positive=True)
+    if logp_old.shape != logp_rollout.shape or logp_old.shape != response_mask.shape:
+        raise ValueError(f"shape mismatch: logp_old {tuple(logp_old.shape)}, logp_rollout "
+                         f"{tuple(logp_rollout.shape)}, response_mask {tuple(response_mask.shape)}")
+    mask = response_mask.bool()  # [B, T]
+    log_rho = torch.where(mask, logp_old.detach().double() - logp_rollout.detach().double(), 0.0)  # [B, T]
+    log_rho = torch.nan_to_num(log_rho, nan=0.0).clamp(-max_log_ratio, max_log_ratio)  # log rho_it  [B, T]
+    if mode == "reject-k2":
+        d = 0.5 * log_rho.square()  # d_it = (log rho)^2 / 2   [B, T]
+    else:
+        d = log_rho.exp() - 1.0 - log_rho  # d_it = rho - 1 - log rho   [B, T]
+    d = torch.where(mask, d, 0.0)  # [B, T]
+    if level != "token":
+        d_seq = d.sum(-1, keepdim=True)  # sum_t d_it   [B, 1]
+        if level == "seq-mean":
+            d_seq = d_seq / mask.sum(-1, keepdim=True).clamp(min=1)  # mean_t d_it   [B, 1]
+        d = d_seq.expand_as(d)  # D_i, shared by the tokens of o_i   [B, T]
+    outside = mask & (d > max_divergence)  # rejected   [B, T]
+    weight = torch.where(mask & ~outside, 1.0, 0.0).float()  # c_it   [B, T]
+    return RolloutWeights(weight, outside, torch.zeros_like(mask))
 
 
 def truncated_is_weights(

@@ -28,7 +28,14 @@ from collections.abc import Callable
 import torch
 
 from cispo.foundations.experience import Completion, Group, is_informative
-from cispo.objective.advantages import group_advantages, reward_to_go, segment_index, segment_to_tokens
+from cispo.objective.advantages import (
+    gdpo_advantages,
+    gdpo_rewards,
+    group_advantages,
+    reward_to_go,
+    segment_index,
+    segment_to_tokens,
+)
 
 TURN_CREDITS = ("episode", "reward_to_go")
 
@@ -102,18 +109,49 @@ def token_advantages(completions: list[Completion], per_segment: torch.Tensor) -
     return segment_to_tokens(per_segment[episode], index)  # A_it   [R, T]
 
 
-def batch_advantages(groups: list[Group], algo, batch_scale=None) -> torch.Tensor:
+def reward_scores(completions: list[Completion]) -> torch.Tensor:
+    """Each reward's score of each response, r_ik [N, K] float64 (NaN where reward k abstained: returned None;
+    a failed call's 0 as scored), in ``data.reward``'s order; a built-in task's reward as the one column (NaN
+    where unscored). GDPO's input (`gdpo_advantages`): it normalises the rewards one by one, so a response
+    whose return holds turn rewards (no per-reward split of them) is refused."""
+    if any(c.turn_rewards for c in completions):
+        raise ValueError("algo.advantage_estimator=gdpo normalises each data.reward's score; an environment's turn "
+                         "rewards are not one of them: use another estimator for episodes with turn rewards")
+    rows = [list(c.reward_parts.values()) if c.reward_parts else [c.reward] for c in completions]
+    return torch.tensor([[math.nan if v is None else float(v) for v in row] for row in rows], dtype=torch.float64)
+
+
+def gdpo_weights(completions: list[Completion], reward_weights) -> torch.Tensor:
+    """w_k [K] float64: ``data.reward_weights`` (None: 1 for each reward)."""
+    k = max(len(c.reward_parts) for c in completions) or 1
+    return torch.tensor(reward_weights or [1.0] * k, dtype=torch.float64)
+
+
+def batch_advantages(groups: list[Group], algo, batch_scale=None, reward_weights=None) -> torch.Tensor:
     """The advantages of the batch of ``groups`` under ``algo.turn_credit``, one per training row
     (`training_rows`): [B] group-relative over the episodes' returns R_i (``algo.advantage_estimator``;
-    ``batch_scale``: ``batch-std``'s scale over every rank), each episode's repeated on each of its rows, or
-    [B, T] per token (``reward_to_go``)."""
+    ``batch_scale``: ``batch-std``'s scale over every rank, or ``gdpo``'s batch (mean, std)), each episode's
+    repeated on each of its rows, or [B, T] per token (``reward_to_go``). ``gdpo`` reads each reward's score
+    and ``reward_weights`` (``data.reward_weights``)."""
     G = len(groups[0])
     if algo.turn_credit == "reward_to_go":
         return token_advantages([c for g in groups for c in g], segment_advantages(groups))  # A_it   [B, T]
-    returns = torch.tensor([c.episode_return for g in groups for c in g])  # R_i   [N]
-    A = group_advantages(returns, G, algo.advantage_estimator, batch_scale=batch_scale)  # A_i   [N]
+    if algo.advantage_estimator == "gdpo":
+        flat = [c for g in groups for c in g]
+        A = gdpo_advantages(reward_scores(flat), gdpo_weights(flat, reward_weights), G,
+                            batch_moments=batch_scale).float()  # A_i   [N]
+    else:
+        returns = torch.tensor([c.episode_return for g in groups for c in g])  # R_i   [N]
+        A = group_advantages(returns, G, algo.advantage_estimator, batch_scale=batch_scale)  # A_i   [N]
     counts = rows_per_episode(groups)  # [N]
     return A if bool((counts == 1).all()) else A.repeat_interleave(counts)  # [B]
+
+
+def gdpo_sums(groups: list[Group], reward_weights) -> torch.Tensor:
+    """GDPO's Rt_i of ``groups`` (`gdpo_rewards`: each reward normalised in its group, then weighted and summed;
+    NaN unscored)   -> [B] float64, for the batch's mean and std over every rank."""
+    flat = [c for g in groups for c in g]
+    return gdpo_rewards(reward_scores(flat), gdpo_weights(flat, reward_weights), len(groups[0]))
 
 
 def informative_test(turn_credit: str) -> Callable[[Group], bool]:

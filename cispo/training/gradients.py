@@ -60,23 +60,26 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
     if logp_ref is not None:
         logp_ref = logp_ref[:, :T]
     norm = dict(num_tokens=counts.num_tokens, num_seqs=counts.num_seqs, logp_ref=logp_ref, group_mean_length=lbar)
+    bonus = obj.entropy_coef > 0  # the entropy bonus needs pi_theta's entropy, with its gradient
     if not cfg.algo.fused_head:
         with policy.compute():
             out = policy_logprobs(policy.model, sub, cfg.rollout.temperature, cfg.model.fp32_lm_head,
-                                  with_entropy=supply is not None, body=policy.train_body,
+                                  with_entropy=supply is not None or bonus, body=policy.train_body,
                                   share_prompts=policy.share_prompts)
-        logp_new = out[0] if supply is not None else out  # [b, T]
+        logp_new, entropy = out if supply is not None or bonus else (out, None)  # [b, T]
         if supply is not None:  # as the logp_old pass stores them
-            supply(sub, logp_new.detach().float() * sub.response_mask, out[1].detach().float() * sub.response_mask)
-        return policy_loss(logp_new, sub.logp_old, advantages, sub.response_mask, obj, **norm)
+            supply(sub, logp_new.detach().float() * sub.response_mask, entropy.detach().float() * sub.response_mask)
+        return policy_loss(logp_new, sub.logp_old, advantages, sub.response_mask, obj, **norm,
+                           entropy=entropy if bonus else None)
     objective = token_objective(obj, sub.logp_old, advantages, sub.response_mask, **norm)
     with policy.compute():
-        loss, logp_new = policy_fused_loss(policy.model, sub, objective, cfg.rollout.temperature,
-                                           cfg.model.fp32_lm_head, body=policy.train_body,
-                                           share_prompts=policy.share_prompts)
-    if supply is not None:  # the fused forward gives no entropy
-        supply(sub, logp_new.detach().float() * sub.response_mask, None)
-    _, stats = policy_loss(logp_new, sub.logp_old, advantages, sub.response_mask, obj, **norm)
+        out = policy_fused_loss(policy.model, sub, objective, cfg.rollout.temperature, cfg.model.fp32_lm_head,
+                                body=policy.train_body, share_prompts=policy.share_prompts, with_entropy=bonus)
+    loss, logp_new, entropy = out if bonus else (*out, None)
+    if supply is not None:  # the fused forward gives no entropy unless the bonus asks for it
+        supply(sub, logp_new.detach().float() * sub.response_mask,
+               None if entropy is None else entropy.detach().float() * sub.response_mask)
+    _, stats = policy_loss(logp_new, sub.logp_old, advantages, sub.response_mask, obj, **norm, entropy=entropy)
     return loss, stats
 
 

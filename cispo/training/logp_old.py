@@ -28,7 +28,7 @@ import torch
 from cispo.foundations.distributed import is_sharded
 from cispo.foundations.experience import Experience
 from cispo.models.policy import Policy, policy_logprobs
-from cispo.training.metrics import mismatch_kl, pearson
+from cispo.training.metrics import entropy_metrics, mismatch_kl, mismatch_tail, pearson
 
 MEASURED = "logp_trainer"
 """``Experience.extras`` key of the trainer's own log pi_old of the rows the first update measured
@@ -54,8 +54,11 @@ def rollout_correction(algo) -> dict | None:
         return dict(level="token", mode="truncate", lower=None, upper=algo.tis_cap)
     if algo.rollout_is is None:
         return None
-    return dict(level=algo.rollout_is, mode=algo.rollout_is_mode, lower=algo.rollout_is_lower,
-                upper=algo.rollout_is_upper)
+    settings = dict(level=algo.rollout_is, mode=algo.rollout_is_mode, lower=algo.rollout_is_lower,
+                    upper=algo.rollout_is_upper)
+    if algo.rollout_is_max_divergence is not None:  # reject-k2 / reject-k3's threshold
+        settings["max_divergence"] = algo.rollout_is_max_divergence
+    return settings
 
 
 @torch.no_grad()
@@ -123,10 +126,11 @@ def measured_metrics(exp: Experience) -> dict:
     mini-batch: 1/K of the batch, all of it at K = 1), as ``batch_metrics`` defines them with
     logp_old = the trainer's log pi_old there:
 
-        objective/entropy       mean_t H_t
+        objective/entropy       mean_t H_t (and its spread: ``entropy_metrics``)
         rollout/logp_corr       pearson(log pi_rollout, log pi_old)
         rollout/logp_abs_diff   mean_t |log pi_rollout - log pi_old|
         rollout/mismatch_kl     mean_t rho - 1 - log rho,  rho = pi_old / pi_rollout
+        rollout/ratio_*         the tail of rho (``mismatch_tail``)
 
     NaN with no measured token (the entropy also under ``algo.fused_head``, whose forward gives none)."""
     old = exp.extras[MEASURED]  # [B, T]
@@ -135,10 +139,11 @@ def measured_metrics(exp: Experience) -> dict:
     rollout, trainer = exp.logp_rollout[mask], old[mask]  # [n]
     return {
         "rollout/logp_rollout_nan": float((exp.response_mask.bool() & exp.logp_rollout.isnan()).sum()),
-        "objective/entropy": float(entropy.mean()) if mask.any() else math.nan,
+        **entropy_metrics(entropy),
         "rollout/logp_corr": pearson(rollout, trainer) if mask.any() else math.nan,
         "rollout/logp_abs_diff": float((rollout - trainer).abs().mean()) if mask.any() else math.nan,
         "rollout/mismatch_kl": mismatch_kl(old, exp.logp_rollout, mask),
+        **mismatch_tail(old, exp.logp_rollout, mask),
     }
 
 

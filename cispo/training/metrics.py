@@ -58,6 +58,59 @@ def mismatch_kl(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.
     return float((log_rho.exp() - 1.0 - log_rho).mean()) if log_rho.numel() else math.nan
 
 
+def _quantile(sorted_values: torch.Tensor, q: float) -> float:
+    """The q-quantile of ascending ``sorted_values`` [n > 0], interpolated linearly (torch.quantile's rule,
+    without its input-size limit)."""
+    n = sorted_values.numel()
+    pos = q * (n - 1)  # the quantile's place between two order statistics
+    k = int(pos)
+    return float(sorted_values[k] + (sorted_values[min(k + 1, n - 1)] - sorted_values[k]) * (pos - k))
+
+
+def entropy_metrics(entropy: torch.Tensor) -> dict:
+    """The policy's per-token entropy H_t over the response tokens given (``entropy`` [n], pi_old's): its mean
+    and how it is spread, which the mean hides (a few high-entropy "forking" tokens, the 80/20 of arXiv
+    2506.01939):
+
+        objective/entropy            mean_t H_t
+        objective/entropy_p50, objective/entropy_p80, objective/entropy_max     median, 80th percentile, max
+
+    NaN with no token (or NaN entropies: none measured)."""
+    names = ("objective/entropy", "objective/entropy_p50", "objective/entropy_p80", "objective/entropy_max")
+    h = entropy.double()
+    if h.numel() == 0 or bool(h.isnan().any()):
+        return dict.fromkeys(names, math.nan)
+    ordered = h.sort().values  # [n]
+    return dict(zip(names, (float(h.mean()), _quantile(ordered, 0.5), _quantile(ordered, 0.8), float(ordered[-1]))))
+
+
+TAIL_BANDS = ((0.9, 1.1), (0.5, 2.0))
+"""The bands of rho = pi_old / pi_rollout whose outside share ``mismatch_tail`` reports (TRL #6789: the mean of a
+mismatch hides the 7-8 % of tokens outside [0.9, 1.1])."""
+
+
+def mismatch_tail(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The tail of the engine gap rho_it = pi_old / pi_rollout over the sampled response tokens ``mask``
+    (log rho clamped to +-20, as ``mismatch_kl``), which a mean hides:
+
+        rollout/ratio_out_0.9_1.1   share of tokens with rho outside [0.9, 1.1]
+        rollout/ratio_out_0.5_2     share of tokens with rho outside [0.5, 2]
+        rollout/ratio_max, rollout/ratio_min, rollout/ratio_p99     max, min and 99th percentile of rho
+                                                                     (linear interpolation, torch.quantile's)
+
+    NaN with no token."""
+    log_rho = (logp_old.double() - logp_rollout.double())[mask].clamp(-20.0, 20.0)  # log rho   [n]
+    log_rho = log_rho[~log_rho.isnan()]  # a token either side could not score is no sample of the gap
+    names = [f"rollout/ratio_out_{lo:g}_{hi:g}" for lo, hi in TAIL_BANDS]
+    names += ["rollout/ratio_max", "rollout/ratio_min", "rollout/ratio_p99"]
+    n = log_rho.numel()
+    if n == 0:
+        return dict.fromkeys(names, math.nan)
+    out = [float(((log_rho < math.log(lo)) | (log_rho > math.log(hi))).double().mean()) for lo, hi in TAIL_BANDS]
+    rho = log_rho.exp().sort().values  # rho, ascending   [n]
+    return dict(zip(names, out + [float(rho[-1]), float(rho[0]), _quantile(rho, 0.99)]))
+
+
 def reports_accuracy(task) -> bool:
     """Whether ``task``'s reward mean is an accuracy (``rollout/accuracy``, ``eval/accuracy...``): its
     ``accuracy`` flag — a built-in task's reward, or a built-in 0/1 verifier (``math``, ``exact_match``,
@@ -128,8 +181,8 @@ def rollout_metrics(completions, report: FillReport, used_fork, accuracy: bool =
 
 def batch_metrics(exp: Experience) -> dict:
     """The kept batch's log-prob agreement (the sampler's vs log pi_old, over the response tokens the sampler
-    scored: ``rollout/logp_rollout_nan`` counts those it gave NaN, left out as TRL leaves them out) and entropy:
-    a step with an update."""
+    scored: ``rollout/logp_rollout_nan`` counts those it gave NaN, left out as TRL leaves them out), with the
+    tail of their ratio (``mismatch_tail``), and entropy: a step with an update."""
     nan_rollout = exp.response_mask.bool() & exp.logp_rollout.isnan()  # [B, T]
     mask = exp.response_mask.bool() & ~nan_rollout
     return {
@@ -137,7 +190,8 @@ def batch_metrics(exp: Experience) -> dict:
         "rollout/logp_corr": pearson(exp.logp_rollout[mask], exp.logp_old[mask]),
         "rollout/logp_abs_diff": float((exp.logp_rollout - exp.logp_old)[mask].abs().mean()),
         "rollout/mismatch_kl": mismatch_kl(exp.logp_old, exp.logp_rollout, mask),
-        "objective/entropy": float(exp.extras["entropy"][exp.response_mask.bool()].mean()),
+        **mismatch_tail(exp.logp_old, exp.logp_rollout, mask),
+        **entropy_metrics(exp.extras["entropy"][exp.response_mask.bool()]),
     }
 
 

@@ -33,7 +33,7 @@ from cispo.objective.advantages import batch_std, group_advantages, raw_std
 from cispo.objective.loss import ObjectiveConfig
 from cispo.rollout import rollout_is_weights
 from cispo.training.batching import micro_batches, minibatches, row_order
-from cispo.training.credit import batch_advantages, rows_per_episode, training_rows
+from cispo.training.credit import batch_advantages, gdpo_sums, rows_per_episode, training_rows
 from cispo.training.gradients import (
     Counts,
     empty_experience,
@@ -142,7 +142,8 @@ class Trainer:
         (|o_i| the episode's policy tokens, over all its rows), and ``extras["group_of"]`` then says each row's
         group (``minibatch_order=by_group``)."""
         G = self.cfg.rollout.group_size
-        advantages = batch_advantages(groups, self.cfg.algo, self.advantage_scale(groups))  # A_i [B] or A_it [B, T]
+        advantages = batch_advantages(groups, self.cfg.algo, self.advantage_scale(groups),
+                                      self.cfg.data.reward_weights)  # A_i [B] or A_it [B, T]
         exp = collate(training_rows(groups), advantages, self.policy.pad_id).to(self.policy.device)
         counts = rows_per_episode(groups)  # [N]
         if bool((counts == 1).all()):
@@ -158,11 +159,19 @@ class Trainer:
 
     def advantage_scale(self, groups: list[list[Completion]]) -> torch.Tensor | None:
         """Under data parallelism with ``batch-std`` / ``batch-raw-std`` advantages, std_batch / std_raw over
-        every rank's scored rows (each rank joins the sum, also one that kept no group); else None
+        every rank's scored rows (each rank joins the sum, also one that kept no group), with ``gdpo`` the
+        (mean, std) of its summed normalised rewards; else None
         (`group_advantages` takes its own batch's)."""
         G, dist_info, estimator = self.cfg.rollout.group_size, self.dist_info, self.cfg.algo.advantage_estimator
-        if estimator not in ("batch-std", "batch-raw-std") or not dist_info.enabled:
+        if estimator not in ("batch-std", "batch-raw-std", "gdpo") or not dist_info.enabled:
             return None
+        if estimator == "gdpo":  # GDPO's Rt_k: (mean, std) over every rank's scored rows
+            summed = gdpo_sums(groups, self.cfg.data.reward_weights) if groups else torch.zeros(0, dtype=torch.float64)
+            kept = summed[~summed.isnan()]  # [n]
+            n = torch.tensor(float(kept.numel()), dtype=torch.float64)
+            sums = torch.stack([kept.sum(), kept.square().sum(), n])
+            sums = all_reduce_sum(sums.to(self.policy.device), dist_info).cpu()
+            return sums[0] / sums[2].clamp(min=1), raw_std(sums[0], sums[1], sums[2])
         rewards = torch.tensor([c.episode_return for group in groups for c in group])  # R_k   [B]
         if estimator == "batch-std":  # Ahat_k (0 where not scored)
             values = (group_advantages(rewards, G, "drgrpo") if groups else rewards).double()

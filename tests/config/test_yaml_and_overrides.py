@@ -228,7 +228,7 @@ def test_override_does_not_change_its_input():
         (["lr=false"], "optim.lr: expected float, got False"),
         (["lr.x=1"], "optim.lr is not a section"),
         (["objective=dapoo"], "algo.objective.name: expected one of 'cispo', 'ppo', 'grpo', 'dapo', 'gspo', "
-                              "'reinforce', 'cispo_lowmask', 'cispo_highmask', "
+                              "'reinforce', 'cispo_lowmask', 'cispo_highmask', 'dppo_tv', 'dppo_kl', "
                               "got 'dapoo' (did you mean 'dapo'?)"),
         (["advantage_estimator=rlo"], "(did you mean 'rloo'?)"),
         (["engine=vlm"], "rollout.engine: expected one of 'torch', 'vllm', got 'vlm' (did you mean 'vllm'?)"),
@@ -362,7 +362,7 @@ def test_help_lists_every_field_with_its_docstring():
     assert "  optim.betas: tuple[float, float] = (0.9, 0.95)" in text
     assert "  rollout.max_new_tokens: int | None = None" in text
     assert ("  algo.objective.name: Literal['cispo', 'ppo', 'grpo', 'dapo', 'gspo', 'reinforce', 'cispo_lowmask', "
-            "'cispo_highmask'] = 'cispo'") in text
+            "'cispo_highmask', 'dppo_tv', 'dppo_kl'] = 'cispo'") in text
     assert "  algo.objective.eps_high_is: float | None | Literal['preset'] = 'preset'\n      IS weight upper" in text
     assert "\nalgo.objective (ObjectiveSection): The objective, MiniMax-M1 eq. 6: a preset (name), each field" in text
     assert "\noptim (OptimConfig): AdamW, with MiniMax-M1's settings by default.\n" in text
@@ -737,7 +737,7 @@ def test_trl_report_to_none_on_the_command_line_means_no_trackers():
 
 @pytest.mark.parametrize("override, says", [
     ("vllm_importance_sampling_mode=sequence_mask", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode'?"),
-    ("multi_objective_aggregation=normalize_then_sum", "normalize_then_sum (GDPO) has no cispo equivalent"),
+    ("multi_objective_aggregation=sum_then_normalize", "TRL's default: cispo sums the rewards with"),
     ("top_entropy_quantile=0.2", "'top_entropy_quantile' in TRL: no cispo setting"),
     ("repetition_penalty=1.1", "'repetition_penalty' in TRL: no cispo setting; cispo samples with"),
     ("algorithm.rollout_correction.rollout_rs=token_k1", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode' "

@@ -47,6 +47,21 @@ def test_verl_rollout_rs_keeps_the_tokens_cispos_reject_keeps(option, level, spe
         assert int((naive != kept_verl.bool()).sum()) > 0
 
 
+@pytest.mark.parametrize("k", ["k2", "k3"])
+@pytest.mark.parametrize("option, level", [("token", "token"), ("seq_sum", "seq-sum"), ("seq_mean", "seq-mean")])
+@pytest.mark.parametrize("threshold", [0.02, 0.3, 2.0, 10.0])
+def test_verl_k2_k3_rejection_keeps_the_tokens_cispos_keeps(k, option, level, threshold):
+    pytest.importorskip("verl", reason="verl is not installed")
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
+
+    logp_old, logp_rollout, mask = _tokens(3)
+    kept_verl, _ = compute_rollout_rejection_mask(logp_old - logp_rollout, mask, f"{option}_{k}", threshold)
+    weights = rollout_is_weights(logp_old, logp_rollout, mask, level, f"reject-{k}", max_divergence=threshold)
+    m = mask.bool()
+    assert torch.equal((weights.weight > 0)[m], kept_verl.bool()[m])
+    assert torch.equal(weights.masked, ~kept_verl.bool() & m)
+
+
 # ---------------------------------------------------------------------------------------
 # TRL 1.16: a sampler log-prob that is NaN (GRPOTrainer._generate_and_score_completions)
 # ---------------------------------------------------------------------------------------

@@ -254,6 +254,38 @@ def test_verl_builtin_losses_equal_presets(verl_mode, verl_kw, ours, overrides, 
 
 
 @needs_verl
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("clips", [{}, dict(clip_ratio_low=0.02, clip_ratio_high=0.04)])
+def test_verl_dppo_equals_the_adapters_dppo_preset(mode, clips):
+    """verl's own dppo_tv / dppo_kl and cispo_unified_dppo_tv / _kl under the same actor config: the clip ratios
+    the user set are DPPO's bounds in both (verl's defaults 0.2 are not a setting: the preset's 0.15 / 0.05 stay,
+    so there verl runs at the preset's values); verl's weight cap clip_ratio_c is the preset's eps_high_is + 1."""
+    import warnings
+
+    logp_new, logp_old, adv, mask, is_w = _verl_batch(seed=4)
+    info = dict(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
+    cfg = preset(mode)
+    bounds = clips or dict(clip_ratio_low=cfg.delta_low, clip_ratio_high=cfg.delta_high)
+    theirs_cfg = _actor_config("cispo_unified", "token-mean", info=info, clip_ratio_c=1e4, **bounds)
+    ours_cfg = _actor_config(f"cispo_unified_{mode}", "token-mean", info=info, **clips)
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    def theirs():
+        return get_policy_loss_fn(mode)(old_log_prob=logp_old, log_prob=logp_new, advantages=adv, response_mask=mask,
+                                         loss_agg_mode="token-mean", config=theirs_cfg, rollout_is_weights=is_w)
+
+    ref_loss, ref_grad, (_, ref_metrics) = _loss_and_grad(theirs, logp_new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss, grad, (_, metrics) = _loss_and_grad(
+            lambda: _call_like_verl(ours_cfg, logp_new, logp_old, adv, mask, is_w), logp_new)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(ref_metrics["actor/pg_clipfrac"], abs=1e-7)
+    assert 0 < ref_metrics["actor/pg_clipfrac"] < 1
+
+
+@needs_verl
 def test_verl_warns_once_when_loss_agg_mode_replaces_the_presets(monkeypatch):
     import cispo.integrations.verl as integ
 

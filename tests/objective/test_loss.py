@@ -113,6 +113,9 @@ def oracle_eq6(lp, lo, A, mask, cfg):
             upper, lower = A[i] > 0 and r > 1 + cfg.eps_high, A[i] < 0 and r < 1 - cfg.eps_low
             if (cfg.mask_rule in ("ppo", "ppo-high") and upper) or (cfg.mask_rule in ("ppo", "ppo-low") and lower):
                 m = 0.0
+            if cfg.mask_rule.startswith("dppo-") and not dppo_keeps(float(lp[i, t]), float(lo[i, t]), float(A[i]),
+                                                                    cfg.mask_rule, cfg.delta_low, cfg.delta_high):
+                m = 0.0
             s += w * float(A[i]) * float(lp[i, t]) * m
         seq_terms.append((s, len(toks)))
     if cfg.aggregation == "token-mean":
@@ -121,6 +124,18 @@ def oracle_eq6(lp, lo, A, mask, cfg):
     if cfg.aggregation == "seq-mean-token-mean":
         return -sum(s / L for s, L in live) / len(live)
     return -sum(s for s, _ in live) / (len(live) * cfg.token_sum_norm)
+
+
+def dppo_keeps(logp, logp_old, a, rule, delta_low, delta_high):
+    """DPPO's trust region (arXiv 2602.04879) on one token, from p = pi(o_t) and p_old: TV |p - p_old| or the
+    binary KL D(Bern(p_old) || Bern(p)) bounded by delta_high where A > 0 (only a rise counts) and by delta_low
+    where A <= 0 (only a fall counts)."""
+    p, q = math.exp(logp), math.exp(logp_old)
+    if rule == "dppo-tv":
+        return p - q <= delta_high if a > 0 else q - p <= delta_low
+    arg = (1 - q + 1e-8) / (1 - p + 1e-8)  # verl's 1e-8 guard; <= 0 only for a "log-prob" above 0: D is NaN
+    d = q * (logp_old - logp) + (1 - q) * math.log(arg) if arg > 0 else math.nan
+    return (p <= q or d <= delta_high) if a > 0 else (p >= q or d <= delta_low)
 
 
 def native_objective(name, lp, lo, A, mask):

@@ -13,7 +13,7 @@ from cispo.objective.loss import policy_loss, preset
 from cispo.records.tracking import read_metrics
 from cispo.rollout import rollout_is_weights, truncated_is_weights
 from cispo.training.logp_old import rollout_correction
-from cispo.training.metrics import mismatch_kl
+from cispo.training.metrics import mismatch_kl, mismatch_tail
 from cispo.training.runner import train
 from tests.conftest import small_config
 
@@ -138,6 +138,64 @@ def test_mismatch_kl_hand_computed():
     assert mismatch_kl(LOGP_OLD, LOGP_ROLLOUT, MASK.bool()) == pytest.approx(sum(k3) / 6)
     assert mismatch_kl(LOGP_OLD, LOGP_OLD, MASK.bool()) == 0.0
     assert math.isnan(mismatch_kl(LOGP_OLD, LOGP_ROLLOUT, torch.zeros(2, 4, dtype=torch.bool)))
+
+
+def test_k2_k3_rejection_hand_computed():
+    """d = (ln rho)^2 / 2 (k2) and rho - 1 - ln rho (k3) of rho = 0.25, 1, 3, 8 | 0.6, 1.5:
+    k2 = 0.961, 0, 0.603, 2.162 | 0.130, 0.082;  k3 = 0.636, 0, 0.901, 4.921 | 0.111, 0.095.
+    At 0.7 the two keep different tokens (0.25 by k3 only, 3 by k2 only); at seq-mean k3 the rows' means are
+    1.615 and 0.103, so 1.0 rejects row 0 whole."""
+    k2 = rollout_is_weights(LOGP_OLD, LOGP_ROLLOUT, MASK, "token", "reject-k2", max_divergence=0.7)
+    k3 = rollout_is_weights(LOGP_OLD, LOGP_ROLLOUT, MASK, "token", "reject-k3", max_divergence=0.7)
+    assert k2.weight.tolist() == [[0, 1, 1, 0], [1, 1, 0, 0]]
+    assert k3.weight.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
+    assert k3.masked.tolist() == [[F, F, T, T], [F, F, F, F]] and not k3.truncated.any()
+    seq = rollout_is_weights(LOGP_OLD, LOGP_ROLLOUT, MASK, "seq-mean", "reject-k3", max_divergence=1.0)
+    assert seq.weight.tolist() == [[0, 0, 0, 0], [1, 1, 0, 0]]
+    assert seq.metrics(MASK)["rollout/is_masked"] == pytest.approx(4 / 6)
+    with pytest.raises(ValueError, match="max_divergence"):
+        rollout_is_weights(LOGP_OLD, LOGP_ROLLOUT, MASK, "token", "reject-k2")
+
+
+def test_k2_k3_rejection_config():
+    ok = apply_overrides(TrainConfig(), ["rollout_is=seq-mean", "rollout_is_mode=reject-k3",
+                                         "rollout_is_max_divergence=0.01"])
+    assert rollout_correction(ok.algo)["max_divergence"] == 0.01
+    for overrides, words in ((["rollout_is=token", "rollout_is_mode=reject-k2"], "set it"),
+                             (["rollout_is=token", "rollout_is_max_divergence=0.1"], "leave it out"),
+                             (["rollout_is=token", "rollout_is_mode=reject-k2", "rollout_is_max_divergence=0.1",
+                               "rollout_is_lower=0.5"], "is not read")):
+        with pytest.raises(ConfigError, match=words):
+            apply_overrides(TrainConfig(), overrides)
+
+
+def test_mismatch_tail_hand_computed():
+    """rho of the 6 tokens: 0.25, 1, 3, 8, 0.6, 1.5. Outside [0.9, 1.1]: all but the 1 (5/6); outside [0.5, 2]:
+    0.25, 3, 8 (3/6); sorted 0.25, 0.6, 1, 1.5, 3, 8: p99 at place 0.99 * 5 = 4.95, 3 + 0.95 (8 - 3) = 7.75."""
+    tail = mismatch_tail(LOGP_OLD, LOGP_ROLLOUT, MASK.bool())
+    assert tail == pytest.approx({"rollout/ratio_out_0.9_1.1": 5 / 6, "rollout/ratio_out_0.5_2": 3 / 6,
+                                  "rollout/ratio_max": 8.0, "rollout/ratio_min": 0.25, "rollout/ratio_p99": 7.75})
+    rho = RHO[MASK.bool()]
+    assert tail["rollout/ratio_p99"] == pytest.approx(float(torch.quantile(rho, 0.99)))
+    same = mismatch_tail(LOGP_OLD, LOGP_OLD, MASK.bool())
+    assert same["rollout/ratio_out_0.9_1.1"] == 0.0 and same["rollout/ratio_max"] == 1.0
+    empty = mismatch_tail(LOGP_OLD, LOGP_ROLLOUT, torch.zeros(2, 4, dtype=torch.bool))
+    assert len(empty) == 5 and all(math.isnan(v) for v in empty.values())
+
+
+def test_the_tail_metrics_are_logged_with_the_mismatch():
+    """Every step that has a behaviour policy logs them beside rollout/logp_abs_diff (``batch_metrics``), a
+    sampler NaN left out as in the other agreement metrics."""
+    from cispo.foundations.experience import Experience
+    from cispo.training.metrics import batch_metrics
+
+    logp_rollout = LOGP_ROLLOUT.clone()
+    logp_rollout[0, 1] = math.nan  # the rho = 1 token: left out, 5 of 5 outside [0.9, 1.1]
+    exp = Experience(torch.zeros(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.long), MASK, logp_rollout,
+                     torch.zeros(2), LOGP_OLD, {"entropy": torch.ones(2, 4)})
+    metrics = batch_metrics(exp)
+    assert metrics["rollout/ratio_out_0.9_1.1"] == 1.0 and metrics["rollout/ratio_max"] == pytest.approx(8.0)
+    assert "rollout/logp_abs_diff" in metrics
 
 
 @pytest.mark.parametrize("overrides, problem", [
