@@ -322,7 +322,8 @@ def test_the_trainers_batch_lays_out_an_episodes_rows_with_its_group():
 
     a, b = two_episodes()
     c, d = episode([([7], [30, 31], [0, 0])], [1.0]), episode([([7], [40], [0])], [0.0])
-    fake = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(group_size=2), algo=Algo()),
+    fake = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(group_size=2), algo=Algo(),
+                                                   data=SimpleNamespace(reward_weights=None)),
                            advantage_scale=lambda groups: None, policy=SimpleNamespace(pad_id=0, device="cpu"))
     exp = Trainer.experience(fake, [[a, b], [c, d]])
     assert len(exp) == 5 and exp.advantages[0] == exp.advantages[1] != exp.advantages[2]
