@@ -117,6 +117,9 @@ def sampling_config(rollout: RolloutConfig, default_max_new_tokens: int) -> Samp
         max_new_tokens=max_new,
         temperature=rollout.temperature,
         top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        min_p=rollout.min_p,
+        repetition_penalty=rollout.repetition_penalty,
         repetition_stop_tokens=rep or None,
         repetition_stop_prob=rollout.repetition_stop_prob,
     )
