@@ -105,6 +105,12 @@ class AlgoConfig:
     reward (0 for an episode that ended before turn k): unbiased whatever the numbers of turns, with no std
     scaling, so it needs ``advantage_estimator=rloo`` (the same baseline for one turn). Dynamic sampling
     then keeps a group where any segment's advantage is non-zero."""
+    mask_truncated_completions: bool = False
+    """Leave the responses cut at ``rollout.max_new_tokens`` without a stop token (finish reason ``length``) out
+    of the loss, as TRL's ``mask_truncated_completions`` (DAPO): their tokens get no gradient (policy term and KL)
+    and leave the token counts, while they still count in their group's advantage statistics (their rewards
+    are scored as usual) and as sequences in the ``seq-mean`` / ``prompt-mean`` aggregations (TRL's ``grpo``
+    loss averages over every row). A response stopped by the repetition early stop is not truncated: it stays."""
     updates_per_batch: int = 16
     """K: the generation batch is split into K mini-batches, one optimizer step each
     (MiniMax-M1: 16). With K = 1 every objective is identical (r = 1)."""
@@ -143,7 +149,8 @@ class AlgoConfig:
     """Where log pi_old, the anchor of the importance ratio r = pi_theta / pi_old, comes from. ``recompute``:
     the trainer's own no-grad pass over the batch, in train mode, after sampling (its first update's rows
     from that update's forward: ``logp_old_from_update``). ``rollout``: the sampler's own log-probs of the
-    tokens it drew (``logp_rollout``, under the same softmax(logits / temperature), before top-p), so no
+    tokens it drew (``logp_rollout``, under the same softmax(logits / temperature): refused with a repetition
+    penalty, top_k, min_p or top_p, whose distribution is another), so no
     pass runs (verl's ``rollout_correction.bypass_mode``; a SmolLM2 step at K = 4 in 0.90x the time,
     docs/performance.md; nothing saved at K = 1, where the first update already gives every row's).
     Only where the sampler is the trainer's own policy, so the two agree to float32 rounding (~1e-5 nats

@@ -48,6 +48,10 @@ from cispo.training.logp_old import logp_old_source, reference_logprobs, rollout
 from cispo.training.metrics import update_metrics
 from cispo.training.probes import Probe
 
+TRUNCATED = "masked_truncated"
+"""``Experience.extras`` key, with ``algo.mask_truncated_completions``: the rows cut at max_new_tokens whose tokens
+were left out of the loss (``response_mask`` 0)   [B] bool."""
+
 
 class Trainer:
     """The policy's updates, built once per run: ``step(groups) -> (batch, metrics)``; ``state_dict()`` /
@@ -142,6 +146,10 @@ class Trainer:
         exp = collate([c for g in groups for c in g], advantages, self.policy.pad_id).to(self.policy.device)
         lengths = exp.response_mask.sum(-1).reshape(-1, G)  # |o_i|   [num_groups, G]
         exp.extras["group_mean_length"] = lengths.mean(-1).repeat_interleave(G)  # Lbar_g(i)   [B]
+        if self.cfg.algo.mask_truncated_completions:  # TRL's: out of the loss, still in the advantages and seq counts
+            cut = torch.tensor([c.finish_reason == "length" for g in groups for c in g], device=exp.input_ids.device)
+            exp.response_mask = exp.response_mask * ~cut[:, None]  # [B, T]
+            exp.extras[TRUNCATED] = cut  # [B]
         return exp
 
     def advantage_scale(self, groups: list[list[Completion]]) -> torch.Tensor | None:
@@ -224,8 +232,11 @@ class Trainer:
         micro-batches, summed over ranks, clipped, applied. Returns its statistics (None: this rank ran no
         micro-batch, or the mini-batch is empty on every rank)."""
         mask = exp.response_mask[rows]  # [b, T]
+        seqs = mask.sum(-1) > 0  # [b]; a truncated response left out of the loss still counts (TRL)
+        if TRUNCATED in exp.extras:
+            seqs = seqs | exp.extras[TRUNCATED][rows]
         counts = Counts(all_reduce_sum(mask.sum(), self.dist_info),  # sum_i |o_i|, whole mini-batch
-                        all_reduce_sum((mask.sum(-1) > 0).sum(), self.dist_info))
+                        all_reduce_sum(seqs.sum(), self.dist_info))
         if counts.num_tokens == 0:  # an empty mini-batch on every rank
             return None
         self.optimizer.zero_grad(set_to_none=True)
