@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
 
-from cispo.config.algo import AlgoConfig, OptimConfig
+from cispo.config.algo import AlgoConfig, OptimConfig, schedule_checks
 from cispo.config.data import DataConfig, EvalSetConfig
 from cispo.config.describe import save_yaml
 from cispo.config.engine import (
@@ -413,7 +413,7 @@ def _optim_checks(cfg: TrainConfig) -> list[Check]:
         ("optim.weight_decay", 0 <= o.weight_decay * o.lr < 1,
          "must be >= 0 with weight_decay * lr < 1 (AdamW multiplies each weight by 1 - lr * weight_decay)"),
         ("optim.grad_clip", o.grad_clip >= 0, "must be >= 0"),
-        ("optim.warmup_updates", o.warmup_updates >= 0, "must be >= 0"),
+        *schedule_checks(o),
     ]
 
 

@@ -43,6 +43,7 @@ from cispo.training.gradients import (
     merge_stats,
     micro_batch_loss,
     optimizer_step,
+    planned_updates,
 )
 from cispo.training.logp_old import logp_old_source, reference_logprobs, rollout_correction
 from cispo.training.metrics import update_metrics
@@ -107,7 +108,7 @@ class Trainer:
             metrics.update(probe.on_step(exp))
         tokens = float(exp.response_mask.sum())
         metrics.update({
-            "optim/lr": lr_at(self.update_count - 1, self.cfg.optim),
+            "optim/lr": lr_at(self.update_count - 1, self.cfg.optim, planned_updates(self.cfg)),  # the last update's
             "optim/updates": float(self.update_count),
             "optim/step_updates": float(self.update_count - before),  # 0: this step changed nothing
             "perf/logp_old_s": t1 - t0,
@@ -244,7 +245,7 @@ class Trainer:
         params = [p for p in self.policy.model.parameters() if p.requires_grad]
         sum_gradients(params, self.dist_info)
         grad_norm, finite, scale = optimizer_step(self.policy, self.optimizer, params, self.cfg.optim,
-                                                  self.update_count)
+                                                  self.update_count, planned_updates(self.cfg))
         self.update_count += int(finite)
         for probe in self.probes:
             probe.on_update()
