@@ -50,11 +50,11 @@ def penalise(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.
 
 def processed_logprobs(logits: torch.Tensor, cfg, seen: torch.Tensor | None = None) -> torch.Tensor:
     """log pi_rollout over the vocabulary from the model's logits [b, V] (see the module docstring): -inf at
-    the tokens the truncation drops, the rest summing to 1 in probability.  -> [b, V] float32
+    the tokens the truncation drops, the rest summing to 1 in probability.  -> [b, V] (float32 or float64)
 
     ``seen`` [b, V] bool: the tokens already in each row's prompt + response (`seen_tokens`); needed with a
     repetition penalty."""
-    z = logits.float()
+    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()  # half precision: to float32
     if cfg.repetition_penalty != 1.0:
         if seen is None:
             raise ValueError("a repetition penalty needs the tokens already seen (seen=...)")
@@ -79,7 +79,7 @@ def sequence_processed_logprobs(logits: torch.Tensor, response_ids: torch.Tensor
                                 prompt_mask: torch.Tensor) -> torch.Tensor:
     """log pi_rollout of every response token from one forward's logits over the response [B, T, V] (position t
     predicts token t): what the sampler reported as ``logp_rollout``, recomputed, each position's repetition
-    penalty reaching the prompt's real tokens and the response's before it.  -> [B, T] float32"""
+    penalty reaching the prompt's real tokens and the response's before it.  -> [B, T]"""
     B, T, V = logits.shape
     seen = None
     if cfg.repetition_penalty != 1.0:
