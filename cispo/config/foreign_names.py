@@ -58,10 +58,10 @@ def _values(table: dict, refused: dict | None = None) -> Callable[[Any], Any]:
     return read
 
 
-def _at_least_one(why: str) -> Callable[[Any], Any]:
-    """A ``read`` of a count >= 1 (the same in both); anything else refused with ``why``."""
+def _at_least(least: int, why: str) -> Callable[[Any], Any]:
+    """A ``read`` of a count >= ``least`` (the same in both); anything else refused with ``why``."""
     def read(value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= least:
             return value
         raise ValueError(why)
     return read
@@ -71,15 +71,6 @@ def _positive(why: str) -> Callable[[Any], Any]:
     """A ``read`` of a number > 0 (the same in both); anything else refused with ``why``."""
     def read(value: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return value
-        raise ValueError(why)
-    return read
-
-
-def _count(why: str) -> Callable[[Any], Any]:
-    """A ``read`` of a count >= 0 (the same in both); anything else refused with ``why``."""
-    def read(value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
         raise ValueError(why)
     return read
@@ -295,7 +286,7 @@ OTHER_NAMES: dict[str, OtherName] = {
                    "highest-entropy tokens in the loss has no cispo equivalent"),
     "num_generations_eval": OtherName(
         "TRL", ("eval.num_samples",), "responses per evaluation prompt, in both",
-        _at_least_one("TRL's null samples num_generations; cispo's null takes the task's default: give a count"),
+        _at_least(1, "TRL's null samples num_generations; cispo's null takes the task's default: give a count"),
         (4, 4)),
     "repetition_penalty": OtherName("TRL", ("rollout.repetition_penalty",), "1 turns it off in both", _same,
                                     (1.1, 1.1)),
@@ -316,10 +307,10 @@ OTHER_NAMES: dict[str, OtherName] = {
         "built-in calculator and python)", _same, (["my_tools.py:add"], ["my_tools.py:add"])),
     "max_tool_calling_iterations": OtherName(
         "TRL", ("rollout.max_turns",), "tool-calling turns per response in both",
-        _at_least_one("cispo's rollout.max_turns is a count >= 1 (TRL's None leaves the turns unbounded)"), (3, 3)),
+        _at_least(1, "cispo's rollout.max_turns is a count >= 1 (TRL's None leaves the turns unbounded)"), (3, 3)),
     "warmup_steps": OtherName(
         "TRL", ("optim.warmup_updates",), "optimizer steps in both",
-        _count("TRL reads a warmup_steps below 1 as a share of the run's steps: give it as optim.warmup_ratio"),
+        _at_least(0, "TRL reads a warmup_steps below 1 as a share of the run's steps: give it as optim.warmup_ratio"),
         (10, 10)),
     "warmup_ratio": OtherName(
         "TRL", ("optim.warmup_ratio",),
@@ -448,15 +439,15 @@ OTHER_NAMES: dict[str, OtherName] = {
         "cispo counts RL steps of rollout.prompts_per_step prompts each; verl's total_epochs counts passes over the "
         "data set: steps = total_epochs x prompts / data.train_batch_size"),
     "trainer.total_training_steps": OtherName(
-        "verl", ("steps",), "RL steps, in both", _at_least_one("verl's null counts total_epochs instead: give steps"),
+        "verl", ("steps",), "RL steps, in both", _at_least(1, "verl's null counts total_epochs instead: give steps"),
         (200, 200)),
     "trainer.save_freq": OtherName(
         "verl", ("checkpoint_every",), "every N RL steps and at the end, in both",
-        _at_least_one("verl's -1 never saves; cispo always saves at the end (checkpoint_every=0: only then)"),
+        _at_least(1, "verl's -1 never saves; cispo always saves at the end (checkpoint_every=0: only then)"),
         (20, 20)),
     "trainer.test_freq": OtherName(
         "verl", ("eval.every",), "every N RL steps, before the first and after the last, in both",
-        _at_least_one("verl's -1 never evaluates during training; cispo always evaluates before the first step and "
+        _at_least(1, "verl's -1 never evaluates during training; cispo always evaluates before the first step and "
                       "after the last (eval.every=0: only then)"), (10, 10)),
     "trainer.logger": OtherName(
         "verl", ("trackers",),
@@ -493,7 +484,7 @@ OTHER_NAMES: dict[str, OtherName] = {
         (True, True)),
     "algorithm.filter_groups.max_num_gen_batches": OtherName(
         "verl", ("rollout.max_sampling_rounds",), "generation rounds per RL step, in both",
-        _at_least_one("verl's 0 samples until the batch is full; cispo's rounds are capped (at most 10^4)"), (10, 10)),
+        _at_least(1, "verl's 0 samples until the batch is full; cispo's rounds are capped (at most 10^4)"), (10, 10)),
     "algorithm.rollout_correction.bypass_mode": OtherName(
         "verl", ("algo.logp_old",),
         "true -> rollout (pi_old is the sampler's log-probs, not recomputed), false -> recompute; cispo takes them "
