@@ -127,7 +127,8 @@ class RequestOutput:
 
 
 class SamplingParams:
-    def __init__(self, n=1, temperature=1.0, top_p=1.0, max_tokens=16, logprobs=None, seed=None,
+    def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, max_tokens=16,
+                 logprobs=None, seed=None,
                  stop_token_ids=None, ignore_eos=False, detokenize=True, stop=None, include_stop_str_in_output=False):
         self.__dict__.update(locals())
         del self.__dict__["self"]
@@ -239,18 +240,31 @@ class LLM:
                         "hf_overrides": self.kwargs.get("hf_overrides"), "env": self.env, "device": self.device,
                         "process_group": self.process_group})
 
-    # vLLM's V1 sampler: temperature, then top-p (ascending sort, drop cumsum <= 1 - p), sample;
-    # processed logprobs = log_softmax of the final (truncated) logits; greedy for T < 1e-5, untempered.
+    # vLLM's V1 sampler (vllm/v1/sample/sampler.py): penalties (repetition: prompt and output tokens, positive
+    # logits divided, others multiplied), greedy for T < 1e-5 (penalised, untempered), else temperature, min_p
+    # (p < min_p * p_max dropped), top-k (below the k-th value dropped), top-p (ascending sort, drop cumsum <= 1 - p,
+    # the last kept), sample; processed logprobs = log_softmax of the final (truncated) logits.
     @torch.no_grad()
     def _step(self, ids, sp, gen):
         logits = self.engine_model.hf(torch.tensor([ids])).logits[0, -1].float()
         if not torch.isfinite(logits).all():
             raise RuntimeError("the engine's weights are garbage (woken from sleep level 2 without a reload)")
         raw = F.log_softmax(logits, -1)
+        if sp.repetition_penalty != 1.0:
+            hit = torch.zeros_like(logits, dtype=torch.bool)
+            hit[torch.tensor(ids, dtype=torch.long)] = True  # prompt_mask | output_mask
+            logits = torch.where(hit & (logits > 0), logits / sp.repetition_penalty, logits)
+            logits = torch.where(hit & (logits <= 0), logits * sp.repetition_penalty, logits)
         if sp.temperature < 1e-5:
             tok = int(logits.argmax())
-            return tok, float(raw[tok])
+            lp = F.log_softmax(logits, -1) if self.kwargs.get("logprobs_mode") == "processed_logprobs" else raw
+            return tok, float(lp[tok])
         x = logits / sp.temperature
+        if sp.min_p > 0:
+            p = x.softmax(-1)
+            x = x.masked_fill(p < sp.min_p * p.max(), -math.inf)
+        if sp.top_k > 0:
+            x = x.masked_fill(x < x.topk(min(sp.top_k, x.numel())).values[-1], -math.inf)
         if sp.top_p < 1.0:
             s, idx = x.sort(descending=False)
             drop = s.softmax(-1).cumsum(-1) <= 1 - sp.top_p

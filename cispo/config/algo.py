@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from cispo.objective.presets import AGGREGATIONS, KL_ESTIMATORS, MASK_RULES, RATIO_LEVELS, ObjectiveConfig, preset
 
-__all__ = ["AlgoConfig", "ObjectiveSection", "OptimConfig", "PRESET"]
+__all__ = ["AlgoConfig", "ObjectiveSection", "OptimConfig", "PRESET", "schedule_checks"]
 
 PRESET = "preset"
 """The value of an ``algo.objective`` field that takes the preset's value (each field's default)."""
@@ -121,6 +121,12 @@ class AlgoConfig:
     reward (0 for an episode that ended before turn k): unbiased whatever the numbers of turns, with no std
     scaling, so it needs ``advantage_estimator=rloo`` (the same baseline for one turn). Dynamic sampling
     then keeps a group where any segment's advantage is non-zero."""
+    mask_truncated_completions: bool = False
+    """Leave the responses cut at ``rollout.max_new_tokens`` without a stop token (finish reason ``length``) out
+    of the loss, as TRL's ``mask_truncated_completions`` (DAPO): their tokens get no gradient (policy term and KL)
+    and leave the token counts, while they still count in their group's advantage statistics (their rewards
+    are scored as usual) and as sequences in the ``seq-mean`` / ``prompt-mean`` aggregations (TRL's ``grpo``
+    loss averages over every row). A response stopped by the repetition early stop is not truncated: it stays."""
     updates_per_batch: int = 16
     """K: the generation batch is split into K mini-batches, one optimizer step each
     (MiniMax-M1: 16). With K = 1 every objective is identical (r = 1)."""
@@ -159,7 +165,8 @@ class AlgoConfig:
     """Where log pi_old, the anchor of the importance ratio r = pi_theta / pi_old, comes from. ``recompute``:
     the trainer's own no-grad pass over the batch, in train mode, after sampling (its first update's rows
     from that update's forward: ``logp_old_from_update``). ``rollout``: the sampler's own log-probs of the
-    tokens it drew (``logp_rollout``, under the same softmax(logits / temperature), before top-p), so no
+    tokens it drew (``logp_rollout``, under the same softmax(logits / temperature): refused with a repetition
+    penalty, top_k, min_p or top_p, whose distribution is another), so no
     pass runs (verl's ``rollout_correction.bypass_mode``; a SmolLM2 step at K = 4 in 0.90x the time,
     docs/performance.md; nothing saved at K = 1, where the first update already gives every row's).
     Only where the sampler is the trainer's own policy, so the two agree to float32 rounding (~1e-5 nats
@@ -226,4 +233,28 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = off)."""
     warmup_updates: int = 16
-    """Linear learning-rate warm-up over this many optimizer steps."""
+    """Linear learning-rate warm-up over this many optimizer steps (updates): update u < W runs at lr (u + 1) / W."""
+    warmup_ratio: float | None = None
+    """The warm-up as a share of the run's optimizer updates, in [0, 1]: W = ceil(warmup_ratio x N) (HF's rule;
+    N = steps x algo.updates_per_batch x algo.epochs, a ``cispo sft`` run's steps). None: ``warmup_updates``;
+    set one or the other."""
+    lr_scheduler_type: Literal["constant_with_warmup", "constant", "linear", "cosine"] = "constant_with_warmup"
+    """The learning-rate schedule over the run's N optimizer updates (HF Trainer's names and, after the warm-up,
+    ``transformers.get_scheduler``'s formulas): ``constant_with_warmup`` (the warm-up, then lr), ``constant`` (lr
+    from the first update: no warm-up, as HF's), ``linear`` (the warm-up, then down to 0 at update N: TRL's
+    default), ``cosine`` (the warm-up, then half a cosine down to 0 at N). Counted in optimizer updates taken; a
+    resumed run continues it (the count is in the checkpoint). HF's warm-up starts at lr 0 (its first update is
+    lost); cispo's at lr / W, one update ahead (`cispo.training.gradients.lr_at`)."""
+
+
+def schedule_checks(optim: OptimConfig) -> list[tuple[str, object, str]]:
+    """The learning-rate schedule's checks (``cispo train``'s and ``cispo sft``'s): a warm-up >= 0, a ratio in
+    [0, 1], and the warm-up given once (``warmup_ratio`` beside a ``warmup_updates`` other than its default)."""
+    ratio, default = optim.warmup_ratio, type(optim)().warmup_updates
+    return [
+        ("optim.warmup_updates", optim.warmup_updates >= 0, "must be >= 0"),
+        ("optim.warmup_ratio", ratio is None or 0 <= ratio <= 1, "must be in [0, 1] or None"),
+        ("optim.warmup_ratio", ratio is None or optim.warmup_updates == default,
+         f"is set beside optim.warmup_updates={optim.warmup_updates}: give the warm-up once (a ratio of the run's "
+         "updates, or a count)"),
+    ]

@@ -58,10 +58,10 @@ def _values(table: dict, refused: dict | None = None) -> Callable[[Any], Any]:
     return read
 
 
-def _at_least_one(why: str) -> Callable[[Any], Any]:
-    """A ``read`` of a count >= 1 (the same in both); anything else refused with ``why``."""
+def _at_least(least: int, why: str) -> Callable[[Any], Any]:
+    """A ``read`` of a count >= ``least`` (the same in both); anything else refused with ``why``."""
     def read(value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= least:
             return value
         raise ValueError(why)
     return read
@@ -74,6 +74,18 @@ def _positive(why: str) -> Callable[[Any], Any]:
             return value
         raise ValueError(why)
     return read
+
+
+def _none_as(off: Any) -> Callable[[Any], Any]:
+    """A ``read`` of a setting whose null means off: null as cispo's ``off``, any other value as it is."""
+    return lambda value: off if value is None else value
+
+
+def _top_k(value: Any) -> Any:
+    """verl's ``top_k`` as cispo's: -1 (verl's off) is 0 (cispo's off), a k >= 0 the same."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= -1:
+        return max(value, 0)
+    raise ValueError("expected -1 (off) or a count of tokens >= 0")
 
 
 def _one_file(value: Any) -> Any:
@@ -136,7 +148,11 @@ def _lora_targets(value: Any) -> Any:
 
 _PROMPTS_NOT_CUT = ("cispo never cuts a prompt: one whose tokens and rollout.max_new_tokens do not fit the model's "
                     "context is left out")
-_SAMPLING = "cispo samples with rollout.temperature and rollout.top_p only"
+_SCHEDULES = ("the HF Trainer's linear, cosine, constant and constant_with_warmup, per optimizer update (cispo's "
+              "warm-up starts at lr / W, HF's at 0); TRL's default is linear, cispo's constant_with_warmup")
+_VERL_SCHEDULES = ("constant -> constant_with_warmup (verl's constant warms up), cosine -> cosine (at verl's default "
+                   "min_lr_ratio 0 and num_cycles 0.5); verl's scheduler steps once per RL step, cispo's per "
+                   "optimizer update")
 _TRL_IS = ("TRL's default, true with sequence_mask and clip_max 3.0, is algo.rollout_is=seq-sum "
            "algo.rollout_is_mode=mask algo.rollout_is_upper=3")
 _TRL_IS_MODES = ("token_truncate -> rollout_is=token rollout_is_mode=truncate, token_mask -> token and mask, "
@@ -170,7 +186,7 @@ OTHER_NAMES: dict[str, OtherName] = {
     "max_prompt_length": OtherName("TRL", (), f"{_PROMPTS_NOT_CUT} (trl 1.16 has no such field either)"),
     "temperature": OtherName("TRL", ("rollout.temperature",), "", _same, (0.7, 0.7)),
     "top_p": OtherName("TRL", ("rollout.top_p",), "", _same, (0.95, 0.95)),
-    "top_k": OtherName("TRL", (), _SAMPLING),
+    "top_k": OtherName("TRL", ("rollout.top_k",), "0 turns it off in both", _same, (50, 50)),
     "beta": OtherName(
         "TRL", (_OBJ + "kl_coef",),
         "cispo's KL term is k3 alone; TRL multiplies it by the IS ratio unless use_bias_correction_kl=false (default "
@@ -217,9 +233,8 @@ OTHER_NAMES: dict[str, OtherName] = {
         "generation_batch_size counts responses"),
     "importance_sampling_level": OtherName("TRL", (_OBJ + "ratio_level",), "", _same, ("sequence", "sequence")),
     "mask_truncated_completions": OtherName(
-        "TRL", (),
-        "cispo keeps responses cut at rollout.max_new_tokens in the loss (its nearest: rollout.overlong_buffer, DAPO's "
-        "soft length penalty)"),
+        "TRL", ("algo.mask_truncated_completions",),
+        "out of the loss, still in the group's advantage statistics, in both", _same, (True, True)),
     "max_steps": OtherName(
         "TRL", ("steps",),
         "cispo counts RL steps (generation batches), each of algo.updates_per_batch x algo.epochs optimizer steps; "
@@ -285,12 +300,11 @@ OTHER_NAMES: dict[str, OtherName] = {
                    "highest-entropy tokens in the loss has no cispo equivalent"),
     "num_generations_eval": OtherName(
         "TRL", ("eval.num_samples",), "responses per evaluation prompt, in both",
-        _at_least_one("TRL's null samples num_generations; cispo's null takes the task's default: give a count"),
+        _at_least(1, "TRL's null samples num_generations; cispo's null takes the task's default: give a count"),
         (4, 4)),
-    "repetition_penalty": OtherName(
-        "TRL", (), f"{_SAMPLING} (no repetition penalty; rollout.repetition_stop_tokens stops a response that "
-                   "repeats itself, which is another thing)"),
-    "min_p": OtherName("TRL", (), _SAMPLING),
+    "repetition_penalty": OtherName("TRL", ("rollout.repetition_penalty",), "1 turns it off in both", _same,
+                                    (1.1, 1.1)),
+    "min_p": OtherName("TRL", ("rollout.min_p",), "TRL's null (off) is cispo's 0", _none_as(0.0), (0.05, 0.05)),
     "report_to": OtherName(
         "TRL", ("trackers",), "a sink or a list of them (tensorboard, wandb, mlflow); none -> []; all is refused",
         _report_to, ("tensorboard", ["tensorboard"])),
@@ -307,18 +321,22 @@ OTHER_NAMES: dict[str, OtherName] = {
         "built-in calculator and python)", _same, (["my_tools.py:add"], ["my_tools.py:add"])),
     "max_tool_calling_iterations": OtherName(
         "TRL", ("rollout.max_turns",), "tool-calling turns per response in both",
-        _at_least_one("cispo's rollout.max_turns is a count >= 1 (TRL's None leaves the turns unbounded)"), (3, 3)),
+        _at_least(1, "cispo's rollout.max_turns is a count >= 1 (TRL's None leaves the turns unbounded)"), (3, 3)),
     "warmup_steps": OtherName(
         "TRL", ("optim.warmup_updates",), "optimizer steps in both",
-        _at_least_one("TRL reads a warmup_steps below 1 as a share of all steps; cispo counts optimizer steps"),
+        _at_least(0, "TRL reads a warmup_steps below 1 as a share of the run's steps: give it as optim.warmup_ratio"),
         (10, 10)),
     "warmup_ratio": OtherName(
-        "TRL", ("optim.warmup_updates",),
-        "cispo counts optimizer steps: warmup_updates = warmup_ratio x steps x algo.updates_per_batch x algo.epochs"),
+        "TRL", ("optim.warmup_ratio",),
+        "a share of the run's optimizer updates, ceil(ratio x N), in both (transformers 5 reads it from a "
+        "warmup_steps below 1)", _same, (0.1, 0.1)),
     "lr_scheduler_type": OtherName(
-        "TRL", ("optim.warmup_updates",),
-        "cispo's rate rises linearly over optim.warmup_updates optimizer steps, then stays flat (TRL's default, "
-        "linear, decays it to 0)"),
+        "TRL", ("optim.lr_scheduler_type",), _SCHEDULES,
+        _values({k: k for k in ("linear", "cosine", "constant", "constant_with_warmup")},
+                dict.fromkeys(("cosine_with_restarts", "polynomial", "inverse_sqrt", "reduce_lr_on_plateau",
+                               "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay", "greedy"),
+                              "cispo's schedules are linear, cosine, constant and constant_with_warmup")),
+        ("cosine", "cosine")),
     "max_grad_norm": OtherName("TRL", ("optim.grad_clip",), "0 turns clipping off in both", _same, (0.5, 0.5)),
     "weight_decay": OtherName(
         "TRL", ("optim.weight_decay",),
@@ -397,12 +415,19 @@ OTHER_NAMES: dict[str, OtherName] = {
         "cispo counts optimizer steps; verl's scheduler steps once per RL step: warmup_updates = lr_warmup_steps x "
         "algo.updates_per_batch x algo.epochs"),
     _A + "optim.lr_warmup_steps_ratio": OtherName(
-        "verl", ("optim.warmup_updates",),
-        "cispo counts optimizer steps: warmup_updates = ratio x steps x algo.updates_per_batch x algo.epochs"),
+        "verl", ("optim.warmup_ratio",),
+        "a share of the run in both: verl's of its RL steps, int(ratio x steps), cispo's of its optimizer updates, "
+        "ceil(ratio x N)", _same, (0.1, 0.1)),
+    _A + "optim.lr_scheduler_type": OtherName(
+        "verl", ("optim.lr_scheduler_type",), _VERL_SCHEDULES,
+        _values({"constant": "constant_with_warmup", "cosine": "cosine"}), ("constant", "constant_with_warmup")),
+    _A + "optim.warmup_style": OtherName(
+        "verl", ("optim.lr_scheduler_type",), f"verl's older name of lr_scheduler_type: {_VERL_SCHEDULES}",
+        _values({"constant": "constant_with_warmup", "cosine": "cosine"}), ("cosine", "cosine")),
     _R + "n": OtherName("verl", ("rollout.group_size",), "", _same, (8, 8)),
     _R + "temperature": OtherName("verl", ("rollout.temperature",), "", _same, (0.7, 0.7)),
     _R + "top_p": OtherName("verl", ("rollout.top_p",), "", _same, (0.9, 0.9)),
-    _R + "top_k": OtherName("verl", (), _SAMPLING),
+    _R + "top_k": OtherName("verl", ("rollout.top_k",), "verl's -1 (off) is cispo's 0", _top_k, (-1, 0)),
     _R + "response_length": OtherName("verl", ("rollout.max_new_tokens",), "", _same, (1024, 1024)),
     _R + "prompt_length": OtherName("verl", (), _PROMPTS_NOT_CUT),
     _R + "name": OtherName(
@@ -439,15 +464,15 @@ OTHER_NAMES: dict[str, OtherName] = {
         "cispo counts RL steps of rollout.prompts_per_step prompts each; verl's total_epochs counts passes over the "
         "data set: steps = total_epochs x prompts / data.train_batch_size"),
     "trainer.total_training_steps": OtherName(
-        "verl", ("steps",), "RL steps, in both", _at_least_one("verl's null counts total_epochs instead: give steps"),
+        "verl", ("steps",), "RL steps, in both", _at_least(1, "verl's null counts total_epochs instead: give steps"),
         (200, 200)),
     "trainer.save_freq": OtherName(
         "verl", ("checkpoint_every",), "every N RL steps and at the end, in both",
-        _at_least_one("verl's -1 never saves; cispo always saves at the end (checkpoint_every=0: only then)"),
+        _at_least(1, "verl's -1 never saves; cispo always saves at the end (checkpoint_every=0: only then)"),
         (20, 20)),
     "trainer.test_freq": OtherName(
         "verl", ("eval.every",), "every N RL steps, before the first and after the last, in both",
-        _at_least_one("verl's -1 never evaluates during training; cispo always evaluates before the first step and "
+        _at_least(1, "verl's -1 never evaluates during training; cispo always evaluates before the first step and "
                       "after the last (eval.every=0: only then)"), (10, 10)),
     "trainer.logger": OtherName(
         "verl", ("trackers",),
@@ -484,7 +509,7 @@ OTHER_NAMES: dict[str, OtherName] = {
         (True, True)),
     "algorithm.filter_groups.max_num_gen_batches": OtherName(
         "verl", ("rollout.max_sampling_rounds",), "generation rounds per RL step, in both",
-        _at_least_one("verl's 0 samples until the batch is full; cispo's rounds are capped (at most 10^4)"), (10, 10)),
+        _at_least(1, "verl's 0 samples until the batch is full; cispo's rounds are capped (at most 10^4)"), (10, 10)),
     "algorithm.rollout_correction.bypass_mode": OtherName(
         "verl", ("algo.logp_old",),
         "true -> rollout (pi_old is the sampler's log-probs, not recomputed), false -> recompute; cispo takes them "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["OWNED_ARGUMENTS", "RolloutConfig", "check_vllm_kwargs"]
+__all__ = ["OWNED_ARGUMENTS", "RolloutConfig", "check_vllm_kwargs", "processes"]
 
 
 OWNED_ARGUMENTS: dict[str, str] = {
@@ -43,6 +43,12 @@ def check_vllm_kwargs(extra: dict[str, Any], key: str = "rollout.vllm_kwargs") -
         raise ValueError(f"{key}.hf_overrides.head_dtype: cispo sets it from model.fp32_lm_head (true: float32)")
 
 
+def processes(sampling) -> bool:
+    """Whether ``sampling`` (a `RolloutConfig` or a `cispo.rollout.base.SamplingConfig`) samples from anything but
+    softmax(logits / T): a repetition penalty, min_p, top_k or top_p (`cispo.rollout.processing`)."""
+    return sampling.repetition_penalty != 1.0 or sampling.min_p > 0 or sampling.top_k > 0 or sampling.top_p < 1.0
+
+
 MAX_TURNS = 1000
 """The largest ``rollout.max_turns``: each turn is at least a call and an observation of the same response."""
 
@@ -59,6 +65,17 @@ class RolloutConfig:
     """Sampling temperature (the trainer's log-probs use the same one)."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1 = off)."""
+    top_k: int = 0
+    """Sample from the k most likely tokens only (0 = off)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one, in [0, 1) (0 = off)."""
+    repetition_penalty: float = 1.0
+    """HF's / vLLM's repetition penalty, > 0: the logits of the tokens already in the prompt or the response are
+    divided by it where positive, multiplied where negative (1 = off). The penalty, temperature, min_p, top_k and
+    top_p make the distribution sampled (in vLLM's order, both engines); the sampler's log-probs
+    (``logp_rollout``) are of it, the trainer's of the model's own softmax(logits / temperature): set a rollout
+    correction (``algo.rollout_is`` / ``algo.tis_cap``) to weight the difference (docs/api.md). Evaluation
+    samples without them."""
     max_new_tokens: int | None = None
     """Longest response, in tokens; at most 10^8 (10 times the longest context of any model). None:
     the task's longest well-formed answer + 25%."""

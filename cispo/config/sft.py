@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cispo.config.algo import OptimConfig
+from cispo.config.algo import OptimConfig, schedule_checks
 from cispo.config.train import MAX_SEED, check_finite, check_sink_kinds
 
 __all__ = ["SFTConfig", "SFTDataConfig", "SFTModelConfig", "SFTOptimConfig"]
@@ -170,7 +170,7 @@ def _checks(cfg: SFTConfig) -> list[tuple[str, object, str]]:
         ("optim.betas", all(0 <= b < 1 for b in o.betas), "must both be in [0, 1)"),
         ("optim.weight_decay", 0 <= o.weight_decay * o.lr < 1, "must be >= 0 with weight_decay * lr < 1"),
         ("optim.grad_clip", o.grad_clip >= 0 and math.isfinite(o.grad_clip), "must be >= 0 (0: off)"),
-        ("optim.warmup_updates", o.warmup_updates >= 0, "must be >= 0"),
+        *schedule_checks(o),
     ]
 
 

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass
 
-from cispo.config.algo import AlgoConfig, OptimConfig
+from cispo.config.algo import AlgoConfig, OptimConfig, schedule_checks
 from cispo.config.data import DataConfig, EvalSetConfig
 from cispo.config.describe import save_yaml
 from cispo.config.engine import (
@@ -34,7 +34,7 @@ from cispo.config.engine import (
     to_dict,
 )
 from cispo.config.model import ModelConfig
-from cispo.config.rollout import OWNED_ARGUMENTS, RolloutConfig, check_vllm_kwargs  # noqa: F401 - still a name here
+from cispo.config.rollout import OWNED_ARGUMENTS, RolloutConfig, check_vllm_kwargs, processes  # noqa: F401 - still a name here
 from cispo.foundations.suggest import did_you_mean
 
 __all__ = [
@@ -287,6 +287,9 @@ def _rollout_checks(cfg: TrainConfig) -> list[Check]:
         ("rollout.group_size", r.group_size >= 2, "must be >= 2 (group-relative advantages)"),
         ("rollout.temperature", r.temperature > 0, "must be > 0 (the trainer's log-probs divide by it)"),
         ("rollout.top_p", 0 < r.top_p <= 1, "must be in (0, 1]"),
+        ("rollout.top_k", r.top_k >= 0, "must be >= 0 (0: off)"),
+        ("rollout.min_p", 0 <= r.min_p < 1, "must be in [0, 1) (0: off)"),
+        ("rollout.repetition_penalty", 0 < r.repetition_penalty < math.inf, "must be > 0 and finite (1: off)"),
         ("rollout.max_new_tokens", r.max_new_tokens is None or r.max_new_tokens >= 1, "must be >= 1 or None"),
         ("rollout.repetition_stop_tokens", r.repetition_stop_tokens is None or r.repetition_stop_tokens >= 0,
          "must be >= 0 (0: off) or None"),
@@ -379,6 +382,9 @@ def _logp_old_checks(cfg: TrainConfig) -> list[Check]:
          f"{a.tis_cap}, algo.rollout_is={a.rollout_is}): with pi_old = pi_rollout every correction weight "
          f"pi_old / pi_rollout is 1; drop the correction or {fix}"),
         ("algo.logp_old", not m.fsdp, f"{head} model.fsdp=true yet (not tested sharded); {fix}"),
+        ("algo.logp_old", not processes(cfg.rollout), f"{head} rollout.top_p, top_k, min_p or repetition_penalty: the "
+         "sampler's log-probs are then of the processed distribution it sampled, pi_old of the model's own; "
+         f"{fix}, with algo.rollout_is (or algo.tis_cap) to weight the difference"),
     ]
 
 
@@ -421,7 +427,7 @@ def _optim_checks(cfg: TrainConfig) -> list[Check]:
         ("optim.weight_decay", 0 <= o.weight_decay * o.lr < 1,
          "must be >= 0 with weight_decay * lr < 1 (AdamW multiplies each weight by 1 - lr * weight_decay)"),
         ("optim.grad_clip", o.grad_clip >= 0, "must be >= 0"),
-        ("optim.warmup_updates", o.warmup_updates >= 0, "must be >= 0"),
+        *schedule_checks(o),
     ]
 
 

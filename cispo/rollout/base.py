@@ -48,13 +48,25 @@ class SamplingConfig:
 
     top_p: float = 1.0
     """Nucleus sampling, in (0, 1]: sample from the smallest set of most likely tokens whose total
-    probability is >= top_p (the most likely token is always kept). 1.0 disables it. It only restricts
-    what is sampled: ``logp_rollout`` is computed before this truncation."""
+    probability is >= top_p (the most likely token is always kept). 1.0 disables it."""
+
+    top_k: int = 0
+    """Sample from the ``top_k`` most likely tokens only (ties at the k-th kept); 0 disables it."""
+
+    min_p: float = 0.0
+    """Drop the tokens whose probability is below ``min_p`` times the most likely one's, in [0, 1); 0 disables it."""
+
+    repetition_penalty: float = 1.0
+    """HF's and vLLM's repetition penalty, > 0: the logit of every token already in the prompt or the response
+    so far is divided by it where positive, multiplied where negative (before the temperature). 1 disables it.
+
+    The penalty, temperature, min_p, top_k and top_p make the distribution sampled from, in vLLM's order
+    (`cispo.rollout.processing`); ``logp_rollout`` is its log-prob of the sampled token."""
 
     repetition_stop_tokens: int | None = None
     """N for the repetition early stop of MiniMax-M1 (which used N=3000): a row stops (finish reason
     "repetition") once N consecutive sampled tokens each had probability > ``repetition_stop_prob``
-    (under the same distribution as ``logp_rollout``). The token that reaches N is kept. None = off."""
+    (the distribution sampled, as ``logp_rollout``). The token that reaches N is kept. None = off."""
 
     repetition_stop_prob: float = 0.99
     """Probability threshold of the repetition early stop, in (0, 1) (MiniMax-M1: 0.99)."""
@@ -72,6 +84,12 @@ class SamplingConfig:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if not (0.0 <= self.min_p < 1.0):
+            raise ValueError(f"min_p must be in [0, 1) (0: off), got {self.min_p}")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty}")
         n = self.repetition_stop_tokens
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"repetition_stop_tokens must be None or an int >= 1, got {n!r}")
@@ -100,8 +118,9 @@ class RolloutBatch:
     """float32 [B, T]: 1 at generated tokens (the stop token included, when one was emitted), 0 at padding."""
 
     logp_rollout: torch.Tensor
-    """float32 [B, T]: log-prob of each sampled token under the sampler's softmax(logits / temperature),
-    before top-p truncation (untempered when temperature == 0); 0 at padding."""
+    """float32 [B, T]: log-prob of each sampled token under the distribution it was drawn from: softmax(logits /
+    temperature) after the repetition penalty, min_p, top_k and top_p (renormalised over the tokens they keep;
+    `cispo.rollout.processing`; the penalised softmax(logits) when temperature == 0); 0 at padding."""
 
     finish_reason: list[str]
     """Per row, why it stopped: "eos" (emitted a stop token: EOS or another of the sampler's stop ids,

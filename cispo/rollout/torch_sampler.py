@@ -12,13 +12,13 @@ import inspect
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from cispo.foundations.distributed import sharded_call
 from cispo.models.policy import decoder, lm_head
 from cispo.objective.logprobs import lm_logits, logit_transform
 from cispo.rollout.base import FINISH_REASONS, Episodes, RolloutBatch, Sampler, SamplingConfig, stop_ids
 from cispo.rollout.decoding import DecodeRows
+from cispo.rollout.processing import processed_logprobs, seen_tokens
 from cispo.rollout.static_cache import StaticDecoder, layer_stack, matmul_attention, unsupported_reason
 
 DECODE_MODES = ("auto", "static", "hf")
@@ -206,24 +206,18 @@ class TorchSampler(Sampler):
 
     @staticmethod
     def _pick(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None,
-              rows: torch.Tensor | None = None, batch: int | None = None):
-        """Choose one token per row from logits [b, V]; returns (tokens [b], their log-probs [b]).
+              rows: torch.Tensor | None = None, batch: int | None = None, seen: torch.Tensor | None = None):
+        """Choose one token per row from logits [b, V]; returns (tokens [b], their log-probs [b]) under the
+        distribution sampled (`cispo.rollout.processing.processed_logprobs`; ``seen`` [b, V]: the tokens the
+        repetition penalty reaches).
 
         ``rows`` [b]: which of ``batch`` rows the logits belong to (None: all of them, b = batch). The
         random numbers drawn do not depend on ``rows``: the same ones as for the whole batch."""
-        if cfg.temperature == 0:  # greedy; log-probs under the untempered distribution
-            logp = F.log_softmax(logits, dim=-1)  # [b, V]
+        logp = processed_logprobs(logits, cfg, seen)  # [b, V]
+        if cfg.temperature == 0:  # greedy: draws no random numbers
             tok = logp.argmax(-1)  # [b]
         else:
-            logp = F.log_softmax(logits / cfg.temperature, dim=-1)  # [b, V]
-            probs = logp.exp()  # [b, V]
-            if cfg.top_p < 1.0:
-                sorted_p, order = probs.sort(dim=-1, descending=True)  # [b, V]
-                # Drop a token when the more likely ones already reach top_p (the first is always kept).
-                sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= cfg.top_p, 0.0)
-                tok = order.gather(-1, _multinomial(sorted_p, generator, rows, batch)[:, None]).squeeze(-1)  # [b]
-            else:
-                tok = _multinomial(probs, generator, rows, batch)  # [b]
+            tok = _multinomial(logp.exp(), generator, rows, batch)  # [b]
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
     def _sample(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, generator, episodes: Episodes | None):
@@ -240,13 +234,18 @@ class TorchSampler(Sampler):
         logits, cache, lean = self._prefill(prompts, prompt, prompt_mask, pos, cfg)  # [B, V]
         next_pos = pos[:, -1:] + 1  # [B, 1]
         rows = None  # [b] the rows the logits belong to (None: all B)
+        penalised = cfg.repetition_penalty != 1.0
+        context = seen_tokens(prompt, prompt_mask, logits.shape[-1]) if penalised else None  # [B, V] in the context
         T = n_new
         for t in range(n_new):
-            tok, tok_logp = self._pick(logits, cfg, generator, rows, B)  # [b], [b]
+            in_context = context if context is None or rows is None else context.index_select(0, rows)  # [b, V]
+            tok, tok_logp = self._pick(logits, cfg, generator, rows, B, in_context)  # [b], [b]
             if rows is not None:  # back to [B]; dropped rows have stopped, their values are masked below
                 tok = torch.full((B,), pad, dtype=tok.dtype, device=dev).index_copy_(0, rows, tok)  # [B]
                 tok_logp = torch.zeros(B, dtype=tok_logp.dtype, device=dev).index_copy_(0, rows, tok_logp)  # [B]
             out.record(t, tok, tok_logp)
+            if context is not None:  # the token just recorded (sampled or fed) is in the context from now on
+                context[torch.arange(B, device=dev), out.response[:, t]] = True
             done = bool(out.finished.all())
             if self._all_ranks_done is not None:
                 done = self._all_ranks_done(done)

@@ -9,8 +9,8 @@ with fallbacks for older ones stated below. The engine's arguments are built by
 piece relies on:
 
 * **Sampling.** ``LLM.generate([TokensPrompt(prompt_token_ids=...)], [SamplingParams(...)], use_tqdm=False)``
-  with ``SamplingParams(temperature, top_p, max_tokens=max_new_tokens, logprobs=0, seed,
-  stop_token_ids=[stop ids], ignore_eos=True, detokenize=False)``. ``logprobs=0`` returns the log-prob of
+  with ``SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens=max_new_tokens, logprobs=0,
+  seed, stop_token_ids=[stop ids], ignore_eos=True, detokenize=False)``. ``logprobs=0`` returns the log-prob of
   the sampled token only (vLLM always adds the sampled token to the top-k it returns); ``ignore_eos=True``
   plus ``stop_token_ids`` makes *our* stop ids the only stop tokens, as in ``TorchSampler`` (the run
   passes the tokenizer's EOS, the ``eos_token_id`` list of the model's generation config and the chat
@@ -22,25 +22,26 @@ piece relies on:
 * **Log-probs** (``logp_rollout``). The engine is built with ``logprobs_mode="processed_logprobs"``
   (an ``LLM``/engine argument, not a per-request one; vLLM PR #21398 added the option in 0.10.0 and PR
   #22387 made "processed" mean the final sampling distribution). vLLM's V1 sampler then returns
-  ``log_softmax`` of the logits *after* penalties (none here), temperature and top-k/top-p, i.e. of the
+  ``log_softmax`` of the logits *after* penalties, temperature, min_p and top-k/top-p, i.e. of the
   distribution it actually sampled from (``vllm/v1/sample/sampler.py`` and
   ``vllm/v1/sample/ops/topk_topp_sampler.py``; the model runner V2 sampler in
-  ``vllm/v1/worker/gpu/sample/sampler.py`` does the same). Compared with the
-  :class:`~cispo.rollout.base.RolloutBatch` contract (``log_softmax(logits / T)`` *before* top-p):
+  ``vllm/v1/worker/gpu/sample/sampler.py`` does the same). That is the
+  :class:`~cispo.rollout.base.RolloutBatch` contract (`cispo.rollout.processing`, which the torch sampler
+  applies in vLLM's order), up to the engine's numerics (bf16 weights, its own kernels; see
+  :func:`~cispo.rollout.correction.truncated_is_weights`). With ``fp32_head=True`` the logits are float32
+  (``hf_overrides={"head_dtype": "float32"}``).
 
-  - ``top_p == 1`` (the usual RL setting): identical semantics, up to the engine's numerics (bf16
-    weights, its own kernels; see :func:`~cispo.rollout.correction.truncated_is_weights`). With
-    ``fp32_head=True`` the logits are float32 (``hf_overrides={"head_dtype": "float32"}``).
-  - ``top_p < 1``: vLLM renormalises over the nucleus, so it reports ``log p_T(tok) - log S`` where S is
-    the tempered probability mass of the nucleus at that step: >= the contract's value, by ``-log S``.
-    This cannot be undone from the returned numbers. (It is the exact log-prob of the behaviour policy,
-    the better choice for an importance weight, but not comparable with the trainer's full-vocabulary
-    log-probs; see vLLM issue #42259.)
-  - ``temperature == 0`` (greedy, vLLM uses argmax for T < 1e-5): the untempered ``log_softmax(logits)``,
-    as in the contract. vLLM raises temperatures in (0, 0.01) to 0.01 (with a warning).
+  - ``top_p`` / ``top_k`` / ``min_p``: vLLM renormalises over the tokens kept, so it reports
+    ``log p_T(tok) - log S`` where S is the tempered probability mass kept at that step: the exact log-prob of
+    the behaviour policy (vLLM issue #42259), the right one for an importance weight against the trainer's
+    full-vocabulary log pi_old (TRL 1.17 uses it so).
+  - ``repetition_penalty``: over the prompt's and the response's tokens (vLLM's prompt and output masks; in a
+    multi-turn episode the context re-sent as the prompt holds both).
+  - ``temperature == 0`` (greedy, vLLM uses argmax for T < 1e-5): the untempered ``log_softmax`` of the
+    penalised logits, as in the contract. vLLM raises temperatures in (0, 0.01) to 0.01 (with a warning).
   - vLLM < 0.10 (no ``logprobs_mode``): V1 returns *raw* log-probs, ``log_softmax(logits)`` before
-    temperature and top-p, so ``logp_rollout`` is only right at temperature 1 (or 0) with top_p = 1; a
-    warning says so at each such call.
+    penalties, temperature and truncation, so ``logp_rollout`` is only right at temperature 1 (or 0) without
+    them; a warning says so at each such call.
 
 * **Repetition early stop.** vLLM has no probability-based stop (recent versions have an n-gram
   ``RepetitionDetectionParams``, a different criterion). :func:`finalize_response` applies it after
@@ -92,6 +93,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from cispo.rollout.base import Episodes, RolloutBatch, Sampler, SamplingConfig, stop_ids
+from cispo.rollout.processing import processes
 from cispo.rollout.vllm_engine import (
     RankPlacement,
     engine_accepts,
@@ -403,8 +405,9 @@ class VLLMSampler(Sampler):
     def logprob_semantics(self) -> str:
         """What ``logp_rollout`` is, for this engine (see the module docstring)."""
         if self.logprobs_mode == "processed_logprobs":
-            return "processed: log_softmax(logits / T) of the distribution sampled from (after top-p)"
-        return "raw: log_softmax(logits), before temperature and top-p (vLLM < 0.10, V1 engine)"
+            return ("processed: log_softmax of the distribution sampled from (after the repetition penalty, "
+                    "temperature, min_p, top-k and top-p)")
+        return "raw: log_softmax(logits), before penalties, temperature and truncation (vLLM < 0.10, V1 engine)"
 
     def sampling_params(self, cfg: SamplingConfig, seed: int | None = None, **overrides):
         """The ``vllm.SamplingParams`` for ``cfg``; ``overrides``: other values of its fields (an episode's turn:
@@ -413,6 +416,9 @@ class VLLMSampler(Sampler):
             n=1,
             temperature=float(cfg.temperature),
             top_p=float(cfg.top_p),
+            top_k=int(cfg.top_k),  # 0: off in vLLM too
+            min_p=float(cfg.min_p),
+            repetition_penalty=float(cfg.repetition_penalty),
             max_tokens=cfg.max_new_tokens,
             logprobs=0,
             seed=seed,
@@ -445,9 +451,10 @@ class VLLMSampler(Sampler):
         if self._needs_weights:
             raise RuntimeError("the engine woke from sleep level 2 without weights: call update_weights(model) first")
         self._check_lengths(prompt_ids, cfg)
-        if self.logprobs_mode is None and (cfg.temperature not in (0.0, 1.0) or cfg.top_p < 1.0):
+        if self.logprobs_mode is None and (cfg.temperature not in (0.0, 1.0) or processes(cfg)):
             warnings.warn(f"vLLM {self.vllm_version} returns raw log-probs: logp_rollout ignores "
-                          f"temperature={cfg.temperature} and top_p={cfg.top_p}", stacklevel=2)
+                          f"temperature={cfg.temperature}, top_p={cfg.top_p}, top_k={cfg.top_k}, min_p={cfg.min_p} "
+                          f"and repetition_penalty={cfg.repetition_penalty}", stacklevel=2)
         if 0 < cfg.temperature < 0.01:
             warnings.warn(f"vLLM raises temperature {cfg.temperature} to 0.01", stacklevel=2)
         if episodes is not None:  # multi-turn: one engine call per turn, the context re-sent as ids

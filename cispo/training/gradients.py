@@ -7,6 +7,7 @@ summation order. Under data parallelism the counts are global and gradients are 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,10 +33,40 @@ class Counts:
     num_seqs: torch.Tensor
 
 
-def lr_at(update: int, optim) -> float:
-    """Linear warm-up to ``optim.lr`` over ``optim.warmup_updates`` optimizer steps, then flat."""
-    warm = optim.warmup_updates
-    return optim.lr * min(1.0, (update + 1) / warm) if warm > 0 else optim.lr
+def planned_updates(cfg) -> int:
+    """N, the optimizer updates a ``cispo train`` run plans: steps x algo.updates_per_batch x algo.epochs (the unit
+    of ``optim.lr_scheduler_type``'s schedule; a step whose groups were all dropped, a ``fixed_size`` step that runs
+    fewer updates or a skipped non-finite update leaves the run short of it, and its rate above the schedule's end)."""
+    return cfg.steps * cfg.algo.updates_per_batch * cfg.algo.epochs
+
+
+def warmup_of(optim, total: int) -> int:
+    """W, the warm-up's updates: ceil(optim.warmup_ratio x N) where the ratio is set (HF's rule), else
+    ``optim.warmup_updates``."""
+    return math.ceil(optim.warmup_ratio * total) if optim.warmup_ratio is not None else optim.warmup_updates
+
+
+def lr_at(update: int, optim, total: int) -> float:
+    """The learning rate of optimizer update ``update`` (u, counted from 0) of a run of ``total`` (N) updates:
+    ``optim.lr`` x the factor of ``optim.lr_scheduler_type``, with W = `warmup_of`::
+
+        warm-up, u < W          (u + 1) / W                                  (not constant)
+        constant_with_warmup    1
+        constant                1 from the first update (no warm-up, as HF's)
+        linear                  max(0, (N - u) / max(1, N - W))                 (at most 1)
+        cosine                  max(0, 0.5 (1 + cos(pi (u - W) / max(1, N - W))))
+
+    transformers' ``get_scheduler`` formulas from W on (tested); in the warm-up its factor is u / W, so its first
+    update runs at lr 0: cispo's warm-up factor is HF's of the update after (one update ahead)."""
+    kind = optim.lr_scheduler_type
+    warm = 0 if kind == "constant" else warmup_of(optim, total)
+    if update < warm:
+        return optim.lr * (update + 1) / warm
+    if kind == "linear":
+        return optim.lr * min(1.0, max(0.0, (total - update) / max(1, total - warm)))
+    if kind == "cosine":
+        return optim.lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * (update - warm) / max(1, total - warm))))
+    return optim.lr
 
 
 def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg, counts: Counts,
@@ -84,8 +115,9 @@ def micro_batch_loss(policy: Policy, sub: Experience, obj: ObjectiveConfig, cfg,
 
 
 def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, params: list, optim,
-                   update_count: int) -> tuple[torch.Tensor, bool, float | None]:
-    """Clip the accumulated gradient and take the AdamW step at update ``update_count``'s learning rate,
+                   update_count: int, total_updates: int) -> tuple[torch.Tensor, bool, float | None]:
+    """Clip the accumulated gradient and take the AdamW step at update ``update_count``'s learning rate (`lr_at`,
+    of a run of ``total_updates``),
     unless its norm is not finite (the update is skipped). Under float16 loss scaling the gradients are
     unscaled first and the scale S then updated. Returns ``(grad_norm, finite, S before the step or None)``."""
     scaler, scale = policy.grad_scaler, None
@@ -96,7 +128,7 @@ def optimizer_step(policy: Policy, optimizer: torch.optim.Optimizer, params: lis
     finite = bool(torch.isfinite(grad_norm))
     if finite:
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(update_count, optim)
+            group["lr"] = lr_at(update_count, optim, total_updates)
         optimizer.step()
     if scaler is not None:
         scaler.update()  # S halves after an overflow (this update skipped), grows after a clean run

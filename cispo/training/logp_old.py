@@ -86,7 +86,8 @@ def not_same_policy(policy: Policy) -> str | None:
     float16 with ``model.dtype`` unset runs under autocast: the sampler's KV-cached decode and the
     trainer's forward then differ by that dtype's rounding, which the recomputed pass exists to see).
     In float32 the LM head's code path (``model.fp32_lm_head``'s chunked head or the model's own) is the
-    same arithmetic. Both take log_softmax(logits / temperature), before top-p truncation."""
+    same arithmetic. Both take log_softmax(logits / temperature) (a repetition penalty, top_k, min_p or top_p makes
+    the sampler's another distribution: `cispo.config.train` refuses them with ``algo.logp_old=rollout``)."""
     sampler = policy.sampler
     if sampler.model is not policy.model:
         return f"the sampler ({type(sampler).__name__}) does not sample from the trainer's model"

@@ -20,7 +20,6 @@ from cispo.foundations.forks import ForkTokens
 from cispo.models.policy import Policy
 from cispo.objective.loss import ObjectiveConfig
 from cispo.rollout import SamplingConfig
-from cispo.training.gradients import lr_at
 
 if TYPE_CHECKING:
     from cispo.config.train import AlgoConfig, OptimConfig, RolloutConfig, TrainConfig
@@ -58,10 +57,10 @@ def make_objective(algo: AlgoConfig, max_new_tokens: int | None) -> ObjectiveCon
 
 
 def make_optimizer(model, optim: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters, at the learning rate of the first update."""
+    """AdamW over the trainable parameters, at the peak learning rate (each update sets its own, `lr_at`)."""
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
-        lr=lr_at(0, optim),
+        lr=optim.lr,
         betas=tuple(optim.betas),
         eps=optim.eps,
         weight_decay=optim.weight_decay,
@@ -117,6 +116,9 @@ def sampling_config(rollout: RolloutConfig, default_max_new_tokens: int) -> Samp
         max_new_tokens=max_new,
         temperature=rollout.temperature,
         top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        min_p=rollout.min_p,
+        repetition_penalty=rollout.repetition_penalty,
         repetition_stop_tokens=rep or None,
         repetition_stop_prob=rollout.repetition_stop_prob,
     )

@@ -270,7 +270,7 @@ def train_step(run: SFTRun, step: int) -> dict:
     if not torch.isfinite(grad_norm):
         raise FloatingPointError(f"the gradient of step {step} is not finite (loss {loss_sum}); the newest "
                                  f"checkpoint holds the last good weights: lower optim.lr or set optim.grad_clip")
-    lr = lr_at(run.update_count, cfg.optim)
+    lr = lr_at(run.update_count, cfg.optim, run.steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.optimizer.step()

@@ -43,10 +43,15 @@ from cispo.training.gradients import (
     merge_stats,
     micro_batch_loss,
     optimizer_step,
+    planned_updates,
 )
 from cispo.training.logp_old import logp_old_source, reference_logprobs, rollout_correction
 from cispo.training.metrics import update_metrics
 from cispo.training.probes import Probe
+
+TRUNCATED = "masked_truncated"
+"""``Experience.extras`` key, with ``algo.mask_truncated_completions``: the rows cut at max_new_tokens whose tokens
+were left out of the loss (``response_mask`` 0)   [B] bool."""
 
 
 class Trainer:
@@ -103,7 +108,7 @@ class Trainer:
             metrics.update(probe.on_step(exp))
         tokens = float(exp.response_mask.sum())
         metrics.update({
-            "optim/lr": lr_at(self.update_count - 1, self.cfg.optim),
+            "optim/lr": lr_at(self.update_count - 1, self.cfg.optim, planned_updates(self.cfg)),  # the last update's
             "optim/updates": float(self.update_count),
             "optim/step_updates": float(self.update_count - before),  # 0: this step changed nothing
             "perf/logp_old_s": t1 - t0,
@@ -144,17 +149,22 @@ class Trainer:
         G = self.cfg.rollout.group_size
         advantages = batch_advantages(groups, self.cfg.algo, self.advantage_scale(groups),
                                       self.cfg.data.reward_weights)  # A_i [B] or A_it [B, T]
-        exp = collate(training_rows(groups), advantages, self.policy.pad_id).to(self.policy.device)
+        rows = training_rows(groups)
+        exp = collate(rows, advantages, self.policy.pad_id).to(self.policy.device)
+        device = exp.input_ids.device
         counts = rows_per_episode(groups)  # [N]
         if bool((counts == 1).all()):
             lengths = exp.response_mask.sum(-1).reshape(-1, G)  # |o_i|   [num_groups, G]
             exp.extras["group_mean_length"] = lengths.mean(-1).repeat_interleave(G)  # Lbar_g(i)   [B]
-            return exp
-        lengths = torch.tensor([float(c.policy_length) for g in groups for c in g]).reshape(-1, G)  # [num_groups, G]
-        group_rows = counts.reshape(-1, G).sum(-1)  # [num_groups]
-        device = exp.input_ids.device
-        exp.extras["group_mean_length"] = lengths.mean(-1).repeat_interleave(group_rows).to(device)  # [B]
-        exp.extras["group_of"] = torch.arange(len(groups)).repeat_interleave(group_rows).to(device)  # [B]
+        else:
+            lengths = torch.tensor([float(c.policy_length) for g in groups for c in g]).reshape(-1, G)  # [groups, G]
+            group_rows = counts.reshape(-1, G).sum(-1)  # [num_groups]
+            exp.extras["group_mean_length"] = lengths.mean(-1).repeat_interleave(group_rows).to(device)  # [B]
+            exp.extras["group_of"] = torch.arange(len(groups)).repeat_interleave(group_rows).to(device)  # [B]
+        if self.cfg.algo.mask_truncated_completions:  # TRL's: out of the loss, still in the advantages and seq counts
+            cut = torch.tensor([r.finish_reason == "length" for r in rows], device=device)  # a row cut at its budget
+            exp.response_mask = exp.response_mask * ~cut[:, None]  # [B, T]
+            exp.extras[TRUNCATED] = cut  # [B]
         return exp
 
     def advantage_scale(self, groups: list[list[Completion]]) -> torch.Tensor | None:
@@ -246,8 +256,11 @@ class Trainer:
         micro-batches, summed over ranks, clipped, applied. Returns its statistics (None: this rank ran no
         micro-batch, or the mini-batch is empty on every rank)."""
         mask = exp.response_mask[rows]  # [b, T]
+        seqs = mask.sum(-1) > 0  # [b]; a truncated response left out of the loss still counts (TRL)
+        if TRUNCATED in exp.extras:
+            seqs = seqs | exp.extras[TRUNCATED][rows]
         counts = Counts(all_reduce_sum(mask.sum(), self.dist_info),  # sum_i |o_i|, whole mini-batch
-                        all_reduce_sum((mask.sum(-1) > 0).sum(), self.dist_info))
+                        all_reduce_sum(seqs.sum(), self.dist_info))
         if counts.num_tokens == 0:  # an empty mini-batch on every rank
             return None
         self.optimizer.zero_grad(set_to_none=True)
@@ -255,7 +268,7 @@ class Trainer:
         params = [p for p in self.policy.model.parameters() if p.requires_grad]
         sum_gradients(params, self.dist_info)
         grad_norm, finite, scale = optimizer_step(self.policy, self.optimizer, params, self.cfg.optim,
-                                                  self.update_count)
+                                                  self.update_count, planned_updates(self.cfg))
         self.update_count += int(finite)
         for probe in self.probes:
             probe.on_update()

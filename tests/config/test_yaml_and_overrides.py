@@ -739,7 +739,10 @@ def test_trl_report_to_none_on_the_command_line_means_no_trackers():
     ("vllm_importance_sampling_mode=sequence_mask", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode'?"),
     ("multi_objective_aggregation=sum_then_normalize", "TRL's default: cispo sums the rewards with"),
     ("top_entropy_quantile=0.2", "'top_entropy_quantile' in TRL: no cispo setting"),
-    ("repetition_penalty=1.1", "'repetition_penalty' in TRL: no cispo setting; cispo samples with"),
+    ("warmup_steps=0.1", "TRL reads a warmup_steps below 1 as a share of the run's steps: give it as "
+                         "optim.warmup_ratio"),
+    ("lr_scheduler_type=polynomial", "'polynomial' is not read: cispo's schedules are linear, cosine, constant and "
+                                     "constant_with_warmup"),
     ("algorithm.rollout_correction.rollout_rs=token_k1", "did you mean 'algo.rollout_is' and 'algo.rollout_is_mode' "
                                                          "and 'algo.rollout_is_lower' and 'algo.rollout_is_upper'?"),
     ("algorithm.rollout_correction.rollout_rs_threshold=0.5_5.0",
@@ -763,6 +766,39 @@ def test_trl_and_verl_correction_names_are_read(override, get, expected):
     sets_level = "rollout_is=" in override or "correction=" in override
     overrides = ([] if sets_level else ["algo.rollout_is=token"]) + [override]
     assert get(apply_overrides(TrainConfig(), overrides)) == expected
+
+
+NEW_KNOBS = [
+    ("top_k: 50", lambda c: c.rollout.top_k, 50),
+    ("min_p: 0.05", lambda c: c.rollout.min_p, 0.05),
+    ("min_p: null", lambda c: c.rollout.min_p, 0.0),
+    ("repetition_penalty: 1.1", lambda c: c.rollout.repetition_penalty, 1.1),
+    ("mask_truncated_completions: true", lambda c: c.algo.mask_truncated_completions, True),
+    ("lr_scheduler_type: cosine", lambda c: c.optim.lr_scheduler_type, "cosine"),
+    ("warmup_ratio: 0.1", lambda c: c.optim.warmup_ratio, 0.1),
+    ("warmup_steps: 0", lambda c: c.optim.warmup_updates, 0),
+    ("actor_rollout_ref.rollout.top_k: -1", lambda c: c.rollout.top_k, 0),
+    ("actor_rollout_ref.rollout.top_k: 20", lambda c: c.rollout.top_k, 20),
+    ("actor_rollout_ref.actor.optim.lr_scheduler_type: constant", lambda c: c.optim.lr_scheduler_type,
+     "constant_with_warmup"),
+    ("actor_rollout_ref.actor.optim.warmup_style: cosine", lambda c: c.optim.lr_scheduler_type, "cosine"),
+    ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio: 0.05", lambda c: c.optim.warmup_ratio, 0.05),
+]
+
+
+@pytest.mark.parametrize("line, get, expected", NEW_KNOBS, ids=[k[0] for k in NEW_KNOBS])
+def test_trl_and_verl_names_of_the_sampling_schedule_and_masking_knobs_are_read_alike(line, get, expected, tmp_path):
+    """TRL's top_k, min_p, repetition_penalty, mask_truncated_completions, lr_scheduler_type, warmup_ratio and verl's
+    rollout.top_k, optim.lr_scheduler_type / warmup_style / lr_warmup_steps_ratio: read as cispo's keys, the same
+    on the command line and in YAML (a dotted verl name written as YAML's nesting)."""
+    key, value = (x.strip() for x in line.split(":", 1))
+    assert get(apply_overrides(TrainConfig(), [f"{key}={value}"])) == expected
+    nested = value
+    for part in reversed(key.split(".")):
+        nested = f"{{{part}: {nested}}}"
+    path = tmp_path / "run.yaml"
+    path.write_text(nested + "\n")
+    assert get(load_yaml(TrainConfig, path)) == expected
 
 
 def test_train_help_points_to_the_names_table():

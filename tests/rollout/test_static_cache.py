@@ -32,7 +32,8 @@ ARCHS = {
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL)),  # q/k/v biases
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=None)),
 }
-CONFIGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8), dict(temperature=0.0)]
+CONFIGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8), dict(temperature=0.0),
+           dict(temperature=0.9, top_k=6, min_p=0.02, repetition_penalty=1.4)]  # the penalty's rows as rows stop
 
 
 def build(name, dtype=torch.float32):

@@ -98,10 +98,36 @@ def test_cached_matches_uncached(sampler, temperature, top_p):
     torch.testing.assert_close(a.logp_rollout, b.logp_rollout, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.6, 0.8), (0.0, 1.0)])
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.6, 1.0), (0.0, 1.0)])
 def test_logp_matches_full_forward(model, sampler, temperature, top_p):
     b = gen(sampler, max_new_tokens=10, temperature=temperature, top_p=top_p, seed=3)
     torch.testing.assert_close(b.logp_rollout, full_forward_logp(model, b, temperature), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.6, top_p=0.8), dict(temperature=1.0, top_k=3),
+                                dict(temperature=0.9, min_p=0.3), dict(temperature=1.0, repetition_penalty=1.8),
+                                dict(temperature=0.0, repetition_penalty=1.5),
+                                dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3)])
+def test_processed_logp_is_one_forward_through_the_same_processing(model, sampler, kw):
+    """On-policy the sampler's logp_rollout and a recompute through the same processing agree (ratio 1):
+    the KV-cached loop's log-probs are those of one forward over prompt + response, processed position by
+    position (its repetition penalty over the prompt and the response before it)."""
+    from cispo.rollout.processing import sequence_processed_logprobs
+
+    cfg = SamplingConfig(max_new_tokens=10, **kw)
+    b = sampler.generate(PROMPTS, cfg, torch.Generator().manual_seed(3))
+    P, T = b.prompt_ids.shape[1], b.response_ids.shape[1]
+    ids = torch.cat([b.prompt_ids, b.response_ids], 1)
+    mask = torch.cat([b.prompt_mask, b.response_mask.long()], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    again = sequence_processed_logprobs(logits[:, P - 1 : P + T - 1].float(), b.response_ids, cfg, b.prompt_ids,
+                                        b.prompt_mask).masked_fill(b.response_mask == 0, 0.0)  # padding: any
+    torch.testing.assert_close(b.logp_rollout, again, atol=1e-4, rtol=0)
+    ratio = (again - b.logp_rollout).exp()[b.response_mask == 1]
+    torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0)
+    if kw.get("top_k") or kw.get("top_p", 1) < 1 or kw.get("min_p"):  # renormalised: log p >= untruncated
+        assert (b.logp_rollout >= full_forward_logp(model, b, kw["temperature"]) - 1e-5).all()
 
 
 @pytest.mark.parametrize("which", ["sampler", "gpt2_sampler"])
@@ -240,27 +266,35 @@ def test_several_stop_ids_end_rows_in_both_decode_loops(model, decode):
         TorchSampler(model, eos_token_id=[], pad_token_id=PAD)
 
 
-def test_tiny_top_p_samples_the_argmax(sampler):
+@pytest.mark.parametrize("truncation", [dict(top_p=1e-6), dict(top_k=1)])
+def test_one_kept_token_samples_the_argmax_with_probability_one(sampler, truncation):
+    """top_k=1 (or a tiny top_p) is greedy decoding, and the distribution sampled puts all its mass on that
+    token: logp_rollout = log 1 = 0."""
     greedy = gen(sampler, max_new_tokens=10, temperature=0.0)
     for temperature in (1.0, 2.0):
-        b = gen(sampler, max_new_tokens=10, temperature=temperature, top_p=1e-6, seed=7)
+        b = gen(sampler, max_new_tokens=10, temperature=temperature, seed=7, **truncation)
         assert torch.equal(b.response_ids, greedy.response_ids)
-        if temperature == 1.0:  # greedy log-probs are untempered, i.e. at temperature 1
-            torch.testing.assert_close(b.logp_rollout, greedy.logp_rollout, atol=1e-6, rtol=0)
-    # logp_rollout stays the pre-truncation, tempered log-prob (not 0 for the only kept token)
-    assert (b.logp_rollout[b.response_mask == 1] < -1e-3).all()
+        assert b.logp_rollout.abs().max() < 1e-6
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.5, 1.0), (0.8, 0.6)])
-def test_first_token_distribution(model, sampler, temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,more", [(1.5, 1.0, {}), (0.8, 0.6, {}), (1.2, 1.0, dict(top_k=4)),
+                                                     (1.0, 1.0, dict(min_p=0.25)),
+                                                     (1.0, 1.0, dict(repetition_penalty=3.0))])
+def test_first_token_distribution(model, sampler, temperature, top_p, more):
+    """The first token's frequencies are the processed distribution (transformers' own logits processors) and
+    logp_rollout is its log-prob of the token drawn."""
     prompt, n = [4, 9, 2], 4000
+    processors = transformers.LogitsProcessorList(
+        ([transformers.RepetitionPenaltyLogitsProcessor(more["repetition_penalty"])] if more.get("repetition_penalty")
+         else []) + [transformers.TemperatureLogitsWarper(temperature)]
+        + ([transformers.MinPLogitsWarper(more["min_p"])] if more.get("min_p") else [])
+        + ([transformers.TopKLogitsWarper(more["top_k"])] if more.get("top_k") else [])
+        + ([transformers.TopPLogitsWarper(top_p)] if top_p < 1 else []))
     with torch.no_grad():
-        probs = F.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
-    if top_p < 1.0:  # the nucleus, renormalised
-        sp, order = probs.sort(descending=True)
-        sp[sp.cumsum(0) - sp >= top_p] = 0
-        probs = torch.zeros_like(probs).scatter(0, order, sp / sp.sum())
-    b = gen(sampler, [prompt] * n, max_new_tokens=1, temperature=temperature, top_p=top_p, seed=11)
+        logits = model(torch.tensor([prompt])).logits[0, -1:]
+    probs = F.softmax(processors(torch.tensor([prompt]), logits.clone()), -1)[0]
+    b = gen(sampler, [prompt] * n, max_new_tokens=1, temperature=temperature, top_p=top_p, seed=11, **more)
+    torch.testing.assert_close(b.logp_rollout[:, 0], probs.log()[b.response_ids[:, 0]], atol=1e-5, rtol=0)
     freq = torch.bincount(b.response_ids[:, 0], minlength=probs.numel()).float() / n
     assert (freq[probs == 0] == 0).all()
     assert (freq - probs).abs().max() < 0.03  # ~4 standard errors at n=4000
@@ -296,7 +330,8 @@ def test_bad_inputs_raise(sampler):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         sampler.generate([[2], []], cfg)
     for bad in (dict(max_new_tokens=0), dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-0.1),
-                dict(temperature=float("nan")), dict(repetition_stop_tokens=0), dict(repetition_stop_prob=1.0)):
+                dict(temperature=float("nan")), dict(repetition_stop_tokens=0), dict(repetition_stop_prob=1.0),
+                dict(top_k=-1), dict(top_k=2.5), dict(min_p=1.0), dict(min_p=-0.1), dict(repetition_penalty=0.0)):
         with pytest.raises(ValueError):
             SamplingConfig(**bad)
 

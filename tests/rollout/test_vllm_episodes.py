@@ -256,11 +256,12 @@ def test_scan_segment_follows_the_torch_sampler_rules():
     assert scan_segment([5, 6], [hi, lo], [], 1, stops, cfg, pauses) == (2, None, 0)
 
 
-@pytest.mark.parametrize("max_new_tokens", [30, 12])  # 12: rows cut by the budget, observations among them
-def test_a_greedy_episode_matches_the_torch_samplers(model_dir, max_new_tokens):
+@pytest.mark.parametrize("max_new_tokens,penalty", [(30, 1.0), (12, 1.0), (30, 1.5)])  # 12: rows cut by the budget
+def test_a_greedy_episode_matches_the_torch_samplers(model_dir, max_new_tokens, penalty):
     """Same weights, greedy, an environment that pauses by ids (no stop strings: the engine runs each segment on
     and the scan cuts it): the same response ids, env_mask, finish reasons and (to float error) log-probs as
-    ``TorchSampler``'s, and the environment asked the same questions."""
+    ``TorchSampler``'s, and the environment asked the same questions. With a repetition penalty, both penalise
+    the observations' tokens too (the engine's context re-sent as the prompt; the torch sampler's fed tokens)."""
 
     class ById:
         def __init__(self, every):
@@ -278,7 +279,7 @@ def test_a_greedy_episode_matches_the_torch_samplers(model_dir, max_new_tokens):
             return out
 
     prompts = [[5, 6, 7], [8], [9, 10, 11, 12, 13], [5, 6, 7]]
-    cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    cfg = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0, repetition_penalty=penalty)
     out = {}
     for name in ("torch", "vllm"):
         env = ById([2, 3, 4, 2])

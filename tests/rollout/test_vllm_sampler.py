@@ -121,14 +121,20 @@ def gen(sampler, prompts=PROMPTS, seed=0, **cfg) -> RolloutBatch:
     return sampler.generate(prompts, SamplingConfig(**cfg), torch.Generator().manual_seed(seed))
 
 
-def full_forward_logp(model, b: RolloutBatch, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of the sampled tokens from one forward of [prompt + response] (T=0: untempered)."""
+def full_forward_logp(model, b: RolloutBatch, temperature: float, cfg: SamplingConfig | None = None) -> torch.Tensor:
+    """log_softmax(logits / T) of the sampled tokens from one forward of [prompt + response] (T=0: untempered);
+    with ``cfg``, the log-probs of the distribution it samples (`cispo.rollout.processing`)."""
+    from cispo.rollout.processing import sequence_processed_logprobs
+
     P, T = b.prompt_ids.shape[1], b.response_ids.shape[1]
     ids = torch.cat([b.prompt_ids, b.response_ids], 1).cpu()
     mask = torch.cat([b.prompt_mask, b.response_mask.long()], 1).cpu()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, P - 1 : P + T - 1].float()
+    if cfg is not None:
+        logp = sequence_processed_logprobs(logits, b.response_ids.cpu(), cfg, b.prompt_ids.cpu(), b.prompt_mask.cpu())
+        return logp.masked_fill(b.response_mask.cpu() == 0, 0.0)
     logp = F.log_softmax(logits / (temperature or 1.0), -1).gather(-1, b.response_ids.cpu()[..., None]).squeeze(-1)
     return logp * b.response_mask.cpu()
 
@@ -166,27 +172,31 @@ def test_is_a_sampler(backend):
     assert isinstance(backend[1], Sampler)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (0.0, 1.0), (0.8, 0.9)])
-def test_contract_and_logp_matches_full_forward(backend, temperature, top_p):
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=0.0),
+                                dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=4),
+                                dict(temperature=0.9, min_p=0.6), dict(temperature=1.0, repetition_penalty=1.6),
+                                dict(temperature=0.0, repetition_penalty=1.6),
+                                dict(temperature=0.8, top_k=8, top_p=0.9, min_p=0.02, repetition_penalty=1.2)])
+def test_contract_and_logp_matches_full_forward(backend, kw):
+    """Every backend's logp_rollout is the log-prob of the distribution it sampled (penalty, temperature, min_p,
+    top_k, top_p in vLLM's order, renormalised over the tokens kept): one forward of prompt + response through
+    the same processing gives it back (ratio 1 on-policy)."""
     name, sampler, model = backend
     prompts = PROMPTS * 3
-    b = gen(sampler, prompts, seed=3, max_new_tokens=24, temperature=temperature, top_p=top_p)
+    cfg = SamplingConfig(max_new_tokens=24, **kw)
+    b = sampler.generate(prompts, cfg, torch.Generator().manual_seed(3))
     check_contract(b, prompts, 24)
-    ref = full_forward_logp(model, b, temperature)
+    ref = full_forward_logp(model, b, cfg.temperature, cfg)
     mask = b.response_mask.cpu().bool()
     got = b.logp_rollout.cpu()
     if name == "torch":
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
         return
     tol_max, tol_mean = (1e-4, 1e-5) if name == "fake-vllm" else (0.5, 0.05)  # real vLLM: bf16, own kernels
-    if top_p == 1.0:
-        diff = (got - ref)[mask].abs()
-        assert diff.mean() < tol_mean and diff.max() < tol_max, (diff.mean(), diff.max())
-    else:
-        # vLLM's processed log-probs are renormalised over the nucleus: log p - log S >= log p
-        below = (ref - got)[mask].clamp(min=0)
-        assert below.mean() < tol_mean and below.max() < tol_max
-        assert (got - ref)[mask].max() > 1e-3  # and the renormalisation is visible (documented difference)
+    diff = (got - ref)[mask].abs()
+    assert diff.mean() < tol_mean and diff.max() < tol_max, (diff.mean(), diff.max())
+    if cfg.top_k or cfg.top_p < 1 or cfg.min_p:  # the truncation renormalises: log p - log S >= log p
+        assert (got - full_forward_logp(model, b, cfg.temperature))[mask].max() > 1e-3
 
 
 def test_both_finish_reasons_occur(backend):
@@ -321,6 +331,10 @@ def test_sampling_params_and_engine_arguments(model_dir):
     assert len(params) == 3 and len({p.seed for p in params}) == 3  # one seed per request, from the generator
     p = params[0]
     assert (p.temperature, p.top_p, p.max_tokens, p.logprobs) == (0.6, 0.95, 7, 0)
+    assert (p.top_k, p.min_p, p.repetition_penalty) == (0, 0.0, 1.0)  # off, as vLLM's own defaults
+    sampler.generate([[5]], SamplingConfig(max_new_tokens=2, top_k=7, min_p=0.05, repetition_penalty=1.1))
+    p = sampler.llm.calls[-1][0]
+    assert (p.top_k, p.min_p, p.repetition_penalty) == (7, 0.05, 1.1)
     assert p.stop_token_ids == [EOS] and p.ignore_eos and not p.detokenize and p.n == 1
     sampler.generate([[5]], SamplingConfig(max_new_tokens=2))
     assert sampler.llm.calls[-1][0].seed is None  # no generator: the engine's seeded stream
