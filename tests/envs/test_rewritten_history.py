@@ -207,7 +207,7 @@ def two_episodes():
 
 
 class Algo:
-    turn_credit, advantage_estimator = "episode", "grpo"
+    turn_credit, advantage_estimator, mask_truncated_completions = "episode", "grpo", False
 
 
 def test_every_row_of_an_episode_gets_its_advantage_and_the_baseline_is_over_episodes():
