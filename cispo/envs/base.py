@@ -5,9 +5,11 @@ environment inserts into the policy's context, never trained on)::
 
     opening = env.reset(sample)          # None | text appended to the last user message | messages | ids
     loop:    segment = <the policy samples until a stop token or one of the environments' stop strings>
-             result = env.step(segment)  # StepResult(observation, reward, done, info)
-             if result.done or result.observation is None: the episode ends
-             else the observation is fed into the context and the policy samples the next segment
+             result = env.step(segment)  # StepResult(observation, reward, done, info, context)
+             if result.done or both observation and context are None: the episode ends
+             else the observation is fed into the context and the policy samples the next segment;
+             or the context (the episode's whole next context) replaces the history: fed as an observation
+             where it extends the row's ids token for token, else the row ends and a new row starts on it
     final = env.final_reward()           # once, when the episode ends (None: none)
 
 This is the shape of tinker-cookbook's ``Env.initial_observation`` / ``step``, SkyRL-Gym's ``init`` / ``step``
@@ -16,17 +18,29 @@ unchanged). `cispo.envs.episodes.Environments` is the family a run holds (``Poli
 `Env` per episode and says what every episode shares (the stop strings that pause a segment, the tools' schemas
 the prompt renders). `cispo.envs.episodes.EnvEpisodes` drives a batch of episodes through a sampler, token in,
 token out, so that the ids trained on are exactly the ids sampled.
+
+Histories need not be append-only: a step may return the episode's whole next ``context`` (an environment that
+compacts or summarises its history). Where its ids extend the row's (its prompt, then everything sampled and
+observed) token for token, the extension is fed as an observation and the row goes on (the torch sampler's KV
+cache kept); where they do not, the row ends there, its response final and trained as sampled, and the episode
+goes on in a **new training row** whose prompt is the context, sampled in a further ``generate`` round (TRL's
+message mode, SkyRL's step-wise trajectories). Every row of an episode carries the episode's advantage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Segment", "StepResult", "Env", "Opening", "Observation"]
+__all__ = ["Segment", "StepResult", "Env", "Opening", "Observation", "Context"]
 
 Opening = "None | str | list[dict] | list[int]"
 """What `Env.reset` returns: None (the sample's own prompt), text (appended to the last user message, as TRL's
 ``reset`` does), chat messages (the whole opening conversation) or token ids (the prompt itself)."""
+
+Context = "None | list[dict] | list[int]"
+"""A `StepResult.context`: None (none: the history is appended to), chat messages (the whole conversation,
+rendered by the chat template as the prompt is, with the next assistant turn opened) or token ids (the whole
+context itself)."""
 
 Observation = "None | str | list[dict] | list[int]"
 """A `StepResult.observation`: None (the episode ends), text (tokenized as it is, without special tokens),
@@ -52,17 +66,26 @@ class Segment:
 class StepResult:
     """What `Env.step` returns: the ``observation`` to feed (`Observation`; None ends the episode), the
     ``reward`` of the policy's turn just ended (None: none; counted as 0), ``done`` (the episode ends; an
-    observation given with it is not fed) and ``info`` (plain JSON data, kept in ``samples.jsonl``)."""
+    observation given with it is not fed), ``info`` (plain JSON data, kept in ``samples.jsonl``) and
+    ``context`` (`Context`): instead of an observation, the episode's whole next context, replacing its history
+    (module docstring: fed as an observation where it extends the row's ids, else a new training row).
+    ValueError where both ``observation`` and ``context`` are given."""
 
     observation: object = None
     reward: float | None = None
     done: bool = False
     info: dict = field(default_factory=dict)
+    context: object = None
+
+    def __post_init__(self) -> None:
+        if self.observation is not None and self.context is not None:
+            raise ValueError("StepResult: give an observation (appended) or a context (the whole next context), "
+                             "not both")
 
     @property
     def ends(self) -> bool:
         """Whether the episode ends with this step."""
-        return self.done or self.observation is None
+        return self.done or (self.observation is None and self.context is None)
 
 
 class Env:

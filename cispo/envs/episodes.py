@@ -14,6 +14,15 @@ run side by side in its worker processes). An episode ends where its step says s
 ``max_turns`` observations, or where the sampler cuts it (the response's length); its `Env.final_reward` is
 read once, when its record is taken. A step that raises ends its episode with the error recorded (the run
 goes on); the turn earns nothing.
+
+A step may instead give the episode's whole next context (`StepResult.context`, a history that is not
+append-only). `EnvEpisodes.begin` gives each row's prompt ids (and how chat messages render); each row's ids so
+far (prompt, segments, observations fed) are kept, and the context's ids are compared with them: where they
+extend them token for token, the extension is the observation (the row goes on); else the row's episode ends
+in this ``generate`` and is **continued**: `EnvEpisodes.continuations` lists each such episode with the
+context's ids, the prompt of its next training row, and `EnvEpisodes.rows_of` is the ``Episodes`` of a further
+``generate`` over them (``cispo.envs.rows.sample_episode_rows`` runs the rounds). A context counts as a turn
+(``max_turns``); a continued episode's record, rewards and state go on across its rows.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from cispo.envs.base import Env, Segment, StepResult
 from cispo.envs.observations import observation_ids
 from cispo.foundations.text import valid_text
 
-__all__ = ["Environments", "ClassEnvironments", "EnvEpisodes", "opened_sample"]
+__all__ = ["Environments", "ClassEnvironments", "EnvEpisodes", "EpisodeRows", "context_ids", "opened_sample"]
 
 STEP_THREADS = 16
 """The most `Env.step` calls of one ``respond`` that run at once."""
@@ -112,6 +121,10 @@ class _Row:
     rewarded: bool = False  # some step gave a reward
     ended: bool = False
     error: str | None = None
+    ids: list[int] | None = None  # the current row's prompt + response ids so far (None: `begin` not called)
+    next_prompt: list[int] | None = None  # a context that did not extend `ids`: the next row's prompt
+    contexts: int = 0  # steps that gave a context
+    rewrites: int = 0  # of them, those that started a new row
 
 
 class EnvEpisodes:
@@ -125,6 +138,36 @@ class EnvEpisodes:
         self._rows = [_Row() for _ in self.envs]
         self.openings = [env.reset(dict(s)) for env, s in zip(self.envs, samples)]
         """Each row's `Env.reset` (``cispo.envs.base.Opening``), in row order: `opened_sample` reads it."""
+        self.encode = None
+        """How a context given as chat messages becomes ids (`begin`; None: the chat template, the schemas)."""
+
+    def begin(self, prompt_ids: list[list[int]], encode=None) -> None:
+        """Each row's prompt ids, before the first ``generate`` (needed to tell a context that extends a row's
+        ids from one that rewrites them); ``encode``: chat messages -> the prompt's ids, rendered as the run
+        renders its prompts (``Policy.encode``; None: the tokenizer's chat template with the tools' schemas and
+        the assistant turn opened)."""
+        for state, ids in zip(self._rows, prompt_ids):
+            state.ids = [int(t) for t in ids]
+        self.encode = encode
+
+    def continuations(self) -> list[tuple[int, list[int]]]:
+        """The episodes a context rewrote in the last ``generate`` (their row ended there), each with its next
+        row's prompt ids, in row order; taken: each is listed once. The row of each is now its prompt."""
+        out = []
+        for row, state in enumerate(self._rows):
+            if state.next_prompt is not None:
+                out.append((row, state.next_prompt))
+                state.ids, state.next_prompt = list(state.next_prompt), None
+        return out
+
+    def rows_of(self, episodes: list[int]):
+        """The ``Episodes`` of a further ``generate`` whose row j continues episode ``episodes[j]``."""
+        return EpisodeRows(self, list(episodes))
+
+    def counts(self, row: int) -> dict:
+        """The row's episode's ``contexts`` (steps that gave one) and ``rewrites`` (those that began a row)."""
+        state = self._rows[row]
+        return {"contexts": state.contexts, "rewrites": state.rewrites}
 
     def pauses(self, row: int, segment_ids: list[int]) -> bool:
         """True when the policy segment (the ids the policy sampled since the prompt or the last
@@ -148,6 +191,9 @@ class EnvEpisodes:
         (side by side in threads); None once a row has had ``max_turns`` observations; an observation is at
         most ``max_observation_tokens`` ids."""
         stepped = [self._segment(r, seg, tok) for r, seg, tok in zip(rows, segments, by_stop_token)]
+        for r, seg in zip(rows, segments):
+            if self._rows[r].ids is not None:
+                self._rows[r].ids += [int(t) for t in seg]
         if len(rows) > 1:
             with ThreadPoolExecutor(min(len(rows), STEP_THREADS)) as pool:
                 results = list(pool.map(self._step, rows, stepped))
@@ -180,6 +226,8 @@ class EnvEpisodes:
             out["turn_rewards"] = rewards
         if any(state.info):
             out["turn_info"] = [plain_json(i) for i in state.info]
+        if state.contexts:
+            out.update(contexts=state.contexts, rewrites=state.rewrites)
         if state.error is not None:
             out["env_error"] = state.error
         return out
@@ -211,18 +259,48 @@ class EnvEpisodes:
         state.rewarded |= _is_number(result.reward)
         state.turn_rewards.append(float(result.reward) if _is_number(result.reward) else 0.0)
         state.info.append(dict(result.info or {}))
-        if result.ends or len(state.observations) >= self.family.max_turns:
+        if result.ends or len(state.observations) + state.rewrites >= self.family.max_turns:
             state.ended = True
             return None
         stop_text = self.tokenizer.decode(list(segment.ids[-1:])) if segment.by_stop_token else ""
         try:
+            if result.context is not None:
+                return self._context(state, result.context)
             ids = observation_ids(self.tokenizer, result.observation, stop_text, self.family.max_observation_tokens)
         except (TypeError, ValueError) as e:
             state.error, state.ended = valid_text(str(e))[:500], True
             return None
+        return self._fed(state, ids)
+
+    def _fed(self, state: _Row, ids: list[int]) -> list[int]:
+        """Observation ``ids`` recorded as fed into the row."""
         state.segments.append({"role": "tool", "text": self.tokenizer.decode(ids)})
         state.observations.append(list(ids))
+        if state.ids is not None:
+            state.ids += list(ids)
         return ids
+
+    def _context(self, state: _Row, context) -> list[int] | None:
+        """A step's whole next ``context`` (``cispo.envs.base.Context``): the ids by which it extends the row's
+        ids (prompt + response so far), fed as an observation (at most ``max_observation_tokens``); or, where
+        it does not extend them (or there is nothing to feed), None: the row ends, and the context's ids are the
+        prompt of the episode's next row (`continuations`). ValueError / TypeError for a context of no kind."""
+        try:
+            ids = context_ids(self.tokenizer, context, self.encode, self.family.schemas)
+        except TypeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template's failure to render the messages ends the episode only
+            raise ValueError(f"the context could not be rendered: {type(e).__name__}: {e}") from None
+        state.contexts += 1
+        now = state.ids
+        if now is not None and len(ids) > len(now) and ids[: len(now)] == now:
+            return self._fed(state, ids[len(now):][: self.family.max_observation_tokens])
+        if now is None:
+            raise ValueError("a step gave a context, but the driver gave no prompt ids (EnvEpisodes.begin)")
+        state.rewrites += 1
+        state.next_prompt = ids
+        state.segments.append({"role": "context", "text": self.tokenizer.decode(ids)})
+        return None
 
     def _fed_segments(self, state: _Row, fed: int) -> list[dict]:
         """The row's segments with each observation as far as ``fed`` ids in all reached (`record`)."""
@@ -238,6 +316,37 @@ class EnvEpisodes:
                 out.append({**segment, "text": self.tokenizer.decode(ids[:left]), "tokens_cut": len(ids) - left})
             left = max(0, left - len(ids))
         return out
+
+
+class EpisodeRows:
+    """The ``Episodes`` of a further ``generate`` round (`EnvEpisodes.rows_of`): its row j is episode
+    ``episodes[j]`` of ``parent``, whose state, record and rewards go on."""
+
+    def __init__(self, parent: EnvEpisodes, episodes: list[int]) -> None:
+        self.parent, self.episodes = parent, episodes
+        self.stop_strings = parent.stop_strings
+
+    def pauses(self, row: int, segment_ids: list[int]) -> bool:
+        return self.parent.pauses(self.episodes[row], segment_ids)
+
+    def respond(self, rows: list[int], segments: list[list[int]], by_stop_token: list[bool]) -> list[list[int] | None]:
+        return self.parent.respond([self.episodes[r] for r in rows], segments, by_stop_token)
+
+
+def context_ids(tokenizer, context, encode=None, schemas=()) -> list[int]:
+    """A `StepResult.context`'s ids: token ids as they are; chat messages through ``encode`` (the run's prompt
+    rendering, ``Policy.encode``), or without one the chat template with ``schemas`` and the assistant turn
+    opened. TypeError for anything else."""
+    if isinstance(context, (list, tuple)) and context and all(isinstance(i, int) and not isinstance(i, bool)
+                                                              for i in context):
+        return [int(i) for i in context]
+    if isinstance(context, (list, tuple)) and context and all(isinstance(m, dict) and "role" in m for m in context):
+        if encode is not None:
+            return [int(i) for i in encode(list(context))]
+        tools = {"tools": list(schemas)} if schemas else {}
+        out = tokenizer.apply_chat_template(list(context), add_generation_prompt=True, tokenize=True, **tools)
+        return [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+    raise TypeError(f"a context must be chat messages or token ids, got {type(context).__name__}")
 
 
 def _is_number(value) -> bool:

@@ -32,6 +32,14 @@ class Completion:
     env_mask: torch.Tensor | None = None  # [T_i] 1 at the environment's tokens (multi-turn); None: all the policy's
     episode: dict | None = None  # the environment's record of the episode (segments, tool calls), for samples.jsonl
     scored_text: str | None = None  # what the reward read where it is not `text`: the policy's own tokens' text
+    continuations: list = field(default_factory=list)  # an episode's further training rows (Completions), in order
+
+    @property
+    def rows(self) -> list[Completion]:
+        """The episode's training rows: itself (its prompt and first response) then each `continuations` row
+        (an environment's context rewrote the history: ``cispo.envs.rows``), each with its own prompt and
+        response and no continuations; ``[self]`` for a one-row episode (every single-turn response)."""
+        return [self] if not self.continuations else [replace(self, continuations=[]), *self.continuations]
 
     @property
     def answer_text(self) -> str:
@@ -65,13 +73,15 @@ class Completion:
 
     @property
     def length(self) -> int:
-        """Tokens of the response, the environment's observations included."""
-        return int(self.response_ids.numel())
+        """Tokens of the response, the environment's observations included (every row's, `rows`)."""
+        return int(self.response_ids.numel()) + sum(r.length for r in self.continuations)
 
     @property
     def policy_length(self) -> int:
-        """Tokens the policy sampled (what the loss, the overlong penalty and the length metrics count)."""
-        return self.length if self.env_mask is None else int((self.env_mask == 0).sum())
+        """Tokens the policy sampled (what the loss, the overlong penalty and the length metrics count; every
+        row's, `rows`)."""
+        own = int(self.response_ids.numel()) if self.env_mask is None else int((self.env_mask == 0).sum())
+        return own + sum(r.policy_length for r in self.continuations)
 
 
 Group = list[Completion]  # the G responses to one prompt
@@ -159,8 +169,11 @@ class Experience:
 
 
 def collate(completions: list[Completion], advantages: torch.Tensor, pad_id: int, device=None) -> Experience:
-    """Left-pad prompts, right-pad responses, stack (``response_mask`` 0 at the environment's tokens).
+    """Left-pad prompts, right-pad responses, stack (``response_mask`` 0 at the environment's tokens): one row
+    per completion, which must be one row each (an episode's `Completion.rows`, expanded by the caller).
     ``advantages``: [B], or [B, T'] per token (right-padded with 0, or cut, to the batch's T columns)."""
+    if any(c.continuations for c in completions):
+        raise ValueError("collate takes training rows: expand each episode's Completion.rows first")
     B = len(completions)
     P = max(len(c.prompt_ids) for c in completions)
     T = max(max(c.length for c in completions), 1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -75,8 +76,13 @@ def sample_records(step: int, groups: list[list[Completion]], exp: Experience | 
     flat = [c for group in groups for c in group][:max_rows]
     G = len(groups[0]) if groups else 1
     extras = exp.extras if exp is not None else {}
-    counts = [extras[k][: len(flat)].tolist() if k in extras else [None] * len(flat) for k in COUNT_KEYS]
-    advantages = row_advantages(exp, len(flat)) if exp is not None else [None] * len(flat)
+    spans = episode_spans(flat)  # each episode's training rows of exp
+    counts = [[sum(extras[k][a:b].tolist()) for a, b in spans] if k in extras else [None] * len(flat)
+              for k in COUNT_KEYS]
+    n_rows = spans[-1][1] if spans else 0
+    by_row = row_advantages(exp, n_rows) if exp is not None else [None] * n_rows
+    advantages = [by_row[a] if exp is None or exp.advantages.dim() == 1 else
+                  [x for j in range(a, b) for x in by_row[j]] for a, b in spans]
     return [
         {
             "step": step,
@@ -99,6 +105,13 @@ def sample_records(step: int, groups: list[list[Completion]], exp: Experience | 
     ]
 
 
+def episode_spans(episodes: list[Completion]) -> list[tuple[int, int]]:
+    """Each episode's training rows of the step's batch, ``(first, end)``: one row each but where a context
+    rewrote the history (`Completion.rows`), laid out in order."""
+    ends = list(accumulate(len(c.rows) for c in episodes))
+    return [(end - len(c.rows), end) for c, end in zip(episodes, ends)]
+
+
 def row_advantages(exp: Experience, n: int) -> list:
     """The first ``n`` rows' advantages: A_i each, or with per-token advantages (``algo.turn_credit=reward_to_go``)
     the list of each policy segment's A_{i,k}, in order (the value at the segment's first token)."""
@@ -118,9 +131,10 @@ def episode_fields(c: Completion, max_chars: int) -> dict:
     if c.episode is None:
         return {}
     segments = [{**seg, "text": _cut(str(seg.get("text", "")), max_chars)} for seg in c.episode.get("segments", [])]
+    rows = {"rows": len(c.rows)} if c.continuations else {}
     return {"policy_length": c.policy_length, "tool_calls": c.episode.get("tool_calls", 0),
             "tool_errors": c.episode.get("tool_errors", 0), "calls": c.episode.get("calls", []),
-            "segments": segments, "turn_rewards": c.turn_rewards}
+            "segments": segments, "turn_rewards": c.turn_rewards, **rows}
 
 
 HELD_OUT = "held_out"

@@ -19,10 +19,17 @@ if TYPE_CHECKING:
     from cispo.config.train import AlgoConfig
 
 
-def row_order(n_rows: int, group_size: int, algo: AlgoConfig, generator: torch.Generator) -> torch.Tensor:
+def row_order(n_rows: int, group_size: int, algo: AlgoConfig, generator: torch.Generator,
+              group_of: torch.Tensor | None = None) -> torch.Tensor:
     """An epoch's shuffled rows [n_rows]: a random permutation (``algo.minibatch_order=random``), or the
     groups in a random order with each group's ``group_size`` rows together (``by_group``; the batch's
-    rows are whole groups, laid out group by group, ``cispo.training.trainer.build_experience``)."""
+    rows are whole groups, laid out group by group, ``cispo.training.trainer.Trainer.experience``).
+    ``group_of`` [n_rows]: each row's group where a group holds more rows than episodes (an episode of
+    several training rows, ``cispo.envs.rows``; ``exp.extras["group_of"]``): ``by_group`` keeps those together."""
+    if algo.minibatch_order == "by_group" and group_of is not None:
+        groups = torch.randperm(int(group_of.max()) + 1 if len(group_of) else 0, generator=generator)  # [n_groups]
+        return torch.cat([(group_of.cpu() == g).nonzero().flatten() for g in groups.tolist()] or
+                         [torch.zeros(0, dtype=torch.long)])  # [n_rows]
     if algo.minibatch_order == "by_group" and n_rows % group_size == 0:
         groups = torch.randperm(n_rows // group_size, generator=generator)  # [n_groups]
         return (groups[:, None] * group_size + torch.arange(group_size)).flatten()  # [n_rows]

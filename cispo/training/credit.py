@@ -11,6 +11,13 @@ trainer collates, and the dynamic-sampling test that goes with them.
 Policy segment k of a response is the k-th maximal run of its ``env_mask == 0`` tokens (the whole response
 without an ``env_mask``); ``episode["turn_rewards"]`` holds one reward per segment the environment stepped on,
 so a row cut by the length limit may hold one segment more than rewards (that segment's reward counts 0).
+
+An episode of several training rows (`cispo.foundations.experience.Completion.rows`: an environment's context
+rewrote its history) is one episode here: the group baseline is over the G episodes of a prompt, whatever
+number of rows each has, and every row carries its episode's advantage (``episode``); under ``reward_to_go``
+its segments are counted across its rows, in order (row r's first segment follows row r-1's last), each
+token getting its segment's A_{i,k}. The advantages are laid out by training row: group by group, episode by
+episode, each episode's rows in order (`training_rows`).
 """
 
 from __future__ import annotations
@@ -31,10 +38,25 @@ def env_mask_of(c: Completion) -> torch.Tensor:
     return torch.zeros(c.length, dtype=torch.long) if c.env_mask is None else c.env_mask
 
 
-def num_segments(c: Completion) -> int:
-    """n_i: the response's policy segments (turns); 1 for a single-turn response."""
+def row_segments(c: Completion) -> int:
+    """The policy segments of one training row's response."""
     index = segment_index(env_mask_of(c))  # [T_i]
     return int(index.max()) + 1 if index.numel() else 0
+
+
+def num_segments(c: Completion) -> int:
+    """n_i: the episode's policy segments (turns), over all its rows; 1 for a single-turn response."""
+    return sum(row_segments(r) for r in c.rows)
+
+
+def training_rows(groups: list[Group]) -> list[Completion]:
+    """The batch's training rows, group by group, episode by episode, each episode's rows in order."""
+    return [r for g in groups for c in g for r in c.rows]
+
+
+def rows_per_episode(groups: list[Group]) -> torch.Tensor:
+    """LongTensor [N]: each episode's number of training rows (1 but where a context rewrote its history)."""
+    return torch.tensor([len(c.rows) for g in groups for c in g], dtype=torch.long)
 
 
 def turn_inputs(completions: list[Completion]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -62,24 +84,36 @@ def segment_advantages(groups: list[Group]) -> torch.Tensor:
 
 
 def token_advantages(completions: list[Completion], per_segment: torch.Tensor) -> torch.Tensor:
-    """Each response token's advantage: its segment's (``per_segment`` [N, K]), 0 at the environment's tokens
-    and past the response   -> [N, T] (T the longest response)"""
-    T = max((c.length for c in completions), default=0)
-    env = torch.ones(len(completions), T, dtype=torch.long)  # padding as the environment's: no segment
-    for i, c in enumerate(completions):
-        env[i, : c.length] = env_mask_of(c)
-    return segment_to_tokens(per_segment, segment_index(env))  # A_it   [N, T]
+    """Each training row's tokens' advantages: its segment's (``per_segment`` [N, K], one row per episode of
+    ``completions``; an episode's segments counted across its rows), 0 at the environment's tokens and past
+    the response   -> [R, T] (R the training rows, `Completion.rows` in order; T the longest row)"""
+    rows = [(i, r) for i, c in enumerate(completions) for r in c.rows]
+    T = max((r.length for _, r in rows), default=0)
+    env = torch.ones(len(rows), T, dtype=torch.long)  # padding as the environment's: no segment
+    offset = torch.zeros(len(rows), 1, dtype=torch.long)  # segments of the episode's earlier rows
+    seen: dict[int, int] = {}
+    for j, (i, r) in enumerate(rows):
+        env[j, : r.length] = env_mask_of(r)
+        offset[j] = seen.get(i, 0)
+        seen[i] = seen.get(i, 0) + row_segments(r)
+    index = segment_index(env)  # [R, T]
+    index = torch.where(index >= 0, index + offset, -1)
+    episode = torch.tensor([i for i, _ in rows], dtype=torch.long)  # [R]
+    return segment_to_tokens(per_segment[episode], index)  # A_it   [R, T]
 
 
 def batch_advantages(groups: list[Group], algo, batch_scale=None) -> torch.Tensor:
-    """The advantages of the batch of ``groups`` under ``algo.turn_credit``: [B] group-relative over the
-    returns R_i (``algo.advantage_estimator``; ``batch_scale``: ``batch-std``'s scale over every rank), or
+    """The advantages of the batch of ``groups`` under ``algo.turn_credit``, one per training row
+    (`training_rows`): [B] group-relative over the episodes' returns R_i (``algo.advantage_estimator``;
+    ``batch_scale``: ``batch-std``'s scale over every rank), each episode's repeated on each of its rows, or
     [B, T] per token (``reward_to_go``)."""
     G = len(groups[0])
     if algo.turn_credit == "reward_to_go":
         return token_advantages([c for g in groups for c in g], segment_advantages(groups))  # A_it   [B, T]
-    returns = torch.tensor([c.episode_return for g in groups for c in g])  # R_i   [B]
-    return group_advantages(returns, G, algo.advantage_estimator, batch_scale=batch_scale)  # A_i   [B]
+    returns = torch.tensor([c.episode_return for g in groups for c in g])  # R_i   [N]
+    A = group_advantages(returns, G, algo.advantage_estimator, batch_scale=batch_scale)  # A_i   [N]
+    counts = rows_per_episode(groups)  # [N]
+    return A if bool((counts == 1).all()) else A.repeat_interleave(counts)  # [B]
 
 
 def informative_test(turn_credit: str) -> Callable[[Group], bool]:

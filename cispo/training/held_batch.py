@@ -95,6 +95,12 @@ def check_completion(c, limits: HeldBatchLimits, where: str) -> None:
     for name in ("task_reward", "reward"):
         _need(_finite(c.get(name, 0.0)), f"{where}.{name}", f"is {_show(c.get(name))}, not a finite number")
     _check_reward_details(c, where)
+    rows = c.get("continuations", [])
+    _need(isinstance(rows, list), f"{where}.continuations", "is not a list of completions")
+    for k, row in enumerate(rows):
+        _need(not (isinstance(row, dict) and row.get("continuations")), f"{where}.continuations[{k}]",
+              "has continuations of its own")
+        check_completion(row, limits, f"{where}.continuations[{k}]")
 
 
 def _check_reward_details(c: dict, where: str) -> None:

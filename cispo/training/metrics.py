@@ -145,8 +145,10 @@ def episode_metrics(completions, prefix: str) -> dict:
     """Multi-turn rollouts (completions with an ``episode`` record), per response: ``<prefix>tool_calls``,
     ``tool_call_rate`` (the share of responses that call a tool at least once), ``tool_errors``, ``env_tokens``
     (the environment's tokens), ``turns`` (policy segments), ``turn_reward_mean`` (the mean reward of a
-    policy turn, over every turn the environment rewarded; NaN for none) and ``final_reward_mean`` (the final
-    reward, ``reward``: ``reward_mean`` is the return, final + turn rewards). Nothing for single-turn ones."""
+    policy turn, over every turn the environment rewarded; NaN for none), ``final_reward_mean`` (the final
+    reward, ``reward``: ``reward_mean`` is the return, final + turn rewards), ``rows_per_episode`` (training
+    rows: 1 but where a context rewrote the history) and ``rewrites`` (contexts that began a new row, per
+    episode). Nothing for single-turn ones."""
     episodes = [c for c in completions if c.episode is not None]
     if not episodes:
         return {}
@@ -162,6 +164,8 @@ def episode_metrics(completions, prefix: str) -> dict:
         f"{prefix}turns": sum(num_segments(c) for c in episodes) / n,
         f"{prefix}turn_reward_mean": sum(turn_rewards) / len(turn_rewards) if turn_rewards else float("nan"),
         f"{prefix}final_reward_mean": sum(c.reward for c in episodes) / n,
+        f"{prefix}rows_per_episode": sum(len(c.rows) for c in episodes) / n,
+        f"{prefix}rewrites": sum(r.get("rewrites", 0) for r in records) / n,
     }
 
 

@@ -177,6 +177,7 @@ def completion_state(c: Completion, stream: PromptStream) -> dict:
         t = out[name]
         out[name] = None if t is None else {"data": t.tolist(), "dtype": str(t.dtype).removeprefix("torch.")}
     out["reward_extras"] = [list(pair) for pair in c.reward_extras]
+    out["continuations"] = [completion_state(r, stream) for r in c.continuations]
     return out
 
 
@@ -188,4 +189,5 @@ def load_completion(state: dict, stream: PromptStream) -> Completion:
         t = s.get(name)
         s[name] = None if t is None else torch.tensor(t["data"], dtype=DTYPES[t["dtype"]])
     s["reward_extras"] = tuple(tuple(pair) for pair in s.get("reward_extras", ()))
+    s["continuations"] = [load_completion(r, stream) for r in s.get("continuations", ())]
     return Completion(**s)

@@ -18,6 +18,7 @@ import torch
 from cispo.data.prompts import PromptStream, fill_groups
 from cispo.data.rewards import score_completions, shaped_reward
 from cispo.envs.episodes import opened_sample
+from cispo.envs.rows import batch_rows, sample_episode_rows
 from cispo.envs.tools import ToolSpecError
 from cispo.foundations.distributed import DistInfo, any_rank, is_sharded
 from cispo.foundations.experience import Completion
@@ -53,21 +54,24 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
     With an environment (``policy.environment``) each response is an episode: the policy's segments and
     the environment's observations (``env_mask``), recorded on the completion (``episode``); the reward
     reads the whole transcript, or with ``scoring.policy_text`` the policy's own text (`policy_text`, kept as
-    ``scored_text``), the overlong penalty the policy's tokens."""
+    ``scored_text``), the overlong penalty the policy's tokens. An episode a context rewrote runs over several
+    training rows (``cispo.envs.rows``; `Completion.continuations`): its text is its rows' responses' texts
+    joined, in order, and the overlong penalty reads its last row (the one a budget can cut)."""
     episodes = None if policy.environment is None else \
         policy.environment.start([s for s in samples for _ in range(group_size)])
     if episodes is not None:
         samples = opened_groups(samples, episodes.openings, group_size)
     prompt_ids = [policy.encode(s) for s in samples]
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
-    batch = policy.sampler.generate(rows, sampling, generator=generator, **({"episodes": episodes} if episodes else {}))
-    lengths = batch.response_lengths.tolist()
-    response_ids = [batch.response_ids[i, : lengths[i]].cpu() for i in range(len(rows))]
-    env_masks = [None if batch.env_mask is None else batch.env_mask[i, : lengths[i]].cpu() for i in range(len(rows))]
-    texts = [policy.tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids]
-    own = [policy_text(policy.tokenizer, ids, mask) if scoring.policy_text and mask is not None else None
-           for ids, mask in zip(response_ids, env_masks)]  # None: the reward reads `texts`
-    calls = [(samples[i // group_size]["prompt"], texts[i] if own[i] is None else own[i],
+    if episodes is None:
+        sampled = [[r] for r in batch_rows(policy.sampler.generate(rows, sampling, generator=generator), rows)]
+    else:  # an episode may run over several training rows (a context that rewrote its history)
+        encode = (lambda messages: policy.encode({"messages": messages})) if policy.chat_template else None
+        sampled = sample_episode_rows(policy.sampler, rows, sampling, generator, episodes, encode)
+    texts = [[policy.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in ep] for ep in sampled]
+    own = [[policy_text(policy.tokenizer, r.response_ids, r.env_mask) for r in ep]
+           if scoring.policy_text and ep[0].env_mask is not None else None for ep in sampled]  # None: reads texts
+    calls = [(samples[i // group_size]["prompt"], "".join(texts[i] if own[i] is None else own[i]),
               {k: v for k, v in samples[i // group_size].items() if k != "prompt"}) for i in range(len(rows))]
     scored = score_completions(scoring.reward_fn, calls, scoring.timeout_s)  # [Scored(task reward, error, ...)]   [B]
     groups: list[list[Completion]] = []
@@ -75,11 +79,15 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
         group = []
         for i in range(g * group_size, (g + 1) * group_size):
             task_reward, error, parts, extras = scored[i]
-            c = Completion(sample, prompt_ids[g], response_ids[i], batch.logp_rollout[i, : lengths[i]].cpu(),
-                           batch.finish_reason[i], texts[i], task_reward, 0.0, error, parts, extras, env_masks[i],
-                           None if episodes is None else episodes.record(i, fed=_fed(env_masks[i])), own[i])
-            c.reward = shaped_reward(task_reward, c.policy_length, sampling.max_new_tokens, scoring.overlong_buffer,
-                                     scoring.overlong_scope)
+            first, more = sampled[i][0], sampled[i][1:]
+            record = None if episodes is None else episodes.record(i, fed=_fed([r.env_mask for r in sampled[i]]))
+            c = Completion(sample, prompt_ids[g], first.response_ids, first.logp_rollout, sampled[i][-1].finish_reason,
+                           "".join(texts[i]), task_reward, 0.0, error, parts, extras, first.env_mask, record,
+                           None if own[i] is None else "".join(own[i]),
+                           [Completion(sample, r.prompt_ids, r.response_ids, r.logp_rollout, r.finish_reason, text,
+                                       env_mask=r.env_mask) for r, text in zip(more, texts[i][1:])])
+            c.reward = shaped_reward(task_reward, c.rows[-1].policy_length, sampling.max_new_tokens,
+                                     scoring.overlong_buffer, scoring.overlong_scope)
             group.append(c)
         groups.append(group)
     return groups
@@ -115,9 +123,10 @@ def policy_text(tokenizer, response_ids: torch.Tensor, env_mask: torch.Tensor) -
     return "".join(tokenizer.decode([i for i, _ in run], skip_special_tokens=True) for mine, run in runs if mine)
 
 
-def _fed(env_mask) -> int | None:
-    """The observation ids a row was fed (``env_mask``'s sum; None without one): what its record shows."""
-    return None if env_mask is None else int(env_mask.sum())
+def _fed(env_masks: list) -> int | None:
+    """The observation ids an episode's rows were fed (their ``env_mask``s' sum; None without one): what its
+    record shows."""
+    return None if env_masks[0] is None else int(sum(m.sum() for m in env_masks))
 
 
 @dataclass

@@ -33,7 +33,7 @@ from cispo.objective.advantages import batch_std, group_advantages, raw_std
 from cispo.objective.loss import ObjectiveConfig
 from cispo.rollout import rollout_is_weights
 from cispo.training.batching import micro_batches, minibatches, row_order
-from cispo.training.credit import batch_advantages
+from cispo.training.credit import batch_advantages, rows_per_episode, training_rows
 from cispo.training.gradients import (
     Counts,
     empty_experience,
@@ -123,7 +123,8 @@ class Trainer:
             probe.on_batch(exp)
         if cfg.rollout.vllm_sleep:  # free the inference engine's memory for the updates (no-op for torch)
             self.policy.sampler.sleep()
-        first_order = row_order(len(exp), G, cfg.algo, self.generator).to(exp.input_ids.device)
+        first_order = row_order(len(exp), G, cfg.algo, self.generator, exp.extras.get("group_of")).to(
+            exp.input_ids.device)
         first_rows = minibatches(first_order, cfg.algo, self.full_rows, self.kept_rows(exp))[0]
         exp.logp_old = self.compute_logp_old(exp, first_rows)
         settings, correction = rollout_correction(cfg.algo), None
@@ -136,12 +137,23 @@ class Trainer:
         """The advantages (``algo.turn_credit``, `cispo.training.credit.batch_advantages`: group-relative over
         the returns, ``batch-std`` over every rank's rows, or per policy segment), then padded tensors on the
         policy's device, with each row's group mean response length in ``extras["group_mean_length"]``
-        (``prompt-mean-token-mean``)."""
+        (``prompt-mean-token-mean``). One row per training row (`cispo.training.credit.training_rows`): an
+        episode a context rewrote has several, each with the episode's advantage and its group's mean length
+        (|o_i| the episode's policy tokens, over all its rows), and ``extras["group_of"]`` then says each row's
+        group (``minibatch_order=by_group``)."""
         G = self.cfg.rollout.group_size
         advantages = batch_advantages(groups, self.cfg.algo, self.advantage_scale(groups))  # A_i [B] or A_it [B, T]
-        exp = collate([c for g in groups for c in g], advantages, self.policy.pad_id).to(self.policy.device)
-        lengths = exp.response_mask.sum(-1).reshape(-1, G)  # |o_i|   [num_groups, G]
-        exp.extras["group_mean_length"] = lengths.mean(-1).repeat_interleave(G)  # Lbar_g(i)   [B]
+        exp = collate(training_rows(groups), advantages, self.policy.pad_id).to(self.policy.device)
+        counts = rows_per_episode(groups)  # [N]
+        if bool((counts == 1).all()):
+            lengths = exp.response_mask.sum(-1).reshape(-1, G)  # |o_i|   [num_groups, G]
+            exp.extras["group_mean_length"] = lengths.mean(-1).repeat_interleave(G)  # Lbar_g(i)   [B]
+            return exp
+        lengths = torch.tensor([float(c.policy_length) for g in groups for c in g]).reshape(-1, G)  # [num_groups, G]
+        group_rows = counts.reshape(-1, G).sum(-1)  # [num_groups]
+        device = exp.input_ids.device
+        exp.extras["group_mean_length"] = lengths.mean(-1).repeat_interleave(group_rows).to(device)  # [B]
+        exp.extras["group_of"] = torch.arange(len(groups)).repeat_interleave(group_rows).to(device)  # [B]
         return exp
 
     def advantage_scale(self, groups: list[list[Completion]]) -> torch.Tensor | None:
@@ -211,7 +223,8 @@ class Trainer:
         stats = []
         for epoch in range(cfg.algo.epochs):
             order = first_order if epoch == 0 and first_order is not None else \
-                row_order(len(exp), cfg.rollout.group_size, cfg.algo, self.generator).to(device)
+                row_order(len(exp), cfg.rollout.group_size, cfg.algo, self.generator,
+                          exp.extras.get("group_of")).to(device)
             for k, rows in enumerate(minibatches(order, cfg.algo, self.full_rows, kept)):
                 supplies = first_order is not None and epoch == 0 and k == 0 and self.logp_old.first_update_supplies
                 step = self.minibatch_step(exp, rows, supplies)

@@ -92,7 +92,7 @@ def test_a_calculator_episode_through_sampler_environment_and_trainer(tokenizer)
     assert math.isnan(m.pop("rollout/turn_reward_mean"))  # the calculator rewards no turn
     assert m == {"rollout/tool_calls": 1.0, "rollout/tool_call_rate": 1.0, "rollout/tool_errors": 0.0,
                  "rollout/env_tokens": float(len(observation)), "rollout/turns": 2.0,
-                 "rollout/final_reward_mean": 1.0}
+                 "rollout/final_reward_mean": 1.0, "rollout/rows_per_episode": 1.0, "rollout/rewrites": 0.0}
 
 
 def test_a_forged_call_closing_is_the_policys_own_text_and_its_hedge_counts(tokenizer):

@@ -30,3 +30,22 @@ def test_a_run_with_an_environment_class_and_turn_rewards(tiny_model, tmp_path, 
     steps = [m for m in metrics if "rollout/turn_reward_mean" in m]
     assert len(steps) == 2 and all(m["rollout/turns"] > 0 for m in steps)
     assert summary is not None
+
+
+def test_a_run_whose_environment_rewrites_the_history(tiny_model, tmp_path):
+    """`Compactor` rewrites each episode's history at its second turn: the episode goes on in a second training
+    row; the run trains on both (the batch's rows, ``rollout/rows_per_episode``) and finishes."""
+    cfg = small_config(tiny_model, tmp_path, "data.environment=tests/envs/fixtures/scripted_envs.py:Compactor",
+                       "rollout.max_turns=3", "steps=2", "eval.every=0", "checkpoint_every=0",
+                       "dynamic_sampling=false", "log_samples_every=1", "algo.turn_credit=reward_to_go",
+                       "algo.advantage_estimator=rloo")
+    assert train(cfg) is not None
+    run = next(p for p in tmp_path.iterdir() if p.is_dir())
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    rewritten = [r for r in rows if r.get("rows", 1) == 2]
+    assert rewritten, "no episode was rewritten"
+    assert all("context" in [s["role"] for s in r["segments"]] for r in rewritten)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "rollout/rows_per_episode" in m]
+    assert len(steps) == 2 and all(m["rollout/rows_per_episode"] > 1 for m in steps)
+    assert all(m["rollout/rewrites"] > 0 and m["optim/step_updates"] > 0 for m in steps)

@@ -1,0 +1,266 @@
+"""Histories that are not append-only (``StepResult.context``): a context that extends the row's ids is fed as an
+observation in the same row (the same ids as the observation path); one that does not ends the row and the
+episode goes on in a new training row whose prompt is the context, on the torch sampler and the vLLM stand-in
+alike. Tokens trained == tokens sampled in every row (the ids, and the sampler's log-probs of them, are the
+model's own under each row's context); every row of an episode carries its advantage, the baseline is over
+episodes, and ``reward_to_go`` counts an episode's turns across its rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cispo.envs.base import Env, StepResult
+from cispo.envs.rows import sample_episode_rows
+from cispo.foundations.experience import Completion, collate
+from cispo.training.batching import row_order
+from cispo.training.credit import batch_advantages, num_segments, training_rows
+from tests.envs.test_env_protocol import Family
+from tests.envs.test_environments import ids as tok_ids
+
+transformers = pytest.importorskip("transformers")
+
+from cispo.models.loading import build_tokenizer, save_policy  # noqa: E402
+from cispo.rollout import SamplingConfig, TorchSampler  # noqa: E402
+from tests import fake_vllm  # noqa: E402
+from tests.rollout.test_vllm_episodes import CHARS, EOS, PAD, ids, make_sampler  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+PROMPTS = [[5, 6, 7], [8], [9, 10, 11]]
+
+
+class Scripted(Env):
+    """Three turns: ``ab`` observed after the first (reward 1), then by ``mode`` after the second (reward 2):
+    ``observe`` the ids of ``cd``; ``extend`` the whole context so far + ``cd`` (the same ids); ``rewrite`` a
+    compaction: the prompt, ``zz`` and the second segment (the first turn dropped). The third ends it (3)."""
+
+    mode = "observe"
+
+    def __init__(self):
+        self.prompt, self.history, self.turn = None, None, 0
+
+    def reset(self, sample):
+        self.prompt = list(sample["prompt_ids"])
+        self.history = list(self.prompt)
+        return None
+
+    def step(self, segment):
+        self.turn += 1
+        self.history += list(segment.ids)
+        if self.turn == 1:
+            self.history += ids("ab")
+            return StepResult(ids("ab"), reward=1.0)
+        if self.turn == 2 and self.mode == "observe":
+            self.history += ids("cd")
+            return StepResult(ids("cd"), reward=2.0)
+        if self.turn == 2 and self.mode == "extend":
+            self.history += ids("cd")
+            return StepResult(context=list(self.history), reward=2.0)
+        if self.turn == 2:
+            self.history = [*self.prompt, *ids("zz"), *segment.ids]
+            return StepResult(context=list(self.history), reward=2.0)
+        return StepResult(None, reward=3.0, done=True)
+
+
+def mode(name: str) -> type:
+    return type(f"Scripted_{name}", (Scripted,), {"mode": name})
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    tok = build_tokenizer(CHARS)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                                   pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return tok, save_policy(transformers.LlamaForCausalLM(cfg), tok, tmp_path_factory.mktemp("rewrite"))
+
+
+def play(model_path, name: str, which: str, max_new_tokens: int = 16):
+    """Each episode's rows and records, every sampled character a turn (the stop strings: every character)."""
+    tok, path = model_path
+    family = Family(tok, cls=mode(name), stop_strings=tuple(CHARS))
+    episodes = family.start([{"prompt": "p", "prompt_ids": p} for p in PROMPTS])
+    sampler = TorchSampler(fake_vllm.load_hf(path), EOS, PAD) if which == "torch" else make_sampler(path)
+    rows = sample_episode_rows(sampler, PROMPTS, SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0),
+                               None, episodes)
+    fed = [int(sum(r.env_mask.sum() for r in ep)) for ep in rows]
+    return rows, [episodes.record(i, fed=f) for i, f in enumerate(fed)]
+
+
+def own_logprobs(path, row) -> torch.Tensor:
+    """The model's log-prob of each response token of ``row`` under the row's own prompt and response."""
+    model = fake_vllm.load_hf(path)
+    seq = torch.tensor([[*row.prompt_ids, *row.response_ids.tolist()]])
+    with torch.no_grad():
+        logits = model(seq).logits[0, len(row.prompt_ids) - 1: -1]  # [T, V]
+    return logits.log_softmax(-1).gather(-1, row.response_ids[:, None])[:, 0]
+
+
+def assert_trained_is_sampled(path, rows) -> None:
+    """Each row's policy tokens and their sampler log-probs are the model's own under that row's context."""
+    for row in rows:
+        policy = row.env_mask == 0
+        torch.testing.assert_close(row.logp_rollout[policy], own_logprobs(path, row)[policy], atol=1e-4, rtol=0)
+        assert (row.logp_rollout[~policy] == 0).all()
+
+
+def test_a_context_that_extends_the_row_is_the_observation_in_the_same_row(model_path):
+    observed, _ = play(model_path, "observe", "torch")
+    extended, records = play(model_path, "extend", "torch")
+    for a, b in zip(observed, extended):
+        assert len(a) == len(b) == 1
+        assert a[0].response_ids.tolist() == b[0].response_ids.tolist()
+        assert a[0].env_mask.tolist() == b[0].env_mask.tolist() and torch.equal(a[0].logp_rollout, b[0].logp_rollout)
+        assert_trained_is_sampled(model_path[1], b)
+    assert all(r["contexts"] == 1 and r["rewrites"] == 0 for r in records)
+
+
+@pytest.mark.parametrize("which", ["torch", "vllm"])
+def test_a_context_that_rewrites_the_history_starts_a_new_training_row(model_path, which):
+    episodes, records = play(model_path, "rewrite", which)
+    for prompt, rows, record in zip(PROMPTS, episodes, records):
+        assert len(rows) == 2, "the rewrite ends the first row; the episode goes on in a second"
+        first, second = rows
+        s0, s1 = first.response_ids[0].item(), first.response_ids[3].item()
+        assert first.prompt_ids == prompt and first.response_ids.tolist() == [s0, *ids("ab"), s1]
+        assert first.env_mask.tolist() == [0, 1, 1, 0] and first.finish_reason == "eos"
+        assert second.prompt_ids == [*prompt, *ids("zz"), s1], "the new row's prompt is the context itself"
+        assert second.env_mask.tolist() == [0] * len(second.response_ids)
+        assert_trained_is_sampled(model_path[1], rows)
+        assert record["turn_rewards"] == [1.0, 2.0, 3.0] and record["rewrites"] == 1
+        assert [s["role"] for s in record["segments"]] == ["policy", "tool", "policy", "context", "policy"]
+
+
+def test_the_torch_and_vllm_samplers_give_the_same_rows(model_path):
+    t, t_rec = play(model_path, "rewrite", "torch")
+    v, v_rec = play(model_path, "rewrite", "vllm")
+    assert t_rec == v_rec
+    for te, ve in zip(t, v):
+        assert [r.prompt_ids for r in te] == [r.prompt_ids for r in ve]
+        assert [r.response_ids.tolist() for r in te] == [r.response_ids.tolist() for r in ve]
+        assert [r.env_mask.tolist() for r in te] == [r.env_mask.tolist() for r in ve]
+        for a, b in zip(te, ve):
+            torch.testing.assert_close(a.logp_rollout, b.logp_rollout, atol=1e-4, rtol=0)
+
+
+def test_max_turns_counts_a_rewrite_as_a_turn(model_path):
+    tok, _ = model_path
+    family = Family(tok, cls=mode("rewrite"), stop_strings=tuple(CHARS), max_turns=1)
+    episodes = family.start([{"prompt": "p", "prompt_ids": [5]}])
+    episodes.begin([[5]])
+    assert episodes.respond([0], [ids("1")], [False]) == [ids("ab")]
+    assert episodes.respond([0], [ids("2")], [False]) == [None] and episodes.continuations() == []
+
+
+# --------------------------------------------------------------------------- chat messages
+
+
+def test_a_context_of_chat_messages_extends_or_rewrites_by_its_rendered_ids(qwen):
+    """A messages context is rendered as the prompt is (chat template, assistant turn opened): appending the
+    assistant's turn and a user turn extends the ids; dropping the first exchange (a compaction) rewrites them."""
+    user = [{"role": "user", "content": "Hi."}]
+    prompt = qwen.apply_chat_template(user, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    said = tok_ids(qwen, "Hello.") + tok_ids(qwen, "<|im_end|>")
+
+    class Chat(Env):
+        def step(self, segment):
+            if segment.turn == 0:
+                return StepResult(context=[*user, {"role": "assistant", "content": "Hello."},
+                                           {"role": "user", "content": "More."}])
+            return StepResult(context=[{"role": "user", "content": "Summary: said hello. More."}])
+
+    episodes = Family(qwen, cls=Chat, stop_strings=()).start([{"prompt": "Hi."}])
+    episodes.begin([prompt])
+    obs, = episodes.respond([0], [said], [True])
+    assert obs is not None and qwen.decode(obs).endswith("<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n")
+    assert episodes.respond([0], [tok_ids(qwen, "Sure.<|im_end|>")], [True]) == [None]
+    (row, new_prompt), = episodes.continuations()
+    summary = "Summary: said hello. More.<|im_end|>\n<|im_start|>assistant\n"
+    assert row == 0 and qwen.decode(new_prompt).endswith(summary)
+
+
+def test_a_step_with_both_an_observation_and_a_context_is_refused():
+    with pytest.raises(ValueError, match="not both"):
+        StepResult("x", context=[1, 2])
+
+
+# --------------------------------------------------------------------------- training rows
+
+
+def episode(rows: list[tuple[list[int], list[int], list[int]]], turn_rewards, reward=0.0) -> Completion:
+    """An episode of ``rows`` (prompt, response, env_mask) with its turn rewards and final reward."""
+    made = [Completion({"prompt": "p"}, p, torch.tensor(r), -0.5 * torch.ones(len(r)), "eos", "t",
+                       env_mask=torch.tensor(m)) for p, r, m in rows]
+    first = made[0]
+    first.continuations, first.reward = made[1:], reward
+    first.episode = {"turn_rewards": list(turn_rewards)}
+    return first
+
+
+def two_episodes():
+    a = episode([([5, 6], [10, 11, 12], [0, 1, 0]), ([5, 9, 12], [13], [0])], [1.0, 2.0, 3.0])  # 2 rows
+    b = episode([([5, 6], [20, 21, 22, 23, 24], [0, 1, 0, 1, 0])], [0.0, 0.0, 0.0])  # 1 row
+    return a, b
+
+
+class Algo:
+    turn_credit, advantage_estimator = "episode", "grpo"
+
+
+def test_every_row_of_an_episode_gets_its_advantage_and_the_baseline_is_over_episodes():
+    a, b = two_episodes()
+    assert len(a.rows) == 2 and num_segments(a) == num_segments(b) == 3
+    assert a.length == 4 and a.policy_length == 3
+    A = batch_advantages([[a, b]], Algo())  # returns 6 and 0 over G = 2 episodes: +-1/sqrt(2) * ... equal sizes
+    assert A.shape == (3,) and A[0] == A[1] and A[0] > 0 and torch.isclose(A[0], -A[2])
+    exp = collate(training_rows([[a, b]]), A, pad_id=0)
+    assert exp.input_ids.shape[0] == 3 and exp.advantages.tolist() == A.tolist()
+    assert exp.response_mask.tolist() == [[1, 0, 1, 0, 0], [1, 0, 0, 0, 0], [1, 0, 1, 0, 1]]
+
+
+def test_reward_to_go_counts_an_episodes_turns_across_its_rows():
+    """G_a = (6, 5, 3), G_b = (0, 0, 0); with G = 2 the leave-one-out baseline is the other episode's."""
+    a, b = two_episodes()
+    algo = Algo()
+    algo.turn_credit = "reward_to_go"
+    A = batch_advantages([[a, b]], algo)  # [3 rows, T]
+    assert A[0, :3].tolist() == [6.0, 0.0, 5.0] and A[1, :1].tolist() == [3.0]
+    assert A[2, :5].tolist() == [-6.0, 0.0, -5.0, 0.0, -3.0]
+
+
+def test_by_group_order_keeps_a_groups_rows_together():
+    class ByGroup:
+        minibatch_order = "by_group"
+
+    group_of = torch.tensor([0, 0, 0, 1, 1])  # group 0: an episode of 2 rows and one of 1
+    order = row_order(5, 2, ByGroup(), torch.Generator().manual_seed(0), group_of)
+    assert sorted(order.tolist()) == [0, 1, 2, 3, 4]
+    assert group_of[order].tolist() in ([0, 0, 0, 1, 1], [1, 1, 0, 0, 0])
+
+
+def test_a_held_batch_keeps_an_episodes_rows_and_checks_them():
+    """``rollout.async_steps=1`` keeps the batch sampled ahead in the checkpoint: an episode's further rows go with
+    it, and a damaged one is named."""
+    import json
+
+    from cispo.training.held_batch import HeldBatchError, HeldBatchLimits, check_completion
+    from cispo.training.prefetch import completion_state, load_completion
+
+    class Stream:
+        samples = [{"prompt": "p"}]
+
+        def index_of(self, sample):
+            return 0
+
+    a, _ = two_episodes()
+    state = json.loads(json.dumps(completion_state(a, Stream())))
+    check_completion(state, HeldBatchLimits(vocab_size=32, num_samples=1), "c")
+    back = load_completion(state, Stream())
+    assert [r.prompt_ids for r in back.rows] == [r.prompt_ids for r in a.rows]
+    assert [r.response_ids.tolist() for r in back.rows] == [r.response_ids.tolist() for r in a.rows]
+    state["continuations"][0]["prompt_ids"][0] = 99
+    with pytest.raises(HeldBatchError, match=r"c.continuations\[0\].prompt_ids holds token id 99"):
+        check_completion(state, HeldBatchLimits(vocab_size=32, num_samples=1), "c")
