@@ -153,7 +153,8 @@ class DataConfig:
             raise ValueError(f"data.environment: expected 'module:Class' or 'path/to/file.py:Class', "
                              f"got {self.environment!r}")
         if self.agent is not None and (not isinstance(self.agent, str) or ":" not in self.agent):
-            raise ValueError(f"data.agent: expected 'module:function' or 'path/to/file.py:function', got {self.agent!r}")
+            raise ValueError(f"data.agent: expected 'module:function' or 'path/to/file.py:function', "
+                             f"got {self.agent!r}")
         if self.agent is not None and (self.environment is not None or self.tools not in (None, [], "")):
             raise ValueError("data.agent is set with data.environment or data.tools: an agent program runs its own "
                              "tools (set data.tools=[] and leave data.environment unset)")

@@ -23,8 +23,10 @@ then the assistant message as the endpoint answered it, with the same tools — 
 messages it adds (tool results, a user turn) are the observation, rendered by the chat template after the
 policy's turn as a tool environment's are (`cispo.envs.observations.chat_observation`, cut to
 ``max_observation_tokens``); the policy's sampled ids are never re-encoded. A request that rewrites the
-conversation ends the episode, recorded (``agent.ended == "rewritten"``): a rewritten history as a new
-training row is not built yet.
+conversation (drops or edits a turn, changes the tools) is the episode's whole next context
+(`StepResult.context`: its messages rendered): fed as an observation where its ids extend the row's token for
+token, else the row ends and the episode goes on in a new training row whose prompt it is (counted in
+``agent.rewritten``). Either way a call counts as a turn (``rollout.max_turns``).
 
 **Failures are episodes.** A program that raises, makes no request, waits longer than ``timeout_s`` between
 the endpoint's answers, or whose first request differs from those of its prompt's other episodes (they share
@@ -47,7 +49,7 @@ import threading
 from cispo.envs.base import Env, Segment, StepResult
 from cispo.envs.call_formats import CALL_FORMATS, assistant_message, call_format_for, call_id, cast_arguments
 from cispo.envs.endpoint import AgentServer, ChatRequest, RequestError, completion_body, error_body, normal_message
-from cispo.envs.episodes import Environments, EnvEpisodes, _is_number
+from cispo.envs.episodes import EnvEpisodes, Environments, _is_number
 from cispo.envs.observations import chat_observation, defuse, fit_observation, special_spellings
 from cispo.envs.tools import ToolCall, ToolSpecError
 from cispo.foundations.text import valid_text
@@ -184,8 +186,8 @@ class AgentEnv(Env):
         self.pending = None  # the request waiting for the policy's answer (endpoint.Pending)
         self.messages: list[dict] = []  # the conversation so far: the last request's messages + the answer
         self.tools_key = ""
-        self.calls, self.context_tokens = 0, 0
-        self.ended: str | None = None  # "returned", "failed", "rewritten", "cut"
+        self.calls, self.context_tokens, self.rewrites = 0, 0, 0
+        self.ended: str | None = None  # "returned", "failed", "cut"
         self.error: str | None = None
         self.reward = None
         self.pause_reason: str | None = None  # why the sampler's segment paused: "length" | "stop" | None
@@ -235,7 +237,7 @@ class AgentEnv(Env):
                 value.answer(e.status, error_body(e.message))
 
     def end(self, how: str, error: str | None = None, value=None) -> None:
-        """End the episode (``how``: returned / failed / rewritten / cut): the session closed, its waiting
+        """End the episode (``how``: returned / failed / cut): the session closed, its waiting
         request refused; the program's returned value kept as its reward where it is a number."""
         if self.ended is None:
             self.ended, self.error = how, error
@@ -270,13 +272,11 @@ class AgentEnv(Env):
             return StepResult(None, done=True, info=self._info())
         pending, ids = value
         added = self._added(pending.request)
-        if added is None:
-            pending.answer(410, error_body("the episode has ended: the request rewrote the conversation so far",
-                                           "session_ended"))
-            self.end("rewritten", "the request does not repeat the conversation so far (rewritten history is not "
-                                  "trained yet)")
-            return StepResult(None, done=True, info=self._info())
         self._take(pending, ids)
+        if added is None:  # a rewritten conversation: the whole context, a new training row where it does not extend
+            self.rewrites += 1
+            self.context_tokens = len(ids)
+            return StepResult(context=ids, info=self._info())
         observation = self._observation(reply, added, segment)
         self.context_tokens += len(observation)
         return StepResult(observation, info=self._info())
@@ -287,7 +287,7 @@ class AgentEnv(Env):
 
     def record(self) -> dict:
         return {"agent": {"calls": self.calls, "ended": self.ended or "running", "reward": self.reward,
-                          "error": self.error, "session": self.session.id}}
+                          "error": self.error, "rewritten": self.rewrites, "session": self.session.id}}
 
     # -- the episode's end after the sampler's --------------------------------------------
 

@@ -126,9 +126,10 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with each relative path that names an existing file or folder here made absolute:
     ``model.path``, ``model.ref_path``, ``data.path``, ``data.eval_path``, every
     ``data.eval_sets.<name>.path``, the file of each ``data.reward`` ``file.py:function`` (the
-    folder of an ``rm:<folder>``; `cispo.data.rewards.loading.absolute_spec`) and of ``data.agent``. A run's ``config.yaml`` is saved
-    from it, so ``cispo eval`` and ``--resume`` work from any folder. Hub ids, ``builtin:<name>`` and paths
-    that exist nowhere here are kept as given (their errors come where they are loaded)."""
+    folder of an ``rm:<folder>``; `cispo.data.rewards.loading.absolute_spec`) and of ``data.agent``. A
+    run's ``config.yaml`` is saved from it, so ``cispo eval`` and ``--resume`` work from any folder. Hub ids,
+    ``builtin:<name>`` and paths that exist nowhere here are kept as given (their errors come where they are
+    loaded)."""
     from cispo.data.rewards.loading import absolute_spec
     from cispo.models.packaged import is_packaged
 

@@ -123,7 +123,8 @@ def test_a_tool_call_comes_back_typed_and_its_result_is_the_tool_turn(tok):
     seen: list = []
     try:
         episodes = family.start([{"prompt": "add", "seen": seen}])
-        turn = tok.encode('<tool_call>{"name": "add", "arguments": {"a": "2", "b": 3}}</tool_call>') + [tok.eos_token_id]
+        call = '<tool_call>{"name": "add", "arguments": {"a": "2", "b": 3}}</tool_call>'
+        turn = tok.encode(call) + [tok.eos_token_id]
         obs, = episodes.respond([0], [turn], [True])
         assert seen[0]["finish_reason"] == "tool_calls"
         call = seen[0]["message"]["tool_calls"][0]
@@ -167,10 +168,26 @@ def test_agents_that_raise_hang_or_return_no_reward_are_recorded_and_the_batch_g
     assert agent["three_calls"]["calls"] == 3 and agent["three_calls"]["ended"] == "returned"
 
 
-def test_a_rewritten_history_ends_the_episode_recorded(tok, sampler):
-    _, records = play(AgentEnvironments(programs.rewriter, tok, max_turns=4, timeout_s=10), sampler,
-                      [{"prompt": "add 2 and 3"}])
-    assert records[0]["agent"]["ended"] == "rewritten" and records[0]["agent"]["calls"] == 1
+def test_a_rewritten_history_goes_on_in_a_second_row_of_exactly_the_sampled_ids(tok, sampler):
+    """The second call drops the first answer: the episode's second training row is that call's rendering as
+    prompt; each row's response is what was sampled (observations none), and the program gets both answers."""
+    from cispo.envs.rows import sample_episode_rows
+
+    family = AgentEnvironments(programs.rewriter, tok, max_turns=4, timeout_s=10)
+    try:
+        episodes = family.start([{"prompt": "add 2 and 3"}])
+        opening = list(episodes.openings[0])
+        rows, = sample_episode_rows(sampler, [opening], SAMPLING, torch.Generator().manual_seed(0), episodes)
+        record = episodes.record(0, fed=0)
+    finally:
+        family.close()
+    second = tok.apply_chat_template([{"role": "user", "content": "add 2 and 3"}, {"role": "user", "content": "again"}],
+                                     add_generation_prompt=True, tokenize=True)
+    second = second["input_ids"] if hasattr(second, "keys") else second
+    assert [r.prompt_ids for r in rows] == [opening, list(second)]
+    assert all(r.env_mask.sum() == 0 and r.finish_reason == "eos" for r in rows)
+    assert record["agent"] == {**record["agent"], "calls": 2, "rewritten": 1, "ended": "returned", "reward": 1.0}
+    assert record["rewrites"] == 1 and record["turn_rewards"] == [0.0, 1.0]
 
 
 def test_max_tokens_ends_a_turn_with_finish_reason_length(tok):
