@@ -45,6 +45,7 @@ import inspect
 import json
 import queue
 import threading
+import time
 
 from cispo.envs.base import Env, Segment, StepResult
 from cispo.envs.call_formats import CALL_FORMATS, assistant_message, call_format_for, call_id, cast_arguments
@@ -192,11 +193,13 @@ class AgentEnv(Env):
         self.reward = None
         self.pause_reason: str | None = None  # why the sampler's segment paused: "length" | "stop" | None
         self._thread: threading.Thread | None = None
+        self._deadline: float | None = None
 
     # -- the program ------------------------------------------------------------------
 
     def launch(self) -> None:
-        """Start the program in a daemon thread."""
+        """Start the program in a daemon thread; its first request is due within ``timeout_s`` from now."""
+        self._deadline = time.monotonic() + self.family.timeout_s
         self._thread = threading.Thread(target=self._run, name=f"cispo-agent-{self.session.id}", daemon=True)
         self._thread.start()
 
@@ -221,12 +224,14 @@ class AgentEnv(Env):
         except BaseException as e:  # noqa: BLE001 - the program's failure is its episode's, never the run's
             self.session.events.put(("error", valid_text(f"{type(e).__name__}: {e}")[:500]))
 
-    def _next(self):
-        """The program's next event: ``("request", Pending)``, ``("end", value)`` or ``("error", message)``; a
-        request the template cannot render is answered 400 and the next event read."""
+    def _next(self, deadline: float | None = None):
+        """The program's next event: ``("request", (Pending, its ids))``, ``("end", value)`` or ``("error",
+        message)``, within ``timeout_s`` (or by ``deadline``, a ``time.monotonic()``); a request the template
+        cannot render is answered 400 and the next event read."""
+        deadline = time.monotonic() + self.family.timeout_s if deadline is None else deadline
         while True:
             try:
-                kind, value = self.session.events.get(timeout=self.family.timeout_s)
+                kind, value = self.session.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return "error", f"the agent made no request and did not return within {self.family.timeout_s:g} s"
             if kind != "request":
@@ -251,7 +256,7 @@ class AgentEnv(Env):
     # -- the Env protocol -------------------------------------------------------------
 
     def reset(self, sample: dict):
-        kind, value = self._next()
+        kind, value = self._next(self._deadline)  # the batch's programs started together: one deadline
         if kind == "request":
             return self._take(*value)
         self.end("failed", "the agent returned before its first request" if kind == "end" else value)
@@ -282,7 +287,6 @@ class AgentEnv(Env):
         return StepResult(observation, info=self._info())
 
     def final_reward(self) -> float | None:
-        self.finish()
         return self.reward
 
     def record(self) -> dict:
@@ -304,11 +308,12 @@ class AgentEnv(Env):
         self.ended = "cut"
         self.family.server.drop_session(self.session, "the episode's turns or tokens are spent")
 
-    def finish(self) -> None:
-        """Wait (at most ``timeout_s``) for a cut program's return, its reward kept."""
+    def finish(self, deadline: float | None = None) -> None:
+        """Wait (until ``deadline``, a ``time.monotonic()``; else ``timeout_s``) for a cut program's return, its
+        reward kept."""
         if self.ended != "cut" or self._thread is None:
             return
-        self._thread.join(self.family.timeout_s)
+        self._thread.join(self.family.timeout_s if deadline is None else max(0.0, deadline - time.monotonic()))
         while True:
             try:
                 kind, value = self.session.events.get_nowait()
@@ -394,7 +399,7 @@ class AgentEpisodes(EnvEpisodes):
 
     def __init__(self, family: AgentEnvironments, envs: list[AgentEnv], samples: list[dict]) -> None:
         super().__init__(family, envs, samples)
-        self._cut = False
+        self._cut: float | None = None  # when the first record cut the running programs: their deadline
 
     def pauses(self, row: int, segment_ids: list[int]) -> bool:
         super().pauses(row, segment_ids)
@@ -413,11 +418,11 @@ class AgentEpisodes(EnvEpisodes):
         return False
 
     def record(self, row: int, fed: int | None = None) -> dict:
-        if not self._cut:
-            self._cut = True
+        if self._cut is None:
+            self._cut = time.monotonic() + self.family.timeout_s  # one deadline: the programs end side by side
             for r, env in enumerate(self.envs):
                 env.cut(self._rows[r].pending)
-        self.envs[row].finish()
+        self.envs[row].finish(self._cut)
         return super().record(row, fed)
 
 

@@ -295,10 +295,13 @@ def _handler(server: AgentServer) -> type:
             self._send(404, error_body(f"no such path: {self.path}", "not_found"))
 
         def do_POST(self) -> None:  # noqa: N802
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY_BYTES:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if length < 0 or length > MAX_BODY_BYTES:
                 self.close_connection = True
-                return self._send(413, error_body(f"the body is over {MAX_BODY_BYTES} bytes"))
+                return self._send(413, error_body(f"the body's Content-Length is not 0 to {MAX_BODY_BYTES} bytes"))
             raw = self.rfile.read(length) if length > 0 else b""
             if not server.authorized(self.headers.get("Authorization")):
                 return self._send(401, error_body("missing or wrong bearer token", "invalid_api_key"))

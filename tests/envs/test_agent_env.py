@@ -221,3 +221,54 @@ def test_an_agent_spec_loads_and_a_bad_one_is_one_line():
     assert load_agent("tests/envs/fixtures/agent_programs.py:three_calls").__name__ == "three_calls"
     with pytest.raises(ToolSpecError, match="data.agent 'tests/envs/fixtures/agent_programs.py:nope'"):
         load_agent("tests/envs/fixtures/agent_programs.py:nope")
+
+
+def test_the_torch_sampler_and_the_vllm_stand_in_serve_the_same_episodes(tok, tmp_path):
+    """Greedy, the same weights: the same ids, masks and records through either sampler (vLLM: one generate per
+    turn, ``tests/fake_vllm.py``)."""
+    pytest.importorskip("transformers")
+    from cispo.models.loading import save_policy
+    from tests import fake_vllm
+    from tests.rollout.test_vllm_episodes import make_sampler
+
+    path = save_policy(chat_model(tok), tok, tmp_path / "model")
+    greedy = SamplingConfig(max_new_tokens=40, temperature=0.0)
+    out = {}
+    for name in ("torch", "vllm"):
+        sampler = TorchSampler(fake_vllm.load_hf(path), tok.eos_token_id, tok.pad_token_id) if name == "torch" \
+            else make_sampler(path)
+        family = AgentEnvironments(programs.three_calls, tok, max_turns=4, timeout_s=30)
+        out[name] = play(family, sampler, [{"prompt": "add 2 and 3"}, {"prompt": "add 4 and 5"}], sampling=greedy)
+    (t, t_records), (v, v_records) = out["torch"], out["vllm"]
+    assert [row(v, i)[0] for i in range(2)] == [row(t, i)[0] for i in range(2)]
+    assert torch.equal(v.env_mask, t.env_mask) and t.env_mask.sum() > 0
+    strip = [{**r, "agent": {**r["agent"], "session": None}} for r in t_records]
+    assert [{**r, "agent": {**r["agent"], "session": None}} for r in v_records] == strip
+
+
+def test_programs_that_never_call_cost_one_timeout_together(tok):
+    import time
+
+    family = AgentEnvironments(programs.sleeps_first, tok, max_turns=2, timeout_s=1)
+    try:
+        start = time.monotonic()
+        episodes = family.start([{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}])
+        assert time.monotonic() - start < 2.5
+        assert episodes.openings == [None, None, None]
+        assert all(r["agent"]["ended"] == "failed" and "within 1 s" in r["agent"]["error"]
+                   for r in (episodes.record(i) for i in range(3)))
+    finally:
+        family.close()
+
+
+def test_an_episode_the_budget_cuts_answers_the_call_with_the_text_so_far(tok):
+    seen: list = []
+    family = AgentEnvironments(programs.rewards_a_cut_answer, tok, max_turns=2, timeout_s=10)
+    try:
+        episodes = family.start([{"prompt": "a", "seen": seen}])
+        assert not episodes.pauses(0, tok.encode("abc"))  # the sampler's last look at the row: then it is cut
+        record = episodes.record(0)
+    finally:
+        family.close()
+    assert seen[0]["finish_reason"] == "length" and seen[0]["message"]["content"] == "abc"
+    assert record["agent"] == {**record["agent"], "ended": "cut", "reward": 2.0} and record["turn_rewards"] == [2.0]
