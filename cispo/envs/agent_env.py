@@ -81,8 +81,10 @@ def load_agent(spec: str, trial: bool = True):
 
 
 def render_request(tokenizer, request: ChatRequest) -> list[int]:
-    """A request's prompt ids: its messages and tools through the chat template, the assistant turn opened.
-    RequestError (400) where the template cannot render them."""
+    """A request's prompt ids: its messages and tools through the chat template, the assistant turn opened (a
+    text completion's prompt: tokenized as it is). RequestError (400) where the template cannot render them."""
+    if request.prompt is not None:
+        return list(tokenizer.encode(request.prompt, add_special_tokens=True))
     extra = {"tools": request.tools} if request.tools else {}
     try:
         ids = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, **extra)
@@ -186,6 +188,8 @@ class AgentEnv(Env):
         self.session = family.server.open_session()
         self.pending = None  # the request waiting for the policy's answer (endpoint.Pending)
         self.messages: list[dict] = []  # the conversation so far: the last request's messages + the answer
+        self.text: str | None = None  # a text completion's: the last prompt + the answer (None: chat)
+        self.held = ""  # a text completion's: what the row holds past the answer (the stop string the answer omits)
         self.tools_key = ""
         self.calls, self.context_tokens, self.rewrites = 0, 0, 0
         self.ended: str | None = None  # "returned", "failed", "cut"
@@ -268,7 +272,10 @@ class AgentEnv(Env):
         reply, finish = self._reply(segment)
         self.pending.answer(200, completion_body(reply, finish, self.context_tokens, len(segment.ids)))
         self.pending, previous = None, self.messages
-        self.messages = [*previous, normal_message(reply)]
+        if self.text is not None:
+            self.text += reply["text"]
+        else:
+            self.messages = [*previous, normal_message(reply)]
         self.context_tokens += len(segment.ids)
         kind, value = self._next()
         if kind != "request":
@@ -329,14 +336,20 @@ class AgentEnv(Env):
     def _take(self, pending, ids: list[int]) -> list[int]:
         """``pending`` becomes the request to answer; its rendered ids the episode's context."""
         self.pending, self.calls = pending, self.calls + 1
-        self.messages = list(pending.request.messages)
+        self.messages, self.text = list(pending.request.messages), pending.request.prompt
         self.tools_key = json.dumps(pending.request.tools, sort_keys=True, default=str)
         if self.calls == 1:
             self.context_tokens = len(ids)
         return ids
 
-    def _added(self, request: ChatRequest) -> list[dict] | None:
-        """The messages ``request`` adds to the conversation so far; None where it does not repeat it."""
+    def _added(self, request: ChatRequest) -> list[dict] | str | None:
+        """The messages ``request`` adds to the conversation so far (a text completion: the text it adds to the
+        last prompt and its answer); None where it does not repeat it."""
+        if (request.prompt is None) != (self.text is None):
+            return None
+        if self.text is not None:  # what it adds past the answer, less the stop string the row holds already
+            rest = request.prompt[len(self.text):] if request.prompt.startswith(self.text) else None
+            return None if rest is None or not rest.startswith(self.held) else rest[len(self.held):]
         n = len(self.messages)
         if json.dumps(request.tools, sort_keys=True, default=str) != self.tools_key or len(request.messages) < n:
             return None
@@ -351,8 +364,14 @@ class AgentEnv(Env):
         body_ids = ids[: len(ids) - len(stop_id)]
         text = self.tokenizer.decode(body_ids, skip_special_tokens=True)
         finish = "stop" if segment.by_stop_token or self.pause_reason == "stop" else "length"
+        if request.prompt is not None:  # a text completion: the text as sampled, special tokens spelled out
+            text = self.tokenizer.decode(body_ids)
+        whole = text
         if self.pause_reason == "stop":
             text = text[: min((text.find(s) for s in request.stop if s in text), default=len(text))]
+        if request.prompt is not None:
+            self.pause_reason, self.held = None, whole[len(text):]
+            return {"text": text}, finish
         calls = self._calls(self.tokenizer.decode(body_ids)) if finish == "stop" and request.read_calls else []
         self.pause_reason = None
         if not calls:
@@ -377,6 +396,8 @@ class AgentEnv(Env):
     def _observation(self, reply: dict, added: list[dict], segment: Segment) -> list[int]:
         """The ids of the messages the next request adds, rendered after the policy's turn (a turn the policy
         did not end with its stop token closed first, as the template closes it), cut to fit."""
+        if isinstance(added, str):  # a text completion's: the text as the program wrote it
+            return list(self.tokenizer.encode(added, add_special_tokens=False))[: self.family.max_observation_tokens]
         stop_text = self.tokenizer.decode(list(segment.ids[-1:])) if segment.by_stop_token else ""
         closing = "" if stop_text else self.family.closing
         calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}

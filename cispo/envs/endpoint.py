@@ -10,6 +10,8 @@ A request names its session by its URL (``/sessions/<id>/v1/chat/completions``: 
 given), by the ``X-Session-Id`` header, or by the body's ``user`` field (beside ``/v1/chat/completions``). A
 request of a session that has ended (or never was) gets 410; a malformed one 400, with OpenAI's error body
 ``{"error": {"message", "type", "code"}}``. ``GET /v1/models`` lists the one model, ``policy``.
+``/v1/completions`` takes a text ``prompt`` (one string; tokenized as it is, special tokens' spellings read as
+those tokens), with ``max_tokens`` and ``stop``; ``echo``, ``suffix`` and ``best_of`` > 1 are refused.
 
 What a request may ask (`read_request`): ``messages`` (text content, or lists of ``{"type": "text"}`` parts),
 ``tools`` (function tools), ``tool_choice`` ``auto`` or ``none`` (``required`` and a named function are
@@ -53,15 +55,17 @@ def error_body(message: str, code: str = "invalid_request_error") -> dict:
 
 @dataclass
 class ChatRequest:
-    """One chat-completions request, as read (`read_request`): the ``messages`` (contents as text), the
-    ``tools`` (OpenAI's function-tool dicts, [] for none), whether calls are read from the reply
-    (``tool_choice`` not ``none``), the most tokens (None: the response's budget) and the stop strings."""
+    """One request, as read (`read_request`): the ``messages`` (contents as text), the ``tools`` (OpenAI's
+    function-tool dicts, [] for none), whether calls are read from the reply (``tool_choice`` not ``none``),
+    the most tokens (None: the response's budget) and the stop strings; a ``/v1/completions`` request has its
+    text ``prompt`` instead of messages (None for a chat request)."""
 
     messages: list[dict]
     tools: list[dict]
     read_calls: bool = True
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    prompt: str | None = None
 
 
 def _text(content) -> str:
@@ -109,17 +113,26 @@ def normal_message(message, i: int = 0) -> dict:
     return out
 
 
-def read_request(body: dict) -> ChatRequest:
-    """The `ChatRequest` of a chat-completions body; `RequestError` (400) for what the endpoint refuses."""
+def read_request(body: dict, completions: bool = False) -> ChatRequest:
+    """The `ChatRequest` of a chat-completions body (``completions``: of a ``/v1/completions`` body, its
+    ``prompt`` one string); `RequestError` (400) for what the endpoint refuses."""
     if not isinstance(body, dict):
         raise RequestError(400, "the body must be a JSON object")
+    if body.get("stream"):
+        raise RequestError(400, "stream: streaming is not supported (set stream=false)")
+    if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
+        raise RequestError(400, "n: only n=1 is supported (an episode is one trajectory)")
+    if completions:
+        prompt = body.get("prompt")
+        prompt = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError(400, "prompt: one non-empty string is required")
+        if body.get("echo") or body.get("suffix"):
+            raise RequestError(400, "echo and suffix are not supported")
+        return ChatRequest([], [], False, *_limits(body), prompt=prompt)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: a non-empty list is required")
-    if body.get("stream"):
-        raise RequestError(400, "stream: streaming is not supported (set stream=false)")
-    if body.get("n", 1) != 1:
-        raise RequestError(400, "n: only n=1 is supported (an episode is one trajectory)")
     tools = body.get("tools") or []
     if not isinstance(tools, list) or any(not isinstance(t, dict) or t.get("type", "function") != "function"
                                           or not isinstance(t.get("function"), dict) for t in tools):
@@ -128,6 +141,12 @@ def read_request(body: dict) -> ChatRequest:
     if choice not in ("auto", "none", None):
         raise RequestError(400, f"tool_choice={choice!r} is not supported: only 'auto' and 'none' (nothing "
                                 f"constrains what the policy writes)")
+    return ChatRequest([normal_message(m, i) for i, m in enumerate(messages)], list(tools), choice != "none",
+                       *_limits(body))
+
+
+def _limits(body: dict) -> tuple[int | None, tuple[str, ...]]:
+    """A body's ``max_tokens`` (or ``max_completion_tokens``) and ``stop`` strings, checked."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise RequestError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}")
@@ -135,8 +154,7 @@ def read_request(body: dict) -> ChatRequest:
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise RequestError(400, "stop: a string or a list of non-empty strings is expected")
-    return ChatRequest([normal_message(m, i) for i, m in enumerate(messages)], list(tools), choice != "none",
-                       max_tokens, tuple(stop))
+    return max_tokens, tuple(stop)
 
 
 # ---------------------------------------------------------------------------------------
@@ -307,13 +325,14 @@ def _handler(server: AgentServer) -> type:
                 return self._send(401, error_body("missing or wrong bearer token", "invalid_api_key"))
             sid, path = self._route()
             try:
-                if path != "/v1/chat/completions":
-                    raise RequestError(404, f"no such path: {self.path} (only /v1/chat/completions)", "not_found")
+                if path not in ("/v1/chat/completions", "/v1/completions"):
+                    raise RequestError(404, f"no such path: {self.path} (/v1/chat/completions, /v1/completions)",
+                                       "not_found")
                 try:
                     body = json.loads(raw or b"null")
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     raise RequestError(400, "the body is not JSON") from None
-                request = read_request(body)
+                request = read_request(body, completions=path == "/v1/completions")
                 user = body.get("user") if isinstance(body.get("user"), str) else None
                 pending = server.session(sid or self.headers.get("X-Session-Id") or user).submit(request)
             except RequestError as e:
@@ -325,9 +344,13 @@ def _handler(server: AgentServer) -> type:
 
 
 def completion_body(message: dict, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    """A chat-completion response with one choice."""
-    return {"id": "chatcmpl-" + secrets.token_hex(12), "object": "chat.completion", "created": int(time.time()),
-            "model": MODEL_NAME,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+    """A chat-completion response with one choice; a text completion's where ``message`` has no role (its
+    ``{"text": ...}``)."""
+    chat = "role" in message
+    choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None,
+              **({"message": message} if chat else message)}
+    return {"id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": MODEL_NAME, "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}

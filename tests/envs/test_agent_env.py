@@ -272,3 +272,34 @@ def test_an_episode_the_budget_cuts_answers_the_call_with_the_text_so_far(tok):
         family.close()
     assert seen[0]["finish_reason"] == "length" and seen[0]["message"]["content"] == "abc"
     assert record["agent"] == {**record["agent"], "ended": "cut", "reward": 2.0} and record["turn_rewards"] == [2.0]
+
+
+def test_a_text_completion_goes_on_in_the_row_past_its_stop_string(tok):
+    """``/v1/completions``: a ReAct-style program stops the answer at ``Obs:``, which the text leaves out; its next
+    prompt (the prompt, the answer, ``Obs: 5``) goes on in the row with only ``5`` fed: the row holds ``Obs:``."""
+    seen = []
+
+    def react(sample, base_url, api_key):
+        prompt = "Q: 2+3?\n"
+        for _ in range(2):
+            req = urllib.request.Request(base_url + "/completions", json.dumps(
+                {"prompt": prompt, "stop": ["Obs:"], "max_tokens": 20}).encode(),
+                {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                seen.append(json.loads(r.read()))
+            prompt += seen[-1]["choices"][0]["text"] + "Obs: 5\n"
+        return 1.0
+
+    family = AgentEnvironments(react, tok, max_turns=2, timeout_s=10)
+    try:
+        episodes = family.start([{"prompt": "q"}])
+        assert episodes.openings[0] == tok.encode("Q: 2+3?\n")
+        assert episodes.pauses(0, tok.encode("calc 2+3 Obs:"))
+        obs, = episodes.respond([0], [tok.encode("calc 2+3 Obs:")], [False])
+        assert tok.decode(obs) == " 5\n"
+        assert seen[0]["object"] == "text_completion" and seen[0]["choices"][0]["text"] == "calc 2+3 "
+        end, = episodes.respond([0], [tok.encode("5") + [tok.eos_token_id]], [True])
+        assert end is None and seen[1]["choices"][0] == {**seen[1]["choices"][0], "text": "5", "finish_reason": "stop"}
+        assert episodes.record(0)["agent"]["reward"] == 1.0
+    finally:
+        family.close()
