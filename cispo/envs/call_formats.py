@@ -220,6 +220,17 @@ CALL_FORMATS = {f.name: f for f in (QWEN_XML, HERMES, MISTRAL, LLAMA3_JSON)}
 """The formats by name, in the order a rendered call is tried against them (`call_format_for`)."""
 
 
+def text_before_calls(fmt: CallFormat, text: str) -> str:
+    """What a turn says before its first call in ``fmt`` (its free text: an assistant message's ``content``
+    beside its ``tool_calls``), stripped; the whole text stripped where no call's opening is found."""
+    if fmt.name == "llama3_json":
+        found = _LLAMA_CALL.search(text)
+        at = found.start() if found else -1
+    else:
+        at = text.find(TOOL_CALLS if fmt.name == "mistral" else "<tool_call>")
+    return (text if at < 0 else text[:at]).strip()
+
+
 # ---------------------------------------------------------------------------------------
 # Which format: the template's own rendering of a call
 # ---------------------------------------------------------------------------------------

@@ -164,11 +164,6 @@ class EnvEpisodes:
         """The ``Episodes`` of a further ``generate`` whose row j continues episode ``episodes[j]``."""
         return EpisodeRows(self, list(episodes))
 
-    def counts(self, row: int) -> dict:
-        """The row's episode's ``contexts`` (steps that gave one) and ``rewrites`` (those that began a row)."""
-        state = self._rows[row]
-        return {"contexts": state.contexts, "rewrites": state.rewrites}
-
     def pauses(self, row: int, segment_ids: list[int]) -> bool:
         """True when the policy segment (the ids the policy sampled since the prompt or the last
         observation, newest last) now ends with one of the environments' stop strings (an inline tool's
@@ -188,8 +183,9 @@ class EnvEpisodes:
         """For each paused row (its segment ended by a stop string, or by a stop token such as EOS /
         ``<|im_end|>`` when ``by_stop_token``), the observation's token ids to insert into its context (not
         trained on), or None: the episode ends and the row's response is final. Each row's `Env.step` runs
-        (side by side in threads); None once a row has had ``max_turns`` observations; an observation is at
-        most ``max_observation_tokens`` ids."""
+        (side by side in threads); None once a row has had ``max_turns`` observations (contexts that began a
+        new row counted), and None where a step's context does not extend the row (`_context`: the episode goes
+        on in a new row, `continuations`); an observation is at most ``max_observation_tokens`` ids."""
         stepped = [self._segment(r, seg, tok) for r, seg, tok in zip(rows, segments, by_stop_token)]
         for r, seg in zip(rows, segments):
             if self._rows[r].ids is not None:
@@ -202,9 +198,11 @@ class EnvEpisodes:
         return [self._observe(r, seg, result) for r, seg, result in zip(rows, stepped, results)]
 
     def record(self, row: int, fed: int | None = None) -> dict:
-        """What ``samples.jsonl`` shows of the row's episode: ``{"segments": [{"role": "policy" | "tool", "text": ...},
-        ...], ...}``, ``"turn_rewards": [r_0, ...]`` where a step or the final reward gave one, and what the
-        `Env` records itself (`Env.record`: a tool environment's calls). A segment's text is decoded without
+        """What ``samples.jsonl`` shows of the row's episode: ``{"segments": [{"role": "policy" | "tool" | "context",
+        "text": ...}, ...], ...}`` (``context``: a context that began a new row, its whole text; then
+        ``"contexts"`` / ``"rewrites"``: the steps that gave one / began a row), ``"turn_rewards": [r_0, ...]``
+        where a step or the final reward gave one, and what the `Env` records itself (`Env.record`: a tool
+        environment's calls). A segment's text is decoded without
         special tokens; an observation's as inserted. ``turn_rewards``: each stepped policy segment's reward
         (0 where none), `Env.final_reward` added to the last segment's (a segment of its own where the
         sampler cut the last one before any step). ``fed``: the observation ids the sampler fed into the

@@ -11,7 +11,7 @@ the episode (a context counts as a turn), so the rounds end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,13 +42,21 @@ def sample_episode_rows(sampler, prompt_ids: list[list[int]], cfg, generator, ep
     """Each episode's training rows, in order (module docstring): ``sampler.generate`` over ``prompt_ids`` with
     ``episodes`` (an ``cispo.envs.episodes.EnvEpisodes``, given the prompts first: `EnvEpisodes.begin`, with
     ``encode`` for contexts given as chat messages), then over each round's continued episodes with their new
-    prompts, until no episode is continued."""
+    prompts, until no episode is continued. Under lock-step sampling (weights sharded across ranks, where every
+    rank must run as many forward passes: ``Sampler.lock_step``) the rounds go on until no rank continues one,
+    a rank with none left joining each round with a throw-away greedy ``generate``."""
     episodes.begin(prompt_ids, encode)
     batch = sampler.generate(prompt_ids, cfg, generator=generator, episodes=episodes)
     out = [[row] for row in batch_rows(batch, prompt_ids)]
-    while continued := episodes.continuations():
+    all_ranks_done = getattr(sampler, "_all_ranks_done", None)  # lock-step sampling (FSDP): `Sampler.lock_step`
+    while True:
+        continued = episodes.continuations()
+        if all_ranks_done is not None and not all_ranks_done(not continued) and not continued:
+            sampler.generate([list(prompt_ids[0][:1])], replace(cfg, temperature=0.0))  # idle: join the others' round
+            continue
+        if not continued:
+            return out
         which, prompts = [e for e, _ in continued], [ids for _, ids in continued]
         batch = sampler.generate(prompts, cfg, generator=generator, episodes=episodes.rows_of(which))
         for e, row in zip(which, batch_rows(batch, prompts)):
             out[e].append(row)
-    return out

@@ -22,6 +22,11 @@ Two tool formats (``data.tool_format``; `resolve_tool_format`):
   turn's opening: the text by which rendering ``[user, assistant, tool...]`` with the generation
   prompt extends rendering ``[user, assistant]`` (TRL's minimal conversation), after the end of the
   assistant turn the policy sampled (``"\\n"`` after ``<|im_end|>`` in ChatML; `chat_observation`).
+  A template that renders an assistant turn differently once a tool turn follows it (past turns' thinking
+  stripped: `appends_tool_turns` False) is not refused: its episodes re-render the whole conversation each
+  turn (`ToolEnvironment.rerenders`; the policy's turn as an assistant message of its text before the first
+  call and its calls), given as the step's ``context``: where it no longer extends the row, the episode goes on
+  in a new training row whose prompt is that rendering (``cispo.envs.episodes``).
 * ``inline`` (ToRL / ReTool, any template): generation pauses when a segment's text ends with a stop
   string ``</tag>`` — the stop string completed by the segment's last token, whose text may run on
   past it (SmolLM2 spells ``</calc>.`` as ``</``, ``calc``, ``>.``); the call is the text between the
@@ -47,12 +52,15 @@ from cispo.envs.base import Env, Segment, StepResult
 from cispo.envs.call_formats import (
     CALL_FORMATS,
     PROBE_NAME,
+    assistant_message,
     call_format_for,
     cast_arguments,
+    text_before_calls,
     tool_message,
 )
 from cispo.envs.episodes import Environments
 from cispo.envs.observations import (
+    CUT_NOTE,
     chat_observation,
     defuse,
     fit_observation,
@@ -84,7 +92,7 @@ from cispo.envs.tools import (
 __all__ = ["ToolEnvironment", "ToolEpisode", "TOOL_FORMATS", "INLINE_TAGS", "TASK_TOOLS", "MAX_CALL_DEPTH", "read_json",
            "json_depth", "resolve_tool_format", "template_takes_tools", "render_prompt", "prompt_messages",
            "parse_tool_calls", "inline_tags", "inline_call", "inline_observation", "build_environment", "task_tools",
-           "check_tools", "environment_from_config"]
+           "appends_tool_turns", "check_tools", "environment_from_config"]
 
 TOOL_FORMATS = ("auto", "chat", "inline", *CALL_FORMATS)
 """``data.tool_format``'s values: a named call format (`CALL_FORMATS`) is ``chat`` with that format forced."""
@@ -127,13 +135,26 @@ def template_takes_tools(tokenizer) -> bool:
     if not getattr(tokenizer, "chat_template", None):
         return False
     messages = [{"role": "user", "content": "hi"}]
+    call = assistant_message("", [{"name": PROBE_NAME, "arguments": {}}])
     try:
         text = tokenizer.apply_chat_template(messages, tools=[_PROBE_SCHEMA], tokenize=False,
                                              add_generation_prompt=True)
-        chat_observation(tokenizer, [{"name": PROBE_NAME, "arguments": {}}], [tool_message(PROBE_NAME, "ok")], "")
+        tokenizer.apply_chat_template([*messages, call, tool_message(PROBE_NAME, "ok")], tools=[_PROBE_SCHEMA],
+                                      tokenize=False, add_generation_prompt=True)
     except Exception:  # noqa: BLE001 - a template that cannot render tools, for whatever reason
         return False
     return PROBE_NAME in text
+
+
+def appends_tool_turns(tokenizer) -> bool:
+    """Whether the template renders a tool turn as text appended to the conversation before it
+    (`chat_observation` reads it); False for one that renders the assistant turn differently once a tool turn
+    follows it (`ToolEnvironment.rerenders`)."""
+    try:
+        chat_observation(tokenizer, [{"name": PROBE_NAME, "arguments": {}}], [tool_message(PROBE_NAME, "ok")], "")
+    except Exception:  # noqa: BLE001 - the template's own refusal, or the rendering's mismatch
+        return False
+    return True
 
 
 def resolve_tool_format(tokenizer, tool_format: str = "auto", task: str | None = None) -> str:
@@ -210,6 +231,10 @@ class ToolEnvironment(Environments):
         """How the policy writes a call (``chat``: ``cispo.envs.call_formats``); None inline."""
         self.stop_strings = tuple(f"</{tag}>" for tag in self.tags) if self.tool_format == "inline" else ()
         """The strings that pause a segment (``inline``: each tool's ``</tag>``; ``chat``: none)."""
+        self.rerenders = self.tool_format == "chat" and not appends_tool_turns(tokenizer)
+        """``chat`` with a template that renders an assistant turn differently once a tool turn follows it: each
+        tool turn gives the whole conversation re-rendered (`StepResult.context`), a new training row where
+        its ids do not extend the row's (``cispo.envs.episodes``)."""
 
     def defuse(self, text: str) -> str:
         """``text`` with every special token's spelling broken (`defuse`), so that a tool's output cannot end a
@@ -218,7 +243,7 @@ class ToolEnvironment(Environments):
 
     def make(self, sample: dict) -> ToolEpisode:
         """One episode's `ToolEpisode`."""
-        return ToolEpisode(self)
+        return ToolEpisode(self, sample)
 
     def describe(self) -> str:
         return (f"tools: {', '.join(t.name for t in self.tools)} ({self.tool_format} format, at most {self.max_turns} "
@@ -239,10 +264,12 @@ class ToolEpisode(Env):
     already, ends the episode; else every call runs (`ToolRunner.run`) and the observation is their results
     (``inline``: `inline_observation`; ``chat``: the chat template's tool turn, `chat_observation`)."""
 
-    def __init__(self, env: ToolEnvironment) -> None:
+    def __init__(self, env: ToolEnvironment, sample: dict | None = None) -> None:
         self.env, self.tokenizer, self.runner = env, env.tokenizer, env.runner
         self.calls: list[dict] = []
         self.turns = 0
+        self.messages = prompt_messages(sample, env.system_prompt) if env.rerenders and sample else None
+        """The conversation so far (`ToolEnvironment.rerenders`; None otherwise)."""
 
     def step(self, segment: Segment) -> StepResult:
         plan = self._plan(segment)
@@ -250,6 +277,8 @@ class ToolEpisode(Env):
             return StepResult(None)
         done = iter(self.runner.run([c for c in plan.calls if isinstance(c, ToolCall)]))
         results = [next(done) if isinstance(c, ToolCall) else ToolResult(policy_error(c), c, 0.0) for c in plan.calls]
+        if self.messages is not None:
+            return StepResult(context=self._conversation(plan, results, segment.raw))
         return StepResult(self._observe(plan, results))
 
     def record(self) -> dict:
@@ -285,13 +314,36 @@ class ToolEpisode(Env):
         calls = [cast_arguments(c, self.env.parameters.get(c.name)) if isinstance(c, ToolCall) else c for c in parsed]
         return _Plan(calls, [c.name if isinstance(c, ToolCall) else None for c in parsed], stop_text)
 
-    def _observe(self, plan: _Plan, results: list[ToolResult]) -> list[int]:
-        """The observation ids for ``results``; the calls recorded."""
+    def _record(self, plan: _Plan, results: list[ToolResult]) -> None:
+        """The turn's calls recorded."""
         for call, name, result in zip(plan.calls, plan.names, results):
             self.calls.append({"name": name, "arguments": call.arguments if isinstance(call, ToolCall) else None,
                                "error": result.error, "seconds": round(result.seconds, 4)})
-        texts = [r.text for r in results]
         self.turns += 1
+
+    def _conversation(self, plan: _Plan, results: list[ToolResult], raw: str) -> list[dict]:
+        """The whole conversation after this turn (`ToolEnvironment.rerenders`): the policy's turn as an
+        assistant message (its text before its first call, `text_before_calls`, and its calls) and the tool
+        turns, each result defused and cut to ``max_observation_tokens`` tokens (then `CUT_NOTE`)."""
+        self._record(plan, results)
+        names = [n or "unknown" for n in plan.names]
+        calls = [{"name": n, "arguments": c.arguments if isinstance(c, ToolCall) else {}}
+                 for n, c in zip(names, plan.calls)]
+        body = raw[: len(raw) - len(plan.stop_text)] if plan.stop_text and raw.endswith(plan.stop_text) else raw
+        cap = self.env.max_observation_tokens
+        texts = []
+        for r in results:
+            text = self.env.defuse(r.text)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            texts.append(text if len(ids) <= cap else self.tokenizer.decode(ids[:cap]) + CUT_NOTE)
+        self.messages += [assistant_message(text_before_calls(self.env.call_format, body), calls),
+                          *(tool_message(n, t, i) for i, (n, t) in enumerate(zip(names, texts)))]
+        return list(self.messages)
+
+    def _observe(self, plan: _Plan, results: list[ToolResult]) -> list[int]:
+        """The observation ids for ``results``; the calls recorded."""
+        self._record(plan, results)
+        texts = [r.text for r in results]
         if self.env.tool_format == "inline":
             return fit_observation(self.tokenizer, lambda t: inline_observation(t[0]), texts,
                                    self.env.max_observation_tokens)

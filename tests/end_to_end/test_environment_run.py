@@ -6,6 +6,7 @@ and the step's metrics, and the run finishes."""
 import json
 
 import pytest
+import torch
 
 from cispo.training.runner import train
 from tests.conftest import small_config
@@ -49,3 +50,32 @@ def test_a_run_whose_environment_rewrites_the_history(tiny_model, tmp_path):
     steps = [m for m in metrics if "rollout/rows_per_episode" in m]
     assert len(steps) == 2 and all(m["rollout/rows_per_episode"] > 1 for m in steps)
     assert all(m["rollout/rewrites"] > 0 and m["optim/step_updates"] > 0 for m in steps)
+
+
+@pytest.mark.parametrize("extra", [[], ["rollout.async_steps=1", "algo.logp_old=rollout"]])
+def test_a_run_with_rewritten_episodes_resumes_as_if_never_stopped(tiny_model, tmp_path, extra):
+    """Checkpointed after step 1 and resumed there, a run whose episodes span two rows each ends as the
+    uninterrupted one: the same metrics and weights (``async_steps=1``: the batch held in the checkpoint keeps
+    each episode's rows)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from cispo.records.tracking import read_metrics
+    from tests.conftest import strip_perf
+
+    def config(out):
+        return small_config(tiny_model, out, "data.environment=tests/envs/fixtures/scripted_envs.py:Compactor",
+                            "rollout.max_turns=3", "steps=2", "eval.every=0", "checkpoint_every=1",
+                            "keep_checkpoints=2", "dynamic_sampling=false", "run_name=r", *extra)
+
+    train(config(tmp_path / "a"))
+    run, copy = tmp_path / "a" / "r", tmp_path / "b" / "r"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_000002")
+    train(config(tmp_path / "b"), resume=True)
+    assert strip_perf(read_metrics(copy / "metrics.jsonl")) == strip_perf(read_metrics(run / "metrics.jsonl"))
+    assert any(m.get("rollout/rows_per_episode", 1) > 1 for m in read_metrics(run / "metrics.jsonl"))
+    a = load_file(run / "checkpoints" / "step_000002" / "model" / "model.safetensors")
+    b = load_file(copy / "checkpoints" / "step_000002" / "model" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)

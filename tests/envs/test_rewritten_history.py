@@ -264,3 +264,110 @@ def test_a_held_batch_keeps_an_episodes_rows_and_checks_them():
     state["continuations"][0]["prompt_ids"][0] = 99
     with pytest.raises(HeldBatchError, match=r"c.continuations\[0\].prompt_ids holds token id 99"):
         check_completion(state, HeldBatchLimits(vocab_size=32, num_samples=1), "c")
+
+
+# --------------------------------------------------------------------------- a template that rewrites past turns
+
+
+def rewriting_template() -> str:
+    """Qwen2.5's tool template, but an assistant turn with calls that is no longer the last message loses its
+    thinking (``<think>...</think>``) and is marked ``(earlier)``: a tool turn does not extend the conversation."""
+    from tests.envs.test_environments import QWEN_TOOL_TEMPLATE
+
+    old = "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}{%- if message.content %}" \
+          "{{- '\\n' + message.content }}{%- endif %}"
+    assert old in QWEN_TOOL_TEMPLATE
+    new = "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}" \
+          "{%- if not loop.last %}{{- ' (earlier)' }}{%- endif %}{%- if message.content %}" \
+          "{{- '\\n' + (message.content if loop.last else message.content.split('</think>')[-1].strip()) }}{%- endif %}"
+    return QWEN_TOOL_TEMPLATE.replace(old, new)
+
+
+def test_a_template_that_rewrites_past_turns_gives_the_tool_episode_a_new_row(qwen):
+    """Where the template renders an assistant turn differently once a tool turn follows (thinking stripped), the
+    tool environment re-renders the whole conversation each turn (``StepResult.context``) instead of refusing
+    the template: the turn's row ends and the next row's prompt is the template's own rendering."""
+    import copy
+
+    from cispo.envs.tool_env import ToolEnvironment, appends_tool_turns, render_prompt, template_takes_tools
+    from tests.envs.test_environments import CountingRunner, add
+
+    tok = copy.copy(qwen)
+    tok.chat_template = rewriting_template()
+    assert template_takes_tools(tok) and not appends_tool_turns(tok) and appends_tool_turns(qwen)
+    env = ToolEnvironment(tok, [add], "chat", 2, CountingRunner([add]))
+    assert env.tool_format == "chat" and env.rerenders
+    sample = {"prompt": "What is 2 + 3?"}
+    episodes = env.start([sample])
+    episodes.begin([render_prompt(tok, sample, env.schemas)])
+    said = ('<think>add them</think>\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+            '<|im_end|>')
+    assert episodes.respond([0], [tok_ids(tok, said)], [True]) == [None]  # the row ends ...
+    (row, prompt), = episodes.continuations()  # ... and the episode goes on from the re-rendered conversation
+    text = tok.decode(prompt)
+    assert row == 0 and "<|im_start|>assistant (earlier)\n\n<tool_call>" in text and "add them" not in text
+    assert text.endswith("<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert episodes.respond([0], [tok_ids(tok, "It is 5.<|im_end|>")], [True]) == [None]
+    record = episodes.record(0)
+    assert [s["role"] for s in record["segments"]] == ["policy", "context", "policy"]
+    assert record["rewrites"] == 1 and record["calls"][0]["name"] == "add"
+
+
+def test_the_trainers_batch_lays_out_an_episodes_rows_with_its_group():
+    """`Trainer.experience`: one row per training row, the episode's advantage on each, each row's group mean
+    length over the group's episodes (every row's policy tokens), and the group of each row for ``by_group``."""
+    from types import SimpleNamespace
+
+    from cispo.training.trainer import Trainer
+
+    a, b = two_episodes()
+    c, d = episode([([7], [30, 31], [0, 0])], [1.0]), episode([([7], [40], [0])], [0.0])
+    fake = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(group_size=2), algo=Algo()),
+                           advantage_scale=lambda groups: None, policy=SimpleNamespace(pad_id=0, device="cpu"))
+    exp = Trainer.experience(fake, [[a, b], [c, d]])
+    assert len(exp) == 5 and exp.advantages[0] == exp.advantages[1] != exp.advantages[2]
+    # episode policy tokens: a 2 + 1 = 3, b 3 -> mean 3; c 2, d 1 -> mean 1.5
+    assert exp.extras["group_mean_length"].tolist() == [3.0, 3.0, 3.0, 1.5, 1.5]
+    assert exp.extras["group_of"].tolist() == [0, 0, 0, 1, 1]
+    assert exp.response_mask.sum().item() == 3 + 3 + 2 + 1
+
+
+def test_under_lock_step_a_rank_with_no_row_left_joins_the_others_rounds():
+    """Sharded weights (FSDP) need every rank in every ``generate``: the rounds go on while any rank continues an
+    episode, a rank with none left running a throw-away greedy one."""
+    from types import SimpleNamespace
+
+    class Sampler:
+        def __init__(self, others_rounds):
+            self.others, self.calls, self.asked = others_rounds, [], []
+
+        def _all_ranks_done(self, done):  # the other rank continues episodes for `others` more rounds
+            self.asked.append(done)
+            self.others -= 1
+            return done and self.others < 0
+
+        def generate(self, prompts, cfg, generator=None, episodes=None):
+            self.calls.append((prompts, cfg.temperature, episodes is not None))
+            n = len(prompts)
+            return SimpleNamespace(response_lengths=torch.ones(n, dtype=torch.long), response_ids=torch.ones(n, 1),
+                                   logp_rollout=torch.zeros(n, 1), env_mask=torch.zeros(n, 1),
+                                   finish_reason=["eos"] * n)
+
+    class Episodes:
+        def __init__(self):
+            self.left = [[(0, [7, 8])], []]  # this rank continues one episode once
+
+        def begin(self, prompt_ids, encode):
+            pass
+
+        def continuations(self):
+            return self.left.pop(0) if self.left else []
+
+        def rows_of(self, which):
+            return self
+
+    sampler = Sampler(others_rounds=3)
+    rows = sample_episode_rows(sampler, [[5, 6]], SamplingConfig(max_new_tokens=4), None, Episodes())
+    assert [len(r) for r in rows] == [2] and rows[0][1].prompt_ids == [7, 8]
+    assert [c[2] for c in sampler.calls] == [True, True, False, False] and sampler.calls[-1][1] == 0.0
+    assert sampler.asked == [False, True, True, True]
