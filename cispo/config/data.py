@@ -127,6 +127,17 @@ class DataConfig:
     ``cispo.envs.base.Env`` subclass (``reset`` / ``step`` with a reward per turn), or an
     ``cispo.envs.episodes.Environments`` subclass. One instance per episode, in the trainer's process. None:
     the tools of ``tools`` (if any) are the environment. Not with ``tools`` (give them as its methods)."""
+    agent: str | None = None
+    """An agent program as the environment, ``module:function`` or ``path/to/file.py:function``
+    (``cispo.envs.agent_env``, docs/agents.md): a plain or async function given (by the names it takes)
+    ``sample``, ``base_url``, ``api_key`` and ``session_id``, that runs its own loop against the
+    OpenAI-compatible endpoint the trainer serves from the policy and returns the episode's reward (None:
+    the task's reward alone). Each of its calls is a policy turn; ``rollout.max_turns`` + 1 calls at most.
+    Not with ``environment`` or ``tools`` (the program runs its own tools)."""
+    agent_timeout_s: float = 60.0
+    """The longest an agent program (``agent``) may run between the endpoint's answers (to its first
+    request; from an answer to its next request or its return): past it the episode ends, recorded as
+    failed (> 0)."""
     tool_timeout_s: float = 5.0
     """Per-call tool timeout (> 0): a call past it has its worker process killed and replaced, and the
     policy is shown a short error."""
@@ -141,6 +152,14 @@ class DataConfig:
         if self.environment is not None and (not isinstance(self.environment, str) or ":" not in self.environment):
             raise ValueError(f"data.environment: expected 'module:Class' or 'path/to/file.py:Class', "
                              f"got {self.environment!r}")
+        if self.agent is not None and (not isinstance(self.agent, str) or ":" not in self.agent):
+            raise ValueError(f"data.agent: expected 'module:function' or 'path/to/file.py:function', "
+                             f"got {self.agent!r}")
+        if self.agent is not None and (self.environment is not None or self.tools not in (None, [], "")):
+            raise ValueError("data.agent is set with data.environment or data.tools: an agent program runs its own "
+                             "tools (set data.tools=[] and leave data.environment unset)")
+        if not (isinstance(self.agent_timeout_s, (int, float)) and 0 < self.agent_timeout_s < float("inf")):
+            raise ValueError(f"data.agent_timeout_s must be a number > 0, got {self.agent_timeout_s!r}")
         if self.environment is not None and self.tools not in (None, [], ""):
             raise ValueError("data.environment and data.tools are both set: give the tools as the environment's "
                              "public methods (or set data.tools=[])")

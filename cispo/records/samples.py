@@ -127,11 +127,15 @@ def episode_fields(c: Completion, max_chars: int) -> dict:
     """A multi-turn completion's ``policy_length`` (its own tokens; ``length`` counts the observations
     too), ``tool_calls``, ``tool_errors``, ``calls`` (name, arguments, error, seconds of each),
     ``segments`` (each with its ``role``, ``policy`` or ``tool``, and ``text``) and ``turn_rewards`` (the
-    environment's reward of each policy segment; ``reward`` is the final one); nothing for a single-turn one."""
+    environment's reward of each policy segment; ``reward`` is the final one), and an agent program's
+    ``agent`` (its calls, how it ended, its reward and error: ``cispo.envs.agent_env``); nothing for a
+    single-turn one."""
     if c.episode is None:
         return {}
     segments = [{**seg, "text": _cut(str(seg.get("text", "")), max_chars)} for seg in c.episode.get("segments", [])]
     rows = {"rows": len(c.rows)} if c.continuations else {}
+    if "agent" in c.episode:
+        rows["agent"] = c.episode["agent"]
     return {"policy_length": c.policy_length, "tool_calls": c.episode.get("tool_calls", 0),
             "tool_errors": c.episode.get("tool_errors", 0), "calls": c.episode.get("calls", []),
             "segments": segments, "turn_rewards": c.turn_rewards, **rows}

@@ -71,14 +71,18 @@ def _train(cfg: TrainConfig, resume: bool, overwrite: bool) -> RunResult:
     """``train``'s body, with the run folder locked: set up, resume (or evaluate step 0), the step
     loop with its evaluation and checkpoint schedule, finish."""
     run = set_up(cfg, resume, overwrite)
-    start = resume_or_start(run, resume)
-    first_update_count = run.trainer.update_count
     try:
-        last = step_loop(run, start)
-    finally:
-        if run.prefetch is not None:  # its thread is idle between steps: nothing is lost
-            run.prefetch.close()
-    return finish(run, start, run.trainer.update_count - first_update_count, last)
+        start = resume_or_start(run, resume)
+        first_update_count = run.trainer.update_count
+        try:
+            last = step_loop(run, start)
+        finally:
+            if run.prefetch is not None:  # its thread is idle between steps: nothing is lost
+                run.prefetch.close()
+        return finish(run, start, run.trainer.update_count - first_update_count, last)
+    finally:  # an agent's endpoint, the tools' workers: nothing outlives the run in this process
+        if run.policy.environment is not None:
+            run.policy.environment.close()
 
 
 # --------------------------------------------------------------------------- resume

@@ -127,10 +127,11 @@ def sampling_config(rollout: RolloutConfig, default_max_new_tokens: int) -> Samp
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with each relative path that names an existing file or folder here made absolute:
     ``model.path``, ``model.ref_path``, ``data.path``, ``data.eval_path``, every
-    ``data.eval_sets.<name>.path`` and the file of each ``data.reward`` ``file.py:function`` (the
-    folder of an ``rm:<folder>``; `cispo.data.rewards.loading.absolute_spec`). A run's ``config.yaml`` is saved
-    from it, so ``cispo eval`` and ``--resume`` work from any folder. Hub ids, ``builtin:<name>`` and paths
-    that exist nowhere here are kept as given (their errors come where they are loaded)."""
+    ``data.eval_sets.<name>.path``, the file of each ``data.reward`` ``file.py:function`` (the
+    folder of an ``rm:<folder>``; `cispo.data.rewards.loading.absolute_spec`) and of ``data.agent``. A
+    run's ``config.yaml`` is saved from it, so ``cispo eval`` and ``--resume`` work from any folder. Hub ids,
+    ``builtin:<name>`` and paths that exist nowhere here are kept as given (their errors come where they are
+    loaded)."""
     from cispo.data.rewards.loading import absolute_spec
     from cispo.models.packaged import is_packaged
 
@@ -142,7 +143,7 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     d = cfg.data
     data = replace(d, path=local(d.path), eval_path=local(d.eval_path),
                    reward=[absolute_spec(r) for r in d.reward] if isinstance(d.reward, list) else
-                   d.reward and absolute_spec(d.reward),
+                   d.reward and absolute_spec(d.reward), agent=d.agent and absolute_spec(d.agent),
                    eval_sets={name: replace(s, path=local(s.path)) for name, s in d.eval_sets.items()})
     model = replace(cfg.model, path=local(cfg.model.path), ref_path=local(cfg.model.ref_path))
     return replace(cfg, data=data, model=model)
