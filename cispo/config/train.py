@@ -120,7 +120,8 @@ class TrainConfig:
     max_bad_steps: int = 3
     """Stop (with a checkpoint of the last good weights) after this many consecutive steps
     whose every update had a non-finite gradient (under float16 loss scaling: once the loss
-    scale has backed off below 1, so the scaler's own overflow probing does not count)."""
+    scale has backed off below 1, so the scaler's own overflow probing does not count). A step's own updates
+    are counted, however many it makes; a step that makes none (every group dropped) leaves the count as it is."""
     trackers: list[str] | str = field(default_factory=list)
     """Metric sinks besides metrics.jsonl: ``tensorboard``, ``wandb``, ``mlflow``
     (``pip install 'cispo[wandb]'`` etc.); a list, or one name (read as a list of it). W&B and MLflow
