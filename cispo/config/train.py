@@ -114,9 +114,9 @@ class TrainConfig:
     core is idle, else 1; docs/performance.md)."""
     progress: bool = True
     """Progress bars at a terminal: the steps', with the newest held-out accuracy, and each evaluation's own.
-    false, or where stderr is no terminal (a log file, a pipe, a batch job): one plain line per step
-    (``cispo: step N: reward ..., eval_acc ...; 3.2 s (N/steps)``) and a line when step 0's evaluation
-    starts and ends. The start-up phases (reward workers, the model) say a line each either way."""
+    false, or where stderr is no terminal (a log file, a pipe, a batch job) or one that reports 0 columns: one
+    plain line per step (``cispo: step N: reward ..., eval_acc ...; 3.2 s (N/steps)``) and a line when step 0's
+    evaluation starts and ends. The start-up phases (reward workers, the model) say a line each either way."""
     max_bad_steps: int = 3
     """Stop (with a checkpoint of the last good weights) after this many consecutive steps
     whose every update had a non-finite gradient (under float16 loss scaling: once the loss

@@ -240,13 +240,18 @@ class TorchSampler(Sampler):
         logits, cache, lean = self._prefill(prompts, prompt, prompt_mask, pos, cfg)  # [B, V]
         next_pos = pos[:, -1:] + 1  # [B, 1]
         rows = None  # [b] the rows the logits belong to (None: all B)
-        T = n_new
+        T, told = n_new, 0  # told: rows said stopped to `rows_done`
         for t in range(n_new):
             tok, tok_logp = self._pick(logits, cfg, generator, rows, B)  # [b], [b]
             if rows is not None:  # back to [B]; dropped rows have stopped, their values are masked below
                 tok = torch.full((B,), pad, dtype=tok.dtype, device=dev).index_copy_(0, rows, tok)  # [B]
                 tok_logp = torch.zeros(B, dtype=tok_logp.dtype, device=dev).index_copy_(0, rows, tok_logp)  # [B]
             out.record(t, tok, tok_logp)
+            if self.rows_done is not None:  # a progress bar: the rows that stopped at this step
+                stopped = B if t == n_new - 1 else int(out.finished.sum())
+                if stopped > told:
+                    self.rows_done(stopped - told)
+                    told = stopped
             done = bool(out.finished.all())
             if self._all_ranks_done is not None:
                 done = self._all_ranks_done(done)
