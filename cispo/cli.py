@@ -59,11 +59,16 @@ def _build_config(cls, config_file: str | None, overrides: list[str]):
 
 
 def cmd_train(args) -> int:
-    from cispo.config.recipes import expand_recipes
+    from cispo.config.recipes import expand_recipes, named_recipe
     from cispo.config.train import TrainConfig
-    from cispo.records.runfolder import resume_config
+    from cispo.records.runfolder import resume_config, run_name
 
     overrides = expand_recipes(args.overrides)  # recipe=NAME: a paper's settings, in its place
+    recipe = named_recipe(args.overrides)
+    if recipe is not None:  # the default run folder names the recipe: no collision with the run without it
+        given = _build_config(TrainConfig, args.config, overrides)
+        if given.run_name is None:
+            overrides = [*overrides, f"run_name={run_name(given, recipe)}"]
     if args.resume:  # the run's saved config.yaml, with the given keys on top (checked by train)
         cfg = resume_config(args.config, overrides)
     else:
@@ -118,13 +123,14 @@ def cmd_sft(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from cispo.models.builtin import rebuild_builtin_model
+    from cispo.models.builtin import one_thread, rebuild_builtin_model
     from cispo.models.pretrain import PretrainConfig, measure_base_model, pretrain
 
     cfg = _build_config(PretrainConfig, args.config, args.overrides)
     if args.out:
         out = Path(args.out)
-        pretrain(cfg, out)
+        with one_thread():  # as the cache's own pretraining (rebuild_builtin_model): measured, docs/builtin-task.md
+            pretrain(cfg, out)
     else:  # always rebuilds, even when a shipped or cached copy exists
         out = rebuild_builtin_model(cfg)
     print(f"model: {out}")
@@ -157,9 +163,12 @@ def cmd_eval(args) -> int:
     # a checkpoint's model/ is a plain (merged) model: no LoRA on top, one process
     model = [f"model.path={args.model}", "model.lora_rank=0", "model.fsdp=false"] if args.model else []
     cfg = _build_config(TrainConfig, config_file, args.overrides + model)
+    import torch
+
     from cispo.data.prompts import load_eval_sets, load_source  # the config is good: now torch and the rest
     from cispo.data.rewards import start_reward_workers
     from cispo.foundations.text import valid_json_line
+    from cispo.foundations.threads import auto_threads
     from cispo.records.samples import HELD_OUT, eval_records
     from cispo.records.tracking import json_safe
     from cispo.training.evaluation import Evaluation, answers_per_prompt, evaluate, evaluate_sets
@@ -169,6 +178,7 @@ def cmd_eval(args) -> int:
 
     cfg = eval_defaults(cfg)  # data.num_eval_prompts / eval.num_samples: the task's where unset
     check_model(cfg)  # before the data is loaded
+    torch.set_num_threads(auto_threads(cfg.threads))  # cispo train's rule (by load unless threads= says)
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)
     cfg = resolve_chat_template(cfg, task, named_sets)

@@ -104,7 +104,8 @@ class TrainConfig:
     out_dir: str = "runs"
     """Folder that holds the run folders."""
     run_name: str | None = None
-    """Run folder name. None: ``{objective}__{task}__seed{seed}``."""
+    """Run folder name. None: ``{objective}__{task}__seed{seed}``; with ``recipe=NAME`` on the command line
+    ``{recipe}__{task}__seed{seed}`` (set here in the run's config.yaml)."""
     checkpoint_every: int = 20
     """Save a checkpoint every this many steps (and at the end). 0: only at the end."""
     keep_checkpoints: int = 2
