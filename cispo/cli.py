@@ -23,6 +23,7 @@ import functools
 import importlib
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 # Start-up imports nothing heavy: `cispo --help`, `cispo train --help` and a config error answer
@@ -292,16 +293,29 @@ class CommandParser(argparse.ArgumentParser):
     """A sub-command's parser whose epilog, the help of every field of its config class
     (``config``: ``module:Class``), is written only when the help is printed."""
 
-    def __init__(self, *args, config: str | None = None, **kwargs) -> None:
+    def __init__(self, *args, config: str | None = None, notes=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.config = config
+        self.config, self.notes = config, notes
 
     def format_help(self) -> str:
         if self.config is not None:
             from cispo.config.describe import format_help
 
-            self.epilog = format_help(config_class(self.config))
+            self.epilog = (self.notes() if self.notes else "") + format_help(config_class(self.config))
         return super().format_help()
+
+
+def train_notes() -> str:
+    """What ``cispo train --help`` says before the fields: ``recipe=`` and its recipes, and the built-in tasks."""
+    from cispo.config.data import BUILTIN_TASKS
+    from cispo.config.recipes import RECIPES
+
+    recipes = "\n".join(f"  {name}: {recipe.paper.split(',')[0]}" for name, recipe in RECIPES.items())
+    return ("recipe=NAME stands for a paper's settings across sections, in its place among the key=value\n"
+            "overrides (later ones win; a key before it that it sets is refused), and names the run folder\n"
+            f"({{recipe}}__{{task}}__seed{{seed}}). Recipes:\n{recipes}\n\n"
+            "data.task=NAME picks a built-in task (or data.path=FILE.jsonl a prompt file):\n"
+            + textwrap.fill(", ".join(BUILTIN_TASKS), 100, initial_indent="  ", subsequent_indent="  ") + "\n\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
-    def add(name, help_text, config, fn):
-        p = sub.add_parser(name, help=help_text, description=help_text, config=config,
+    def add(name, help_text, config, fn, notes=None):
+        p = sub.add_parser(name, help=help_text, description=help_text, config=config, notes=notes,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see below)")
         p.add_argument("--config", help="YAML config file (overrides apply on top)")
@@ -318,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("train", "train a policy with CISPO (or another preset) on a verifiable task",
-            "cispo.config.train:TrainConfig", cmd_train)
+            "cispo.config.train:TrainConfig", cmd_train, train_notes)
     p.add_argument("--resume", action="store_true",
                    help="continue the run from its last intact checkpoint, with its saved config.yaml (key=value "
                    "may change only: steps, checkpoint_every, eval.*, trackers, ...; see docs/reliability.md)")
