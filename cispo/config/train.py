@@ -109,7 +109,8 @@ class TrainConfig:
     checkpoint_every: int = 20
     """Save a checkpoint every this many steps (and at the end). 0: only at the end."""
     keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep. 0: all."""
+    """How many of the newest checkpoints to keep. 0: all. Each holds what ``--resume`` needs: the weights and AdamW's
+    two moments, about 3x the float32 weights (1.6 GB for SmolLM2-135M); its ``model/`` alone is the model."""
     threads: int | None = None
     """torch CPU threads, at most 1024. None: picked by load (``cispo.foundations.threads.pick_threads``: 2 when another
     core is idle, else 1; docs/performance.md)."""
