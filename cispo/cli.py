@@ -23,6 +23,7 @@ import functools
 import importlib
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 # Start-up imports nothing heavy: `cispo --help`, `cispo train --help` and a config error answer
@@ -59,11 +60,16 @@ def _build_config(cls, config_file: str | None, overrides: list[str]):
 
 
 def cmd_train(args) -> int:
-    from cispo.config.recipes import expand_recipes
+    from cispo.config.recipes import expand_recipes, named_recipe
     from cispo.config.train import TrainConfig
-    from cispo.records.runfolder import resume_config
+    from cispo.records.runfolder import resume_config, run_name
 
     overrides = expand_recipes(args.overrides)  # recipe=NAME: a paper's settings, in its place
+    recipe = named_recipe(args.overrides)
+    if recipe is not None:  # the default run folder names the recipe: no collision with the run without it
+        given = _build_config(TrainConfig, args.config, overrides)
+        if given.run_name is None:
+            overrides = [*overrides, f"run_name={run_name(given, recipe)}"]
     if args.resume:  # the run's saved config.yaml, with the given keys on top (checked by train)
         cfg = resume_config(args.config, overrides)
     else:
@@ -118,13 +124,14 @@ def cmd_sft(args) -> int:
 
 
 def cmd_pretrain(args) -> int:
-    from cispo.models.builtin import rebuild_builtin_model
+    from cispo.models.builtin import one_thread, rebuild_builtin_model
     from cispo.models.pretrain import PretrainConfig, measure_base_model, pretrain
 
     cfg = _build_config(PretrainConfig, args.config, args.overrides)
     if args.out:
         out = Path(args.out)
-        pretrain(cfg, out)
+        with one_thread():  # as the cache's own pretraining (rebuild_builtin_model): measured, docs/builtin-task.md
+            pretrain(cfg, out)
     else:  # always rebuilds, even when a shipped or cached copy exists
         out = rebuild_builtin_model(cfg)
     print(f"model: {out}")
@@ -157,9 +164,12 @@ def cmd_eval(args) -> int:
     # a checkpoint's model/ is a plain (merged) model: no LoRA on top, one process
     model = [f"model.path={args.model}", "model.lora_rank=0", "model.fsdp=false"] if args.model else []
     cfg = _build_config(TrainConfig, config_file, args.overrides + model)
+    import torch
+
     from cispo.data.prompts import load_eval_sets, load_source  # the config is good: now torch and the rest
     from cispo.data.rewards import start_reward_workers
     from cispo.foundations.text import valid_json_line
+    from cispo.foundations.threads import auto_threads
     from cispo.records.samples import HELD_OUT, eval_records
     from cispo.records.tracking import json_safe
     from cispo.training.evaluation import Evaluation, answers_per_prompt, evaluate, evaluate_sets
@@ -169,6 +179,7 @@ def cmd_eval(args) -> int:
 
     cfg = eval_defaults(cfg)  # data.num_eval_prompts / eval.num_samples: the task's where unset
     check_model(cfg)  # before the data is loaded
+    torch.set_num_threads(auto_threads(cfg.threads))  # cispo train's rule (by load unless threads= says)
     task = load_source(cfg.data, cfg.rollout.max_new_tokens)
     named_sets = load_eval_sets(cfg.data)
     cfg = resolve_chat_template(cfg, task, named_sets)
@@ -282,16 +293,29 @@ class CommandParser(argparse.ArgumentParser):
     """A sub-command's parser whose epilog, the help of every field of its config class
     (``config``: ``module:Class``), is written only when the help is printed."""
 
-    def __init__(self, *args, config: str | None = None, **kwargs) -> None:
+    def __init__(self, *args, config: str | None = None, notes=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.config = config
+        self.config, self.notes = config, notes
 
     def format_help(self) -> str:
         if self.config is not None:
             from cispo.config.describe import format_help
 
-            self.epilog = format_help(config_class(self.config))
+            self.epilog = (self.notes() if self.notes else "") + format_help(config_class(self.config))
         return super().format_help()
+
+
+def train_notes() -> str:
+    """What ``cispo train --help`` says before the fields: ``recipe=`` and its recipes, and the built-in tasks."""
+    from cispo.config.data import BUILTIN_TASKS
+    from cispo.config.recipes import RECIPES
+
+    recipes = "\n".join(f"  {name}: {recipe.paper.split(',')[0]}" for name, recipe in RECIPES.items())
+    return ("recipe=NAME stands for a paper's settings across sections, in its place among the key=value\n"
+            "overrides (later ones win; a key before it that it sets is refused), and names the run folder\n"
+            f"({{recipe}}__{{task}}__seed{{seed}}). Recipes:\n{recipes}\n\n"
+            "data.task=NAME picks a built-in task (or data.path=FILE.jsonl a prompt file):\n"
+            + textwrap.fill(", ".join(BUILTIN_TASKS), 100, initial_indent="  ", subsequent_indent="  ") + "\n\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,8 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
-    def add(name, help_text, config, fn):
-        p = sub.add_parser(name, help=help_text, description=help_text, config=config,
+    def add(name, help_text, config, fn, notes=None):
+        p = sub.add_parser(name, help=help_text, description=help_text, config=config, notes=notes,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (see below)")
         p.add_argument("--config", help="YAML config file (overrides apply on top)")
@@ -308,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("train", "train a policy with CISPO (or another preset) on a verifiable task",
-            "cispo.config.train:TrainConfig", cmd_train)
+            "cispo.config.train:TrainConfig", cmd_train, train_notes)
     p.add_argument("--resume", action="store_true",
                    help="continue the run from its last intact checkpoint, with its saved config.yaml (key=value "
                    "may change only: steps, checkpoint_every, eval.*, trackers, ...; see docs/reliability.md)")

@@ -12,6 +12,13 @@ FILE_EVAL_PROMPTS = 200
 """``data.num_eval_prompts`` of a prompt file (``data.path``) where it is None."""
 
 
+BUILTIN_TASKS = ("addition", "addition4", "chain", "chain_hidden", "chain_hidden_graded", "chain_hidden_sharp",
+                 "chain_hidden_strict", "chain_sparse", "guess_number", "wordmath", "wordmath_calc",
+                 "wordmath_calc_example", "wordmath_calc_large", "wordmath_large", "wordmath_working")
+"""The built-in tasks' names, without importing them (``cispo train --help`` loads no torch); a test keeps it equal
+to ``cispo.data.tasks.list_tasks()``."""
+
+
 @dataclass
 class EvalSetConfig:
     """One named evaluation set (``data.eval_sets``), with its own fields; scored by
@@ -38,7 +45,8 @@ class DataConfig:
     """The prompts and their reward."""
 
     task: str = "addition"
-    """Built-in task name (see ``cispo.data.tasks.list_tasks()``)."""
+    """Built-in task name: one of `BUILTIN_TASKS` (``cispo.data.tasks.list_tasks()``; ``cispo train --help`` lists
+    them)."""
     seed: int = 0
     """Seed of the train / held-out prompt sets: fixed, so runs of any seed share prompts. 0 to
     2^31 - 1, as ``seed``."""

@@ -6,7 +6,8 @@ precision (``model.*``), which no preset can carry. A recipe is a frozen list of
 overrides, every one an existing setting, so the resolved ``config.yaml`` names only cispo's keys.
 
 ``cispo train recipe=scalerl lr=3e-6``: ``recipe=NAME`` stands for its overrides, in its place among
-the others (later ones win; `expand_recipes`). In Python: ``apply_overrides(TrainConfig(),
+the others (later ones win; `expand_recipes`), and names the default run folder
+(``scalerl__addition__seed0``). In Python: ``apply_overrides(TrainConfig(),
 recipe_overrides("scalerl"))``. Plain data: no torch.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from cispo.config.engine import ConfigError
 from cispo.foundations.suggest import did_you_mean
 
-__all__ = ["RECIPES", "Recipe", "expand_recipes", "recipe_overrides"]
+__all__ = ["RECIPES", "Recipe", "expand_recipes", "named_recipe", "recipe_overrides"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +82,12 @@ def expand_recipes(overrides: list[str] | tuple[str, ...]) -> list[str]:
                                   f"{sets[leaf]} itself and would replace it: put recipe= first")
         out.extend(recipe)
     return out
+
+
+def named_recipe(overrides: list[str] | tuple[str, ...]) -> str | None:
+    """The recipe ``overrides`` name (``recipe=NAME``; the last one), else None. ``cispo train`` names the default
+    run folder after it (``{recipe}__{task}__seed{seed}``, `cispo.records.runfolder.run_name`), so a recipe's run
+    and the default run of the same task and seed do not want one folder."""
+    names = [item.partition("=")[2].strip() for item in overrides
+             if isinstance(item, str) and item.partition("=")[0].strip() == "recipe" and "=" in item]
+    return names[-1] if names else None

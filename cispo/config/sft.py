@@ -119,7 +119,8 @@ class SFTConfig:
     checkpoint_every: int = 50
     """Save a checkpoint every this many optimizer steps (and at the end, and on a stop signal). 0: only then."""
     keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep. 0: all."""
+    """How many of the newest checkpoints to keep. 0: all. Each holds what ``--resume`` needs: the weights and AdamW's
+    two moments, about 3x the float32 weights (1.6 GB for SmolLM2-135M); its ``model/`` alone is the model."""
     threads: int | None = None
     """torch CPU threads. None: picked by load (as ``cispo train``)."""
     progress: bool = True

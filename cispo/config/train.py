@@ -104,23 +104,26 @@ class TrainConfig:
     out_dir: str = "runs"
     """Folder that holds the run folders."""
     run_name: str | None = None
-    """Run folder name. None: ``{objective}__{task}__seed{seed}``."""
+    """Run folder name. None: ``{objective}__{task}__seed{seed}``; with ``recipe=NAME`` on the command line
+    ``{recipe}__{task}__seed{seed}`` (set here in the run's config.yaml)."""
     checkpoint_every: int = 20
     """Save a checkpoint every this many steps (and at the end). 0: only at the end."""
     keep_checkpoints: int = 2
-    """How many of the newest checkpoints to keep. 0: all."""
+    """How many of the newest checkpoints to keep. 0: all. Each holds what ``--resume`` needs: the weights and AdamW's
+    two moments, about 3x the float32 weights (1.6 GB for SmolLM2-135M); its ``model/`` alone is the model."""
     threads: int | None = None
     """torch CPU threads, at most 1024. None: picked by load (``cispo.foundations.threads.pick_threads``: 2 when another
     core is idle, else 1; docs/performance.md)."""
     progress: bool = True
     """Progress bars at a terminal: the steps', with the newest held-out accuracy, and each evaluation's own.
-    false, or where stderr is no terminal (a log file, a pipe, a batch job): one plain line per step
-    (``cispo: step N: reward ..., eval_acc ...; 3.2 s (N/steps)``) and a line when step 0's evaluation
-    starts and ends. The start-up phases (reward workers, the model) say a line each either way."""
+    false, or where stderr is no terminal (a log file, a pipe, a batch job) or one that reports 0 columns: one
+    plain line per step (``cispo: step N: reward ..., eval_acc ...; 3.2 s (N/steps)``) and a line when step 0's
+    evaluation starts and ends. The start-up phases (reward workers, the model) say a line each either way."""
     max_bad_steps: int = 3
     """Stop (with a checkpoint of the last good weights) after this many consecutive steps
     whose every update had a non-finite gradient (under float16 loss scaling: once the loss
-    scale has backed off below 1, so the scaler's own overflow probing does not count)."""
+    scale has backed off below 1, so the scaler's own overflow probing does not count). A step's own updates
+    are counted, however many it makes; a step that makes none (every group dropped) leaves the count as it is."""
     trackers: list[str] | str = field(default_factory=list)
     """Metric sinks besides metrics.jsonl: ``tensorboard``, ``wandb``, ``mlflow``
     (``pip install 'cispo[wandb]'`` etc.); a list, or one name (read as a list of it). W&B and MLflow

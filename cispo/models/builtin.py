@@ -25,6 +25,7 @@ rebuilt folder's checksums so it can replace the shipped copy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import shutil
@@ -139,20 +140,27 @@ def rebuild_builtin_model(cfg: PretrainConfig, cache_dir=None, progress: bool = 
     return _pretrain_into(path, cfg, progress, replace=True)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Pretraining's thread rule (``cispo pretrain``, with or without ``--out``, and the cache's first build): one
+    thread, as fast as two on an idle 2-core machine and ~4x faster when other work shares the cores
+    (docs/builtin-task.md); the weights do not depend on it. The count before is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _pretrain_into(path: Path, cfg: PretrainConfig, progress: bool, replace: bool = False) -> Path:
     """Pretrain `cfg` into a temporary folder beside ``path`` and install it there (`staging_folder`,
     `install_cache_folder`): the cache's problems are found before the minutes of pretraining."""
     with staging_folder(path) as tmp:
         print(f"cispo: pretraining the built-in {cfg.task!r} base model (a few minutes on a CPU); "
               f"it will be cached in {path}", file=sys.stderr)
-        threads = torch.get_num_threads()
-        # One thread: as fast as two on an idle 2-core machine, and ~4x faster when other work
-        # shares the cores (docs/builtin-task.md). The weights do not depend on it.
-        torch.set_num_threads(1)
-        try:
+        with one_thread():
             pretraining.pretrain(cfg, tmp, progress=progress)  # looked up here, so tests can stub it
-        finally:
-            torch.set_num_threads(threads)
         install_cache_folder(tmp, path, f"the pretrained {cfg.task!r} model", replace=replace)
     return path
 

@@ -69,10 +69,11 @@ the resolved value): on resume it matches whatever was saved, and the saved valu
 resumes with false."""
 
 
-def run_name(cfg: TrainConfig) -> str:
-    """``cfg.run_name``, or ``{objective}__{task or data file}__seed{seed}``."""
+def run_name(cfg: TrainConfig, recipe: str | None = None) -> str:
+    """``cfg.run_name``, or ``{objective}__{task or data file}__seed{seed}`` (``{recipe}__...`` for a run
+    started with ``recipe=NAME``, whose name `cispo train` then sets as ``run_name``)."""
     data = Path(cfg.data.path).stem if cfg.data.path else cfg.data.task
-    return cfg.run_name or f"{cfg.algo.objective.name}__{data}__seed{cfg.seed}"
+    return cfg.run_name or f"{recipe or cfg.algo.objective.name}__{data}__seed{cfg.seed}"
 
 
 def check_run_name(name: str) -> str:

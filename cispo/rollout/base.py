@@ -199,6 +199,11 @@ class Sampler:
     when it samples ``policy.model`` itself."""
     autocast: torch.dtype | None = None
     """The autocast dtype its passes run under (None: none, or not the trainer's passes at all)."""
+    rows_done: Callable[[int], None] | None = None
+    """When set, told during ``generate`` how many more rows have stopped (a held-out evaluation's progress bar,
+    `cispo.training.evaluation.evaluate`); None: not told. A sampler that decodes step by step (torch) tells it
+    after each step; an engine that returns the whole batch at once (vLLM) does not, and the caller counts the
+    batch when it returns."""
 
     def generate(
         self,

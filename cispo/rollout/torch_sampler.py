@@ -236,7 +236,7 @@ class TorchSampler(Sampler):
         rows = None  # [b] the rows the logits belong to (None: all B)
         penalised = cfg.repetition_penalty != 1.0
         context = seen_tokens(prompt, prompt_mask, logits.shape[-1]) if penalised else None  # [B, V] in the context
-        T = n_new
+        T, told = n_new, 0  # told: rows said stopped to `rows_done`
         for t in range(n_new):
             in_context = context if context is None or rows is None else context.index_select(0, rows)  # [b, V]
             tok, tok_logp = self._pick(logits, cfg, generator, rows, B, in_context)  # [b], [b]
@@ -246,6 +246,11 @@ class TorchSampler(Sampler):
             out.record(t, tok, tok_logp)
             if context is not None:  # the token just recorded (sampled or fed) is in the context from now on
                 context[torch.arange(B, device=dev), out.response[:, t]] = True
+            if self.rows_done is not None:  # a progress bar: the rows that stopped at this step
+                stopped = B if t == n_new - 1 else int(out.finished.sum())
+                if stopped > told:
+                    self.rows_done(stopped - told)
+                    told = stopped
             done = bool(out.finished.all())
             if self._all_ranks_done is not None:
                 done = self._all_ranks_done(done)

@@ -7,6 +7,7 @@ rollout and scoring as training) with no update; ``cispo train`` calls it every
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -102,9 +103,8 @@ def evaluate(policy: Policy, samples: list[dict], settings: Evaluation) -> dict:
     for name, sampling, k in modes:
         groups = []
         for start in range(0, len(samples), CHUNK):
-            groups += sample_groups(policy, samples[start : start + CHUNK], k, sampling, scoring, generator)
-            if ev.on_progress is not None:
-                ev.on_progress(k * len(samples[start : start + CHUNK]))
+            with answers_told(policy, ev.on_progress, k * len(samples[start : start + CHUNK])):
+                groups += sample_groups(policy, samples[start : start + CHUNK], k, sampling, scoring, generator)
         if ev.on_groups is not None:
             ev.on_groups(name, groups)
         flat = [c for g in groups for c in g]
@@ -135,6 +135,32 @@ def evaluate(policy: Policy, samples: list[dict], settings: Evaluation) -> dict:
         print(f"cispo: evaluation: {len(errors)} reward call(s) failed and scored 0 (first: {errors[0]})",
               file=sys.stderr)
     return out if ev.accuracy else reward_named(out)
+
+
+@contextlib.contextmanager
+def answers_told(policy: Policy, on_progress: Callable | None, answers: int):
+    """``on_progress(n)`` told of a chunk's ``answers`` as ``policy``'s sampler stops them (`Sampler.rows_done`:
+    a bar that moves while the chunk decodes, not 0 then all), the rest when the chunk is done and scored (an
+    engine that tells nothing: all of them then). None: nothing told."""
+    if on_progress is None:
+        yield
+        return
+    told = 0
+
+    def tick(n: int) -> None:
+        nonlocal told
+        n = min(n, answers - told)
+        if n > 0:
+            told += n
+            on_progress(n)
+
+    sampler = policy.sampler
+    previous, sampler.rows_done = sampler.rows_done, tick
+    try:
+        yield
+    finally:
+        sampler.rows_done = previous
+    tick(answers - told)
 
 
 def reward_named(metrics: dict) -> dict:

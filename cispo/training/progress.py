@@ -10,6 +10,7 @@ prints only on the main rank. Plain Python and tqdm: nothing here changes what a
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ from cispo.foundations.nan import is_nan
 PROGRESS_KEYS = {  # metric -> short label on the progress bar and the step lines
     "rollout/reward_mean": "reward",
     "rollout/fork_rate": "fork",
+    "rollout/tool_call_rate": "tools",  # an agent run's share of responses that called a tool (beside fork)
     "objective/frac_capped": "capped",
     "eval/accuracy": "eval_acc",
     "eval/reward_mean": "eval_reward",  # in place of eval/accuracy where the reward is no 0/1 verifier's
@@ -33,10 +35,20 @@ def say(message: str) -> None:
 
 
 def interactive(progress: bool, stream=None) -> bool:
-    """Whether to draw progress bars: ``progress`` is on and stderr is a terminal. Elsewhere (a log file, a
-    pipe, ``progress=false``) the run prints plain lines instead of a bar's redraws."""
+    """Whether to draw progress bars: ``progress`` is on and stderr is a terminal that reports a width other
+    than 0. Elsewhere (a log file, a pipe, a 0-column console, ``progress=false``) the run prints plain lines
+    instead of a bar's redraws."""
     stream = sys.stderr if stream is None else stream
-    return bool(progress) and hasattr(stream, "isatty") and stream.isatty()
+    return bool(progress) and hasattr(stream, "isatty") and stream.isatty() and terminal_columns(stream) != 0
+
+
+def terminal_columns(stream) -> int | None:
+    """The width the terminal behind ``stream`` reports; None where it says none. A terminal that reports 0
+    columns (some container and CI consoles) would get a bar tqdm draws nowhere: plain lines there instead."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # no descriptor (a test's fake), or not a terminal's
+        return None
 
 
 def duration(seconds: float) -> str:

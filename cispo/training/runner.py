@@ -48,13 +48,17 @@ class RunResult:
     updates: int | None = None  # optimizer steps taken by this invocation (0: the weights never changed)
 
 
-def all_skipped(metrics: dict, cfg: TrainConfig, policy: Policy) -> bool:
-    """Every update of the step had a non-finite gradient. Under float16 loss scaling an
-    overflow while the scale S is still large is the scaler finding its level (S halves and
-    the update is skipped), so such a step counts only once S has fallen below 1."""
-    if metrics.get("optim/skipped", 0) < cfg.algo.updates_per_batch:
-        return False
-    return policy.grad_scaler is None or policy.grad_scaler.get_scale() < 1.0
+def bad_step_count(count: int, metrics: dict, policy: Policy) -> int:
+    """The run of consecutive bad steps after this one: +1 when the step tried updates and every one had a
+    non-finite gradient, 0 when one was applied, unchanged when it tried none (every group dropped). The step's
+    own updates are counted, not ``algo.updates_per_batch``: empty mini-batches and ``fixed_size``'s short
+    batches make fewer. Under float16 loss scaling an overflow while the scale S is still large is the scaler
+    finding its level (S halves and the update is skipped), so such a step counts only once S has fallen below 1."""
+    if metrics.get("optim/step_updates", 0) > 0:
+        return 0
+    if not metrics.get("optim/skipped"):
+        return count
+    return count + 1 if policy.grad_scaler is None or policy.grad_scaler.get_scale() < 1.0 else 0
 
 
 def train(cfg: TrainConfig, resume: bool = False, overwrite: bool = False) -> RunResult:
@@ -145,7 +149,7 @@ def step_loop(run: Run, start: int) -> dict:
     with stop.installed(), (run.sink if run.sink is not None else contextlib.nullcontext()), _closing(progress):
         for step in range(start + 1, cfg.steps + 1):
             metrics = one_step(run, step, stop, templated)
-            bad_steps = bad_steps + 1 if all_skipped(metrics, cfg, run.policy) else 0
+            bad_steps = bad_step_count(bad_steps, metrics, run.policy)
             if step == cfg.steps or (cfg.eval.every and step % cfg.eval.every == 0):
                 metrics.update(run.evaluate(step))
             if run.main:

@@ -50,3 +50,14 @@ def test_the_readmes_plot_line_follows_the_run_it_needs():
     made = {run_name(TrainConfig()), run_name(apply_overrides(TrainConfig(), above[2:]))}
     plotted = {Path(w).name for w in lines[i][2:] if w.startswith("runs/") and not w.endswith(".html")}
     assert len(plotted) == 2 and plotted == made
+
+
+def test_the_readme_has_a_tool_calling_section_with_the_two_commands():
+    """Issue 59 (newcomer's path): the working tool-calling recipe sat in docs/agents.md only; the README says it in
+    a few lines, and the two example files it names exist."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Tool calling", 1)[1].split("\n## ", 1)[0]
+    assert "cispo sft --config examples/calculator_sft.yaml" in section
+    assert "cispo train --config examples/calculator_rl.yaml" in section and "docs/agents.md" in section
+    assert all((ROOT / "examples" / name).is_file() for name in ("calculator_sft.yaml", "calculator_rl.yaml"))
+    assert len(section.strip().splitlines()) <= 15  # a few lines and a pointer

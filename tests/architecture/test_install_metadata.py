@@ -130,3 +130,8 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                          cwd=tmp_path)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_the_dev_extra_installs_peft_so_the_lora_tests_run():
+    """Issue 59: `pip install -e ".[dev]"` (the README's test command) left peft out, so every LoRA test skipped."""
+    assert "lora" in _pyproject()["project"]["optional-dependencies"]["dev"][0].partition("[")[2].rstrip("]").split(",")

@@ -118,3 +118,21 @@ def test_the_program_imports_with_the_collector_paused():
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["True", "0", "True", "True", "True"]
+
+
+def test_train_help_documents_recipes_and_lists_the_tasks(capsys):
+    """Issue 59: `cispo train --help` said nothing of ``recipe=`` nor which ``data.task`` names exist."""
+    import pytest
+
+    from cispo.cli import main
+    from cispo.config.data import BUILTIN_TASKS
+    from cispo.config.recipes import RECIPES
+    from cispo.data.tasks import list_tasks
+
+    assert list(BUILTIN_TASKS) == list_tasks()  # the torch-free list the help prints
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "recipe=NAME stands for a paper's settings" in out and "{recipe}__{task}__seed{seed}" in out
+    assert all(f"{name}: " in out for name in RECIPES)
+    assert ", ".join(BUILTIN_TASKS) in out

@@ -683,7 +683,8 @@ def test_print_config_shows_the_config_the_overrides_make(tmp_path, capsys):
     assert main(["train", "--print-config", "recipe=scalerl", "lr=3e-6"]) == 0
     path = tmp_path / "run.yaml"
     path.write_text(capsys.readouterr().out)
-    assert load_yaml(TrainConfig, path) == apply_overrides(TrainConfig(), [*recipe_overrides("scalerl"), "lr=3e-6"])
+    assert load_yaml(TrainConfig, path) == apply_overrides(TrainConfig(), [*recipe_overrides("scalerl"), "lr=3e-6",
+                                                                           "run_name=scalerl__addition__seed0"])
 
 
 @pytest.mark.parametrize("file_text,overrides", [

@@ -259,3 +259,20 @@ def test_an_old_run_folder_resumes_and_a_plain_run_keeps_its_one_lock_file(tiny_
     assert main(["train", *tiny_args(tiny_model, tmp_path / "runs", "run_name=r", "steps=2"), "--resume"]) == 0
     assert sorted(p.name for p in run.parent.iterdir()) == before
     assert lock_path(run).read_text() == ""  # the run released it: no holder left in it
+
+
+def test_a_recipe_run_after_the_default_run_has_a_folder_of_its_own(tiny_model, dense_task, tmp_path, capsys):
+    """Issue 59 (newcomer's path): the README's `cispo train recipe=scalerl` right after the set-up run wanted the
+    same folder, runs/cispo__addition__seed0, and was refused after a "took over the lock" line about a run that
+    had ended normally. A recipe names the default run folder; the finished run's lock is not 'taken over'."""
+    args = tiny_args(tiny_model, tmp_path / "runs")
+    assert main(["train", *args]) == 0
+    assert main(["train", *args, "recipe=scalerl"]) == 0
+    err = capsys.readouterr().err
+    assert "took over" not in err and "already" not in err
+    assert (tmp_path / "runs" / "cispo__addition__seed0" / "metrics.jsonl").is_file()
+    saved = (tmp_path / "runs" / "scalerl__addition__seed0" / "config.yaml").read_text()
+    assert "run_name: scalerl__addition__seed0" in saved and "eps_high_is: 4.0" in saved
+    assert main(["train", *args, "recipe=scalerl", "run_name=mine"]) == 0  # a name given is kept
+    assert (tmp_path / "runs" / "mine" / "metrics.jsonl").is_file()
+    assert main(["train", "--resume", *args, "recipe=scalerl", "steps=3"]) == 0  # --resume finds the recipe's folder

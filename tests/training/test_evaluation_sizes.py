@@ -122,3 +122,22 @@ def test_cispo_eval_reports_pass_at_each_k_of_a_list(tiny_model, capsys):
     assert metrics["eval/accuracy_pass_at_1"] == pytest.approx(metrics["eval/accuracy_mean_at_4"])
     pass_at = [metrics[f"eval/accuracy_pass_at_{k}"] for k in (1, 2, 4)]
     assert pass_at == sorted(pass_at)
+
+
+@pytest.mark.parametrize("given, expected", [([], None), (["threads=1"], 1)])
+def test_cispo_eval_picks_its_threads_by_cispo_trains_rule(tiny_model, monkeypatch, capsys, given, expected):
+    """Issue 59: one thread rule for every command. `cispo eval` ran at torch's default (every core, slow under
+    load); it now asks `auto_threads` as `cispo train` and `cispo sft` do, with its ``threads=``."""
+    import torch
+
+    import cispo.foundations.threads as threads
+
+    asked = []
+    monkeypatch.setattr(threads, "auto_threads", lambda requested: asked.append(requested) or 1)
+    before = torch.get_num_threads()
+    try:
+        assert main(["eval", "--model", str(tiny_model), "num_eval_prompts=2", "eval.num_samples=1",
+                     "max_new_tokens=4", "model.device=cpu", "progress=false", *given]) == 0
+        assert asked == [expected] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

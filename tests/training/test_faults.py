@@ -324,3 +324,26 @@ def test_update_metrics_of_a_step_whose_every_ratio_is_nan():
 
     out = update_metrics([{"ratio_min": float("nan"), "ratio_max": float("nan"), "loss": float("nan")}])
     assert math.isnan(out["objective/ratio_min"]) and math.isnan(out["objective/ratio_max"])
+
+
+
+def tied_on_most_prompts(prompt, completion, **sample):
+    """`digit_reward` on one prompt in four, 0 on the others: dynamic sampling drops most groups."""
+    return completion.count("1") / max(len(completion), 1) if sum(map(ord, prompt)) % 4 == 0 else 0.0
+
+
+def test_steps_of_fewer_than_k_updates_all_non_finite_stop_the_run(tiny_model, monkeypatch, tmp_path):
+    """Issue 61 item 12: a window of ``max_bad_steps`` steps whose every update was non-finite stops the run also
+    when a step makes fewer updates than ``algo.updates_per_batch`` (``fixed_size`` mini-batches on a batch that
+    dynamic sampling left short). It was accepted: the run ended as if normally, its weights never moved."""
+    base = cispo.data.tasks.get_task("addition")
+    monkeypatch.setattr(cispo.data.tasks, "get_task",
+                        lambda name="addition": dataclasses.replace(base, reward=tied_on_most_prompts))
+    poison_losses(monkeypatch, every=1)
+    cfg = small_config(tiny_model, tmp_path, "steps=6", "eval.every=0", "max_bad_steps=2", "checkpoint_every=0",
+                       "algo.minibatch_policy=fixed_size", "max_sampling_rounds=1")
+    with pytest.raises(FloatingPointError, match="2 consecutive steps"):
+        train(cfg)
+    rows = read_metrics(tmp_path / "cispo__addition__seed0" / "metrics.jsonl")
+    tried = [r for r in rows[1:] if r.get("optim/skipped")]  # a step that kept no group tries no update
+    assert tried and all(r["optim/skipped"] < 4 and r["optim/step_updates"] == 0 for r in tried)  # < K, all skipped

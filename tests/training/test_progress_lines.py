@@ -103,3 +103,53 @@ def test_the_bar_keeps_eval_acc_between_evaluations():
     steps.advance(2, {"rollout/reward_mean": 0.5, "eval/accuracy": 0.75})
     steps.advance(3, {"rollout/reward_mean": 0.0}, no_update="every group tied")
     assert bar.shown["eval_acc"] == "0.750" and bar.shown["updates"].startswith("0")
+
+
+def test_a_terminal_that_reports_0_columns_gets_plain_lines(monkeypatch):
+    """Issue 59: a console that is a terminal but reports 0 columns got a tqdm bar drawn nowhere, so nothing at
+    all was printed for minutes; it gets the plain lines of a log file."""
+    class ZeroColumns(FakeTerminal):
+        def fileno(self):
+            return 2
+
+    monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: progress.os.terminal_size((0, 0)))
+    assert not progress.interactive(True, ZeroColumns())
+    monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: progress.os.terminal_size((80, 24)))
+    assert progress.interactive(True, ZeroColumns())
+
+
+def test_an_agent_runs_bar_shows_the_tool_call_rate_beside_fork():
+    class Bar:
+        def set_postfix(self, shown, refresh):
+            self.shown = dict(shown)
+
+        def update(self, n):
+            pass
+
+    bar = Bar()
+    progress.StepProgress(bar, 3).advance(1, {"rollout/fork_rate": 0.25, "rollout/tool_call_rate": 0.75})
+    assert list(bar.shown) == ["fork", "tools"] and bar.shown["tools"] == "0.750"
+
+
+def test_an_evaluations_bar_advances_while_its_answers_decode():
+    """Issue 59: the bar of an evaluation sat at 0/100 while its one chunk of prompts decoded, then jumped to
+    100/100; it now moves as the sampler stops rows (`Sampler.rows_done`), and still ends at every answer."""
+    import torch
+
+    from cispo.config.train import EvalConfig
+    from cispo.data.tasks import arithmetic
+    from cispo.models.loading import build_model, build_tokenizer
+    from cispo.models.policy import Policy
+    from cispo.rollout.torch_sampler import TorchSampler
+    from cispo.training.evaluation import Evaluation, evaluate
+    from tests.conftest import digit_reward
+
+    tok = build_tokenizer(arithmetic.ALPHABET)
+    model = build_model(tok, size="tiny", seed=0)
+    policy = Policy(model, tok, TorchSampler(model, tok.eos_token_id, tok.pad_token_id), torch.device("cpu"))
+    samples = [{"prompt": f"{a}+{a + 3}="} for a in range(10, 22)]  # 12 prompts: one chunk
+    ticks = []
+    evaluate(policy, samples, Evaluation(digit_reward, EvalConfig(num_samples=2), 12, seed=0, on_progress=ticks.append))
+    assert sum(ticks) == 12 * 3  # greedy + 2 sampled, every answer once
+    assert len(ticks) > 2 and min(ticks) >= 1  # more than one tick a mode: rows that stopped early were told
+    assert policy.sampler.rows_done is None  # the hook is the evaluation's only while it samples
