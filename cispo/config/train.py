@@ -306,7 +306,8 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
     updates than a batch has rows (a mini-batch would be empty); per-turn credit with an estimator other
     than its own leave-one-out one (``rloo``); and the rollout correction's: a TIS
     cap that is not positive, tis_cap next to rollout_is (one name for one correction), bounds that are
-    negative, not finite, out of order or both None, and bounds or a mode set with no correction to read them;
+    negative, not finite, out of order, both None or a lower bound above 1 (an on-policy token's ratio), and
+    bounds or a mode set with no correction to read them;
     the k2 / k3 rejection's threshold exactly where those modes read it."""
     a, r = cfg.algo, cfg.rollout
     rows = r.prompts_per_step * r.group_size
@@ -333,6 +334,9 @@ def _algo_checks(cfg: TrainConfig) -> list[Check]:
         ("algo.rollout_is_upper", upper is None or 0 < upper < math.inf, "must be > 0 and finite, or None"),
         ("algo.rollout_is_upper", lower is None or upper is None or lower < upper,
          f"must be > algo.rollout_is_lower = {lower}"),
+        ("algo.rollout_is_lower", lower is None or lower <= 1,
+         f"= {lower} must be <= 1: an on-policy token's ratio is 1, so a window above it would mask or reject "
+         "every token of an on-policy batch (no update would learn)"),
         ("algo.rollout_is", a.rollout_is is None or lower is not None or upper is not None,
          "needs a bound: algo.rollout_is_lower, algo.rollout_is_upper or both"),
         ("algo.rollout_is_max_divergence",

@@ -203,6 +203,8 @@ def test_the_tail_metrics_are_logged_with_the_mismatch():
     (["rollout_is=seq-mean", "rollout_is_upper=null"], "algo.rollout_is needs a bound"),
     (["rollout_is_lower=3", "rollout_is_upper=2"], "algo.rollout_is_upper must be > algo.rollout_is_lower"),
     (["rollout_is_lower=-1"], "algo.rollout_is_lower must be >= 0"),
+    (["rollout_is=token", "rollout_is_mode=mask", "rollout_is_lower=1.5", "rollout_is_upper=2"],
+     "algo.rollout_is_lower = 1.5 must be <= 1: an on-policy token's ratio is 1"),
     (["rollout_is=sequence"], "expected one of 'token', 'seq-mean', 'seq-sum'"),  # not verl's word
     (["rollout_is_mode=clip"], "expected one of 'truncate', 'mask', 'reject'"),
 ])
