@@ -18,17 +18,18 @@ CUT_NOTE = " [cut]"
 """What a result cut to fit an observation ends with."""
 
 
-def chat_observation(tokenizer, calls: list[dict], tool_messages: list[dict], stop_text: str) -> str:
+def chat_observation(tokenizer, calls: list[dict], tool_messages: list[dict], stop_text: str, content: str = "") -> str:
     """The observation text of a chat tool turn: what the template puts after the assistant turn's end
     (``stop_text``, the stop token the policy sampled: ``"\\n"`` after ``<|im_end|>``; nothing where
     ``stop_text`` is not in the rendering), then the tool turn(s) and the next assistant turn's opening
     — the text by which ``history + [assistant] + tool_messages`` rendered with the generation prompt
     extends ``history + [assistant]``, the assistant turn making ``calls`` (TRL's ``_get_tool_suffix_ids``:
     a minimal history, one user message, so that no template renders it differently once a tool turn
-    follows). A template that takes one call per turn (Llama 3.1 raises on more) is given the first call
-    only: the tool turns that follow it do not depend on the calls. ValueError where it does not extend it."""
+    follows; ``content``: the assistant turn's text, empty by default). A template that takes one call per turn
+    (Llama 3.1 raises on more) is given the first call only: the tool turns that follow it do not depend on the
+    calls. ValueError where it does not extend it."""
     def render(made: list[dict]) -> tuple[str, str]:
-        messages = [{"role": "user", "content": "dummy"}, assistant_message("", made)]
+        messages = [{"role": "user", "content": "dummy"}, assistant_message(content, made)]
         return (tokenizer.apply_chat_template(messages, tokenize=False),
                 tokenizer.apply_chat_template([*messages, *tool_messages], tokenize=False, add_generation_prompt=True))
 

@@ -146,15 +146,27 @@ def template_takes_tools(tokenizer) -> bool:
     return PROBE_NAME in text
 
 
+THINKING_WORDS = "cispo thinking probe"
+THINKING_PROBE = f"<think>{THINKING_WORDS}</think>"
+"""An assistant turn's text with thinking in it: a template that drops the words renders the policy's turns
+otherwise than it sampled them (one that only lays them out anew, Qwen3's ``<think>\\n...\\n</think>``, keeps them)."""
+
+
 def appends_tool_turns(tokenizer) -> bool:
     """Whether the template renders a tool turn as text appended to the conversation before it
-    (`chat_observation` reads it); False for one that renders the assistant turn differently once a tool turn
-    follows it (`ToolEnvironment.rerenders`)."""
+    (`chat_observation` reads it) and shows an assistant turn's thinking as sampled; False for one that renders
+    the assistant turn differently once a tool turn follows it (with or without thinking in it), or that drops
+    the thinking of an assistant turn (one without calls) even as the last message (`ToolEnvironment.rerenders`:
+    the conversation re-rendered each turn, as the template would show it)."""
+    call, tool = [{"name": PROBE_NAME, "arguments": {}}], [tool_message(PROBE_NAME, "ok")]
     try:
-        chat_observation(tokenizer, [{"name": PROBE_NAME, "arguments": {}}], [tool_message(PROBE_NAME, "ok")], "")
+        for content in ("", THINKING_PROBE):
+            chat_observation(tokenizer, call, tool, "", content)
+        shown = tokenizer.apply_chat_template([{"role": "user", "content": "dummy"},
+                                               assistant_message(THINKING_PROBE, [])], tokenize=False)
     except Exception:  # noqa: BLE001 - the template's own refusal, or the rendering's mismatch
         return False
-    return True
+    return THINKING_WORDS in shown
 
 
 def resolve_tool_format(tokenizer, tool_format: str = "auto", task: str | None = None) -> str:

@@ -372,3 +372,26 @@ def test_under_lock_step_a_rank_with_no_row_left_joins_the_others_rounds():
     assert [len(r) for r in rows] == [2] and rows[0][1].prompt_ids == [7, 8]
     assert [c[2] for c in sampler.calls] == [True, True, False, False] and sampler.calls[-1][1] == 0.0
     assert sampler.asked == [False, True, True, True]
+
+
+def test_a_template_that_always_drops_thinking_is_rerendered(qwen):
+    """A template that drops an assistant turn's thinking even as the last message (DeepSeek-R1's style) renders
+    both sides of a tool turn alike, so only the thinking probe catches it: its episodes re-render the
+    conversation each turn (the policy's next turn sees what the template shows, not its own thinking); Qwen's
+    own template keeps the thinking and appends."""
+    import copy
+
+    from cispo.envs.tool_env import ToolEnvironment, appends_tool_turns
+    from tests.envs.test_environments import QWEN_TOOL_TEMPLATE, CountingRunner, add
+
+    turns = ("'\\n' + message.content + '<|im_end|>'", "{{- '\\n' + message.content }}")  # plain, with calls
+    assert all(t in QWEN_TOOL_TEMPLATE for t in turns)
+    tok = copy.copy(qwen)
+    tok.chat_template = QWEN_TOOL_TEMPLATE
+    stripped = "message.content.split('</think>')[-1]"
+    for t in turns:
+        tok.chat_template = tok.chat_template.replace(t, t.replace("message.content", stripped))
+    qwen_plain = copy.copy(qwen)
+    qwen_plain.chat_template = QWEN_TOOL_TEMPLATE
+    assert appends_tool_turns(qwen_plain) and not appends_tool_turns(tok)
+    assert ToolEnvironment(tok, [add], "chat", 2, CountingRunner([add])).rerenders
