@@ -17,6 +17,8 @@ from studies.stats import final_accuracy, mean_accuracy, paired_t  # noqa: E402
 ARMS = ("random", "by_group")
 DELTA = {"builtin": 0.02, "smollm2": 0.03}
 """The non-inferiority margins fixed in protocol.md before any run."""
+SEEDS = {"builtin": 10, "smollm2": 6}
+"""The paired seeds each part registered: no decision before all of them have run."""
 
 
 def runs(folder: Path) -> dict[tuple[str, int], list[dict]]:
@@ -37,13 +39,16 @@ def curve(rows: list[dict]) -> dict[int, float]:
 
 
 def acts(a: list[dict], b: list[dict]) -> bool:
-    """The protocol's check that the setting acts: step 1's ``objective/*`` metrics differ between the two runs."""
-    def step1(rows):
-        return {k: v for r in rows if r["step"] == 1 for k, v in r.items() if k.startswith("objective/")}
-    return step1(a) != step1(b)
+    """The protocol's check that the setting acts (amendment 1): the ``objective/*`` metrics of the first step at
+    which both runs made an update differ between the two runs (step 1 wherever it updated)."""
+    def objective(rows):
+        return {r["step"]: {k: v for k, v in r.items() if k.startswith("objective/")} for r in rows}
+    oa, ob = objective(a), objective(b)
+    first = min((s for s in oa if oa[s] and ob.get(s)), default=None)
+    return first is not None and oa[first] != ob[first]
 
 
-def verdict(done: dict, delta: float) -> list[str]:
+def verdict(done: dict, delta: float, registered: int) -> list[str]:
     """The table: per seed the two measures of each arm and d; then the paired means, the one-sided 95 % lower
     bound of the primary and the decision."""
     seeds = sorted({s for (_, s) in done if all((arm, s) in done for arm in ARMS)})
@@ -70,7 +75,8 @@ def verdict(done: dict, delta: float) -> list[str]:
         f"secondary (final accuracy), by_group - random: {two_sided.mean:+.4f}, 95 % interval "
         f"[{two_sided.lo:+.4f}, {two_sided.hi:+.4f}] (descriptive)",
         "the setting acted in every seed" if not void else f"VOID: the two arms' runs are identical in seeds {void}",
-        f"decision: by_group is {'non-inferior' if ok else 'NOT shown non-inferior'} (protocol.md)",
+        f"decision: by_group is {'non-inferior' if ok else 'NOT shown non-inferior'} (protocol.md)"
+        if len(seeds) >= registered else f"no decision: {len(seeds)} of the {registered} registered seeds paired",
     ]
 
 
@@ -83,7 +89,8 @@ def main(argv: list[str]) -> int:
     if argv[0] == "status":
         print(f"{len(done)} finished run(s): " + ", ".join(f"{a} seed {s}" for a, s in sorted(done)))
         return 0
-    print("\n".join(verdict(done, DELTA["smollm2" if "smollm2" in folder.name else "builtin"])))
+    part = "smollm2" if "smollm2" in folder.name else "builtin"
+    print("\n".join(verdict(done, DELTA[part], SEEDS[part])))
     return 0
 
 
