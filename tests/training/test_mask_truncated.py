@@ -11,7 +11,7 @@ import torch
 from cispo.config.train import TrainConfig, apply_overrides
 from cispo.foundations.experience import Completion
 from cispo.objective.loss import preset
-from tests.training.test_turn_credit_update import _policy
+from tests.training.test_turn_credit_update import _policy, update_then_replay
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -69,14 +69,7 @@ def test_the_update_follows_trls_masked_loss(aggregation):
         logp = policy_logprobs(policy.model, exp, 1.0, True)  # [B, T]
     g = torch.Generator().manual_seed(1)
     exp.logp_old = (logp + 0.5 * torch.randn(logp.shape, generator=g, dtype=torch.float64)) * exp.response_mask
-    before = {k: p.detach().clone() for k, p in policy.model.named_parameters()}
-    trainer.update(exp)
-    got = {k: (before[k] - p.detach()) / cfg.optim.lr for k, p in policy.model.named_parameters()}
-
-    for k, p in policy.model.named_parameters():
-        p.data.copy_(before[k])
-    policy.model.zero_grad()
-    lp = policy_logprobs(policy.model, exp, 1.0, True)  # [B, T]
+    got, lp = update_then_replay(policy, trainer, exp, cfg.optim.lr)
     keep = torch.tensor([not t for t in TRUNCATED], dtype=torch.float64)  # [B]
     lengths = torch.tensor([3, 5, 2, 5, 4, 4], dtype=torch.float64)  # what was sampled
     mask = (torch.arange(lp.shape[1]) < lengths[:, None]).double() * keep[:, None]  # [B, T]

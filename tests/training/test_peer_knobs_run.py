@@ -1,4 +1,4 @@
-"""The knobs TRL and verl users reach for, in one run (issue 59): the dppo_tv objective with an entropy bonus,
+"""The knobs TRL and verl users reach for, in one run: the dppo_tv objective with an entropy bonus,
 GDPO's advantages and verl's k3 rejection, on both LM-head paths; every step logs the tail of the engine gap and
 the spread of the entropy."""
 

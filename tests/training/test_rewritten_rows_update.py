@@ -11,7 +11,7 @@ import torch
 
 from cispo.config.train import TrainConfig, apply_overrides
 from cispo.objective.loss import preset
-from tests.training.test_turn_credit_update import _policy, episode
+from tests.training.test_turn_credit_update import _policy, episode, update_then_replay
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -71,14 +71,7 @@ def test_the_update_over_an_episodes_rows_follows_the_closed_form_gradient(aggre
         logp = policy_logprobs(policy.model, exp, 1.0, True)  # [B, T]
     g = torch.Generator().manual_seed(1)
     exp.logp_old = (logp + 0.5 * torch.randn(logp.shape, generator=g, dtype=torch.float64)) * exp.response_mask
-    before = {k: p.detach().clone() for k, p in policy.model.named_parameters()}
-    trainer.update(exp)
-    got = {k: (before[k] - p.detach()) / cfg.optim.lr for k, p in policy.model.named_parameters()}
-
-    for k, p in policy.model.named_parameters():
-        p.data.copy_(before[k])
-    policy.model.zero_grad()
-    lp = policy_logprobs(policy.model, exp, 1.0, True)  # [B, T]
+    got, lp = update_then_replay(policy, trainer, exp, cfg.optim.lr)
     mask = exp.response_mask
     w = torch.exp(lp.detach() - exp.logp_old).clamp(max=5.0)  # sg(w_it)   [B, T]
     per_token = w * exp.advantages[:, None] * lp * mask  # [B, T]

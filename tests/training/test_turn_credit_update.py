@@ -145,14 +145,7 @@ def test_the_update_follows_the_closed_form_gradient(variant):
     if variant == "tis":
         c = torch.rand(exp.logp_old.shape, generator=g, dtype=torch.float64) + 0.5
         exp.extras["tis"] = c
-    before = {k: p.detach().clone() for k, p in policy.model.named_parameters()}
-    trainer.update(exp)
-    got = {k: (before[k] - p.detach()) / cfg.optim.lr for k, p in policy.model.named_parameters()}
-
-    for k, p in policy.model.named_parameters():
-        p.data.copy_(before[k])
-    policy.model.zero_grad()
-    lp = policy_logprobs(policy.model, exp, 1.0, True)  # [B, T]
+    got, lp = update_then_replay(policy, trainer, exp, cfg.optim.lr)
     mask = exp.response_mask
     w = torch.exp(lp.detach() - exp.logp_old).clamp(max=5.0)  # sg(w_it)   [B, T]
     A = torch.tensor(TOKEN_ADVANTAGES + SECOND_TOKENS, dtype=torch.float64)
@@ -161,3 +154,18 @@ def test_the_update_follows_the_closed_form_gradient(variant):
     for k, p in policy.model.named_parameters():
         torch.testing.assert_close(got[k], p.grad, rtol=1e-8, atol=1e-10, msg=k)
     assert sum(float(v.abs().sum()) for v in got.values()) > 0
+
+
+def update_then_replay(policy, trainer, exp, lr: float):
+    """``trainer.update(exp)`` with SGD at ``lr``: ``(got, lp)``, each parameter's step / lr (the gradient the
+    update applied), then the weights put back and π_θ's log-probs [B, T] recomputed with their graph, for the
+    closed form to be differentiated against."""
+    from cispo.models.policy import policy_logprobs
+
+    before = {k: p.detach().clone() for k, p in policy.model.named_parameters()}
+    trainer.update(exp)
+    got = {k: (before[k] - p.detach()) / lr for k, p in policy.model.named_parameters()}
+    for k, p in policy.model.named_parameters():
+        p.data.copy_(before[k])
+    policy.model.zero_grad()
+    return got, policy_logprobs(policy.model, exp, 1.0, True)  # [B, T]
