@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from cispo.config.foreign_names import verl_k1_bounds
+from cispo.config.name_readers import verl_k1_bounds
 from cispo.rollout.correction import rollout_is_weights
 
 
