@@ -58,9 +58,15 @@ def test_the_gate_s_four_criteria(g):
     assert f["call_rate"][1] and f["pos_above"] == (17, True) and f["pos_mass"][0] == pytest.approx(0.296, abs=1e-3)
 
 
-def test_the_queue_is_the_registered_one_every_run_pending(g):
+def _pending(queue: dict) -> dict:
+    return {"phases": [{**p, "runs": [{**r, "state": "pending"} for r in p["runs"]]} for p in queue["phases"]]}
+
+
+def test_the_queue_is_the_registered_one(g):
     queue = json.loads(g.QUEUE.read_text())
-    assert queue == g.build_queue()
+    assert _pending(queue) == g.build_queue()  # the runs as registered; their states as the last `save` read them
+    assert {r["state"] for p in queue["phases"] for r in p["runs"]} <= {"pending", "started", "done"}
+    queue = _pending(queue)
     counts = {p["phase"]: len(p["runs"]) for p in queue["phases"]}
     assert counts == {"precheck": 1, "gate": 2, "primary": 48, "secondary": 16}
     assert all(r["state"] == "pending" for p in queue["phases"] for r in p["runs"])
@@ -84,3 +90,15 @@ def test_the_cispo_arm_counts_would_drop_at_dapo_s_bound(g):
     assert {a: (o.mask_rule, o.eps_low, o.eps_high, o.eps_high_is) for a, o in runs.items()} == {
         "dapo": ("ppo", 0.2, 0.28, None), "cispo_lowmask": ("ppo-low", 0.2, 0.28, 4.0),
         "cispo": ("none", 0.2, 0.28, 4.0)}
+
+
+def test_the_precheck_reads_both_parts(g):
+    ref = [1.67546, 0.74352, 0.42902]
+    numbers = g.eval_numbers('noise {"x": 1}\n{\n  "eval/tool_call_rate": 0.07,\n  "eval/accuracy_with_fork": 0.9,\n'
+                             '  "eval/accuracy_without_fork": 0.5\n}\ncispo eval: written')
+    v = g.precheck([1.6759, 0.7431, 0.4290], ref, numbers)
+    assert v["a"] == (pytest.approx(4.4e-4), True) and v["b"] == ((0.07, 0.9, 0.5), True)
+    assert not g.precheck([1.6770, 0.7435, 0.4290], ref, numbers)["a"][1]  # 1.4e-3 > 1e-3
+    assert not g.precheck([1.67546, 0.74352], ref, numbers)["a"][1]  # a step missing
+    assert not g.precheck(ref, ref, {**numbers, "eval/tool_call_rate": 0.2})["b"][1]
+    assert not g.precheck(ref, ref, {**numbers, "eval/accuracy_with_fork": 0.4})["b"][1]

@@ -9,9 +9,11 @@
   a state that `refresh` reads off the run folders (pending / started / done).
 
     python studies/results/agents/study_g.py status                # each phase's runs: done / started / pending
+    python studies/results/agents/study_g.py save                  # write the states into the queue file
     python studies/results/agents/study_g.py next                  # the command of the first unfinished phase
     python studies/results/agents/study_g.py gate RUN_DIR ...      # the gate's verdict per run (metrics.jsonl)
     python studies/results/agents/study_g.py t90 RUN_DIR ...       # T90 per run
+    python studies/results/agents/study_g.py precheck SFT_DIR EVAL_TXT  # the pre-check's (a) and (b)
 """
 
 from __future__ import annotations
@@ -88,6 +90,29 @@ PRECHECK_EVAL = ("cispo eval --model /work/agent_runs/warm_rare_g/final data.tas
 """The pre-check: the rare-call warm start rebuilt, then F0b's evaluation of it."""
 
 
+WARM_RARE = HERE / "warm_starts" / "warm_rare_small.json"
+LOSS_TOLERANCE = 1e-3
+
+
+def eval_numbers(text: str) -> dict:
+    """The JSON object of a ``cispo eval`` output (its metrics), read out of the text around it."""
+    return json.loads(text[text.index("{\n"): text.rindex("}") + 1])
+
+
+def precheck(sft_losses: list[float], reference: list[float], numbers: dict) -> dict:
+    """The pre-check, each part ``(value, passed)``: (a) the rebuilt warm start's losses equal the reference
+    fine-tune's within `LOSS_TOLERANCE` each (value: the largest difference); (b) its sampled tool-call rate in
+    the gate's [0.03, 0.15] with accuracy with a ``<calc>`` above without. Stage G runs only if (b) passes."""
+    same_length = len(sft_losses) == len(reference)
+    worst = max((abs(a - b) for a, b in zip(sft_losses, reference)), default=float("inf")) if same_length else None
+    lo, hi = GATE["call_rate"]
+    rate, with_call, without = (numbers.get(k) for k in ("eval/tool_call_rate", "eval/accuracy_with_fork",
+                                                          "eval/accuracy_without_fork"))
+    b_ok = (rate is not None and lo <= rate <= hi and with_call is not None and without is not None
+            and with_call > without)
+    return {"a": (worst, worst is not None and worst <= LOSS_TOLERANCE), "b": ((rate, with_call, without), b_ok)}
+
+
 def phases() -> list[dict]:
     """The stage's phases in order, each with its ``compare`` overrides, from `CONFIG`: the gate (two fresh DAPO
     seeds, 100 and 101, their own folder), the primary arms (seeds 0-15) and the secondary arm (DAPO at 2e-5)."""
@@ -144,14 +169,21 @@ def next_step(queue: dict, verdicts: list[dict] | None = None) -> str:
 
 def main(argv: list[str]) -> int:
     cmd, args = (argv[0], argv[1:]) if argv else ("status", [])
-    if cmd in ("status", "next"):
+    if cmd in ("status", "next", "save"):
         queue = refresh(json.loads(QUEUE.read_text()))
+        if cmd == "save":
+            QUEUE.write_text(json.dumps(queue, indent=1) + "\n")
         if cmd == "next":
             print(next_step(queue))
             return 0
         for p in queue["phases"]:
             states = [r["state"] for r in p["runs"]]
             print(f"{p['phase']}: " + ", ".join(f"{states.count(s)} {s}" for s in ("done", "started", "pending")))
+        return 0
+    if cmd == "precheck":
+        sft, text = Path(args[0]), Path(args[1]).read_text()
+        losses = [r["sft/loss"] for r in read_rows(sft) if "sft/loss" in r]
+        print(json.dumps(precheck(losses, json.loads(WARM_RARE.read_text())["losses"], eval_numbers(text))))
         return 0
     for run in args:
         rows = read_rows(Path(run))
