@@ -102,3 +102,41 @@ def test_the_precheck_reads_both_parts(g):
     assert not g.precheck([1.67546, 0.74352], ref, numbers)["a"][1]  # a step missing
     assert not g.precheck(ref, ref, {**numbers, "eval/tool_call_rate": 0.2})["b"][1]
     assert not g.precheck(ref, ref, {**numbers, "eval/accuracy_with_fork": 0.4})["b"][1]
+
+
+def _t90s(p1: list[float], p2: list[float], dapo: float = 5.0) -> dict:
+    """Synthetic T90s: dapo at `dapo`, the CISPO arms faster by the given per-seed gaps."""
+    return {"dapo": {s: (dapo, False) for s in range(len(p1))},
+            "cispo_lowmask": {s: (dapo - d, False) for s, d in enumerate(p1)},
+            "cispo": {s: (dapo - d, False) for s, d in enumerate(p2)}}
+
+
+def test_the_registered_verdicts(g):
+    gaps = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0, 1.3, 0.7]
+    v = g.decide(_t90s(gaps, gaps))
+    assert v["verdict"] == "support" and v["tests"]["P1"]["mean"] == pytest.approx(1.0)
+    assert v["tests"]["P1"]["p_holm"] <= 0.05 and v["tests"]["P1"]["rejects"]
+    small = [0.1, -0.1, 0.05, -0.05, 0.0, 0.1, -0.1, 0.02]
+    assert g.decide(_t90s(small, small))["verdict"] == "refuted here"
+    assert g.decide(_t90s(small, small), gate_passed=False)["verdict"] == "not shown either way"
+    assert g.decide(_t90s(small, gaps))["verdict"] == "not the paper's mechanism"
+    # a sure but small gap (0.3 step: rejected, under the 0.5 registered for support) inside the equivalence margin
+    tight = g.decide(_t90s([0.3, 0.35, 0.25, 0.3, 0.3, 0.28, 0.32, 0.3], small))
+    assert tight["tests"]["P1"]["rejects"] and tight["verdict"] == "refuted here"
+    noisy = [3.0, -2.0, 2.5, -1.5, 1.0, -2.5, 3.0, 0.0]  # mean 0.44: neither rejected nor equivalent
+    assert g.decide(_t90s(noisy, noisy))["verdict"] == "not shown either way"
+    # half the steps: dapo at 5, the best CISPO arm at 4 -> 4 - 2.5 > 0, not said; at 2 it is
+    assert not g.decide(_t90s(gaps, small))["half_the_steps"]["said"]
+    assert g.decide(_t90s([3.0] * 4 + [3.2] * 4, small))["half_the_steps"]["said"]
+    # only seeds every primary arm has count; censored runs are counted
+    runs = _t90s(gaps, gaps)
+    runs["cispo"].pop(7)
+    runs["dapo"][0] = (11.0, True)
+    v = g.decide(runs)
+    assert v["seeds"] == list(range(7)) and v["censored"] == {"dapo": 1, "cispo_lowmask": 0, "cispo": 0}
+    assert g.decide({"dapo": {0: (5.0, False)}})["verdict"] == "too few paired seeds to test"
+
+
+def test_hodges_lehmann_is_the_median_of_walsh_averages(g):
+    assert g.hodges_lehmann([1.0, 2.0, 3.0]) == 2.0
+    assert g.hodges_lehmann([-1.0, 0.5, 0.5]) == pytest.approx(0.125)  # Walsh: -1, -0.25, -0.25, 0.5, 0.5, 0.5

@@ -14,6 +14,7 @@
     python studies/results/agents/study_g.py gate RUN_DIR ...      # the gate's verdict per run (metrics.jsonl)
     python studies/results/agents/study_g.py t90 RUN_DIR ...       # T90 per run
     python studies/results/agents/study_g.py precheck SFT_DIR EVAL_TXT  # the pre-check's (a) and (b)
+    python studies/results/agents/study_g.py report                # the registered tests on the runs done so far
 """
 
 from __future__ import annotations
@@ -113,6 +114,85 @@ def precheck(sft_losses: list[float], reference: list[float], numbers: dict) -> 
     return {"a": (worst, worst is not None and worst <= LOSS_TOLERANCE), "b": ((rate, with_call, without), b_ok)}
 
 
+PRIMARY_ARMS = ("dapo", "cispo_lowmask", "cispo")
+SECONDARY_ARM = "dapo_lr2e-5"
+SUPPORT_GAP, EQUIVALENCE, ALPHA = 0.5, 0.75, 0.05
+"""The registered rules' numbers: Support needs mean P1 >= 0.5 step; equivalence is a 90 % t-interval inside
++-0.75 step; the Holm family {P1, P2} is tested at 0.05."""
+
+
+def hodges_lehmann(diffs: list[float]) -> float:
+    """The median of the Walsh averages (d_i + d_j) / 2, i <= j: the Wilcoxon signed-rank test's estimate of
+    the median difference, whose sign is the direction that test reads."""
+    walsh = sorted((a + b) / 2 for i, a in enumerate(diffs) for b in diffs[i:])
+    n = len(walsh)
+    return (walsh[(n - 1) // 2] + walsh[n // 2]) / 2
+
+
+def paired_test(diffs: list[float]) -> dict:
+    """One registered contrast over its seeds' differences: the paired t test (mean, two-sided p, 95 % and 90 %
+    intervals), the Wilcoxon signed-rank p and its direction (`hodges_lehmann`)."""
+    from scipy import stats as sp
+
+    from studies.stats import paired_t
+
+    t95, t90 = paired_t(diffs, 0.95), paired_t(diffs, 0.90)
+    wilcoxon = float(sp.wilcoxon(diffs).pvalue) if any(diffs) and len(diffs) > 1 else 1.0
+    return {"n": len(diffs), "mean": t95.mean, "p": t95.p, "ci95": (t95.lo, t95.hi), "ci90": (t90.lo, t90.hi),
+            "wilcoxon_p": wilcoxon, "hl": hodges_lehmann(diffs) if diffs else float("nan")}
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def decide(t90s: dict[str, dict[int, tuple[float, bool]]], gate_passed: bool = True) -> dict:
+    """The registered tests on ``{arm: {seed: (T90, censored)}}``: P1 = T90(dapo) - T90(cispo_lowmask) and
+    P2 = T90(dapo) - T90(cispo) over the seeds every primary arm has; Holm over {P1, P2}, a rejection counting
+    only where Wilcoxon's direction agrees with the t test's sign; the verdict (support / refuted here / not the
+    paper's mechanism / not shown); "half the steps" (T90(best CISPO arm) - T90(dapo) / 2, said below 0 only if
+    its 95 % interval is); the secondary contrast T90(dapo_lr2e-5) - T90(cispo_lowmask); censored runs per arm."""
+    from studies.stats import holm
+
+    seeds = sorted(set.intersection(*(set(t90s.get(a, {})) for a in PRIMARY_ARMS)))
+    censored = {a: sum(c for _, c in runs.values()) for a, runs in t90s.items()}
+    if len(seeds) < 2:
+        return {"seeds": seeds, "verdict": "too few paired seeds to test", "censored": censored}
+    t = {a: [t90s[a][s][0] for s in seeds] for a in PRIMARY_ARMS}
+    tests = {name: paired_test([x - y for x, y in zip(t["dapo"], t[arm])])
+             for name, arm in (("P1", "cispo_lowmask"), ("P2", "cispo"))}
+    for test, adjusted in zip(tests.values(), holm([tests["P1"]["p"], tests["P2"]["p"]])):
+        test["p_holm"] = adjusted
+        test["rejects"] = adjusted <= ALPHA and _sign(test["hl"]) == _sign(test["mean"]) != 0
+        test["equivalent"] = -EQUIVALENCE < test["ci90"][0] and test["ci90"][1] < EQUIVALENCE
+    p1, p2 = tests["P1"], tests["P2"]
+    if p1["rejects"] and p1["mean"] >= SUPPORT_GAP:
+        verdict = "support"
+    elif gate_passed and p1["equivalent"]:
+        verdict = "not the paper's mechanism" if p2["rejects"] else "refuted here"
+    else:
+        verdict = "not shown either way"
+    best = min(("cispo_lowmask", "cispo"), key=lambda a: sum(t[a]))
+    half = paired_test([b - d / 2 for b, d in zip(t[best], t["dapo"])])
+    secondary_seeds = sorted(set(t90s.get(SECONDARY_ARM, {})) & set(t90s["cispo_lowmask"]))
+    secondary = [t90s[SECONDARY_ARM][s][0] - t90s["cispo_lowmask"][s][0] for s in secondary_seeds]
+    return {"seeds": seeds, "tests": tests, "verdict": verdict,
+            "half_the_steps": {"arm": best, **half, "said": half["ci95"][1] < 0},
+            "secondary": paired_test(secondary) if len(secondary) > 1 else None, "censored": censored}
+
+
+def finished_t90s(folders: list[Path]) -> dict[str, dict[int, tuple[float, bool]]]:
+    """``{arm: {seed: (T90, censored)}}`` of every finished run (`is_finished`) in `folders`."""
+    from cispo.records.runfolder import is_finished
+
+    out: dict[str, dict[int, tuple[float, bool]]] = {}
+    for folder in folders:
+        for d in sorted(p for p in folder.glob("*__seed*") if p.is_dir() and is_finished(p)):
+            arm, seed = d.name.split("__")[0], int(d.name.rsplit("__seed", 1)[1])
+            out.setdefault(arm, {})[seed] = t90(call_rate_curve(read_rows(d)))
+    return out
+
+
 def phases() -> list[dict]:
     """The stage's phases in order, each with its ``compare`` overrides, from `CONFIG`: the gate (two fresh DAPO
     seeds, 100 and 101, their own folder), the primary arms (seeds 0-15) and the secondary arm (DAPO at 2e-5)."""
@@ -179,6 +259,12 @@ def main(argv: list[str]) -> int:
         for p in queue["phases"]:
             states = [r["state"] for r in p["runs"]]
             print(f"{p['phase']}: " + ", ".join(f"{states.count(s)} {s}" for s in ("done", "started", "pending")))
+        return 0
+    if cmd == "report":
+        sys.path.insert(0, str(HERE.parents[2]))  # the repository root: `studies` is not installed
+        folders = [Path(r["dir"]).parent for p in json.loads(QUEUE.read_text())["phases"]
+                   if p["phase"] in ("primary", "secondary") for r in p["runs"][:1]]
+        print(json.dumps(decide(finished_t90s(folders)), indent=1))
         return 0
     if cmd == "precheck":
         sft, text = Path(args[0]), Path(args[1]).read_text()
