@@ -87,8 +87,10 @@ def cmd_train(args) -> int:
 
     try:
         result = train(cfg, resume=args.resume, overwrite=args.overwrite)
-    finally:  # under torchrun: leave the process group, also when the run fails or is stopped
+    except BaseException:  # under torchrun: leave the process group, also when the run fails or is stopped
         close_distributed()
+        raise
+    close_distributed(synchronize=True)
     print(format_summary(result.summary))
     files = [name for name in RUN_FILES if (result.run_dir / name).exists()]
     print(f"run folder: {result.run_dir}  ({', '.join(files)})")

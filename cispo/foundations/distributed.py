@@ -73,10 +73,15 @@ def rank_seed(seed: int, info: DistInfo) -> int:
     return seed + 1000 * info.rank
 
 
-def close_distributed() -> None:
+def close_distributed(synchronize: bool = False) -> None:
     """Leave the process group `init_distributed` joined, if any (torch asks every process to
-    destroy it before exit; NCCL warns and may hang at exit otherwise)."""
+    destroy it before exit; NCCL warns and may hang at exit otherwise). ``synchronize``: wait for
+    every rank first (after a run that ended well on all of them), so that no rank tears its
+    connections down while another still uses them (gloo's threads can abort the process at exit:
+    "terminate called without an active exception"); not after a failure, where a rank may never come."""
     if dist.is_available() and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()
 
 

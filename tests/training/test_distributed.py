@@ -333,6 +333,9 @@ def test_close_distributed_leaves_the_process_group(tmp_path):
     assert dist.is_initialized()
     close_distributed()
     assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'again'}", rank=0, world_size=1)
+    close_distributed(synchronize=True)  # after a run that ended well: every rank waits, then leaves
+    assert not dist.is_initialized()
 
 
 # ---------------------------------------------------------------------------------------
