@@ -92,7 +92,7 @@ def limits(memory_bytes: int | None) -> None:
 
 def _libc_prctl():
     """libc's ``prctl`` on Linux, loaded here in the parent: the child between fork and exec imports nothing."""
-    if not os.uname().sysname == "Linux":
+    if os.uname().sysname != "Linux":
         return None
     try:
         import ctypes
@@ -103,6 +103,8 @@ def _libc_prctl():
 
 
 _PRCTL = _libc_prctl()
+with contextlib.suppress(ImportError):  # imported here: the child's `limit_memory` then imports nothing
+    import resource  # noqa: F401
 
 
 def reward_of_output(stdout: str) -> float | None:

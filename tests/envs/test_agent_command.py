@@ -105,3 +105,14 @@ def test_a_command_is_checked_where_the_run_starts():
         DataConfig(agent_command="python a.py", tools=["calculator"])
     with pytest.raises(ValueError, match="data.agent_memory_mb"):
         DataConfig(agent_command="python a.py", agent_memory_mb=-1)
+
+
+def test_the_example_react_agent_runs_as_a_command_through_the_openai_client(tok, sampler):  # noqa: F811
+    """examples/react_agent_command.py, as its docstring runs it: the ``openai`` client finds the endpoint in
+    OPENAI_BASE_URL / OPENAI_API_KEY, its episode ends as returned, without a reward of its own."""
+    pytest.importorskip("openai")
+    example = Path(__file__).resolve().parents[2] / "examples" / "react_agent_command.py"
+    agent = AgentCommand.parse(f"{shlex.quote(sys.executable)} {shlex.quote(str(example))}")
+    _, records = play(AgentEnvironments(agent, tok, max_turns=4, timeout_s=30), sampler, [{"prompt": "2 + 3?"}])
+    assert records[0]["agent"] == {**records[0]["agent"], "ended": "returned", "reward": None, "error": None}
+    assert records[0]["agent"]["calls"] >= 1
