@@ -52,13 +52,16 @@ def test_a_two_step_run_of_an_agent_program(tmp_path, kind):
     assert any(m.get("optim/step_updates", 0) > 0 for m in steps)
 
 
-@pytest.mark.parametrize("kind", ["function", "command"])
-def test_kill_9_mid_episode_then_resume_equals_an_uninterrupted_run(tmp_path, kind):
+@pytest.mark.parametrize("kind, extra", [("function", ()), ("command", ()), ("function", ("rollout.async_steps=1",))],
+                         ids=["function", "command", "function-async"])
+def test_kill_9_mid_episode_then_resume_equals_an_uninterrupted_run(tmp_path, kind, extra):
     """A ``cispo train`` process killed with SIGKILL while step 2's agent episodes are in flight (each has had
     its first call answered; `gated` then waits, as every episode started after step 1's checkpoint does),
     and resumed from that checkpoint, ends with the metrics and weights of the same run never stopped: what
     a killed episode had sampled is not kept, and step 2's episodes are played again from the checkpoint's
-    generators. A command's processes do not outlive the killed trainer."""
+    generators. A command's processes do not outlive the killed trainer. With ``rollout.async_steps=1`` the
+    checkpoint also holds a batch of agent episodes sampled ahead (whose samples the episodes' openings copied:
+    the held batch names each by its index in the prompt stream)."""
     import os
     import subprocess
     import time
@@ -81,7 +84,7 @@ def test_kill_9_mid_episode_then_resume_equals_an_uninterrupted_run(tmp_path, ki
                 "data.agent_timeout_s=60", "rollout.max_turns=4", "max_new_tokens=40", "steps=3",
                 "prompts_per_step=2", "group_size=3", "updates_per_batch=2", "lr=1e-3", "warmup_updates=1",
                 "eval.every=0", "eval.num_samples=0", "checkpoint_every=1", "keep_checkpoints=3",
-                "dynamic_sampling=false", "run_name=r", "algo.logp_old=rollout"]
+                "dynamic_sampling=false", "run_name=r", "algo.logp_old=rollout", *extra]
 
     full = train(apply_overrides(TrainConfig(), args(tmp_path / "full")))
     gate = tmp_path / "gate"
