@@ -142,6 +142,16 @@ class DataConfig:
     OpenAI-compatible endpoint the trainer serves from the policy and returns the episode's reward (None:
     the task's reward alone). Each of its calls is a policy turn; ``rollout.max_turns`` + 1 calls at most.
     Not with ``environment`` or ``tools`` (the program runs its own tools)."""
+    agent_command: str | None = None
+    """An agent program as the environment, given as a command run once per episode in a process of its own,
+    any language (``cispo.envs.agent_command``, docs/agents.md): split as a shell splits it, run without a
+    shell in the trainer's folder, the sample as JSON on its standard input and ``OPENAI_BASE_URL``,
+    ``OPENAI_API_KEY`` and ``CISPO_SESSION_ID`` in its environment (the ``openai`` client reads the first two);
+    the last line it prints, a number, is the episode's reward (nothing: the task's reward alone). Killed with
+    its process group when its episode ends. Not with ``agent``, ``environment`` or ``tools``."""
+    agent_memory_mb: int = 4096
+    """The address space (``RLIMIT_AS``, MiB) of each process of ``agent_command``: an allocation past it
+    fails. 0: no cap. (An ``agent`` function runs in the trainer's process: no cap of its own.)"""
     agent_timeout_s: float = 60.0
     """The longest an agent program (``agent``) may run between the endpoint's answers (to its first
     request; from an answer to its next request or its return): past it the episode ends, recorded as
@@ -163,9 +173,18 @@ class DataConfig:
         if self.agent is not None and (not isinstance(self.agent, str) or ":" not in self.agent):
             raise ValueError(f"data.agent: expected 'module:function' or 'path/to/file.py:function', "
                              f"got {self.agent!r}")
-        if self.agent is not None and (self.environment is not None or self.tools not in (None, [], "")):
-            raise ValueError("data.agent is set with data.environment or data.tools: an agent program runs its own "
+        command = self.agent_command
+        if command is not None and (not isinstance(command, str) or not command.strip()):
+            raise ValueError(f"data.agent_command: expected a command line, got {self.agent_command!r}")
+        if self.agent is not None and self.agent_command is not None:
+            raise ValueError("data.agent and data.agent_command are both set: give the agent program one way")
+        key = "data.agent" if self.agent is not None else "data.agent_command"
+        if (self.agent or self.agent_command) and (self.environment is not None or self.tools not in (None, [], "")):
+            raise ValueError(f"{key} is set with data.environment or data.tools: an agent program runs its own "
                              "tools (set data.tools=[] and leave data.environment unset)")
+        if not (isinstance(self.agent_memory_mb, int) and not isinstance(self.agent_memory_mb, bool)
+                and self.agent_memory_mb >= 0):
+            raise ValueError(f"data.agent_memory_mb must be an integer >= 0 (0: no cap), got {self.agent_memory_mb!r}")
         if not (isinstance(self.agent_timeout_s, (int, float)) and 0 < self.agent_timeout_s < float("inf")):
             raise ValueError(f"data.agent_timeout_s must be a number > 0, got {self.agent_timeout_s!r}")
         if self.environment is not None and self.tools not in (None, [], ""):

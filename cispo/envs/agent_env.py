@@ -8,6 +8,10 @@ and returns the episode's reward::
         ...client.chat.completions.create(model="policy", messages=..., tools=...)...
         return reward                          # a number; None: the task's reward scores the transcript
 
+or a command (``data.agent_command="python my_agent.py"``, any language): a process per episode, given the
+same through ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` and its standard input, that prints its reward
+(`cispo.envs.agent_command`: its time and memory limits).
+
 **An agent program is an environment.** Each episode is an `AgentEnv`: `AgentEnvironments.start` starts every
 episode's program at once, each in a thread of its own (an ``async`` one in its own event loop), with its
 sample, the ``base_url`` of its session on the endpoint (`cispo.envs.endpoint`) and the endpoint's key.
@@ -35,7 +39,8 @@ the prompt: seed any randomness from the sample) ends its episode, recorded in `
 ``data.reward=env``) and the run goes on. A program still running when the sampler ends its episode (the
 response's ``max_new_tokens`` spent, ``rollout.max_turns`` reached) has its waiting request answered (the
 completion so far, ``finish_reason="length"``; or 410) and may still return a reward. A program that hangs
-is left running (a thread cannot be killed; it holds no session any more).
+is left running (a thread cannot be killed; it holds no session any more); a command
+(`cispo.envs.agent_command`) is killed with its process group.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import queue
 import threading
 import time
 
+from cispo.envs.agent_command import AgentCommand, AgentProcess
 from cispo.envs.base import Env, Segment, StepResult
 from cispo.envs.call_formats import CALL_FORMATS, assistant_message, call_format_for, call_id, cast_arguments
 from cispo.envs.endpoint import AgentServer, ChatRequest, RequestError, completion_body, error_body, normal_message
@@ -59,6 +65,8 @@ __all__ = ["AgentEnvironments", "AgentEnv", "AgentEpisodes", "load_agent", "rend
 
 AGENT_ARGUMENTS = ("sample", "base_url", "api_key", "session_id")
 """What an agent program may take (by name; a ``**kwargs`` takes them all)."""
+_REAP_S = 5.0
+"""How long a killed command's waiting thread is given to read its end."""
 CALL_MARKERS = ("<tool_call>", "<function=", "[TOOL_CALLS]", "<|python_tag|>")
 """Where an assistant turn's calls begin: the reply's ``content`` is the text before the first."""
 
@@ -115,7 +123,8 @@ class AgentEnvironments(Environments):
     batch started at once; the endpoint (`AgentServer`) runs while the family lives (`close`).
 
     Args:
-        agent: the program (a function). tokenizer: the policy's, with a chat template.
+        agent: the program: a function, or an `AgentCommand` (``data.agent_command``: one process per
+            episode, `cispo.envs.agent_command`). tokenizer: the policy's, with a chat template.
         max_turns: observations per episode (``rollout.max_turns``): the program's calls less one.
         timeout_s: the longest the program may run between the endpoint's answers (``data.agent_timeout_s``).
         tool_format: ``data.tool_format``: the format the policy's calls are read in (``auto`` / ``chat``:
@@ -138,6 +147,8 @@ class AgentEnvironments(Environments):
         self.closing = turn_closing(tokenizer)
         self.specials = special_spellings(tokenizer)
         self.server = AgentServer()
+        self.processes: set[AgentProcess] = set()
+        """The commands' processes not yet reaped: killed by `close`."""
 
     def make(self, sample: dict) -> AgentEnv:
         return AgentEnv(self, sample)
@@ -153,12 +164,15 @@ class AgentEnvironments(Environments):
         return episodes
 
     def describe(self) -> str:
-        name = f"{getattr(self.agent, '__module__', '?')}.{getattr(self.agent, '__qualname__', '?')}"
+        name = self.agent.describe() if isinstance(self.agent, AgentCommand) else \
+            f"{getattr(self.agent, '__module__', '?')}.{getattr(self.agent, '__qualname__', '?')}"
         calls = f"calls read as {self.call_format.name}" if self.call_format else "no tool calls read"
         return (f"agent: {name} on {self.server.url} ({calls}; at most {self.max_turns + 1} calls per episode, "
                 f"{self.timeout_s:g} s between answers)")
 
     def close(self) -> None:
+        for process in list(self.processes):
+            process.kill()
         self.server.close()
 
 
@@ -197,20 +211,36 @@ class AgentEnv(Env):
         self.reward = None
         self.pause_reason: str | None = None  # why the sampler's segment paused: "length" | "stop" | None
         self._thread: threading.Thread | None = None
+        self._process: AgentProcess | None = None  # a command's (`AgentCommand`)
         self._deadline: float | None = None
 
     # -- the program ------------------------------------------------------------------
 
     def launch(self) -> None:
-        """Start the program in a daemon thread; its first request is due within ``timeout_s`` from now."""
+        """Start the program in a daemon thread (a command: its process, here, and a thread that waits for
+        it); its first request is due within ``timeout_s`` from now."""
         self._deadline = time.monotonic() + self.family.timeout_s
-        self._thread = threading.Thread(target=self._run, name=f"cispo-agent-{self.session.id}", daemon=True)
+        target = self._run
+        if isinstance(self.family.agent, AgentCommand):
+            given = self._given()
+            try:
+                self._process = AgentProcess(self.family.agent, given["sample"], given["base_url"],
+                                             given["api_key"], given["session_id"])
+                self.family.processes.add(self._process)
+                target = self._wait_process
+            except OSError as e:  # the program could not be started: a failed episode
+                self.session.events.put(("error", f"the agent command could not start: {valid_text(str(e))[:300]}"))
+                return
+        self._thread = threading.Thread(target=target, name=f"cispo-agent-{self.session.id}", daemon=True)
         self._thread.start()
 
-    def _arguments(self) -> dict:
+    def _given(self) -> dict:
         server = self.family.server
-        given = {"sample": dict(self.sample), "base_url": server.base_url(self.session), "api_key": server.api_key,
-                 "session_id": self.session.id}
+        return {"sample": dict(self.sample), "base_url": server.base_url(self.session), "api_key": server.api_key,
+                "session_id": self.session.id}
+
+    def _arguments(self) -> dict:
+        given = self._given()
         try:
             params = inspect.signature(self.family.agent).parameters.values()
         except (TypeError, ValueError):
@@ -227,6 +257,19 @@ class AgentEnv(Env):
             self.session.events.put(("end", result))
         except BaseException as e:  # noqa: BLE001 - the program's failure is its episode's, never the run's
             self.session.events.put(("error", valid_text(f"{type(e).__name__}: {e}")[:500]))
+
+    def _wait_process(self) -> None:
+        try:
+            self.session.events.put(("end", self._process.result()))
+        except Exception as e:  # noqa: BLE001 - the command's failure is its episode's, never the run's
+            self.session.events.put(("error", valid_text(str(e))[:1000]))
+        finally:
+            self.family.processes.discard(self._process)
+
+    def _stop_process(self) -> None:
+        """A command's process group killed (its episode is over)."""
+        if self._process is not None:
+            self._process.kill()
 
     def _next(self, deadline: float | None = None):
         """The program's next event: ``("request", (Pending, its ids))``, ``("end", value)`` or ``("error",
@@ -256,6 +299,7 @@ class AgentEnv(Env):
             elif value is not None:
                 self.error = f"the agent returned {type(value).__name__}, not a number or None: no reward"
         self.family.server.drop_session(self.session, error or how)
+        self._stop_process()
 
     # -- the Env protocol -------------------------------------------------------------
 
@@ -321,6 +365,9 @@ class AgentEnv(Env):
         if self.ended != "cut" or self._thread is None:
             return
         self._thread.join(self.family.timeout_s if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive() and self._process is not None:  # a command past its time: killed, its end read
+            self._process.kill()
+            self._thread.join(_REAP_S)
         while True:
             try:
                 kind, value = self.session.events.get_nowait()

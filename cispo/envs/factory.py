@@ -27,6 +27,7 @@ import inspect
 from cispo.data.rewards import RewardSpecError
 from cispo.data.rewards.loading import _resolve
 from cispo.data.tasks import guess_number
+from cispo.envs.agent_command import AgentCommand
 from cispo.envs.agent_env import AgentEnvironments, load_agent
 from cispo.envs.base import Env
 from cispo.envs.episodes import ClassEnvironments, Environments
@@ -140,10 +141,12 @@ def load_environment_class(spec: str, trial: bool = True):
 def run_environments(tokenizer, data_cfg, rollout_cfg) -> Environments | None:
     """The run's environments: ``data.environment``'s class (`environments_from_class`), else the built-in
     task's own environment (`TASK_ENVIRONMENTS`, where ``data.tools`` is None), else the tools of ``data.tools``
-    or the built-in task's own (``cispo.envs.tool_env.environment_from_config``), else None. ``data.agent``: its
-    program as the environment (``cispo.envs.agent_env``)."""
-    if data_cfg.agent:
-        return AgentEnvironments(load_agent(data_cfg.agent), tokenizer, rollout_cfg.max_turns, data_cfg.agent_timeout_s,
+    or the built-in task's own (``cispo.envs.tool_env.environment_from_config``), else None. ``data.agent``
+    (``data.agent_command``): its program as the environment (``cispo.envs.agent_env``)."""
+    if data_cfg.agent or data_cfg.agent_command:
+        agent = load_agent(data_cfg.agent) if data_cfg.agent else \
+            AgentCommand.parse(data_cfg.agent_command, data_cfg.agent_memory_mb)
+        return AgentEnvironments(agent, tokenizer, rollout_cfg.max_turns, data_cfg.agent_timeout_s,
                                  data_cfg.tool_format)
     if data_cfg.environment:
         return environments_from_class(load_environment_class(data_cfg.environment), tokenizer, data_cfg,

@@ -52,8 +52,8 @@ from cispo.foundations.suggest import did_you_mean
 from cispo.foundations.text import plain_str, valid_text
 
 __all__ = ["ToolCall", "ToolResult", "Tool", "ToolSpecError", "ToolRunner", "BUILTIN_TOOLS", "TOOL_OUTPUT_CHARS",
-           "TOOL_MEMORY_BYTES", "split_specs", "load_tool", "load_tools", "as_tool", "tool_schema", "cap_output",
-           "policy_error", "as_text", "calculator", "evaluate", "format_number", "python",
+           "TOOL_MEMORY_BYTES", "limit_memory", "split_specs", "load_tool", "load_tools", "as_tool", "tool_schema",
+           "cap_output", "policy_error", "as_text", "calculator", "evaluate", "format_number", "python",
            "check_python_tool"]
 
 BUILTIN_TOOLS: dict[str, str] = {"calculator": "cispo.envs.tools:calculator", "python": "cispo.envs.tools:python"}
@@ -255,7 +255,7 @@ def policy_error(message: str) -> str:
     return f"error: {short}"
 
 
-def _limit_memory(limit: int) -> None:
+def limit_memory(limit: int) -> None:
     """``RLIMIT_AS`` of this process at most ``limit`` bytes (POSIX; nothing elsewhere)."""
     try:
         import resource
@@ -285,7 +285,7 @@ def tool_job(spec: str):
     """A tool worker's job (``cispo.data.rewards.pool.RewardPool``'s ``job``): its address space capped
     (`TOOL_MEMORY_BYTES`), the tools of ``spec`` (specs joined by newlines) loaded once, and
     ``call(name, arguments) -> Outcome`` (`call_tool`)."""
-    _limit_memory(TOOL_MEMORY_BYTES)
+    limit_memory(TOOL_MEMORY_BYTES)
     tools = {t.name: t for t in (load_tool(s, trial=False) for s in spec.split("\n"))}
     return functools.partial(_timed_call, tools)
 

@@ -56,9 +56,13 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
     reads the whole transcript, or with ``scoring.policy_text`` the policy's own text (`policy_text`, kept as
     ``scored_text``), the overlong penalty the policy's tokens. An episode a context rewrote runs over several
     training rows (``cispo.envs.rows``; `Completion.continuations`): its text is its rows' responses' texts
-    joined, in order, and the overlong penalty reads its last row (the one a budget can cut)."""
+    joined, in order, and the overlong penalty reads its last row (the one a budget can cut). The prompt is
+    rendered, and the reward called, with the sample as the episodes opened it (`opened_groups`); each
+    completion's ``sample`` is still the data set's row itself, the stream's object (a checkpoint's held batch
+    keeps its index, `retire_solved` retires it)."""
     episodes = None if policy.environment is None else \
         policy.environment.start([s for s in samples for _ in range(group_size)])
+    rows_of = samples  # the data set rows: each completion's ``sample``, even where an opening changed a copy
     if episodes is not None:
         samples = opened_groups(samples, episodes.openings, group_size)
     prompt_ids = [policy.encode(s) for s in samples]
@@ -75,16 +79,16 @@ def sample_groups(policy: Policy, samples: list[dict], group_size: int, sampling
               {k: v for k, v in samples[i // group_size].items() if k != "prompt"}) for i in range(len(rows))]
     scored = score_completions(scoring.reward_fn, calls, scoring.timeout_s)  # [Scored(task reward, error, ...)]   [B]
     groups: list[list[Completion]] = []
-    for g, sample in enumerate(samples):
+    for g, origin in enumerate(rows_of):
         group = []
         for i in range(g * group_size, (g + 1) * group_size):
             task_reward, error, parts, extras = scored[i]
             first, more = sampled[i][0], sampled[i][1:]
             record = None if episodes is None else episodes.record(i, fed=_fed([r.env_mask for r in sampled[i]]))
-            c = Completion(sample, prompt_ids[g], first.response_ids, first.logp_rollout, sampled[i][-1].finish_reason,
+            c = Completion(origin, prompt_ids[g], first.response_ids, first.logp_rollout, sampled[i][-1].finish_reason,
                            "".join(texts[i]), task_reward, 0.0, error, parts, extras, first.env_mask, record,
                            None if own[i] is None else "".join(own[i]),
-                           [Completion(sample, r.prompt_ids, r.response_ids, r.logp_rollout, r.finish_reason, text,
+                           [Completion(origin, r.prompt_ids, r.response_ids, r.logp_rollout, r.finish_reason, text,
                                        env_mask=r.env_mask) for r, text in zip(more, texts[i][1:])])
             c.reward = shaped_reward(task_reward, c.rows[-1].policy_length, sampling.max_new_tokens,
                                      scoring.overlong_buffer, scoring.overlong_scope)
