@@ -26,7 +26,7 @@ TEMPLATE = ("{% if tools %}<s>{{ tools | tojson }}<eos>\n{% endif %}{% for m in 
             "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>"
             "{% endfor %}{% endif %}<eos>\n{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
 """A chat template in the tokenizer's characters: a turn is ``<u>...<eos>``, the tools' JSON first, Hermes calls."""
-SAMPLING = SamplingConfig(max_new_tokens=60, temperature=1.0)
+SAMPLING = SamplingConfig(max_new_tokens=90, temperature=1.0)  # room for three short turns and two observations
 
 
 def chat_tokenizer():

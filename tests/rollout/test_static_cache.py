@@ -18,7 +18,7 @@ from cispo.rollout import (  # noqa: E402
     static_cache,  # noqa: E402
 )
 from cispo.rollout.static_cache import StaticDecoder, unsupported_reason  # noqa: E402
-from cispo.rollout.torch_sampler import _multinomial  # noqa: E402
+from cispo.rollout.torch_sampler import _multinomial, inverse_cdf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -73,24 +73,35 @@ def compactions(monkeypatch):
     return calls
 
 
-def test_multinomial_is_torch_multinomial():
-    for B, vocab in [(1, 17), (8, 50), (5, 3000)]:
-        p = torch.rand(B, vocab).pow(4)
-        p[:, : vocab // 3] = 0
-        p = p / p.sum(-1, keepdim=True)
-        g1, g2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-        for _ in range(4):
-            assert torch.equal(torch.multinomial(p, 1, generator=g1).squeeze(1), _multinomial(p, g2))
-        assert torch.equal(g1.get_state(), g2.get_state())
+def test_inverse_cdf_picks_the_interval_that_holds_u():
+    p = torch.tensor([[0.5, 0.0, 0.25, 0.25]] * 7)
+    u = torch.tensor([0.0, 0.49, 0.5, 0.74, 0.75, 0.999, 1 - 2 ** -53], dtype=torch.float64)
+    assert inverse_cdf(p, u).tolist() == [0, 0, 2, 2, 3, 3, 3]  # token 1 (probability 0) never
+    q = torch.tensor([[0.0, 0.0, 1e-12, 1 - 1e-12, 0.0]] * 3, dtype=torch.float64)
+    u = torch.tensor([0.0, 5e-13, 2e-12], dtype=torch.float64)
+    assert inverse_cdf(q, u).tolist() == [2, 2, 3]  # a 1e-12 token keeps its own interval; the trailing 0 never
+    unnormalised = torch.tensor([[2.0, 6.0]] * 2)
+    assert inverse_cdf(unnormalised, torch.tensor([0.24, 0.26], dtype=torch.float64)).tolist() == [0, 1]
+
+
+def test_multinomial_draws_from_probs():
+    torch.manual_seed(0)
+    p = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    n = 200_000
+    draws = _multinomial(p.expand(n, 5), torch.Generator().manual_seed(1))
+    freq = torch.bincount(draws, minlength=5).double() / n
+    sd = (p.double() * (1 - p.double()) / n).sqrt()
+    assert freq[1] == 0 and ((freq - p.double()).abs() <= 5 * sd + 1e-12).all(), freq
 
 
 def test_multinomial_of_a_sub_batch_takes_the_whole_batch_draw():
     p = torch.rand(6, 40)
     p = p / p.sum(-1, keepdim=True)
     rows = torch.tensor([1, 4, 5])
-    full = _multinomial(p, torch.Generator().manual_seed(3))
-    sub = _multinomial(p[rows], torch.Generator().manual_seed(3), rows, 6)
-    assert torch.equal(sub, full[rows])
+    g_full, g_sub = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    full = _multinomial(p, g_full)
+    sub = _multinomial(p[rows], g_sub, rows, 6)
+    assert torch.equal(sub, full[rows]) and torch.equal(g_full.get_state(), g_sub.get_state())
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
