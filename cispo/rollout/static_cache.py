@@ -262,8 +262,8 @@ def _attend_chunk(attn, rotary, attention, h, kc, vc, cos, sin, mask, cols) -> t
     v = attn.v_proj(h).view(shape).transpose(1, 2)  # [b, kv_heads, m, head_dim]
     q, k = rotary(q, k, cos, sin)
     row = torch.arange(b, device=cols.device)[:, None]  # [b, 1]
-    kc[row, :, cols] = k.transpose(1, 2)  # [b, m, kv_heads, head_dim] into columns cols
-    vc[row, :, cols] = v.transpose(1, 2)
+    kc[row, :, cols] = k.transpose(1, 2).to(kc.dtype)  # [b, m, kv_heads, head_dim] into columns cols
+    vc[row, :, cols] = v.transpose(1, 2).to(vc.dtype)
     S = mask.shape[-1]
     out, _ = attention(attn, q, kc[:, :, :S], vc[:, :, :S], mask, dropout=0.0,
                        scaling=attn.scaling)  # [b, m, heads, head_dim]
