@@ -14,8 +14,9 @@ the Hugging Face module tree. :class:`StaticDecoder` does the same arithmetic wi
   quarter of the rows still computed have stopped), so a batch with early EOS gets cheaper;
 * in a multi-turn rollout (:meth:`StaticDecoder.feed`) each row has its own next column: a row that
   gets an environment's observation runs it through its cache in one forward of several positions
-  (its sampled token, then the observation's ids; attention masked per row to its own columns),
-  while the other rows decode one token in the same call;
+  (its sampled token, then the observation's ids; the tokens of all rows packed for the projections
+  and MLPs, attention masked per row to its own columns), while the other rows decode one token in
+  the same call;
 * a step calls the layers' own sub-modules (norms, projections, MLP — LoRA-wrapped ones too),
   the model's own ``apply_rotary_pos_emb`` and its SDPA attention function with the inputs
   Hugging Face would pass them, so the results are those of the ``forward`` path (equal up to
@@ -78,8 +79,7 @@ class StaticDecoder:
         model: a supported causal LM (:func:`unsupported_reason` is None).
         cache: the model's cache after the prefill of the left-padded prompt [B, P].
         prompt_mask: [B, P] 1 at real prompt tokens.
-        positions: [B, P + max_new_tokens + 1] the position of every column (prompt, response, and one
-            scratch column that the padding of :meth:`feed` writes to and nothing reads).
+        positions: [B, P + max_new_tokens] the position of every column (prompt and response).
         max_new_tokens: the response columns to reserve.
         fp32_head: logits from ``cispo.objective.logprobs.lm_logits`` (as ``TorchSampler(fp32_head=True)``),
             else from the model's ``lm_head`` cast to float32.
@@ -102,8 +102,7 @@ class StaticDecoder:
         self.head = lm_head(model)
         self.transform = logit_transform(model.config)
         B, P = prompt_mask.shape
-        self.P, L = P, P + max_new_tokens + 1
-        self.scratch = L - 1  # the column the padded positions of `feed` write to
+        self.P, L = P, P + max_new_tokens
         self.keys, self.values = [], []  # per layer [b, kv_heads, L, head_dim], written in place
         for layer in cache.layers:
             k, v = layer.keys, layer.values  # [B, kv_heads, P, head_dim] ([U, ...] with cache_rows)
@@ -188,19 +187,20 @@ class StaticDecoder:
         m = int(n.max())
         j = torch.arange(m, device=n.device)  # [m]
         real = j < n[:, None]  # [b, m] a new token, not padding
-        cols = torch.where(real, self.P + start[:, None] + j, self.scratch)  # [b, m] the cache column of each
-        src = (start[:, None] + j).clamp(max=response.shape[1] - 1)  # [b, m]
-        ids = response.index_select(0, self.rows).gather(1, src).masked_fill(~real, pad)  # [b, m]
-        S = int(cols.masked_fill(~real, 0).max()) + 1  # columns any new token attends to
+        cols = self.P + start[:, None] + j * real  # [b, m] each new token's cache column (padding: the row's first)
+        row, slot = real.nonzero(as_tuple=True)  # [N], [N] the new tokens, packed: their row and place in it
+        col = cols[row, slot]  # [N]
+        ids = response.index_select(0, self.rows)[row, col - self.P]  # [N]
+        S = int(col.max()) + 1  # columns any new token attends to
         mask = chunk_mask(self.mask[:, :S], cols)  # [b, 1, m, S]
-        index = cols[..., None].expand(-1, -1, self.cos.shape[-1])  # [b, m, head_dim]
-        cos, sin = self.cos.gather(1, index), self.sin.gather(1, index)  # [b, m, head_dim]
-        x = self.body.embed_tokens(ids)  # [b, m, H]
-        h = chunk_layer_stack(self.layers, self.body.norm, self._rotary, x, cos, sin, mask, self.keys, self.values,
-                              cols, attention=self._attention)  # [b, m, H]
-        last = (n - 1).clamp(min=0)  # [b] the last new position of each row (a stopped row: any)
-        return self._logits(h[torch.arange(len(last), device=h.device), last])  # [b, V]
-
+        cos, sin = self.cos[row, col], self.sin[row, col]  # [N, head_dim]
+        x = self.body.embed_tokens(ids)  # [N, H]
+        h = packed_layer_stack(self.layers, self.body.norm, self._rotary, x, cos, sin, mask, self.keys, self.values,
+                               row, col, slot, attention=self._attention)  # [N, H]
+        last = torch.zeros(len(n), h.shape[-1], dtype=h.dtype, device=h.device)  # [b, H] (a stopped row: zeros)
+        is_last = slot == n[row] - 1  # [N] each row's last new token
+        last[row[is_last]] = h[is_last]
+        return self._logits(last)  # [b, V]
 
 def layer_stack(layers, norm, rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], col: int, attention: Callable,
@@ -239,35 +239,38 @@ def chunk_mask(columns: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return columns[:, None, None, :] & (c <= cols[:, None, :, None])  # [b, 1, m, S]
 
 
-def chunk_layer_stack(layers, norm, rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      mask: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], cols: torch.Tensor,
-                      attention: Callable) -> torch.Tensor:
-    """m new tokens per row through every decoder layer, as the model's own layers compute them:
-    x [b, m, H] -> the final norm's hidden states [b, m, H]. Writes token j's key and value into column
-    ``cols[i, j]`` of row i of ``keys`` / ``values`` ([b, kv_heads, L, head_dim] each) and attends to the
-    first S columns where ``mask`` [b, 1, m, S] is True (``chunk_mask``)."""
+def packed_layer_stack(layers, norm, rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       mask: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], row: torch.Tensor,
+                       col: torch.Tensor, slot: torch.Tensor, attention: Callable) -> torch.Tensor:
+    """N new tokens, packed (each row's own, in order; rows add different counts), through every decoder
+    layer as the model's own layers compute them: x [N, H] -> the final norm's hidden states [N, H]. The
+    projections and MLPs run on the N tokens alone (no padding); token n's key and value go into column
+    ``col[n]`` of row ``row[n]`` of ``keys`` / ``values`` ([b, kv_heads, L, head_dim] each), and its query
+    attends, as place ``slot[n]`` of its row's m, to the first S columns where ``mask`` [b, 1, m, S] is
+    True (``chunk_mask``)."""
     for layer, kc, vc in zip(layers, keys, values):
-        x = x + _attend_chunk(layer.self_attn, rotary, attention, layer.input_layernorm(x), kc, vc, cos, sin, mask,
-                              cols)
+        x = x + _attend_packed(layer.self_attn, rotary, attention, layer.input_layernorm(x), kc, vc, cos, sin, mask,
+                               row, col, slot)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return norm(x)  # [b, m, H]
+    return norm(x)  # [N, H]
 
 
-def _attend_chunk(attn, rotary, attention, h, kc, vc, cos, sin, mask, cols) -> torch.Tensor:
-    """Self-attention of m new tokens per row at per-row cache columns ``cols`` [b, m]."""
-    b, m = h.shape[:2]
-    shape = (b, m, -1, attn.head_dim)
-    q = attn.q_proj(h).view(shape).transpose(1, 2)  # [b, heads, m, head_dim]
-    k = attn.k_proj(h).view(shape).transpose(1, 2)  # [b, kv_heads, m, head_dim]
-    v = attn.v_proj(h).view(shape).transpose(1, 2)  # [b, kv_heads, m, head_dim]
-    q, k = rotary(q, k, cos, sin)
-    row = torch.arange(b, device=cols.device)[:, None]  # [b, 1]
-    kc[row, :, cols] = k.transpose(1, 2).to(kc.dtype)  # [b, m, kv_heads, head_dim] into columns cols
-    vc[row, :, cols] = v.transpose(1, 2).to(vc.dtype)
-    S = mask.shape[-1]
-    out, _ = attention(attn, q, kc[:, :, :S], vc[:, :, :S], mask, dropout=0.0,
+def _attend_packed(attn, rotary, attention, h, kc, vc, cos, sin, mask, row, col, slot) -> torch.Tensor:
+    """Self-attention of N packed new tokens (``packed_layer_stack``); the queries are laid out per row
+    [b, heads, m, head_dim] (zeros at the padding) for the attention function alone."""
+    N, d = h.shape[0], attn.head_dim
+    q = attn.q_proj(h).view(N, -1, d)  # [N, heads, head_dim]
+    k = attn.k_proj(h).view(N, -1, d)  # [N, kv_heads, head_dim]
+    v = attn.v_proj(h).view(N, -1, d)  # [N, kv_heads, head_dim]
+    q, k = rotary(q, k, cos, sin)  # cos, sin [N, head_dim] -> [N, 1, head_dim] over the heads
+    kc[row, :, col] = k.to(kc.dtype)  # into each token's row and column
+    vc[row, :, col] = v.to(vc.dtype)
+    b, _, m, S = mask.shape
+    qp = q.new_zeros(b, m, q.shape[1], d)  # [b, m, heads, head_dim]
+    qp[row, slot] = q
+    out, _ = attention(attn, qp.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], mask, dropout=0.0,
                        scaling=attn.scaling)  # [b, m, heads, head_dim]
-    return attn.o_proj(out.reshape(b, m, -1).contiguous())  # [b, m, H]
+    return attn.o_proj(out[row, slot].reshape(N, -1))  # [N, H]
 
 
 def matmul_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

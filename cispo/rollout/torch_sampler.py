@@ -322,8 +322,7 @@ class TorchSampler(Sampler):
             logits, cache = self._forward(prompt[first], prompt_mask[first], pos[first], None, True)  # [U, V]
             logits = logits.index_select(0, copies)  # [B, V]
         if cfg.use_cache and n_new > 1 and self._lean(prompt.shape[1] + n_new):
-            after = torch.arange(n_new + 1, device=dev)  # the response columns and the decoder's scratch column
-            positions = torch.cat([pos, pos[:, -1:] + 1 + after], dim=1)  # [B, P + n_new + 1]
+            positions = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(n_new, device=dev)], dim=1)  # [B, P + n_new]
             if self.compile_step and self._layer_stack is None:
                 from cispo.models.compile import CompiledLayerStack
 
