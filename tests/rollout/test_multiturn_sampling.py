@@ -201,3 +201,30 @@ def test_an_observation_takes_one_forward(model):
     policy = n - int(batch.env_mask.sum())
     assert batch.finish_reason == ["eos"] and int(batch.env_mask.sum()) == 3 + 1 + 2  # every observation fed
     assert counts == [policy, n]
+
+
+def test_left_aligned_contexts_by_value():
+    from cispo.rollout.torch_sampler import left_aligned
+
+    prompt = torch.tensor([[0, 2, 3], [4, 5, 6]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    response = torch.tensor([[7, 8, 9, 0], [10, 11, 0, 0]])
+    ids, mask = left_aligned(prompt, prompt_mask, response, torch.tensor([3, 1]), PAD)
+    # row 0: 2 prompt ids + 3 response ids = 5; row 1: 3 + 1 = 4, one pad on the left
+    assert ids.tolist() == [[2, 3, 7, 8, 9], [0, 4, 5, 6, 10]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
+
+
+def test_chunk_mask_and_mark_seen_by_value():
+    from cispo.rollout.static_cache import chunk_mask
+    from cispo.rollout.torch_sampler import mark_seen
+
+    columns = torch.tensor([[False, True, True, True, True], [True, True, True, True, True]])
+    cols = torch.tensor([[2, 3], [4, 4]])  # row 0: two new tokens at 2 and 3; row 1: one at 4 (and padding)
+    mask = chunk_mask(columns, cols)
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0].int().tolist() == [[0, 1, 1, 0, 0], [0, 1, 1, 1, 0]]
+    assert mask[1, 0].int().tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    context = torch.zeros(2, 8, dtype=torch.bool)
+    mark_seen(context, torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([1, 0]), torch.tensor([3, 1]))
+    assert context.nonzero().tolist() == [[0, 2], [0, 3], [1, 4]]
