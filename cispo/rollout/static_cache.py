@@ -173,7 +173,7 @@ class StaticDecoder:
              pad: int) -> torch.Tensor:
         """Run every computed row's new response columns ``start[i] .. stop[i] - 1`` (``response`` [B, T]; its
         sampled token, then the observation it was given, if any) through its cache in one forward, each row
-        at its own columns; ``finished`` [B] rows already stopped (nothing new: ``start == stop``).
+        at its own columns; ``finished`` [B] rows already stopped (they run one pad token, its logits unused).
 
         Returns the next-token logits [b, V] at each computed row's last new column (rows ``self.rows``). When
         every live row adds one token at one column this is :meth:`step` (same kernels)."""
@@ -184,23 +184,26 @@ class StaticDecoder:
             c = int(live_start[0]) if len(live_start) else 0
             tokens = response.index_select(0, self.rows)[:, c].masked_fill(~alive, pad)  # [b]
             return self._one_column(tokens, self.P + c)
+        width = self.mask.shape[1] - self.P  # response columns
+        start = torch.where(alive, start, start.clamp(max=width - 1))  # [b]
+        n = torch.where(alive, n, 1)  # [b] a stopped row: one pad token, written to its own cache, never read
         m = int(n.max())
         j = torch.arange(m, device=n.device)  # [m]
         real = j < n[:, None]  # [b, m] a new token, not padding
         cols = self.P + start[:, None] + j * real  # [b, m] each new token's cache column (padding: the row's first)
         row, slot = real.nonzero(as_tuple=True)  # [N], [N] the new tokens, packed: their row and place in it
         col = cols[row, slot]  # [N]
-        ids = response.index_select(0, self.rows)[row, col - self.P]  # [N]
+        ids = response.index_select(0, self.rows)[row, col - self.P].masked_fill(~alive[row], pad)  # [N]
         S = int(col.max()) + 1  # columns any new token attends to
         mask = chunk_mask(self.mask[:, :S], cols)  # [b, 1, m, S]
         cos, sin = self.cos[row, col], self.sin[row, col]  # [N, head_dim]
         x = self.body.embed_tokens(ids)  # [N, H]
         h = packed_layer_stack(self.layers, self.body.norm, self._rotary, x, cos, sin, mask, self.keys, self.values,
-                               row, col, slot, attention=self._attention)  # [N, H]
-        last = torch.zeros(len(n), h.shape[-1], dtype=h.dtype, device=h.device)  # [b, H] (a stopped row: zeros)
-        is_last = slot == n[row] - 1  # [N] each row's last new token
-        last[row[is_last]] = h[is_last]
-        return self._logits(last)  # [b, V]
+                               row, col, None if m == 1 else slot, attention=self._attention)  # [N, H]
+        if m == 1:  # one token per row, in row order: N = b
+            return self._logits(h)  # [b, V]
+        return self._logits(h[slot == n[row] - 1])  # [b, V] each row's last new token
+
 
 def layer_stack(layers, norm, rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], col: int, attention: Callable,
@@ -241,13 +244,13 @@ def chunk_mask(columns: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
 
 def packed_layer_stack(layers, norm, rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        mask: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], row: torch.Tensor,
-                       col: torch.Tensor, slot: torch.Tensor, attention: Callable) -> torch.Tensor:
+                       col: torch.Tensor, slot: torch.Tensor | None, attention: Callable) -> torch.Tensor:
     """N new tokens, packed (each row's own, in order; rows add different counts), through every decoder
     layer as the model's own layers compute them: x [N, H] -> the final norm's hidden states [N, H]. The
     projections and MLPs run on the N tokens alone (no padding); token n's key and value go into column
     ``col[n]`` of row ``row[n]`` of ``keys`` / ``values`` ([b, kv_heads, L, head_dim] each), and its query
     attends, as place ``slot[n]`` of its row's m, to the first S columns where ``mask`` [b, 1, m, S] is
-    True (``chunk_mask``)."""
+    True (``chunk_mask``). ``slot`` None: one token per row, in row order (N = b, m = 1)."""
     for layer, kc, vc in zip(layers, keys, values):
         x = x + _attend_packed(layer.self_attn, rotary, attention, layer.input_layernorm(x), kc, vc, cos, sin, mask,
                                row, col, slot)
@@ -266,11 +269,15 @@ def _attend_packed(attn, rotary, attention, h, kc, vc, cos, sin, mask, row, col,
     kc[row, :, col] = k.to(kc.dtype)  # into each token's row and column
     vc[row, :, col] = v.to(vc.dtype)
     b, _, m, S = mask.shape
-    qp = q.new_zeros(b, m, q.shape[1], d)  # [b, m, heads, head_dim]
-    qp[row, slot] = q
+    if slot is None:  # one token per row, in row order
+        qp = q[:, None]  # [b, 1, heads, head_dim]
+    else:
+        qp = q.new_zeros(b, m, q.shape[1], d)  # [b, m, heads, head_dim]
+        qp[row, slot] = q
     out, _ = attention(attn, qp.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], mask, dropout=0.0,
                        scaling=attn.scaling)  # [b, m, heads, head_dim]
-    return attn.o_proj(out[row, slot].reshape(N, -1))  # [N, H]
+    out = out[:, 0] if slot is None else out[row, slot]  # [N, heads, head_dim]
+    return attn.o_proj(out.reshape(N, -1))  # [N, H]
 
 
 def matmul_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
