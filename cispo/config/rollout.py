@@ -122,6 +122,12 @@ class RolloutConfig:
     rotary table and mask once per batch, stopped rows dropped; Llama / Qwen2 / Mistral),
     ``hf`` (the model's forward with its dynamic cache), ``auto`` (static where supported).
     Same tokens and log-probs either way; static is faster (docs/performance.md)."""
+    prefill_observations: bool = True
+    """Multi-turn rollouts (an environment): the torch sampler runs a row's whole observation through
+    its KV cache in one forward, so the batch takes one step per turn instead of one per observation
+    token (static decode and ``use_cache=false``; ``hf`` feeds token by token). Same response layout,
+    log-probs equal to a full recompute; the random draws fall on other steps, so sampled tokens
+    differ from ``false`` (token by token) at the same seed, equal when greedy (docs/performance.md)."""
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take for its weights and KV cache (the trainer shares the
     GPU; TRL's colocate default)."""

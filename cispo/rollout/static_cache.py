@@ -12,6 +12,11 @@ the Hugging Face module tree. :class:`StaticDecoder` does the same arithmetic wi
   computed once per batch; a step takes a slice;
 * rows that have stopped are dropped from the compute batch (the buffers are compacted when a
   quarter of the rows still computed have stopped), so a batch with early EOS gets cheaper;
+* in a multi-turn rollout (:meth:`StaticDecoder.feed`) each row has its own next column: a row that
+  gets an environment's observation runs it through its cache in one forward of several positions
+  (its sampled token, then the observation's ids; the tokens of all rows packed for the projections
+  and MLPs, attention masked per row to its own columns), while the other rows decode one token in
+  the same call;
 * a step calls the layers' own sub-modules (norms, projections, MLP — LoRA-wrapped ones too),
   the model's own ``apply_rotary_pos_emb`` and its SDPA attention function with the inputs
   Hugging Face would pass them, so the results are those of the ``forward`` path (equal up to
@@ -103,8 +108,10 @@ class StaticDecoder:
             k, v = layer.keys, layer.values  # [B, kv_heads, P, head_dim] ([U, ...] with cache_rows)
             if cache_rows is not None:
                 k, v = k.index_select(0, cache_rows), v.index_select(0, cache_rows)  # [B, kv_heads, P, head_dim]
-            kb = k.new_empty(B, k.shape[1], L, k.shape[3])
-            vb = v.new_empty(B, v.shape[1], L, v.shape[3])
+            # zeros, not empty: `feed` attends to columns another row wrote but this one has not (masked; a
+            # NaN left in freed memory would survive the mask)
+            kb = k.new_zeros(B, k.shape[1], L, k.shape[3])
+            vb = v.new_zeros(B, v.shape[1], L, v.shape[3])
             kb[:, :, :P], vb[:, :, :P] = k, v
             self.keys.append(kb)
             self.values.append(vb)
@@ -112,7 +119,7 @@ class StaticDecoder:
         # cos, sin [B, L, head_dim]: computed once, in the dtype the model's own forward uses (the embeddings').
         self.cos, self.sin = self.body.rotary_emb(weight.new_empty(0), positions)
         # Every response column is attended (a stopped row's pads come after its real tokens).
-        self.mask = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(B, max_new_tokens, dtype=torch.bool)], 1)
+        self.mask = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(B, L - P, dtype=torch.bool)], 1)  # [B, L]
         self.rows = torch.arange(B, device=prompt_mask.device)  # [b] original rows still computed
         self._set_padded()
 
@@ -129,25 +136,73 @@ class StaticDecoder:
         self.rows = self.rows.index_select(0, keep)
         self._set_padded()
 
+    def _drop_stopped(self, finished: torch.Tensor) -> torch.Tensor:
+        """Compact when enough computed rows have stopped (``finished`` [B]); returns the computed rows'
+        liveness [b]."""
+        alive = ~finished.index_select(0, self.rows)  # [b]
+        if int(alive.sum()) <= (1 - COMPACT_WHEN_STOPPED) * len(self.rows):
+            self._compact(alive.nonzero().squeeze(1))
+            alive = ~finished.index_select(0, self.rows)
+        return alive
+
     def step(self, tokens: torch.Tensor, finished: torch.Tensor, t: int) -> torch.Tensor:
         """Feed response token ``t`` (``tokens`` [B], over all rows; ``finished`` [B] rows already stopped).
 
         Returns the float32 next-token logits [b, V] of the rows in ``self.rows`` [b] (a subset of the
         unfinished ones may be dropped only when stopped: every unfinished row is in ``self.rows``)."""
-        alive = ~finished.index_select(0, self.rows)  # [b]
-        n_alive = int(alive.sum())
-        if n_alive <= (1 - COMPACT_WHEN_STOPPED) * len(self.rows):
-            self._compact(alive.nonzero().squeeze(1))
-        col = self.P + t  # the column this token's key/value goes to
+        self._drop_stopped(finished)
+        return self._one_column(tokens.index_select(0, self.rows), self.P + t)
+
+    def _one_column(self, tokens: torch.Tensor, col: int) -> torch.Tensor:
+        """One token per computed row (``tokens`` [b]) at cache column ``col`` -> next-token logits [b, V]."""
         seen = col + 1
-        x = self.body.embed_tokens(tokens.index_select(0, self.rows)[:, None])  # [b, 1, H]
+        x = self.body.embed_tokens(tokens[:, None])  # [b, 1, H]
         cos, sin = self.cos[:, col : col + 1], self.sin[:, col : col + 1]  # [b, 1, head_dim]
         mask = self.mask[:, None, None, :seen]  # [b, 1, 1, seen]
         args = (self.layers, self.body.norm, self._rotary, x, cos, sin, mask, self.keys, self.values, col)
         h = (self.layer_stack or layer_stack)(*args, attention=self._attention, padded=self.padded)  # [b, H]
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The float32 next-token logits [b, V] of final hidden states h [b, H]."""
         if self.fp32_head:
             return lm_logits(h, self.head.weight, bias=getattr(self.head, "bias", None), transform=self.transform)
         return self.head(h).float()  # [b, V]
+
+    def feed(self, response: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, finished: torch.Tensor,
+             pad: int) -> torch.Tensor:
+        """Run every computed row's new response columns ``start[i] .. stop[i] - 1`` (``response`` [B, T]; its
+        sampled token, then the observation it was given, if any) through its cache in one forward, each row
+        at its own columns; ``finished`` [B] rows already stopped (they run one pad token, its logits unused).
+
+        Returns the next-token logits [b, V] at each computed row's last new column (rows ``self.rows``). When
+        every live row adds one token at one column this is :meth:`step` (same kernels)."""
+        alive = self._drop_stopped(finished)  # [b]
+        start, n = start.index_select(0, self.rows), (stop - start).index_select(0, self.rows)  # [b], [b]
+        live_start, live_n = start[alive], n[alive]
+        if bool((live_n == 1).all()) and bool((live_start == live_start[:1]).all()):
+            c = int(live_start[0]) if len(live_start) else 0
+            tokens = response.index_select(0, self.rows)[:, c].masked_fill(~alive, pad)  # [b]
+            return self._one_column(tokens, self.P + c)
+        width = self.mask.shape[1] - self.P  # response columns
+        start = torch.where(alive, start, start.clamp(max=width - 1))  # [b]
+        n = torch.where(alive, n, 1)  # [b] a stopped row: one pad token, written to its own cache, never read
+        m = int(n.max())
+        j = torch.arange(m, device=n.device)  # [m]
+        real = j < n[:, None]  # [b, m] a new token, not padding
+        cols = self.P + start[:, None] + j * real  # [b, m] each new token's cache column (padding: the row's first)
+        row, slot = real.nonzero(as_tuple=True)  # [N], [N] the new tokens, packed: their row and place in it
+        col = cols[row, slot]  # [N]
+        ids = response.index_select(0, self.rows)[row, col - self.P].masked_fill(~alive[row], pad)  # [N]
+        S = int(col.max()) + 1  # columns any new token attends to
+        mask = chunk_mask(self.mask[:, :S], cols)  # [b, 1, m, S]
+        cos, sin = self.cos[row, col], self.sin[row, col]  # [N, head_dim]
+        x = self.body.embed_tokens(ids)  # [N, H]
+        h = packed_layer_stack(self.layers, self.body.norm, self._rotary, x, cos, sin, mask, self.keys, self.values,
+                               row, col, None if m == 1 else slot, attention=self._attention)  # [N, H]
+        if m == 1:  # one token per row, in row order: N = b
+            return self._logits(h)  # [b, V]
+        return self._logits(h[slot == n[row] - 1])  # [b, V] each row's last new token
 
 
 def layer_stack(layers, norm, rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
@@ -177,6 +232,52 @@ def _attend(attn, rotary, attention, h, kc, vc, cos, sin, mask, col: int) -> tor
     out, _ = attention(attn, q, kc[:, :, : col + 1], vc[:, :, : col + 1], mask, dropout=0.0,
                        scaling=attn.scaling)  # [b, 1, heads, head_dim]
     return attn.o_proj(out.reshape(h.shape[0], 1, -1).contiguous())  # [b, 1, H]
+
+
+def chunk_mask(columns: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Which cache columns each new token attends to: mask[i, 0, j, c] = columns[i, c] and c <= cols[i, j]
+    (a real column of row i's context, at or before token j's own column). columns [b, S] bool (True: a real
+    token, not padding), cols [b, m] -> [b, 1, m, S]."""
+    c = torch.arange(columns.shape[1], device=cols.device)  # [S]
+    return columns[:, None, None, :] & (c <= cols[:, None, :, None])  # [b, 1, m, S]
+
+
+def packed_layer_stack(layers, norm, rotary, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       mask: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], row: torch.Tensor,
+                       col: torch.Tensor, slot: torch.Tensor | None, attention: Callable) -> torch.Tensor:
+    """N new tokens, packed (each row's own, in order; rows add different counts), through every decoder
+    layer as the model's own layers compute them: x [N, H] -> the final norm's hidden states [N, H]. The
+    projections and MLPs run on the N tokens alone (no padding); token n's key and value go into column
+    ``col[n]`` of row ``row[n]`` of ``keys`` / ``values`` ([b, kv_heads, L, head_dim] each), and its query
+    attends, as place ``slot[n]`` of its row's m, to the first S columns where ``mask`` [b, 1, m, S] is
+    True (``chunk_mask``). ``slot`` None: one token per row, in row order (N = b, m = 1)."""
+    for layer, kc, vc in zip(layers, keys, values):
+        x = x + _attend_packed(layer.self_attn, rotary, attention, layer.input_layernorm(x), kc, vc, cos, sin, mask,
+                               row, col, slot)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return norm(x)  # [N, H]
+
+
+def _attend_packed(attn, rotary, attention, h, kc, vc, cos, sin, mask, row, col, slot) -> torch.Tensor:
+    """Self-attention of N packed new tokens (``packed_layer_stack``); the queries are laid out per row
+    [b, heads, m, head_dim] (zeros at the padding) for the attention function alone."""
+    N, d = h.shape[0], attn.head_dim
+    q = attn.q_proj(h).view(N, -1, d)  # [N, heads, head_dim]
+    k = attn.k_proj(h).view(N, -1, d)  # [N, kv_heads, head_dim]
+    v = attn.v_proj(h).view(N, -1, d)  # [N, kv_heads, head_dim]
+    q, k = rotary(q, k, cos, sin)  # cos, sin [N, head_dim] -> [N, 1, head_dim] over the heads
+    kc[row, :, col] = k.to(kc.dtype)  # into each token's row and column
+    vc[row, :, col] = v.to(vc.dtype)
+    b, _, m, S = mask.shape
+    if slot is None:  # one token per row, in row order
+        qp = q[:, None]  # [b, 1, heads, head_dim]
+    else:
+        qp = q.new_zeros(b, m, q.shape[1], d)  # [b, m, heads, head_dim]
+        qp[row, slot] = q
+    out, _ = attention(attn, qp.transpose(1, 2), kc[:, :, :S], vc[:, :, :S], mask, dropout=0.0,
+                       scaling=attn.scaling)  # [b, m, heads, head_dim]
+    out = out[:, 0] if slot is None else out[row, slot]  # [N, heads, head_dim]
+    return attn.o_proj(out.reshape(N, -1))  # [N, H]
 
 
 def matmul_attention(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

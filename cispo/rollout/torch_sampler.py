@@ -63,6 +63,32 @@ def shared_rows(prompts: Sequence[Sequence[int]], device=None) -> tuple[torch.Te
     return torch.tensor(first, device=device), torch.tensor(copies, device=device)
 
 
+def left_aligned(prompt: torch.Tensor, prompt_mask: torch.Tensor, response: torch.Tensor, lengths: torch.Tensor,
+                 pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's context — its real prompt ids (prompt [B, P], prompt_mask [B, P]), then the first
+    ``lengths[i]`` ids of its response [B, T] — left-padded to the longest: ids, attention mask [B, S]."""
+    ids = torch.cat([prompt, response], 1)  # [B, P + T]
+    cols = torch.arange(response.shape[1], device=response.device)  # [T]
+    keep = torch.cat([prompt_mask.bool(), cols < lengths[:, None]], 1)  # [B, P + T]
+    n_keep = keep.sum(1)  # [B]
+    S = int(n_keep.max())
+    dest = keep.long().cumsum(1) - 1 + (S - n_keep)[:, None]  # [B, P + T] where each kept id goes
+    r, c = keep.nonzero(as_tuple=True)
+    out = ids.new_full((len(ids), S), pad)
+    mask = torch.zeros_like(out)
+    out[r, dest[r, c]] = ids[r, c]
+    mask[r, dest[r, c]] = 1
+    return out, mask  # [B, S], [B, S]
+
+
+def mark_seen(context: torch.Tensor, response: torch.Tensor, start: torch.Tensor, stop: torch.Tensor) -> None:
+    """Put the response ids of columns ``start[i] .. stop[i] - 1`` (response [B, T]) into ``context`` [B, V]
+    (bool: the ids the repetition penalty reaches), in place."""
+    cols = torch.arange(response.shape[1], device=response.device)  # [T]
+    r, c = ((cols >= start[:, None]) & (cols < stop[:, None])).nonzero(as_tuple=True)
+    context[r, response[r, c]] = True
+
+
 class TorchSampler(Sampler):
     """Samples from a ``transformers`` causal LM (anything whose ``forward`` takes ``input_ids``,
     ``attention_mask``, ``position_ids``, ``use_cache`` and a KV cache, and returns ``.logits``).
@@ -93,6 +119,14 @@ class TorchSampler(Sampler):
             (``cispo.models.compile.CompiledLayerStack``: compiled in the first decode step, reused by every
             later ``generate``; eager after a compile error). Log-probs within float32 rounding of
             the eager decode's (tested); ignored where the forward path decodes.
+        prefill_observations: in a multi-turn rollout, run a row's whole observation through its KV cache in
+            one forward (with the token that ended its turn; the other rows decode one token in the same
+            step), so the row samples again at the next step: the batch takes one step per turn, not one
+            per observation token. Same response layout, log-probs equal to a full recompute (tested);
+            the tokens drawn differ from the token-by-token schedule's under sampling (the random
+            numbers are drawn per step), equal when greedy. Applies to the static decode and the
+            reference (``use_cache=False``); the ``hf`` decode feeds observations token by token. False:
+            token by token everywhere.
         share_prefill: prefill each distinct prompt of a batch once and give its logits and KV cache to
             every row that has it (a group's G rows; ``shared_rows``): the prefill costs ~1/G of one
             per row, with the same tokens and log-probs up to float rounding (tested). False: one
@@ -106,7 +140,7 @@ class TorchSampler(Sampler):
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int | Sequence[int], pad_token_id: int,
                  autocast: torch.dtype | None = None, fp32_head: bool = False, decode: str = "auto",
-                 compile_step: bool = False, share_prefill: bool = True) -> None:
+                 compile_step: bool = False, share_prefill: bool = True, prefill_observations: bool = True) -> None:
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         if decode == "static" and (why := unsupported_reason(model)) is not None:
@@ -114,6 +148,7 @@ class TorchSampler(Sampler):
         self.decode = decode
         self.compile_step = compile_step
         self.share_prefill = share_prefill
+        self.prefill_observations = prefill_observations
         self._layer_stack = None  # the compiled decode step, built at the first static decode
         self.model = model
         self.autocast = autocast
@@ -133,7 +168,7 @@ class TorchSampler(Sampler):
         sampler's own copy of the weights)."""
         return TorchSampler(model, self.stop_token_ids, self.pad_token_id, autocast=self.autocast,
                             fp32_head=self.fp32_head, decode=self.decode, compile_step=self.compile_step,
-                            share_prefill=self.share_prefill)
+                            share_prefill=self.share_prefill, prefill_observations=self.prefill_observations)
 
     def lock_step(self, all_ranks_done: Callable[[bool], bool] | None) -> None:
         """Decode until ``all_ranks_done(done)`` says every rank's rows have stopped (None: alone)."""
@@ -245,16 +280,20 @@ class TorchSampler(Sampler):
         rows = None  # [b] the rows the logits belong to (None: all B)
         penalised = cfg.repetition_penalty != 1.0
         context = seen_tokens(prompt, prompt_mask, logits.shape[-1]) if penalised else None  # [B, V] in the context
-        T, told = n_new, 0  # told: rows said stopped to `rows_done`
+        chunked = episodes is not None and self.prefill_observations and (lean is not None or not cfg.use_cache)
+        told = 0  # rows said stopped to `rows_done`
         for t in range(n_new):
             in_context = context if context is None or rows is None else context.index_select(0, rows)  # [b, V]
             tok, tok_logp = self._pick(logits, cfg, generator, rows, B, in_context)  # [b], [b]
             if rows is not None:  # back to [B]; dropped rows have stopped, their values are masked below
                 tok = torch.full((B,), pad, dtype=tok.dtype, device=dev).index_copy_(0, rows, tok)  # [B]
                 tok_logp = torch.zeros(B, dtype=tok_logp.dtype, device=dev).index_copy_(0, rows, tok_logp)  # [B]
+            start = out.col.clone()  # [B] the column each row writes this step
             out.record(t, tok, tok_logp)
-            if context is not None:  # the token just recorded (sampled or fed) is in the context from now on
-                context[torch.arange(B, device=dev), out.response[:, t]] = True
+            if chunked:
+                out.take_observations()  # whole observations, after the token that ended the turn
+            if context is not None:  # the tokens just written (sampled or fed) are in the context from now on
+                mark_seen(context, out.response, start, out.col)
             if self.rows_done is not None:  # a progress bar: the rows that stopped at this step
                 stopped = B if t == n_new - 1 else int(out.finished.sum())
                 if stopped > told:
@@ -264,20 +303,20 @@ class TorchSampler(Sampler):
             if self._all_ranks_done is not None:
                 done = self._all_ranks_done(done)
             if t == n_new - 1 or done:
-                T = t + 1
                 break
-            seen = P + t + 1  # tokens so far, incl. the one just sampled
+            seen = P + t + 1  # tokens so far, incl. the one just sampled (token-by-token schedule)
             if lean is not None:
-                logits = lean.step(out.response[:, t], out.finished, t)  # [b, V]
+                logits = (lean.feed(out.response, start, out.col, out.finished, pad) if chunked
+                          else lean.step(out.response[:, t], out.finished, t))  # [b, V]
                 rows = None if len(lean.rows) == B else lean.rows
             elif cfg.use_cache:
                 logits, cache = self._forward(out.response[:, t : t + 1], attn[:, :seen], next_pos, cache, True)
-            else:  # reference: recompute the whole sequence
-                mask = attn[:, :seen]  # [B, seen]
-                ids = torch.cat([prompt, out.response[:, : t + 1]], dim=1)  # [B, seen]
+            else:  # reference: recompute each row's whole context
+                ids, mask = ((left_aligned(prompt, prompt_mask, out.response, out.col, pad)) if chunked else
+                             (torch.cat([prompt, out.response[:, : t + 1]], dim=1), attn[:, :seen]))  # [B, S]
                 logits, _ = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), None, False)
             next_pos = next_pos + 1
-        return prompt, prompt_mask, *out.outputs(T)
+        return prompt, prompt_mask, *out.outputs(t + 1)
 
     def _prefill(self, prompts, prompt: torch.Tensor, prompt_mask: torch.Tensor, pos: torch.Tensor,
                  cfg: SamplingConfig):

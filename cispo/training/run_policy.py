@@ -223,6 +223,7 @@ def load_policy_for(cfg: TrainConfig, task, device: torch.device, load_device: t
     else:
         sampler = TorchSampler(model, stops, tokenizer.pad_token_id, autocast=autocast,
                                fp32_head=cfg.model.fp32_lm_head, decode=cfg.rollout.decode,
+                               prefill_observations=cfg.rollout.prefill_observations,
                                compile_step=compile_wanted(cfg.model.compile, device, cfg.steps, cfg.model.fsdp))
     body = train_body(cfg.model, model, device, tokenizer.pad_token_id, cfg.steps)
     environment = run_environment(cfg, tokenizer, templated)

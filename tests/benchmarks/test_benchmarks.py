@@ -35,6 +35,7 @@ SCRIPTS = {  # script (under benchmarks/) -> the string(s) its --tiny output mus
     "step/bench_logp_old.py": "recompute / rollout",
     "rollout/bench_async.py": "sync / async",
     "rollout/bench_decode_floor.py": ("exponential / inverse-CDF by pair", "bandwidth floor"),
+    "rollout/bench_observation_prefill.py": "prefilled / token by token",
     "vs_trl/bench_startup.py": ("start-up / floor", "largest top-level imports"),
 }
 TRL_SCRIPTS = {"vs_trl/bench_trl.py", "vs_trl/bench_trl_smollm2.py"}  # need trl: tested one by one below

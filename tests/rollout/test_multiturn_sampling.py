@@ -135,3 +135,96 @@ def test_without_an_environment_there_is_no_env_mask(model):
     sampler = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD)
     batch = sampler.generate(PROMPTS, SamplingConfig(max_new_tokens=8), torch.Generator().manual_seed(0))
     assert batch.env_mask is None
+
+
+def rollout_with(model, every, prefill, decode="static", temperature=1.0, max_new_tokens=40, prompts=PROMPTS,
+                 seed=0, **cfg):
+    env = Scripted(list(every))
+    sampler = TorchSampler(model, eos_token_id=EOS, pad_token_id=PAD, decode=decode, prefill_observations=prefill)
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, **cfg)
+    return sampler.generate(prompts, sampling, torch.Generator().manual_seed(seed), episodes=env), env
+
+
+def assert_same_rollout(a, b):
+    assert torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.response_mask, b.response_mask) and torch.equal(a.env_mask, b.env_mask)
+    assert a.finish_reason == b.finish_reason
+    torch.testing.assert_close(a.logp_rollout, b.logp_rollout, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("every,max_new_tokens", [((2, 5, 9, 3), 40), ((2, 2, 2, 2), 4), ((1, 3, 2, 4), 7)])
+@pytest.mark.parametrize("decode", ["static", "hf"])
+def test_greedy_rollouts_are_the_same_observations_prefilled_or_fed_token_by_token(model, every, max_new_tokens,
+                                                                                    decode):
+    """Greedy draws no random numbers, so the schedules must give the same tokens: rows at different turns,
+    an observation cut by the cap (max_new_tokens 4 and 7), the two rows that share a prompt."""
+    chunked, _ = rollout_with(model, every, True, temperature=0.0, max_new_tokens=max_new_tokens)
+    fed, _ = rollout_with(model, every, False, decode=decode, temperature=0.0, max_new_tokens=max_new_tokens)
+    assert chunked.env_mask.sum() > 0
+    assert_same_rollout(chunked, fed)
+
+
+def test_greedy_rollouts_agree_with_the_repetition_penalty_and_stop(model):
+    """The repetition penalty sees the prefilled observation ids as it sees fed ones."""
+    kw = dict(temperature=0.0, repetition_penalty=1.5, repetition_stop_tokens=6, repetition_stop_prob=0.5)
+    chunked, _ = rollout_with(model, (2, 5, 9, 3), True, **kw)
+    fed, _ = rollout_with(model, (2, 5, 9, 3), False, **kw)
+    assert_same_rollout(chunked, fed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampled_rollouts_equal_the_reference_on_the_same_schedule(model, seed):
+    """Under sampling the static decode and the no-cache reference (which recomputes every row's whole
+    context each step) follow one schedule, so they draw the same tokens; groups of rows share a prompt."""
+    prompts = [p for p in PROMPTS[:3] for _ in range(3)]
+    every = [2, 5, 1, 3, 4, 2, 6, 1, 3]
+    a, _ = rollout_with(model, every, True, prompts=prompts, seed=seed)
+    b, _ = rollout_with(model, every, True, prompts=prompts, seed=seed, use_cache=False)
+    assert a.env_mask.sum() > 0
+    assert_same_rollout(a, b)
+
+
+def test_an_observation_takes_one_forward(model):
+    """One row, turns after every 2 sampled tokens: the prefilled schedule calls the decoder once per
+    sampled token (the prefill, then after each token but the last), token by token once per token."""
+    calls = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        counts = []
+        for prefill in (True, False):
+            calls.clear()
+            batch, _ = rollout_with(model, (2,), prefill, temperature=0.0, prompts=PROMPTS[:1])
+            counts.append(len(calls))
+    finally:
+        hook.remove()
+    n = int(batch.response_mask.sum())
+    policy = n - int(batch.env_mask.sum())
+    assert batch.finish_reason == ["eos"] and int(batch.env_mask.sum()) == 3 + 1 + 2  # every observation fed
+    assert counts == [policy, n]
+
+
+def test_left_aligned_contexts_by_value():
+    from cispo.rollout.torch_sampler import left_aligned
+
+    prompt = torch.tensor([[0, 2, 3], [4, 5, 6]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    response = torch.tensor([[7, 8, 9, 0], [10, 11, 0, 0]])
+    ids, mask = left_aligned(prompt, prompt_mask, response, torch.tensor([3, 1]), PAD)
+    # row 0: 2 prompt ids + 3 response ids = 5; row 1: 3 + 1 = 4, one pad on the left
+    assert ids.tolist() == [[2, 3, 7, 8, 9], [0, 4, 5, 6, 10]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
+
+
+def test_chunk_mask_and_mark_seen_by_value():
+    from cispo.rollout.static_cache import chunk_mask
+    from cispo.rollout.torch_sampler import mark_seen
+
+    columns = torch.tensor([[False, True, True, True, True], [True, True, True, True, True]])
+    cols = torch.tensor([[2, 3], [4, 4]])  # row 0: two new tokens at 2 and 3; row 1: one at 4 (and padding)
+    mask = chunk_mask(columns, cols)
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0].int().tolist() == [[0, 1, 1, 0, 0], [0, 1, 1, 1, 0]]
+    assert mask[1, 0].int().tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    context = torch.zeros(2, 8, dtype=torch.bool)
+    mark_seen(context, torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([1, 0]), torch.tensor([3, 1]))
+    assert context.nonzero().tolist() == [[0, 2], [0, 3], [1, 4]]
