@@ -140,3 +140,27 @@ def test_the_registered_verdicts(g):
 def test_hodges_lehmann_is_the_median_of_walsh_averages(g):
     assert g.hodges_lehmann([1.0, 2.0, 3.0]) == 2.0
     assert g.hodges_lehmann([-1.0, 0.5, 0.5]) == pytest.approx(0.125)  # Walsh: -1, -0.25, -0.25, 0.5, 0.5, 0.5
+
+
+def test_kept_runs_count_as_done_and_feed_the_gate(g, tmp_path):
+    queue = json.loads(g.QUEUE.read_text())
+    gate_runs = next(p for p in queue["phases"] if p["phase"] == "gate")["runs"]
+    assert all(g.kept(r["dir"]).is_dir() for r in gate_runs)  # the gate's two runs are in the repository
+    moved = {"phases": [{**p, "runs": [{**r, "dir": str(tmp_path / Path(r["dir"]).parent.name / Path(r["dir"]).name)}
+                                        for r in p["runs"]]} for p in queue["phases"]]}
+    states = {p["phase"]: {r["state"] for r in p["runs"]} for p in g.refresh(moved)["phases"]}
+    assert states["gate"] == {"done"} and states["primary"] <= {"done", "pending"}  # no folder on this machine
+    assert all(g.gate(g.run_rows(r["dir"]))["passed"] for r in moved["phases"][1]["runs"])
+    run = tmp_path / "study_g_gate" / "dapo__x__K4__seed7"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run / "checkpoints").mkdir()
+    out = g.keep(run)
+    try:
+        assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl.gz", "summary.json"]
+        assert g.read_rows(out) == [{"step": 0}]
+    finally:
+        import shutil
+
+        shutil.rmtree(out)

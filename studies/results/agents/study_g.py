@@ -10,6 +10,8 @@
 
     python studies/results/agents/study_g.py status                # each phase's runs: done / started / pending
     python studies/results/agents/study_g.py save                  # write the states into the queue file
+    python studies/results/agents/study_g.py keep                  # copy finished runs' data into the repository
+    python studies/results/agents/study_g.py restore               # put kept runs back where `compare` skips them
     python studies/results/agents/study_g.py next                  # the command of the first unfinished phase
     python studies/results/agents/study_g.py gate RUN_DIR ...      # the gate's verdict per run (metrics.jsonl)
     python studies/results/agents/study_g.py t90 RUN_DIR ...       # T90 per run
@@ -221,15 +223,51 @@ def build_queue() -> dict:
     return {"phases": out}
 
 
+KEPT_FILES = ("config.yaml", "meta.json", "summary.json", "study.json")
+GZIPPED_FILES = ("metrics.jsonl", "samples.jsonl")
+
+
+def kept(run_dir: str | Path) -> Path:
+    """Where the repository keeps a run's data: ``HERE/<its phase folder>/<its run folder>`` (e.g.
+    ``study_g_gate/dapo__wordmath_calc__K4__seed100``), as stage F's runs are kept."""
+    d = Path(run_dir)
+    return HERE / d.parent.name / d.name
+
+
+def keep(run_dir: Path) -> Path:
+    """Copy a finished run's data into the repository (`kept`): its config, meta, summary and study record,
+    its metrics and samples gzipped; not its checkpoints."""
+    import gzip
+    import shutil
+
+    out = kept(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in KEPT_FILES:
+        if (run_dir / name).exists():
+            shutil.copy2(run_dir / name, out / name)
+    for name in GZIPPED_FILES:
+        if (run_dir / name).exists():
+            with open(run_dir / name, "rb") as src, gzip.open(out / f"{name}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return out
+
+
+def run_rows(run_dir: str | Path) -> list[dict]:
+    """A run's metrics rows, from its folder where this machine has it, else from the repository's copy."""
+    d = Path(run_dir)
+    return read_rows(d if d.exists() else kept(d))
+
+
 def refresh(queue: dict) -> dict:
-    """`queue` with each run's state read off its folder: ``done`` (finished), ``started`` (a folder, not finished:
-    the phase's command resumes it) or ``pending``."""
+    """`queue` with each run's state read off its folder: ``done`` (finished here, or kept in the repository by an
+    earlier session), ``started`` (a folder, not finished: the phase's command resumes it) or ``pending``."""
     from cispo.records.runfolder import is_finished
 
     for p in queue["phases"]:
         for r in p["runs"]:
             d = Path(r["dir"])
-            r["state"] = "done" if d.exists() and is_finished(d) else "started" if d.exists() else "pending"
+            done = (d.exists() and is_finished(d)) or (p["phase"] != "precheck" and is_finished(kept(d)))
+            r["state"] = "done" if done else "started" if d.exists() else "pending"
     return queue
 
 
@@ -239,7 +277,7 @@ def next_step(queue: dict, verdicts: list[dict] | None = None) -> str:
     for p in queue["phases"]:
         if p["phase"] in ("primary", "secondary"):
             gate_runs = next(q for q in queue["phases"] if q["phase"] == "gate")["runs"]
-            found = verdicts if verdicts is not None else [gate(read_rows(Path(r["dir"]))) for r in gate_runs]
+            found = verdicts if verdicts is not None else [gate(run_rows(r["dir"])) for r in gate_runs]
             if not all(v["passed"] for v in found):
                 return "the gate failed: no comparison runs (amendment 6); report the gate's numbers"
         if any(r["state"] != "done" for r in p["runs"]):
@@ -260,11 +298,25 @@ def main(argv: list[str]) -> int:
             states = [r["state"] for r in p["runs"]]
             print(f"{p['phase']}: " + ", ".join(f"{states.count(s)} {s}" for s in ("done", "started", "pending")))
         return 0
+    if cmd in ("keep", "restore"):
+        import shutil
+
+        from cispo.records.runfolder import is_finished
+
+        for p in json.loads(QUEUE.read_text())["phases"][1:]:
+            for r in p["runs"]:
+                d = Path(r["dir"])
+                if cmd == "keep" and d.exists() and is_finished(d):
+                    print(keep(d))
+                elif cmd == "restore" and not d.exists() and is_finished(kept(d)):
+                    shutil.copytree(kept(d), d)
+                    print(d)
+        return 0
     if cmd == "report":
         sys.path.insert(0, str(HERE.parents[2]))  # the repository root: `studies` is not installed
-        folders = [Path(r["dir"]).parent for p in json.loads(QUEUE.read_text())["phases"]
-                   if p["phase"] in ("primary", "secondary") for r in p["runs"][:1]]
-        print(json.dumps(decide(finished_t90s(folders)), indent=1))
+        folders = [kept(p["runs"][0]["dir"]).parent for p in json.loads(QUEUE.read_text())["phases"]
+                   if p["phase"] in ("primary", "secondary")]  # the kept runs (`keep` first)
+        print(json.dumps(decide(finished_t90s([f for f in folders if f.exists()])), indent=1))
         return 0
     if cmd == "precheck":
         sft, text = Path(args[0]), Path(args[1]).read_text()
