@@ -414,7 +414,7 @@ class AgentEnv(Env):
         if request.prompt is not None:  # a text completion: the text as sampled, special tokens spelled out
             text = self.tokenizer.decode(body_ids)
         whole = text
-        if self.pause_reason == "stop":
+        if self.pause_reason == "stop" and not request.include_stop:
             text = text[: min((text.find(s) for s in request.stop if s in text), default=len(text))]
         if request.prompt is not None:
             self.pause_reason, self.held = None, whole[len(text):]

@@ -12,6 +12,10 @@ request of a session that has ended (or never was) gets 410; a malformed one 400
 ``{"error": {"message", "type", "code"}}``. ``GET /v1/models`` lists the one model, ``policy``.
 ``/v1/completions`` takes a text ``prompt`` (one string; tokenized as it is, special tokens' spellings read as
 those tokens), with ``max_tokens`` and ``stop``; ``echo``, ``suffix`` and ``best_of`` > 1 are refused.
+``include_stop_str_in_output`` (vLLM's field, either path) keeps the stop string in the answer, and what the
+token that completed it wrote past it (``</calc>.``: a token may run on past the string): the text as sampled,
+so that a next prompt that appends to it extends the row token for token (without it, a token that ran on leaves
+the answer's text short of the row's, and a prompt that re-sends the stop string is a rewritten history).
 
 What a request may ask (`read_request`): ``messages`` (text content, or lists of ``{"type": "text"}`` parts),
 ``tools`` (function tools), ``tool_choice`` ``auto`` or ``none`` (``required`` and a named function are
@@ -58,7 +62,8 @@ class ChatRequest:
     """One request, as read (`read_request`): the ``messages`` (contents as text), the ``tools`` (OpenAI's
     function-tool dicts, [] for none), whether calls are read from the reply (``tool_choice`` not ``none``),
     the most tokens (None: the response's budget) and the stop strings; a ``/v1/completions`` request has its
-    text ``prompt`` instead of messages (None for a chat request)."""
+    text ``prompt`` instead of messages (None for a chat request); ``include_stop``: the answer keeps the stop
+    string and what its last token wrote past it (vLLM's ``include_stop_str_in_output``)."""
 
     messages: list[dict]
     tools: list[dict]
@@ -66,6 +71,7 @@ class ChatRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     prompt: str | None = None
+    include_stop: bool = False
 
 
 def _text(content) -> str:
@@ -129,7 +135,7 @@ def read_request(body: dict, completions: bool = False) -> ChatRequest:
             raise RequestError(400, "prompt: one non-empty string is required")
         if body.get("echo") or body.get("suffix"):
             raise RequestError(400, "echo and suffix are not supported")
-        return ChatRequest([], [], False, *_limits(body), prompt=prompt)
+        return ChatRequest([], [], False, *_limits(body), prompt=prompt, include_stop=_include_stop(body))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: a non-empty list is required")
@@ -142,7 +148,15 @@ def read_request(body: dict, completions: bool = False) -> ChatRequest:
         raise RequestError(400, f"tool_choice={choice!r} is not supported: only 'auto' and 'none' (nothing "
                                 f"constrains what the policy writes)")
     return ChatRequest([normal_message(m, i) for i, m in enumerate(messages)], list(tools), choice != "none",
-                       *_limits(body))
+                       *_limits(body), include_stop=_include_stop(body))
+
+
+def _include_stop(body: dict) -> bool:
+    """A body's ``include_stop_str_in_output`` (vLLM's field; default false), checked."""
+    include = body.get("include_stop_str_in_output", False)
+    if not isinstance(include, bool):
+        raise RequestError(400, f"include_stop_str_in_output must be true or false, got {include!r}")
+    return include
 
 
 def _limits(body: dict) -> tuple[int | None, tuple[str, ...]]:

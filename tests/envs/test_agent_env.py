@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import string
+import urllib.error
 import urllib.request
 
 import pytest
@@ -301,5 +302,42 @@ def test_a_text_completion_goes_on_in_the_row_past_its_stop_string(tok):
         end, = episodes.respond([0], [tok.encode("5") + [tok.eos_token_id]], [True])
         assert end is None and seen[1]["choices"][0] == {**seen[1]["choices"][0], "text": "5", "finish_reason": "stop"}
         assert episodes.record(0)["agent"]["reward"] == 1.0
+    finally:
+        family.close()
+
+
+def test_include_stop_str_in_output_answers_the_text_as_sampled(tok):
+    """vLLM's ``include_stop_str_in_output``: the answer keeps the stop string and what its last token wrote past
+    it, so a next prompt that appends to the answer feeds only what it adds; a value that is no bool is a 400."""
+    seen = []
+
+    def post(base_url, api_key, body):
+        req = urllib.request.Request(base_url + "/completions", json.dumps(body).encode(),
+                                     {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return {"status": e.code}
+
+    def react(sample, base_url, api_key):
+        seen.append(post(base_url, api_key, {"prompt": "Q\n", "stop": ["Obs"], "include_stop_str_in_output": 1}))
+        prompt = "Q\n"
+        for _ in range(2):
+            body = {"prompt": prompt, "stop": ["Obs"], "include_stop_str_in_output": True}
+            seen.append(post(base_url, api_key, body))
+            prompt += seen[-1]["choices"][0]["text"] + " 5\n"
+        return 1.0
+
+    family = AgentEnvironments(react, tok, max_turns=2, timeout_s=10)
+    try:
+        episodes = family.start([{"prompt": "q"}])
+        segment = tok.encode("calc Obs:")
+        assert episodes.pauses(0, segment)
+        obs, = episodes.respond([0], [segment], [False])
+        assert seen[0] == {"status": 400} and seen[1]["choices"][0]["text"] == "calc Obs:"
+        assert tok.decode(obs) == " 5\n"
+        end, = episodes.respond([0], [tok.encode("5") + [tok.eos_token_id]], [True])
+        assert end is None and episodes.record(0)["agent"] == {**episodes.record(0)["agent"], "rewritten": 0}
     finally:
         family.close()
