@@ -41,6 +41,7 @@ ON_A_CPU = {  # example -> what its CPU run swaps besides TINY ({smollm2}, {gsm8
     "smollm2-wordmath-calc.yaml": ("model.path={smollm2}",),
     "calculator_sft.yaml": ("model.path={smollm2}",),
     "calculator_rl.yaml": ("model.path={smollm2}",),  # cispo sft's final/ is such a folder (tests/training/test_sft.py)
+    "smollm2-wordmath-calc-agent.yaml": ("model.path={smollm2}",),
     "guess_sft.yaml": ("model.path={smollm2}",),
     "guess_rl.yaml": ("model.path={smollm2}",),
     "qwen05b-gsm8k.yaml": ("model.path={smollm2}", "data.path={gsm8k}", "data.eval_path={gsm8k}",
@@ -54,6 +55,8 @@ NOT_ON_A_CPU = {
     "qwen7b-dapo-math-8gpu-vllm.yaml": "vLLM colocated on 8 GPUs under torchrun; tests/test_gpu_recipe.py runs "
                                        "this file under torchrun on a CPU with a stand-in vLLM engine",
 }
+NEEDS = {"smollm2-wordmath-calc-agent.yaml": "openai"}
+"""Examples whose program needs a package the tests may lack (skipped without it)."""
 REAL_SMOLLM2 = ("smollm2-wordmath.yaml", "smollm2-wordmath-calc.yaml")
 
 
@@ -102,6 +105,8 @@ def test_every_example_trains_one_tiny_step(name, stand_ins, tmp_path):
     if name in NOT_ON_A_CPU:
         apply_overrides(load_yaml(TrainConfig, REPO / "examples" / name), list(TINY))  # loads, at least
         pytest.skip(f"examples/{name}: {NOT_ON_A_CPU[name]}")
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
     swaps = [o.format(**stand_ins) for o in ON_A_CPU.get(name, ())]
     if example_command(name) == "sft":
         rows = sft_tiny(REPO / "examples" / name, tmp_path, *swaps)
