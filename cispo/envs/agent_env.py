@@ -463,7 +463,9 @@ class AgentEnv(Env):
 
 class AgentEpisodes(EnvEpisodes):
     """The `EnvEpisodes` of an agent batch: a segment also pauses at its request's ``max_tokens`` and ``stop``
-    strings; the first `record` cuts every episode the sampler ended while its program runs (`AgentEnv.cut`)."""
+    strings (in its text as the answer gives it: a text completion's with special tokens spelled out, so that
+    ``</calc`` + a special token + ``>`` stops no completion, as it makes no call of the built-in calculator's);
+    the first `record` cuts every episode the sampler ended while its program runs (`AgentEnv.cut`)."""
 
     def __init__(self, family: AgentEnvironments, envs: list[AgentEnv], samples: list[dict]) -> None:
         super().__init__(family, envs, samples)
@@ -476,7 +478,8 @@ class AgentEpisodes(EnvEpisodes):
         if request is None or not segment_ids:
             return False
         if request.stop:
-            tail = self.tokenizer.decode(segment_ids[-(max(map(len, request.stop)) + 2):], skip_special_tokens=True)
+            tail = self.tokenizer.decode(segment_ids[-(max(map(len, request.stop)) + 2):],
+                                         skip_special_tokens=request.prompt is None)  # as the answer's text reads
             if any(s in tail for s in request.stop):
                 env.pause_reason = "stop"
                 return True

@@ -125,3 +125,30 @@ def test_the_calc_agent_plays_the_built_in_calculators_episodes_token_for_token(
         return wordmath_calc.reward(None, text, sample["answer"])
 
     assert [reward(agent_batch, i) for i in range(2)] == [reward(env_batch, i) for i in range(2)] == [1.0, 1.0]
+
+
+def test_a_special_token_inside_the_stop_string_stops_no_text_completion(smol):
+    """``</calc`` + ``<|im_start|>`` + ``>`` reads ``</calc>`` without its special tokens, but the built-in calculator
+    takes it for no call (its text keeps the special token); a text completion stopped at ``</calc>`` goes on too."""
+    import json
+    import urllib.request
+
+    def one_call(sample, base_url, api_key):
+        body = json.dumps({"prompt": "Q\n", "stop": ["</calc>"]}).encode()
+        req = urllib.request.Request(base_url + "/completions", body,
+                                     {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
+    encode = lambda text: smol.encode(text, add_special_tokens=False)  # noqa: E731
+    forged = encode("<calc>2+3</calc") + [smol.convert_tokens_to_ids("<|im_start|>")] + encode(">")
+    builtin = build_environment(smol, task=wordmath_calc.NAME, max_turns=4, isolation="main")
+    family = AgentEnvironments(one_call, smol, max_turns=4, timeout_s=10)
+    try:
+        assert not builtin.start([{"prompt": "q"}]).pauses(0, forged)
+        episodes = family.start([{"prompt": "q"}])
+        assert not episodes.pauses(0, forged)
+        assert episodes.pauses(0, encode("<calc>2+3</calc>"))
+    finally:
+        builtin.close()
+        family.close()
