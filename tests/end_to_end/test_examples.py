@@ -115,6 +115,23 @@ def test_every_example_trains_one_tiny_step(name, stand_ins, tmp_path):
     assert_trained_one_step(train_tiny(REPO / "examples" / name, tmp_path, *swaps))
 
 
+def test_the_calc_agent_example_trains_as_the_built_in_calculator(stand_ins, tmp_path):
+    """examples/smollm2-wordmath-calc-agent.yaml (the calculator as an agent program) and calculator_rl.yaml (the
+    built-in environment) give the same metrics, step for step (timings aside), on the tiny stand-in at temperature
+    0.7: the same prompts, sampled tokens, rewards and updates. (A random model writes no call: the calls
+    themselves are tests/envs/test_calc_agent.py's.)"""
+    pytest.importorskip("openai")
+    swaps = (f"model.path={stand_ins['smollm2']}", "steps=2", "rollout.max_new_tokens=24")
+    env = train_tiny(REPO / "examples" / "calculator_rl.yaml", tmp_path / "env", *swaps)
+    agent = train_tiny(REPO / "examples" / "smollm2-wordmath-calc-agent.yaml", tmp_path / "agent", *swaps)
+
+    def kept(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+    assert max(r["step"] for r in env) == 2 and any("rollout/reward_mean" in r for r in env)
+    assert kept(agent) == kept(env)
+
+
 @pytest.fixture(scope="module")
 def real_model_cache(tmp_path_factory) -> Path:
     """One cache for both runs: the GGUF is converted once."""
