@@ -1,5 +1,5 @@
 """The ReAct agent of examples/react_agent.py as a program of its own, trained as a command
-(docs/agents.md, "A program as a command"): any language works the same way.
+(docs/agents.md, "A program as a command"): the same loop, started as a process; any language works the same way.
 
     pip install openai
     cispo train model.path=builtin:smollm2-135m data.task=wordmath_calc data.tools=[] \
@@ -11,29 +11,12 @@ so the task's reward scores the transcript; print a number last to reward the ep
 """
 
 import json
+import os
 import sys
+from pathlib import Path
 
-import openai
-
-from cispo.envs.tools import calculator  # any tool of your own does as well
-
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression exactly.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
-SYSTEM = "Solve the problem step by step. Use the calculator for arithmetic. End with 'The answer is N.'"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from react_agent import run  # noqa: E402  (the same loop: only how it is started differs)
 
 if __name__ == "__main__":
-    sample = json.load(sys.stdin)
-    client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY come from the trainer
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": sample["prompt"]}]
-    for _ in range(4):  # think -> act -> observe, at most four times
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message
-        messages.append(reply)
-        if not reply.tool_calls:
-            break
-        for call in reply.tool_calls:
-            try:
-                result = calculator(**json.loads(call.function.arguments))
-            except Exception as e:  # the policy is shown its mistake, as a tool environment would
-                result = f"error: {e}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    run(json.load(sys.stdin), os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"])
