@@ -1,4 +1,4 @@
-"""Agent observations prefilled in one forward (issue 60 item 5): the sampling phase of the calculator example
+"""Agent observations prefilled in one forward: the sampling phase of the calculator example
 (``examples/smollm2-wordmath-calc.yaml``: 4 prompts x G = 8, 128 tokens, temperature 0.7, up to 4 calculator
 calls) with ``rollout.prefill_observations`` on (a row's observation runs through its KV cache in one forward)
 against off (fed one token per decode step), interleaved in one process, medians and ratios.

@@ -366,7 +366,7 @@ class AgentEnv(Env):
             return
         self._thread.join(self.family.timeout_s if deadline is None else max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive() and self._process is not None:  # a command past its time: killed, its end read
-            self._process.kill()
+            self._stop_process()
             self._thread.join(_REAP_S)
         while True:
             try:
